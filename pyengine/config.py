@@ -1,0 +1,151 @@
+"""Engine configuration: ``EngineArgs`` (what a user passes) resolved into a frozen
+``EngineConfig`` (what the engine reads). Mirrors vllm/engine/arg_utils.py + vllm/config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger("pyengine")
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+# Built-in default model shipped inside the package (see tools/train_default_model.py).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+# KV cache size on CPU when neither num_gpu_blocks_override nor kv_cache_memory_bytes is set.
+CPU_DEFAULT_KV_BYTES = 256 << 20
+
+
+def env_async_scheduling_allowed() -> bool:
+    """``VENGINE_ASYNC_SCHED=0`` turns async scheduling off process-wide (rollback switch)."""
+    return os.environ.get("VENGINE_ASYNC_SCHED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class EngineArgs:
+    """Engine arguments with vLLM's names. ``EngineArgs.create_engine_config()`` validates
+    them and raises ``ValueError`` naming the bad field."""
+    model: Optional[str] = None  # None: the built-in default model
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    block_size: int = 16
+    num_gpu_blocks_override: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    async_scheduling: Optional[bool] = None  # None: on where compatible
+    enforce_eager: bool = False
+    attention_backend: Optional[str] = None  # None: "triton" on CUDA, "torch" on CPU
+    served_model_name: Optional[str] = None
+
+    def create_engine_config(self) -> "EngineConfig":
+        return EngineConfig.from_args(self)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resolved, validated configuration. Built by ``EngineArgs.create_engine_config``."""
+    model: str
+    tokenizer: str
+    served_model_name: str
+    hf_config: object  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_gpu_blocks_override: Optional[int]
+    kv_cache_memory_bytes: Optional[int]
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    scheduling_policy: str
+    seed: int
+    async_scheduling: bool
+    enforce_eager: bool
+    attention_backend: str
+
+    @classmethod
+    def from_args(cls, a: EngineArgs) -> "EngineConfig":
+        from transformers import AutoConfig
+
+        model = a.model or str(DEFAULT_MODEL_DIR)
+        if not Path(model).is_dir() or not (Path(model) / "config.json").is_file():
+            raise ValueError(f"model must be a Hugging Face model directory with a config.json; "
+                             f"{model!r} is not one.")
+        if a.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"Unknown scheduling_policy {a.scheduling_policy!r}; "
+                             f"valid policies: {', '.join(SCHEDULING_POLICIES)}.")
+        if a.device not in DEVICES:
+            raise ValueError(f"Unknown device {a.device!r}; valid devices: {', '.join(DEVICES)}.")
+        if a.dtype not in DTYPES:
+            raise ValueError(f"Unknown dtype {a.dtype!r}; valid dtypes: {', '.join(DTYPES)}.")
+        for name in ("max_num_seqs", "block_size"):
+            if not isinstance(getattr(a, name), int) or getattr(a, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(a, name)!r}.")
+        if a.num_gpu_blocks_override is not None and a.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {a.num_gpu_blocks_override}.")
+        if not 0.0 < a.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {a.gpu_memory_utilization}.")
+        if a.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available.")
+        device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+                              else "cpu")
+        hf_config = AutoConfig.from_pretrained(model)
+        dtype = DTYPES[a.dtype]
+        if dtype is None:
+            cfg_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+            if isinstance(cfg_dtype, str):
+                cfg_dtype = DTYPES.get(cfg_dtype)
+            dtype = cfg_dtype if cfg_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+            if device.type == "cpu" and dtype == torch.float16:
+                dtype = torch.float32  # fp16 matmuls on CPU are slow and imprecise
+        derived_len = getattr(hf_config, "max_position_embeddings", 2048)
+        max_model_len = a.max_model_len or derived_len
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
+        max_num_batched_tokens = a.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 8192 if a.enable_chunked_prefill else max(max_model_len, 8192)
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}.")
+        if not a.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError("max_num_batched_tokens must be >= max_model_len when chunked prefill is off.")
+        async_sched = a.async_scheduling
+        if async_sched is None:
+            async_sched = env_async_scheduling_allowed()
+        elif async_sched and not env_async_scheduling_allowed():
+            async_sched = False
+        backend = a.attention_backend or ("triton" if device.type == "cuda" else "torch")
+        return cls(
+            model=model, tokenizer=a.tokenizer or model,
+            served_model_name=a.served_model_name or model.rstrip("/").split("/")[-1],
+            hf_config=hf_config, dtype=dtype, device=device, max_model_len=max_model_len,
+            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
+            kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            enable_prefix_caching=a.enable_prefix_caching,
+            enable_chunked_prefill=a.enable_chunked_prefill,
+            scheduling_policy=a.scheduling_policy, seed=a.seed, async_scheduling=async_sched,
+            enforce_eager=a.enforce_eager or device.type != "cuda", attention_backend=backend)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

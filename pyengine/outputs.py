@@ -1,0 +1,58 @@
+"""User-facing request outputs (mirrors vllm/outputs.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Logprob:
+    """Log probability of one token; ``rank`` is 1 for the most likely token."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token and the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request.
+
+    ``finish_reason`` is None while running, else ``"stop"``, ``"length"`` or ``"abort"``;
+    ``stop_reason`` is the stop string or stop token id that ended it (None for EOS).
+    """
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[SampleLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps in seconds from ``time.monotonic()``."""
+    arrival_time: float
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    """The output of one request as seen by a reader at one point of its stream."""
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: Optional[RequestMetrics] = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list] = field(default=None, repr=False)
