@@ -1,0 +1,54 @@
+"""RMSNorm (mirrors vllm/model_executor/layers/layernorm.py).
+
+The ops are plain module-level functions so a kernels module can swap in fused CUDA/triton
+versions without touching the models.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = weight * (x / sqrt(mean(x^2) + eps)).
+
+    x: [..., hidden] any float dtype; weight: [hidden]. Statistics are computed in float32
+    and the normalized value is cast back to x.dtype *before* the weight multiply, exactly as
+    HF's LlamaRMSNorm does, so low-precision results match transformers bit for bit.
+    Returns a tensor shaped and typed like x.
+    """
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual'), residual').
+
+    x, residual: [..., hidden], same dtype; weight: [hidden]. The sum is kept in x.dtype
+    (HF adds the residual in model dtype too). Pure function: inputs are not modified; a
+    kernel version may update in place, so callers must not reuse x/residual afterwards.
+    """
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim. ``forward(x)`` -> normed x; ``forward(x, residual)`` ->
+    (normed(x + residual), x + residual) (the fused residual-add variant used between
+    decoder layers, as in vLLM)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

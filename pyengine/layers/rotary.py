@@ -1,0 +1,102 @@
+"""Rotary position embedding with a precomputed cos/sin cache (mirrors
+vllm/model_executor/layers/rotary_embedding.py, neox style = HF Llama/Qwen ``rotate_half``).
+
+Supported ``rope_type``: ``default``, ``linear``, ``llama3``. The RoPE parameters are read
+from ``hf_config.rope_parameters`` (transformers >= 5) or ``rope_theta`` +
+``rope_scaling`` (older configs).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def get_rope_params(hf_config) -> dict:
+    """Merged RoPE parameter dict with at least ``rope_type`` and ``rope_theta``."""
+    params: dict = {}
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        params.update(scaling)
+    rp = getattr(hf_config, "rope_parameters", None)
+    if isinstance(rp, dict):
+        params.update(rp)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def compute_inv_freq(head_dim: int, params: dict, max_position_embeddings: int) -> torch.Tensor:
+    """Inverse frequencies, float32 [head_dim // 2], as transformers' ROPE_INIT_FUNCTIONS.
+
+    Raises ValueError for an unsupported rope_type or partial rotary factor.
+    """
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported.")
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        factor = float(params["factor"])
+        low_ff = float(params["low_freq_factor"])
+        high_ff = float(params["high_freq_factor"])
+        old_len = float(params.get("original_max_position_embeddings") or max_position_embeddings)
+        low_wl, high_wl = old_len / low_ff, old_len / high_ff
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wl, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE on q and k.
+
+    q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]; positions: int64 [T];
+    cos_sin_cache: [max_positions, head_dim] = cat(cos, sin) over the head_dim/2
+    frequencies, in the model dtype. Returns new (q, k), same shapes/dtypes.
+    """
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)  # [T, 1, D]
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+    return _rope(q, cos, sin), _rope(k, cos, sin)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds ``cos_sin_cache`` [max_position_embeddings, head_dim] (non-persistent buffer).
+
+    cos/sin are computed in float32 then cast to ``dtype`` (HF casts them to the activation
+    dtype the same way). ``forward(positions [T], q [T,H,D], k [T,Hkv,D]) -> (q, k)``.
+    Positions >= max_position_embeddings are out of range (index error on CPU).
+    """
+
+    def __init__(self, head_dim: int, max_position_embeddings: int, rope_params: dict,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = compute_inv_freq(head_dim, rope_params, max_position_embeddings)
+        t = torch.arange(max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cache.to(dtype or torch.get_default_dtype()),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return apply_rotary(q, k, positions, self.cos_sin_cache)

@@ -1,0 +1,182 @@
+"""Llama-family decoder (mirrors vllm/model_executor/models/llama.py): Llama 2/3,
+Mistral-style checkpoints, and the base that Qwen2 (qkv bias) and Qwen3 (per-head q/k
+RMSNorm) specialise.
+
+Checkpoint names follow HF (``model.layers.N.self_attn.q_proj.weight`` ...); q/k/v load
+into ``qkv_proj`` and gate/up into ``gate_up_proj`` via ``packed_modules_mapping``.
+The forward has no host syncs and no data-dependent Python branches of its own; every
+per-step input is in ``attn_metadata`` (whether the *attention backend* syncs is the
+backend's business).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pyengine.attention.backend import AttentionBackend, AttentionMetadata
+from pyengine.layers.activation import silu_and_mul
+from pyengine.layers.embedding import LMHead, VocabEmbedding
+from pyengine.layers.layernorm import RMSNorm
+from pyengine.layers.linear import Linear, MergedLinear, QKVLinear
+from pyengine.layers.rotary import RotaryEmbedding, get_rope_params
+
+
+def config_head_dim(hf_config) -> int:
+    """``head_dim`` from the config when set, else hidden_size // num_attention_heads."""
+    hd = getattr(hf_config, "head_dim", None)
+    return int(hd) if hd else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    """qkv_proj -> (optional per-head q/k RMSNorm) -> RoPE -> backend attention -> o_proj.
+
+    ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) is a plain attribute set by
+    ``bind_kv_caches``; None until then.
+    """
+
+    def __init__(self, hf_config, attn_backend: AttentionBackend, rotary: RotaryEmbedding,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = config_head_dim(hf_config)
+        self.qkv_proj = QKVLinear(hf_config.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hf_config.hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        # Shared objects, kept out of the module tree so they are not (re)registered per layer.
+        self.__dict__["rotary"] = rotary
+        self.__dict__["attn"] = attn_backend
+        self.kv_cache: Optional[torch.Tensor] = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn.forward(q, k, v, self.kv_cache, meta)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate/up fused into ``gate_up_proj`` (shards 0, 1)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 hidden_act: str = "silu"):
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"Unsupported hidden_act {hidden_act!r}; only 'silu' is supported.")
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, (0, 1), bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm):
+        super().__init__()
+        self.self_attn = DecoderAttention(hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm)
+        self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
+                            bias=bool(getattr(hf_config, "mlp_bias", False)),
+                            hidden_act=getattr(hf_config, "hidden_act", "silu"))
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta):
+        # residual carries the pre-norm stream; the fused add+norm saves one pass per layer.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, hf_config, attn_backend, qkv_bias, o_bias, qk_norm):
+        super().__init__()
+        head_dim = config_head_dim(hf_config)
+        self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings,
+                                          get_rope_params(hf_config))
+        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, attn_backend, self.rotary_emb, qkv_bias, o_bias, qk_norm)
+            for _ in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral causal LM.
+
+    ``Model(hf_config, attn_backend)``; ``forward(input_ids int64 [T], positions int64 [T],
+    attn_metadata) -> hidden [T, hidden_size]`` (model dtype);
+    ``compute_logits(hidden [N, hidden_size]) -> float32 [N, vocab_size]``;
+    ``bind_kv_caches(list of [2, num_blocks, block_size, Hkv, D], one per layer)``.
+    Parameters are created uninitialized: use ``pyengine.models.loader.load_model``.
+    """
+
+    # checkpoint module name -> (fused module name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # Subclass knobs.
+    qk_norm: bool = False
+
+    def qkv_bias(self, hf_config) -> bool:
+        return bool(getattr(hf_config, "attention_bias", False))
+
+    def o_bias(self, hf_config) -> bool:
+        return bool(getattr(hf_config, "attention_bias", False))
+
+    def __init__(self, hf_config, attn_backend: AttentionBackend):
+        super().__init__()
+        self.config = hf_config
+        self.model = DecoderModel(hf_config, attn_backend, self.qkv_bias(hf_config),
+                                  self.o_bias(hf_config), self.qk_norm)
+        tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size,
+                              tie_to=self.model.embed_tokens if tie else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Raises ValueError unless there is exactly one cache per layer."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"expected {len(self.model.layers)} KV caches (one per layer), got {len(kv_caches)}")
+        for layer, cache in zip(self.model.layers, kv_caches):
+            layer.self_attn.kv_cache = cache
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral checkpoints in HF format share Llama's layout (sliding window not applied)."""

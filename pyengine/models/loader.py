@@ -1,0 +1,137 @@
+"""Build a model and fill it from HF safetensors (mirrors
+vllm/model_executor/model_loader/default_loader.py + weight_utils.py).
+
+Checkpoint tensors are mapped onto the model's parameters: names of packed modules
+(q/k/v, gate/up; see ``Model.packed_modules_mapping``) load into their fused parameter's
+slice; ``lm_head.weight`` is skipped when embeddings are tied; names the model has no
+parameter for (e.g. ``rotary_emb.inv_freq``) are ignored. Any parameter (or fused shard)
+left unfilled is an error naming it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from pyengine.models.registry import get_model_cls
+
+logger = logging.getLogger("pyengine")
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint files of ``model_dir``: those named by ``model.safetensors.index.json``
+    when present, else every ``*.safetensors`` (``consolidated*`` files, Mistral's
+    non-HF duplicate, are dropped when other files exist).
+
+    Raises FileNotFoundError when there is none.
+    """
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [d / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"checkpoint shards listed in {index} are missing: {missing}")
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    hf_files = [f for f in files if not f.name.startswith("consolidated")]
+    files = hf_files or files
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {d}")
+    return files
+
+
+def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) for every tensor of every checkpoint file."""
+    from safetensors import safe_open
+
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -> None:
+    """Copy checkpoint ``weights`` (iterable of (name, tensor)) into ``model``.
+
+    Raises ValueError naming any parameter or fused shard the checkpoint did not provide,
+    or on a shape mismatch.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules_mapping", {})
+    loaded: dict[str, set] = {}
+    for name, tensor in weights:
+        if tie_word_embeddings and name.startswith("lm_head."):
+            continue  # lm_head shares the embedding parameter
+        target, shard = name, None
+        parts = name.split(".")
+        for i, p in enumerate(parts):
+            if p in packed:
+                fused, shard = packed[p]
+                target = ".".join(parts[:i] + [fused] + parts[i + 1:])
+                break
+        param = params.get(target)
+        if param is None:
+            logger.debug("ignoring checkpoint tensor %s", name)
+            continue
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if shard is None:
+                if loader is None:
+                    param.data.copy_(tensor)
+                else:
+                    loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
+        loaded.setdefault(target, set()).add(shard)
+    if tie_word_embeddings:
+        loaded.setdefault("lm_head.weight", set()).add(None)
+    missing = []
+    for pname, param in params.items():
+        got = loaded.get(pname)
+        if pname == "lm_head.weight" and tie_word_embeddings:
+            got = loaded.get("model.embed_tokens.weight")
+        if not got:
+            missing.append(pname)
+            continue
+        shard_ids = getattr(param, "shard_ids", None)
+        if shard_ids and None not in got:
+            missing += [f"{pname}[{s}]" for s in shard_ids if s not in got]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for: {', '.join(missing)}")
+
+
+def load_model(config, attn_backend) -> nn.Module:
+    """Build ``get_model_cls(config.hf_config)(config.hf_config, attn_backend)`` on
+    ``config.device`` in ``config.dtype`` and load every safetensors file of
+    ``config.model`` into it. Returns the model in eval mode.
+
+    Raises ValueError (unsupported architecture, missing weights, shape mismatch),
+    FileNotFoundError (no weights).
+    """
+    hf_config = config.hf_config
+    model_cls = get_model_cls(hf_config)
+    with _default_dtype(config.dtype), torch.device(config.device):
+        model = model_cls(hf_config, attn_backend)
+    tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+    with torch.no_grad():
+        load_weights(model, iterate_weights(config.model), tie_word_embeddings=tie)
+    return model.eval()

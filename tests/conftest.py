@@ -1,0 +1,54 @@
+"""Session fixtures: a locally trained tokenizer and tiny random HF models (llama, qwen2
+with tied embeddings, qwen3 saved sharded). Nothing is downloaded. Tests marked ``gpu``
+are skipped when CUDA is unavailable."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import build_tiny_model, build_tokenizer
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory, tokenizer_dir):
+    return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tokenizer_dir, seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory, tokenizer_dir):
+    # tied embeddings: no lm_head.weight in the checkpoint
+    return build_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2", tokenizer_dir, seed=2,
+                            tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory, tokenizer_dir):
+    # sharded checkpoint (model.safetensors.index.json + several files)
+    return build_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3", tokenizer_dir, seed=3,
+                            max_shard_size="60KB")
+
+
+@pytest.fixture(scope="session")
+def model_dirs(llama_dir, qwen2_dir, qwen3_dir):
+    return {"llama": llama_dir, "qwen2": qwen2_dir, "qwen3": qwen3_dir}

@@ -1,0 +1,214 @@
+"""Test helpers shared across suites: tiny HF model/tokenizer builders, the transformers
+greedy oracle, random prompts and hand-built AttentionMetadata. Nothing is downloaded."""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Stdlib modules whose sources make the tokenizer corpus (present in every CPython install).
+_CORPUS_MODULES = ["os", "collections/__init__", "functools", "typing", "argparse", "json/decoder",
+                   "json/encoder", "logging/__init__", "threading", "subprocess", "pathlib", "shutil",
+                   "tempfile", "random", "string", "textwrap", "dataclasses", "enum", "inspect"]
+_CORPUS_BYTES = 400_000
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def _corpus() -> list[str]:
+    root = Path(os.__file__).parent
+    texts, total = [], 0
+    for mod in _CORPUS_MODULES:
+        f = root / f"{mod}.py"
+        if not f.is_file():
+            continue
+        t = f.read_text(encoding="utf-8", errors="replace")
+        texts.append(t)
+        total += len(t)
+        if total >= _CORPUS_BYTES:
+            break
+    return texts
+
+
+def build_tokenizer(out_dir, vocab_size: int = 512) -> Path:
+    """Train a byte-level BPE tokenizer on stdlib sources and save it as a
+    PreTrainedTokenizerFast (bos ``<s>``, eos ``</s>``, pad ``<pad>``, ChatML-like
+    template). Deterministic for a given Python install. Returns ``out_dir``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                   pad_token=PAD, chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(str(out))
+    return out
+
+
+def _config_for(family: str, vocab_size: int, bos: int, eos: int, pad: int, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}.get(family)
+    if cls is None:
+        raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+    kw = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, intermediate_size=128,
+              max_position_embeddings=1024, initializer_range=0.15, rms_norm_eps=1e-6,
+              bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
+                     max_shard_size: Optional[str] = None, **config_overrides) -> Path:
+    """Save a seeded random float32 HF model of ``family`` ("llama" | "qwen2" | "qwen3")
+    with the tokenizer files and a generation_config (eos) into ``out_dir``.
+
+    Defaults: hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, intermediate 128,
+    vocab = tokenizer's, max_position_embeddings 1024, initializer_range 0.15; norm
+    weights and biases are perturbed too, so loading mistakes show up in the logits.
+    ``config_overrides`` go to the config class (e.g. tie_word_embeddings=True).
+    ``max_shard_size`` (e.g. "40KB") saves a sharded checkpoint. Returns ``out_dir``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    bos, eos, pad = tok.convert_tokens_to_ids([BOS, EOS, PAD])
+    cfg = _config_for(family, len(tok), bos, eos, pad, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos,
+                                                pad_token_id=pad, do_sample=False)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **kw)
+    tok.save_pretrained(str(out))
+    return out
+
+
+def load_hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def hf_logits(model_dir_or_model, token_ids: Sequence[int]) -> torch.Tensor:
+    """transformers' full-sequence forward: float32 logits [len(token_ids), vocab]."""
+    model = model_dir_or_model
+    if isinstance(model, (str, Path)):
+        model = load_hf_model(model)
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].float()
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+def hf_greedy(model_dir, prompts_token_ids: list[list[int]], max_new_tokens: int,
+              ignore_eos: bool = False) -> list[list[int]]:
+    """The correctness oracle: transformers' ``generate(do_sample=False)``, one prompt at a
+    time (no padding). Returns the generated ids per prompt (prompt excluded); unless
+    ``ignore_eos``, each stops after (and includes) the first EOS, as generate does."""
+    from transformers import GenerationConfig
+
+    model = load_hf_model(model_dir)
+    eos = _eos_ids(model)
+    # EOS is handled here rather than by generate so ignore_eos yields full-length outputs.
+    gcfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+                            min_new_tokens=0, eos_token_id=None,
+                            pad_token_id=model.generation_config.pad_token_id)
+    results = []
+    with torch.no_grad():
+        for ids in prompts_token_ids:
+            inp = torch.tensor([list(ids)])
+            out = model.generate(inp, attention_mask=torch.ones_like(inp), generation_config=gcfg)
+            new = out[0, len(ids):].tolist()
+            if not ignore_eos:
+                for i, t in enumerate(new):
+                    if t in eos:
+                        new = new[: i + 1]
+                        break
+            results.append(new)
+    return results
+
+
+def prompt_token_ids(tokenizer, n: int, min_len: int = 4, max_len: int = 32,
+                     seed: int = 0) -> list[list[int]]:
+    """``n`` random prompts of ordinary (non-special) token ids, lengths in
+    [min_len, max_len]; deterministic for a seed."""
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    return [[rng.choice(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def make_attn_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
+                       block_tables: Sequence[Sequence[int]], block_size: int,
+                       device="cpu", num_padded_tokens: int = 0):
+    """Hand-built AttentionMetadata for a batch: request i has ``query_lens[i]`` new
+    tokens at positions seq_lens[i]-query_lens[i] .. seq_lens[i]-1 and the blocks
+    ``block_tables[i]``. ``num_padded_tokens`` extra rows with slot -1 are appended.
+    Returns (metadata, positions int64 [T])."""
+    from pyengine.attention.backend import AttentionMetadata
+
+    num_reqs = len(query_lens)
+    max_blocks = max(len(b) for b in block_tables)
+    bt = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
+    for i, b in enumerate(block_tables):
+        bt[i, : len(b)] = torch.tensor(list(b), dtype=torch.int32)
+    qsl = [0]
+    positions, slots = [], []
+    for q, s, b in zip(query_lens, seq_lens, block_tables):
+        assert q <= s and (s + block_size - 1) // block_size <= len(b)
+        qsl.append(qsl[-1] + q)
+        for p in range(s - q, s):
+            positions.append(p)
+            slots.append(b[p // block_size] * block_size + p % block_size)
+    n_actual = len(positions)
+    positions += [0] * num_padded_tokens
+    slots += [-1] * num_padded_tokens
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    sl_t = torch.tensor(list(seq_lens), dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=n_actual, num_reqs=num_reqs, max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), query_start_loc=qsl_t.to(device), seq_lens=sl_t.to(device),
+        block_table=bt.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc_cpu=qsl_t, seq_lens_cpu=sl_t)
+    return meta, torch.tensor(positions, dtype=torch.int64, device=device)
+
+
+def new_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                  head_dim: int, dtype=torch.float32, device="cpu") -> list[torch.Tensor]:
+    """One zeroed [2, num_blocks, block_size, Hkv, D] cache per layer."""
+    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)]
