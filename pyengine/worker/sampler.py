@@ -1,0 +1,484 @@
+"""Token sampler: penalties, greedy/random sampling, top-k/top-p/min-p, logprobs.
+
+Mirrors ``vllm/v1/sample/sampler.py`` (with the pieces of ``vllm/v1/sample/metadata.py``,
+``vllm/v1/sample/ops/penalties.py`` and ``vllm/v1/sample/ops/topk_topp_sampler.py`` that it
+uses).
+
+Everything in :meth:`Sampler.__call__` runs on the logits' device with no host
+synchronisation: no ``.item()``, ``.tolist()``, ``.cpu()`` and no Python branch on a tensor
+value. The only branches are on host-side flags that :meth:`SamplingMetadata.build`
+computed from the Python ``SamplingParams`` (``all_greedy``, ``no_top_p``, ...), so a
+step whose requests need no penalties, seeds or filters pays for none of them.
+
+Order of operations, per row (as vLLM v1 by default):
+
+1. ``raw logprobs = log_softmax(logits)`` (only if some row asked for logprobs) -- the
+   logprobs reported to the user are those of the model, before any processing.
+2. ``min_tokens``: while a row has produced fewer than ``min_tokens`` tokens, its stop
+   token ids (``SamplingParams.all_stop_token_ids``, which include EOS) get ``-inf``.
+3. Penalties: repetition (prompt and output tokens), frequency and presence (output
+   tokens only).
+4. Greedy rows (``temperature < 1e-5``): argmax.
+5. Random rows: temperature, min-p, top-k, top-p, then one draw with the
+   exponential-race trick ``argmax(probs / q)``, ``q ~ Exp(1)``, which is an exact sample
+   from ``probs``. Rows that carry a ``torch.Generator`` (per-request seed) draw their
+   ``q`` from it, so a seeded request gives the same tokens whatever else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from pyengine.sampling_params import SamplingParams
+
+__all__ = [
+    "SamplingMetadata",
+    "SamplerOutput",
+    "Sampler",
+    "apply_min_tokens",
+    "apply_penalties",
+    "apply_temperature",
+    "apply_min_p",
+    "apply_top_k_top_p",
+    "random_sample",
+    "compute_logprobs",
+    "gather_logprobs",
+]
+
+# Same threshold as SamplingParams.sampling_type_greedy.
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs for a batch of ``B`` rows over a vocabulary of ``V``.
+
+    Mirrors ``vllm/v1/sample/metadata.py``. Build it with :meth:`build`. All tensors live
+    on ``device``; the flags and ints are host-side values computed from the Python
+    parameters, and they are the only things the sampler branches on.
+
+    Attributes:
+        temperature: float32 [B]; the request's temperature (0 for greedy rows).
+        top_p: float32 [B] in (0, 1], or None when ``no_top_p``.
+        top_k: int64 [B], ``V`` for rows without top-k, or None when ``no_top_k``.
+        min_p: float32 [B] in [0, 1], or None when ``no_min_p``.
+        generators: row index -> ``torch.Generator`` (on ``device``) for seeded *random*
+            rows; greedy rows never consume randomness.
+        all_greedy / all_random: every row greedy / every row random.
+        no_top_p / no_top_k / no_min_p / no_penalties: no row uses that feature.
+        max_top_k: the largest top-k among rows that use top-k (0 when ``no_top_k``);
+            host int, so ``torch.topk`` needs no host sync.
+        max_num_logprobs: the largest ``SamplingParams.logprobs`` of any row, or None if no
+            row asked for logprobs.
+        prompt_token_mask: bool [B, V], True where the token occurs in the row's prompt
+            (None when ``no_penalties``).
+        output_token_counts: int32 [B, V], occurrences of each token in the row's output
+            so far (None when ``no_penalties``).
+        presence_penalties / frequency_penalties / repetition_penalties: float32 [B] (None
+            when ``no_penalties``).
+        min_tokens_rows / min_tokens_cols: int64 [N] coordinates of (row, stop token)
+            pairs to mask with ``-inf`` because the row has not reached ``min_tokens``
+            yet; None when there are none.
+    """
+    temperature: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    top_p: Optional[torch.Tensor] = None
+    top_k: Optional[torch.Tensor] = None
+    min_p: Optional[torch.Tensor] = None
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    no_top_p: bool = True
+    no_top_k: bool = True
+    no_min_p: bool = True
+    no_penalties: bool = True
+    max_top_k: int = 0
+    max_num_logprobs: Optional[int] = None
+    prompt_token_mask: Optional[torch.Tensor] = None
+    output_token_counts: Optional[torch.Tensor] = None
+    presence_penalties: Optional[torch.Tensor] = None
+    frequency_penalties: Optional[torch.Tensor] = None
+    repetition_penalties: Optional[torch.Tensor] = None
+    min_tokens_rows: Optional[torch.Tensor] = None
+    min_tokens_cols: Optional[torch.Tensor] = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[Optional[torch.Generator]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> "SamplingMetadata":
+        """Build the metadata of one step from per-row Python values.
+
+        Args:
+            params: one ``SamplingParams`` per row (length ``B``).
+            prompt_token_ids: per row, the prompt token ids (only read when some row has a
+                penalty).
+            output_token_ids: per row, the tokens generated so far (read when some row has
+                a penalty or an unmet ``min_tokens``).
+            generators: per row, the request's ``torch.Generator`` on ``device`` (created
+                from ``SamplingParams.seed`` by the caller and kept across steps), or None.
+                Ignored for greedy rows.
+            vocab_size: ``V``, the width of the logits.
+            device: where the tensors go (the logits' device).
+
+        Raises:
+            ValueError: if the per-row sequences do not all have length ``B``.
+
+        Cost: one small host-to-device copy in the common case (no penalties, no
+        ``min_tokens``); the ``[B, V]`` penalty tensors are built only when some row needs
+        them.
+        """
+        B = len(params)
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == B):
+            raise ValueError(
+                "params, prompt_token_ids, output_token_ids and generators must have the "
+                f"same length, got {B}, {len(prompt_token_ids)}, {len(output_token_ids)}, "
+                f"{len(generators)}.")
+        device = torch.device(device)
+        pin = device.type == "cuda" and torch.cuda.is_available()
+
+        temps: list[float] = []
+        top_ps: list[float] = []
+        top_ks: list[int] = []
+        min_ps: list[float] = []
+        pres: list[float] = []
+        freq: list[float] = []
+        rep: list[float] = []
+        gens: dict[int, torch.Generator] = {}
+        num_greedy = 0
+        no_top_p = no_top_k = no_min_p = no_penalties = True
+        max_top_k = 0
+        max_num_logprobs: Optional[int] = None
+        mt_rows: list[int] = []
+        mt_cols: list[int] = []
+        for i, p in enumerate(params):
+            greedy = p.temperature < _SAMPLING_EPS
+            temps.append(p.temperature)
+            if greedy:
+                num_greedy += 1
+                # Filters are irrelevant for greedy rows: neutral values keep the random
+                # path cheap (and the rows are overwritten by argmax anyway).
+                top_ps.append(1.0)
+                top_ks.append(vocab_size)
+                min_ps.append(0.0)
+            else:
+                top_ps.append(p.top_p)
+                k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+                top_ks.append(k)
+                min_ps.append(p.min_p)
+                if p.top_p < 1.0:
+                    no_top_p = False
+                if k < vocab_size:
+                    no_top_k = False
+                    max_top_k = max(max_top_k, k)
+                if p.min_p > _SAMPLING_EPS:
+                    no_min_p = False
+                g = generators[i]
+                if g is not None:
+                    gens[i] = g
+            pres.append(p.presence_penalty)
+            freq.append(p.frequency_penalty)
+            rep.append(p.repetition_penalty)
+            if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                    or p.repetition_penalty != 1.0):
+                no_penalties = False
+            if p.logprobs is not None:
+                max_num_logprobs = (p.logprobs if max_num_logprobs is None
+                                    else max(max_num_logprobs, p.logprobs))
+            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+                for t in p.all_stop_token_ids:
+                    if 0 <= t < vocab_size:
+                        mt_rows.append(i)
+                        mt_cols.append(t)
+        # One host->device copy for all per-row float parameters.
+        rows = [temps, top_ps, min_ps]
+        if not no_penalties:
+            rows += [pres, freq, rep]
+        packed = torch.tensor(rows, dtype=torch.float32, pin_memory=pin)
+        packed = packed.to(device, non_blocking=True)
+        meta = cls(
+            temperature=packed[0],
+            all_greedy=num_greedy == B,
+            all_random=num_greedy == 0,
+            top_p=None if no_top_p else packed[1],
+            min_p=None if no_min_p else packed[2],
+            generators=gens,
+            no_top_p=no_top_p,
+            no_top_k=no_top_k,
+            no_min_p=no_min_p,
+            no_penalties=no_penalties,
+            max_top_k=max_top_k,
+            max_num_logprobs=max_num_logprobs,
+        )
+        if not no_top_k:
+            meta.top_k = torch.tensor(top_ks, dtype=torch.int64, pin_memory=pin).to(
+                device, non_blocking=True)
+        if not no_penalties:
+            meta.presence_penalties = packed[3]
+            meta.frequency_penalties = packed[4]
+            meta.repetition_penalties = packed[5]
+            meta.prompt_token_mask = _token_counts(prompt_token_ids, vocab_size, device,
+                                                   pin) > 0
+            meta.output_token_counts = _token_counts(output_token_ids, vocab_size, device,
+                                                     pin)
+        if mt_rows:
+            idx = torch.tensor([mt_rows, mt_cols], dtype=torch.int64, pin_memory=pin).to(
+                device, non_blocking=True)
+            meta.min_tokens_rows = idx[0]
+            meta.min_tokens_cols = idx[1]
+        return meta
+
+
+def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int,
+                  device: torch.device, pin: bool) -> torch.Tensor:
+    """Per-row token histograms: int32 [B, V] via ``scatter_add`` on ``device``.
+
+    Rows are right-padded with ``V`` into an extra bin that is dropped, so one scatter
+    covers the ragged batch. Token ids outside ``[0, V)`` are counted in that bin too.
+    """
+    B = len(token_ids)
+    max_len = max((len(t) for t in token_ids), default=0)
+    counts = torch.zeros((B, vocab_size + 1), dtype=torch.int32, device=device)
+    if max_len == 0:
+        return counts[:, :vocab_size]
+    padded = torch.tensor([list(ids) + [vocab_size] * (max_len - len(ids)) for ids in token_ids],
+                          dtype=torch.int64, pin_memory=pin)
+    padded.masked_fill_((padded < 0) | (padded > vocab_size), vocab_size)
+    padded = padded.to(device, non_blocking=True)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler returns for a batch of ``B`` rows (all tensors on the device).
+
+    Attributes:
+        sampled_token_ids: int64 [B].
+        logprobs_token_ids: int64 [B, k+1] with ``k = meta.max_num_logprobs``: column 0 is
+            the sampled token, columns 1.. the top-k tokens by raw logprob (descending);
+            None when no row asked for logprobs.
+        logprobs: float32 [B, k+1], the raw model log-probabilities of those tokens.
+        sampled_token_ranks: int64 [B], rank of the sampled token under the raw logprobs
+            (1 = most likely): the number of tokens whose logprob is >= the sampled one's.
+    """
+    sampled_token_ids: torch.Tensor
+    logprobs_token_ids: Optional[torch.Tensor] = None
+    logprobs: Optional[torch.Tensor] = None
+    sampled_token_ranks: Optional[torch.Tensor] = None
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Mask stop tokens of rows below ``min_tokens``: returns float32 [B, V] (new tensor
+    if anything is masked, else ``logits`` itself)."""
+    if meta.min_tokens_rows is None:
+        return logits
+    return logits.index_put((meta.min_tokens_rows, meta.min_tokens_cols),
+                            torch.tensor(float("-inf"), device=logits.device,
+                                         dtype=logits.dtype))
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition, frequency and presence penalties (``vllm/v1/sample/ops/penalties.py``).
+
+    For every token seen in the prompt *or* the output, a positive logit is divided by the
+    row's ``repetition_penalty`` and a non-positive one multiplied by it (HF/vLLM rule).
+    Then ``logit -= frequency_penalty * count_in_output`` and
+    ``logit -= presence_penalty * (count_in_output > 0)``.
+
+    Args:
+        logits: float32 [B, V]; not modified.
+    Returns:
+        float32 [B, V] (``logits`` itself when ``meta.no_penalties``).
+    """
+    if meta.no_penalties:
+        return logits
+    counts = meta.output_token_counts
+    in_output = counts > 0
+    seen = meta.prompt_token_mask | in_output
+    rep = meta.repetition_penalties.unsqueeze(1)
+    scale = torch.where(seen, rep, torch.ones_like(rep))
+    logits = torch.where(logits > 0, logits / scale, logits * scale)
+    logits = logits - meta.frequency_penalties.unsqueeze(1) * counts.to(logits.dtype)
+    logits = logits - meta.presence_penalties.unsqueeze(1) * in_output.to(logits.dtype)
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor,
+                      all_random: bool) -> torch.Tensor:
+    """Divide each row by its temperature (float32 [B]); greedy rows (temperature ~ 0) are
+    divided by 1 instead so they stay finite. Returns a new float32 [B, V]."""
+    if not all_random:
+        temperature = torch.where(temperature < _SAMPLING_EPS,
+                                  torch.ones_like(temperature), temperature)
+    return logits / temperature.unsqueeze(1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (``-inf``) tokens whose probability is below ``min_p * max_prob`` of the row.
+
+    Args:
+        logits: float32 [B, V] (after temperature); min_p: float32 [B].
+    Returns:
+        a new float32 [B, V].
+    """
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                      top_p: Optional[torch.Tensor], max_top_k: int) -> torch.Tensor:
+    """Keep, per row, the ``k`` most likely tokens, then the smallest set of the most
+    likely ones whose probability mass is >= ``p`` (the top token is always kept); the
+    rest get ``-inf``. Mirrors ``vllm/v1/sample/ops/topk_topp_sampler.py``.
+
+    Args:
+        logits: float32 [B, V] (after temperature).
+        top_k: int64 [B] in [1, V] (``V`` = disabled) or None.
+        top_p: float32 [B] in (0, 1] or None.
+        max_top_k: host int, the largest value in ``top_k`` below ``V`` (lets the
+            top-k-only path use ``torch.topk`` without a host sync).
+    Returns:
+        float32 [B, V] (``logits`` itself when both are None).
+
+    Ties at the k-th value are all kept in the top-k-only path; with top-p the sort order
+    decides. A top-p boundary that falls exactly on a float32 cumulative sum is resolved
+    by rounding of the cumulative sum.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    V = logits.shape[-1]
+    if top_p is None:
+        # Top-k only: no full sort. The k-th largest value of each row is the threshold.
+        k = min(max(max_top_k, 1), V)
+        topk_vals = torch.topk(logits, k, dim=-1).values  # [B, k], descending
+        kk = top_k.clamp(1, k) - 1
+        threshold = topk_vals.gather(1, kk.unsqueeze(1))
+        disabled = (top_k >= V).unsqueeze(1)
+        threshold = threshold.masked_fill(disabled, float("-inf"))
+        return logits.masked_fill(logits < threshold, float("-inf"))
+
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+    if top_k is not None:
+        pos = torch.arange(V, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(pos >= top_k.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Mass strictly above each position; keep while it is below p.
+    mass_above = torch.cumsum(probs, dim=-1) - probs
+    drop = mass_above >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row from ``probs`` (float32 [B, V], rows sum to 1), int64 [B].
+
+    ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. picks token ``i`` with probability
+    ``probs[i]`` and needs no host round trip. Row ``r`` in ``generators`` draws its ``q``
+    from its own generator (one ``V``-sized draw per step), so its result depends only on
+    its own probabilities and generator state. Zero-probability tokens are never drawn.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        q.exponential_()
+    for i, g in generators.items():
+        q[i].exponential_(generator=g)
+    # Guard against q == 0 (0/0 = nan would win argmax).
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1)
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """float32 [B, V] log-softmax of the raw logits."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
+                    token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sampled-token logprob plus the top ``num_logprobs`` (``vllm`` ``gather_logprobs``).
+
+    Args:
+        logprobs: float32 [B, V]; num_logprobs: k >= 0; token_ids: int64 [B].
+    Returns:
+        (ids int64 [B, k+1], logprobs float32 [B, k+1], ranks int64 [B]); column 0 is the
+        sampled token; rank = number of tokens whose logprob is >= the sampled one's.
+    """
+    token_ids = token_ids.unsqueeze(1)
+    token_lp = logprobs.gather(1, token_ids)
+    ranks = (logprobs >= token_lp).sum(dim=-1)
+    if num_logprobs > 0:
+        top_lp, top_ids = torch.topk(logprobs, num_logprobs, dim=-1)
+        ids = torch.cat([token_ids, top_ids], dim=1)
+        lps = torch.cat([token_lp, top_lp], dim=1)
+    else:
+        ids, lps = token_ids, token_lp
+    return ids, lps, ranks
+
+
+# ------------------------------------------------------------------------- sampler
+
+
+class Sampler:
+    """Samples one token per row. Mirrors ``vllm/v1/sample/sampler.py``.
+
+    Stateless; call it as ``sampler(logits, meta)``.
+    """
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample a batch.
+
+        Args:
+            logits: float32 [B, V] on the device (other float dtypes are upcast); not
+                modified.
+            meta: from :meth:`SamplingMetadata.build` for the same ``B`` and ``V``.
+        Returns:
+            :class:`SamplerOutput`; logprobs are raw model logprobs (before penalties and
+            temperature), as vLLM v1's default ``raw_logprobs`` mode.
+        Raises:
+            ValueError: if ``logits`` is not 2-D with ``B`` rows.
+        """
+        if logits.dim() != 2 or logits.shape[0] != meta.batch_size:
+            raise ValueError(f"logits must be [B={meta.batch_size}, V], got "
+                             f"{tuple(logits.shape)}.")
+        logits = logits.float()
+        raw_logprobs = (compute_logprobs(logits) if meta.max_num_logprobs is not None
+                        else None)
+        logits = apply_min_tokens(logits, meta)
+        logits = apply_penalties(logits, meta)
+        sampled = self.sample(logits, meta)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        ids, lps, ranks = gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_token_ids=ids,
+                             logprobs=lps, sampled_token_ranks=ranks)
+
+    @staticmethod
+    def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy and/or random sampling of processed logits float32 [B, V] -> int64 [B]."""
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy
+        x = apply_temperature(logits, meta.temperature, meta.all_random)
+        if not meta.no_min_p:
+            x = apply_min_p(x, meta.min_p)
+        x = apply_top_k_top_p(x, meta.top_k, meta.top_p, meta.max_top_k)
+        probs = torch.softmax(x, dim=-1)
+        sampled = random_sample(probs, meta.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(meta.temperature < _SAMPLING_EPS, greedy, sampled)
