@@ -1,0 +1,114 @@
+"""Triton paged-attention backend (role of vllm/v1/attention/backends/triton_attn.py).
+
+Per step: ``reshape_and_cache`` writes the step's K/V rows into the paged cache by slot
+mapping (padding rows, slot -1, skipped); then
+
+* decode-only batches (``meta.max_query_len == 1``): the split-KV decode kernel, grid
+  ``(num_reqs, num_kv_heads, num_splits)`` where ``num_splits`` depends only on
+  ``num_reqs`` and the device, plus a reduction kernel. No host syncs, no allocations
+  except the output tensor, scratch owned by the backend: capturable in a CUDA graph.
+* anything else (prefill, chunked prefill, mixed decode + prefill): the varlen extend
+  kernel over each request's whole context read through the block table.
+
+CUDA graphs (decode): capture with ``meta.num_reqs`` equal to the padded batch size and
+``seq_lens`` of padding requests set to 0 (their output rows are zeros). Call
+``reserve(max_num_seqs)`` once before capture so the split scratch is allocated outside
+the graph; otherwise it is allocated on first use and grown if a larger batch arrives.
+Rows past ``num_reqs`` in a decode step (padding of ``T`` beyond the padded batch) are
+left unwritten.
+
+Host ints used: ``meta.num_reqs``, ``meta.max_query_len`` (never ``.item()``).
+"""
+from __future__ import annotations
+
+import torch
+
+from pyengine.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from pyengine.ops.paged_attention import (default_num_splits, paged_decode, paged_extend,
+                                          reshape_and_cache, varlen_attention)
+
+
+@register_backend("triton")
+class TritonAttentionBackend(AttentionBackend):
+    """Triton backend. Extra knobs (attributes, set before first use / capture):
+    ``max_splits`` (decode split cap, default 16), ``waves`` (target decode programs per
+    SM, default 4), ``num_splits_override`` (force a split count; None = heuristic)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 block_size: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"triton backend needs a power-of-two head_dim >= 16, got {head_dim}")
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            idx = dev.index if dev.index is not None else torch.cuda.current_device()
+            self.num_sms = torch.cuda.get_device_properties(idx).multi_processor_count
+        else:
+            self.num_sms = 8
+        self.max_splits = 16
+        self.waves = 4.0
+        self.num_splits_override: int | None = None
+        self._part_out: torch.Tensor | None = None
+        self._part_lse: torch.Tensor | None = None
+
+    # -- split-KV scratch --------------------------------------------------------------
+    def num_splits(self, batch: int) -> int:
+        if self.num_splits_override is not None:
+            return self.num_splits_override
+        return default_num_splits(batch, self.num_kv_heads, self.num_sms, self.max_splits, self.waves)
+
+    def _scratch_units(self, max_batch: int) -> int:
+        # max over b <= max_batch of b * num_splits(b): (request, split) pairs
+        return max(b * self.num_splits(b) for b in range(1, max_batch + 1))
+
+    def reserve(self, max_num_seqs: int, device: torch.device | None = None) -> None:
+        """Allocate the decode scratch for batches up to ``max_num_seqs`` (call before CUDA
+        graph capture)."""
+        units = self._scratch_units(max_num_seqs)
+        self._ensure_scratch(units, device or torch.device(self.device))
+
+    def _ensure_scratch(self, units: int, device: torch.device) -> None:
+        if (self._part_lse is not None and self._part_lse.numel() >= units * self.num_heads
+                and self._part_lse.device == device):
+            return
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("TritonAttentionBackend: decode scratch too small during CUDA graph "
+                               "capture; call backend.reserve(max_num_seqs) before capturing")
+        self._part_lse = torch.empty(units * self.num_heads, dtype=torch.float32, device=device)
+        self._part_out = torch.empty(units * self.num_heads * self.head_dim, dtype=torch.float32,
+                                     device=device)
+
+    # -- forward -----------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim];
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (or None/empty before
+        caches are bound: then each request attends over its own rows of this step).
+        Returns [T, num_heads, head_dim] in q.dtype (rows past num_actual_tokens
+        unspecified)."""
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_reqs = meta.num_reqs
+        if kv_cache is None or kv_cache.numel() == 0:
+            return varlen_attention(q, k, v, meta.query_start_loc, out, self.scale,
+                                    meta.max_query_len, num_reqs)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            splits = self.num_splits(num_reqs)
+            if splits > 1:
+                if self._part_lse is None:  # first use: size for a typical max batch
+                    self._ensure_scratch(self._scratch_units(max(num_reqs, 256)), q.device)
+                self._ensure_scratch(num_reqs * splits, q.device)
+            paged_decode(q[:num_reqs], key_cache, value_cache, meta.block_table, meta.seq_lens,
+                         out[:num_reqs], self.scale, splits, self._part_out, self._part_lse)
+            return out
+        return paged_extend(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                            meta.block_table, out, self.scale, meta.max_query_len, num_reqs)
