@@ -1,0 +1,280 @@
+"""Incremental detokenization and stop checking for one request.
+
+Mirrors ``vllm/v1/engine/detokenizer.py`` (incremental decoding, stop strings, hold-back of
+text that could still become a stop string) and the stop-token rules of
+``vllm/v1/core/sched/utils.py::check_stop`` (see :func:`check_stop_token`). It runs on the
+output-handler thread, never on the engine-core thread.
+
+Decoding uses the prefix/read offset scheme (as HF ``TextStreamer`` and vLLM's slow
+path): the text of the token window ``[prefix_offset, end)`` minus the text of
+``[prefix_offset, read_offset)`` is the new text. New text is emitted only when it does
+not end in U+FFFD, so a character whose UTF-8 bytes span several byte-level BPE tokens
+comes out whole, once its last byte arrived. The window starts with the last few prompt
+tokens so that the first output token decodes with its context (e.g. SentencePiece's
+leading space).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from pyengine.sampling_params import SamplingParams
+
+__all__ = [
+    "IncrementalDetokenizer",
+    "decode_logprob_token",
+    "check_stop_strings",
+    "check_stop_token",
+]
+
+# Prompt tokens kept as decoding context for the first output tokens (vLLM uses 5).
+_INITIAL_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def _make_decoder(tokenizer, skip_special_tokens: bool):
+    """Return ``decode(ids: list[int]) -> str`` without cleanup of tokenization spaces.
+
+    Uses the Rust ``tokenizers`` backend directly when the tokenizer has one (what
+    ``PreTrainedTokenizerFast.decode`` calls anyway, minus its per-call Python overhead).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode"):
+        def decode(ids: list[int]) -> str:
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    else:
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                    clean_up_tokenization_spaces=False)
+    return decode
+
+
+def decode_logprob_token(tokenizer, token_id: int) -> str:
+    """Text of a single token for ``Logprob.decoded_token`` (special tokens included).
+
+    A token that is only part of a multi-byte character decodes to text containing
+    U+FFFD, as in vLLM. Returns ``""`` if ``tokenizer`` is None or the id is unknown.
+    """
+    if tokenizer is None:
+        return ""
+    try:
+        text = tokenizer.decode([int(token_id)], skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+    except (IndexError, KeyError, OverflowError, TypeError, ValueError):
+        return ""
+    return text if text is not None else ""
+
+
+def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],
+                       include_in_output: bool) -> Optional[tuple[str, int]]:
+    """Look for a stop string in the last ``new_char_count`` characters of ``output_text``
+    (a match may start up to ``len(stop_str) - 1`` characters before them).
+
+    The earliest match wins; at equal positions the one listed first in ``stop``.
+
+    Returns:
+        None, or ``(stop_str, truncate_to)``: cut the text to ``output_text[:truncate_to]``
+        (the start of the match, or its end when ``include_in_output``); ``truncate_to`` is
+        -1 when no cut is needed.
+    """
+    if not new_char_count or not stop:
+        return None
+    best: Optional[tuple[int, str]] = None
+    n = len(output_text)
+    for s in stop:
+        start = max(n - new_char_count - len(s) + 1, 0)
+        idx = output_text.find(s, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, s)
+    if best is None:
+        return None
+    idx, s = best
+    if include_in_output:
+        idx += len(s)
+        if idx >= n:
+            return s, -1
+    return s, idx
+
+
+def check_stop_token(params: SamplingParams, output_token_ids: Sequence[int],
+                     eos_token_id: Optional[int] = None,
+                     max_tokens: Optional[int] = None) -> Optional[tuple[str, Optional[int]]]:
+    """Finish check after a token was appended (mirrors vLLM's ``check_stop``).
+
+    Args:
+        params: the request's parameters.
+        output_token_ids: all generated tokens, the newest last.
+        eos_token_id: the model's EOS id (ignored with ``params.ignore_eos``).
+        max_tokens: the effective token limit (``params.max_tokens`` when None).
+    Returns:
+        None while the request goes on; ``("stop", None)`` for EOS, ``("stop", token_id)``
+        for a token of ``params.stop_token_ids`` (or of ``all_stop_token_ids``), or
+        ``("length", None)`` at the token limit. Before ``min_tokens`` tokens were
+        generated only the length limit applies.
+    """
+    n = len(output_token_ids)
+    limit = params.max_tokens if max_tokens is None else max_tokens
+    if n == 0:
+        return None
+    if n >= params.min_tokens:
+        last = output_token_ids[-1]
+        if eos_token_id is not None and not params.ignore_eos and last == eos_token_id:
+            return "stop", None
+        if last in params.all_stop_token_ids and not (params.ignore_eos
+                                                      and last == eos_token_id):
+            return "stop", last
+    if limit is not None and n >= limit:
+        return "length", None
+    return None
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text, step by step, and finds stop strings.
+
+    Args:
+        tokenizer: a transformers tokenizer (fast or slow), or None to skip
+            detokenization (then text stays ``""`` and only token ids are tracked).
+        prompt_token_ids: the prompt; its last few tokens are decoding context.
+        params: the request's ``SamplingParams`` (``stop``, ``include_stop_str_in_output``,
+            ``skip_special_tokens``, ``min_tokens`` are used).
+
+    Attributes:
+        output_text: all text decoded so far (after stop-string truncation), str.
+        output_token_ids: all generated token ids, list[int] (includes a stop token that
+            was not detokenized).
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int],
+                 params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.stop: list[str] = list(params.stop or []) if tokenizer is not None else []
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        # While not finished, this many trailing chars may be held back at most.
+        self.stop_buffer_length = (max(len(s) for s in self.stop) - 1
+                                   if self.stop and not self.include_stop_str_in_output
+                                   else 0)
+        self.output_text = ""
+        self.output_token_ids: list[int] = []
+        self._last_output_text_offset = 0
+        if tokenizer is not None:
+            self._decode = _make_decoder(tokenizer, params.skip_special_tokens)
+            ctx = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
+        else:
+            self._decode = None
+            ctx = []
+        # Decoding window: ids[prefix_offset:read_offset] were already emitted (context);
+        # ids[read_offset:] are pending.
+        self._ids: list[int] = ctx
+        self._prefix_offset = 0
+        self._read_offset = len(ctx)
+        self._prefix_text: Optional[str] = None  # cache of decode(ids[prefix:read])
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def _decode_next(self) -> str:
+        """Emit the text completed by the window's pending tokens ("" if none yet)."""
+        ids = self._ids
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        prefix_text = self._prefix_text
+        full = self._decode(ids[self._prefix_offset:])
+        if len(full) <= len(prefix_text) or full.endswith(_REPLACEMENT_CHAR):
+            # Nothing new, or a character still incomplete: wait for more tokens.
+            return ""
+        new_text = full[len(prefix_text):]
+        # Slide the window: what was pending becomes context.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        self._prefix_text = None
+        # Drop tokens that left the window so ids does not grow with the output.
+        if self._prefix_offset > 64:
+            del ids[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        return new_text
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> Optional[str]:
+        """Append this step's tokens, decode them, and check stop strings.
+
+        Args:
+            new_token_ids: the tokens generated since the last call, oldest first.
+            stop_terminated: True when the last of them is a stop token (EOS or a
+                ``stop_token_ids`` entry) that finished the request; it is kept in
+                ``output_token_ids`` but not detokenized unless
+                ``include_stop_str_in_output``.
+        Returns:
+            the stop string that matched (``output_text`` is then truncated at it, or
+            just after it with ``include_stop_str_in_output``), else None. Stop strings
+            are not looked for in text produced by the first ``min_tokens`` tokens.
+        """
+        if not new_token_ids:
+            return None
+        new_token_ids = list(new_token_ids)
+        skipped_stop_token = None
+        if stop_terminated and not self.include_stop_str_in_output:
+            skipped_stop_token = new_token_ids.pop()
+        if self._decode is None:
+            self.output_token_ids.extend(new_token_ids)
+            if skipped_stop_token is not None:
+                self.output_token_ids.append(skipped_stop_token)
+            return None
+
+        stop_check_offset = len(self.output_text)
+        for tid in new_token_ids:
+            self.output_token_ids.append(tid)
+            self._ids.append(tid)
+            self.output_text += self._decode_next()
+            if self.min_tokens and len(self.output_token_ids) <= self.min_tokens:
+                # Text of the first min_tokens tokens is never searched for stops.
+                stop_check_offset = len(self.output_text)
+        if skipped_stop_token is not None:
+            self.output_token_ids.append(skipped_stop_token)
+
+        if not self.stop or len(self.output_token_ids) <= self.min_tokens:
+            return None
+        match = check_stop_strings(self.output_text,
+                                   len(self.output_text) - stop_check_offset,
+                                   self.stop, self.include_stop_str_in_output)
+        if match is None:
+            return None
+        stop_str, truncate_to = match
+        if truncate_to != -1:
+            self.output_text = self.output_text[:truncate_to]
+        return stop_str
+
+    def _held_back(self) -> int:
+        """How many trailing chars of ``output_text`` could still begin a stop string:
+        the longest suffix that is a proper prefix of some stop string."""
+        if not self.stop_buffer_length:
+            return 0
+        text = self.output_text
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """Text to report now.
+
+        Args:
+            finished: the request is done: everything is released.
+            delta: return only the text not returned by a previous delta call; else the
+                whole text so far.
+        While not finished, trailing characters that could still be the start of a stop
+        string (at most ``max(len(stop)) - 1``; none with ``include_stop_str_in_output``)
+        are held back, so a client never sees text a stop string later removes.
+        """
+        held = 0 if finished else self._held_back()
+        length = len(self.output_text) - held
+        if not delta:
+            return self.output_text[:length]
+        last = self._last_output_text_offset
+        if last < length:
+            self._last_output_text_offset = length
+            return self.output_text[last:length]
+        return ""
