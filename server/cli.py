@@ -1,0 +1,132 @@
+"""``vengine serve [MODEL]``: the OpenAI-compatible server's command line.
+
+Flags carry ``vllm serve``'s names. ``main()`` is the console entry point; it accepts
+``vengine serve MODEL ...`` as well as ``vengine MODEL ...`` (and ``python -m server``).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Optional, Sequence
+
+from .app import DEFAULT_MAX_BODY_BYTES
+from .wsgi import DEFAULT_MAX_CONCURRENT_STREAMS
+
+logger = logging.getLogger("vengine.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vengine serve",
+        description="Serve a model over an OpenAI-compatible HTTP API (completions, chat, SSE streaming).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face model directory; omitted: the built-in default model.")
+    p.add_argument("--model", dest="model_opt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--host", default="127.0.0.1", help="Bind address (default: %(default)s).")
+    p.add_argument("--port", type=int, default=8000, help="Bind port (default: %(default)s; 0: any free port).")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="Model name(s) the API accepts; the first is reported (default: the directory name).")
+    p.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
+                   help="Force async scheduling on (default: on where compatible).")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--api-key", default=None,
+                   help="Require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY, else none).")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template, or a file holding one (default: the tokenizer's).")
+    p.add_argument("--max-concurrent-streams", type=int, default=DEFAULT_MAX_CONCURRENT_STREAMS,
+                   help="Connection cap: most connections served at once (default: %(default)s).")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="Larger request bodies get 413 (default: %(default)s).")
+    p.add_argument("--disable-access-log", action="store_true", help="Do not log each HTTP request.")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    if args.model is None:
+        args.model = args.model_opt
+    if args.api_key is None:
+        args.api_key = os.environ.get("VLLM_API_KEY") or None
+    if args.max_concurrent_streams < 1:
+        build_parser().error("--max-concurrent-streams must be >= 1")
+    return args
+
+
+def engine_args_from(args: argparse.Namespace):
+    from pyengine import EngineArgs
+
+    return EngineArgs(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy, seed=args.seed,
+        async_scheduling=args.async_scheduling, enforce_eager=args.enforce_eager,
+        served_model_name=(args.served_model_name or [None])[0])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import gevent
+
+    from pyengine import AsyncLLM
+
+    from .app import create_app
+    from .wsgi import make_server
+
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args_from(args))
+    except (ValueError, OSError) as e:
+        what = args.model or "the built-in default model"
+        print(f"vengine serve: cannot load {what}: {e}", file=sys.stderr)
+        return 2
+    try:
+        app = create_app(engine, args)
+        server = make_server(app, args.host, args.port, args.max_concurrent_streams,
+                             access_log=not args.disable_access_log)
+        try:
+            server.start()
+        except OSError as e:
+            print(f"vengine serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+            return 2
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            gevent.signal_handler(sig, lambda: gevent.spawn(server.stop, 5.0))
+        names = ", ".join(app.extensions["vengine"].cfg.served_model_names)
+        logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", names, args.host, server.server_port)
+        print(f"vengine: serving {names} on http://{args.host}:{server.server_port}", flush=True)
+        server.serve_forever()
+        app.extensions["vengine"].close()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
