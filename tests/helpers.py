@@ -71,20 +71,23 @@ def _config_for(family: str, vocab_size: int, bos: int, eos: int, pad: int, **ov
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
     kw = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, intermediate_size=128,
-              max_position_embeddings=1024, initializer_range=0.15, rms_norm_eps=1e-6,
+              max_position_embeddings=1024, initializer_range=0.2, rms_norm_eps=1e-6,
               bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False)
     kw.update(overrides)
     return cls(**kw)
 
 
 def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
-                     max_shard_size: Optional[str] = None, **config_overrides) -> Path:
+                     max_shard_size: Optional[str] = None, logit_scale: float = 4.0,
+                     **config_overrides) -> Path:
     """Save a seeded random float32 HF model of ``family`` ("llama" | "qwen2" | "qwen3")
     with the tokenizer files and a generation_config (eos) into ``out_dir``.
 
     Defaults: hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, intermediate 128,
-    vocab = tokenizer's, max_position_embeddings 1024, initializer_range 0.15; norm
+    vocab = tokenizer's, max_position_embeddings 1024, initializer_range 0.2; norm
     weights and biases are perturbed too, so loading mistakes show up in the logits.
+    The LM head (the embedding, when tied) is multiplied by ``logit_scale`` so the top-2
+    logit gap is ~1.5 (median) and greedy choices are rarely near ties.
     ``config_overrides`` go to the config class (e.g. tie_word_embeddings=True).
     ``max_shard_size`` (e.g. "40KB") saves a sharded checkpoint. Returns ``out_dir``.
     """
@@ -104,6 +107,7 @@ def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        model.get_output_embeddings().weight.mul_(logit_scale)
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos,
                                                 pad_token_id=pad, do_sample=False)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
