@@ -286,9 +286,8 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     if anything is masked, else ``logits`` itself)."""
     if meta.min_tokens_rows is None:
         return logits
-    return logits.index_put((meta.min_tokens_rows, meta.min_tokens_cols),
-                            torch.tensor(float("-inf"), device=logits.device,
-                                         dtype=logits.dtype))
+    neg_inf = torch.full((), float("-inf"), device=logits.device, dtype=logits.dtype)
+    return logits.index_put((meta.min_tokens_rows, meta.min_tokens_cols), neg_inf)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

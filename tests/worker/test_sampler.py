@@ -292,3 +292,28 @@ def test_bad_shapes_raise():
         SamplingMetadata.build([SamplingParams()], [[]], [], [None], V, "cpu")
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, V), build([SamplingParams()]))
+
+
+@pytest.mark.gpu
+def test_cuda_sampler_has_no_host_sync():
+    dev = torch.device("cuda")
+    B, Vg = 6, 1000
+    logits = torch.randn(B, Vg, device=dev)
+    params = [SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1),
+              SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.2),
+              SamplingParams(temperature=0.7, top_k=20, presence_penalty=0.3),
+              SamplingParams(temperature=1.1, frequency_penalty=0.2, min_tokens=3,
+                             stop_token_ids=[5]),
+              SamplingParams(temperature=0.5, seed=2)]
+    gens = [None, torch.Generator(dev).manual_seed(1), None, None, None,
+            torch.Generator(dev).manual_seed(2)]
+    meta = SamplingMetadata.build(params, [[1, 2, 3]] * B, [[4, 4]] * B, gens, Vg, dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler()(logits, meta)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.sampled_token_ids.shape == (B,)
+    assert out.sampled_token_ids[0].item() == logits[0].argmax().item()
