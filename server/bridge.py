@@ -176,6 +176,7 @@ class RequestGroup:
         self.collectors: list = []
         self.disconnected = False
         self._done: set[int] = set()
+        self._aborted: set[str] = set()
         self._watch: Optional[_SocketWatch] = None
         bridge.ensure_started()
         if sock is not None:
@@ -237,8 +238,9 @@ class RequestGroup:
 
     def abort_unfinished(self) -> None:
         ids = [rid for i, rid in enumerate(self.request_ids) if i not in self._done
-               and not getattr(self.collectors[i], "finished", False)]
+               and rid not in self._aborted and not getattr(self.collectors[i], "finished", False)]
         if ids:
+            self._aborted.update(ids)
             try:
                 self.engine.abort(ids)
             except Exception:  # noqa: BLE001 - a dead engine has nothing left to abort
