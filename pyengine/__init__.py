@@ -1,0 +1,28 @@
+"""vengine's Python engine: continuous batching over a paged KV cache, in the mould of vLLM v1."""
+import logging as _logging
+
+from pyengine.config import EngineArgs, EngineConfig
+from pyengine.engine.messages import SchedulerStats
+from pyengine.engine.output_processor import EngineDeadError, RequestOutputCollector
+from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pyengine.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+_logging.getLogger("pyengine").addHandler(_logging.NullHandler())
+
+
+def __getattr__(name):
+    # Heavy modules (torch model code) load on first use.
+    if name == "LLM":
+        from pyengine.llm import LLM
+        return LLM
+    if name == "AsyncLLM":
+        from pyengine.engine.async_llm import AsyncLLM
+        return AsyncLLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "EngineArgs", "EngineConfig",
+           "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineDeadError",
+           "RequestOutputCollector", "SchedulerStats", "__version__"]

@@ -1,0 +1,94 @@
+"""KV block pool with prefix-cache bookkeeping (mirrors vllm/v1/core/block_pool.py).
+
+Blocks with ref_cnt 0 sit in a free queue in eviction order (least recently freed
+first). A free block may still hold a cached prefix (``block_hash`` set): it is evicted
+lazily, only when it is taken for new data.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+NONE_HASH = 0x5EED_5EED
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: Optional[int] = None
+
+
+def hash_block_tokens(parent_hash: Optional[int], token_ids: Iterable[int], extra_keys: tuple = ()) -> int:
+    """Chained block hash over (parent hash, token ids, extra keys); ints hash deterministically."""
+    return hash((NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids), extra_keys))
+
+
+class BlockPool:
+    """Owns ``num_blocks`` KV blocks. Block 0 is reserved as the null block (padding
+    rows of block tables point at it), so ``num_blocks - 1`` are usable."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool):
+        if num_blocks < 2:
+            raise ValueError(f"KV cache needs at least 2 blocks, got {num_blocks}.")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+
+    def get_num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks referenced by some request, in [0, 1]."""
+        return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
+
+    def get_cached_block(self, block_hash: int) -> Optional[KVCacheBlock]:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self.free_queue[b.block_id]
+            b.ref_cnt += 1
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Raises ValueError if fewer than n blocks are free (callers check first)."""
+        if n > len(self.free_queue):
+            raise ValueError(f"Cannot allocate {n} KV blocks; {len(self.free_queue)} free.")
+        out = []
+        for _ in range(n):
+            _, b = self.free_queue.popitem(last=False)
+            if b.block_hash is not None:  # lazy eviction of a cached prefix
+                if self.cached.get(b.block_hash) is b:
+                    del self.cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self.cached.setdefault(block_hash, block)
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the free queue's tail in the given order."""
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue[b.block_id] = b
+
+    def reset_prefix_cache(self) -> bool:
+        if len(self.free_queue) != self.num_blocks - 1:
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        self.cached.clear()
+        return True

@@ -1,0 +1,249 @@
+"""Continuous-batching scheduler with chunked prefill, prefix caching and preemption by
+recompute (mirrors vllm/v1/core/sched/scheduler.py).
+
+Each step gets a token budget (``max_num_batched_tokens``). Running requests are served
+first (decodes and unfinished prefill chunks), then waiting ones, mixed in one batch.
+When a running request cannot get a KV block, the policy's victim is preempted: its
+blocks are freed and it goes back to the waiting queue keeping its tokens.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional
+
+from pyengine.config import EngineConfig
+from pyengine.core.kv_cache_manager import KVCacheManager
+from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
+from pyengine.core.sched.request_queue import create_request_queue
+from pyengine.engine.messages import (EngineCoreOutput, EngineCoreOutputs, LogprobsEntry,
+                                      SchedulerStats)
+from pyengine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int):
+        self.config = config
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.policy = config.scheduling_policy
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_req_ids: set[str] = set()
+        self._pending_outputs: list[EngineCoreOutput] = []  # aborts, reported with the next outputs
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.step_host_time_s = 0.0
+
+    # ---- requests in and out -------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._pending_outputs.append(EngineCoreOutput(
+                rid, [], finish_reason=req.get_finished_reason(), stop_reason=req.stop_reason,
+                num_cached_tokens=max(req.num_cached_tokens, 0)))
+            self._free_request(req)
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self.requests.pop(req.request_id, None)
+        self.finished_req_ids.add(req.request_id)
+
+    def has_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def take_pending_outputs(self) -> Optional[EngineCoreOutputs]:
+        """Outputs produced without a model step (aborts), or None."""
+        if not self._pending_outputs:
+            return None
+        return self._make_outputs([])
+
+    # ---- scheduling ----------------------------------------------------------------
+    def _num_tokens_to_feed(self, req: Request) -> int:
+        return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+
+    def _can_schedule_running(self, req: Request) -> bool:
+        # Placeholders count against max_tokens and max_model_len: an in-flight token may finish it.
+        if req.num_output_placeholders:
+            if req.num_output_tokens + req.num_output_placeholders >= req.max_tokens:
+                return False
+            if req.num_tokens + req.num_output_placeholders >= self.max_model_len:
+                return False
+        return True
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+
+    def schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        kv = self.kv_cache_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(self._num_tokens_to_feed(req), budget)
+            if n <= 0 or not self._can_schedule_running(req):
+                i += 1
+                continue
+            while not kv.allocate_slots(req, n):
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    # Already scheduled this step (priority policy): take that back too.
+                    i -= 1
+                    for j, s in enumerate(scheduled):
+                        if s.request is victim:
+                            budget += scheduled.pop(j).num_new_tokens
+                            break
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # req itself was preempted; self.running shifted under index i
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+            i += 1
+
+        num_prefill = 0
+        if not preempted:
+            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting.peek()
+                hit_blocks, num_hit = [], 0
+                if req.num_computed_tokens == 0:
+                    hit_blocks, num_hit = kv.get_computed_blocks(req)
+                n = req.num_tokens - num_hit
+                if not self.config.enable_chunked_prefill and n > budget:
+                    break
+                n = min(n, budget)
+                if not kv.allocate_slots(req, n, hit_blocks):
+                    break
+                self.waiting.pop()
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                req.num_computed_tokens = num_hit
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append(self._scheduled(req, n))
+                budget -= n
+                num_prefill += 1
+
+        out = SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_prefill, preempted,
+                              self.finished_req_ids)
+        if scheduled:  # an empty output is not run; keep the ids for the next one
+            self.finished_req_ids = set()
+        for s in scheduled:
+            self._update_after_schedule(s)
+        self.step_host_time_s += time.perf_counter() - t0
+        return out
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        sample = start + n >= req.num_tokens + req.num_output_placeholders
+        placeholder = req.num_output_placeholders > 0 and start + n > req.num_tokens
+        return ScheduledRequest(req, n, start, self.kv_cache_manager.get_block_ids(req.request_id),
+                                sample, placeholder, req.num_preemptions)
+
+    def _update_after_schedule(self, s: ScheduledRequest) -> None:
+        s.request.num_computed_tokens += s.num_new_tokens
+
+    # ---- results -------------------------------------------------------------------
+    def update_from_output(self, so: SchedulerOutput, runner_output) -> EngineCoreOutputs:
+        """Append sampled tokens, check stop conditions, free finished requests.
+
+        runner_output: ModelRunnerOutput with ``sampled_token_ids`` (host list, one per
+        sampled row, in the order of ``so.scheduled`` rows with ``sample=True``) and
+        ``logprobs`` (None or a list of LogprobsEntry per row)."""
+        t0 = time.perf_counter()
+        outputs: list[EngineCoreOutput] = []
+        row = 0
+        tokens = runner_output.sampled_token_ids
+        lps = runner_output.logprobs
+        for s in so.scheduled:
+            if not s.sample:
+                continue
+            tok, lp = tokens[row], (lps[row] if lps is not None else None)
+            row += 1
+            req = s.request
+            if req.is_finished() or req.request_id not in self.requests or s.epoch != req.num_preemptions:
+                continue  # finished or preempted while this batch was in flight
+            self._on_token_consumed(req)
+            req.all_token_ids.append(tok)
+            finished = self._check_stop(req, tok)
+            first = req.num_output_tokens == 1
+            outputs.append(EngineCoreOutput(
+                req.request_id, [tok], [lp] if lp is not None else None,
+                finish_reason=req.get_finished_reason() if finished else None,
+                stop_reason=req.stop_reason,
+                num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0))
+            if finished:
+                self.running.remove(req)
+                self._free_request(req)
+        self.num_steps += 1
+        self.step_host_time_s += time.perf_counter() - t0
+        return self._make_outputs(outputs)
+
+    def _on_token_consumed(self, req: Request) -> None:
+        pass  # async scheduler: one placeholder resolved
+
+    def _check_stop(self, req: Request, tok: int) -> bool:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if tok in sp.all_stop_token_ids:  # stop_token_ids, plus EOS unless ignore_eos
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok if tok in sp.stop_token_ids else None
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        if self._pending_outputs:
+            outputs = self._pending_outputs + outputs
+            self._pending_outputs = []
+        return EngineCoreOutputs(outputs, self.make_stats(), time.monotonic())
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_stats.queries, prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_preemptions=self.num_preemptions, num_gpu_blocks=kv.block_pool.num_blocks - 1,
+            num_free_blocks=kv.block_pool.get_num_free_blocks(), num_steps=self.num_steps,
+            step_host_time_s=self.step_host_time_s)
+
+
+def make_logprobs_entry(token_ids: list[int], logprobs: list[float], rank: int) -> LogprobsEntry:
+    return LogprobsEntry(token_ids, logprobs, rank)

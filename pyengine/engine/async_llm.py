@@ -1,0 +1,170 @@
+"""AsyncLLM: the serving front end over an in-process engine core (mirrors
+vllm/v1/engine/async_llm.py).
+
+Threads: the engine-core thread (EngineCoreProc) and one output-handler thread here that
+runs the OutputProcessor and fills one RequestOutputCollector per request. Readers may be
+plain threads (``collector.get()``), asyncio (``generate()``), gevent or C, which hook in
+with ``add_output_listener``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import AsyncGenerator, Callable, Iterable, Optional
+
+from pyengine.config import EngineArgs, EngineConfig
+from pyengine.engine.core_client import InprocClient
+from pyengine.engine.messages import EngineDeadMessage, SchedulerStats
+from pyengine.engine.output_processor import EngineDeadError, OutputProcessor, RequestOutputCollector
+from pyengine.engine.processor import Processor
+from pyengine.outputs import RequestOutput
+from pyengine.sampling_params import SamplingParams
+
+logger = logging.getLogger("pyengine")
+
+
+def load_tokenizer(config: EngineConfig):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(config.tokenizer)
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.processor = Processor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._lock = threading.Lock()  # serializes OutputProcessor use across threads
+        self._listeners: list[Callable[[list[str]], None]] = []
+        self.dead_error: Optional[BaseException] = None
+        self._shutdown = False
+        self.engine_core = InprocClient(config)
+        self._stats = self.engine_core.engine_core.scheduler.make_stats()
+        self._output_thread = threading.Thread(target=self._output_handler_loop, name="OutputHandler", daemon=True)
+        self._output_thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
+        return cls(engine_args.create_engine_config())
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- requests ------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, sampling_params: Optional[SamplingParams] = None,
+                    priority: int = 0) -> RequestOutputCollector:
+        """Validate and enqueue one request; returns its collector.
+
+        Raises ValueError (bad input, duplicate id) or EngineDeadError; nothing is queued then."""
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        if self._shutdown:
+            raise EngineDeadError("AsyncLLM was shut down.")
+        text, ids, params, core_reqs = self.processor.process(request_id, prompt, sampling_params, priority)
+        collector = RequestOutputCollector(request_id, params.output_kind)
+        with self._lock:
+            self.output_processor.add_request(request_id, text, ids, params, core_reqs, collector)
+        for r in core_reqs:
+            self.engine_core.add_request(r)
+        return collector
+
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Idempotent; unknown or finished ids are ignored. The stream ends with finish_reason 'abort'."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            core_ids = [c for rid in ids for c in self.output_processor.core_ids(rid)]
+        self.engine_core.abort_requests(core_ids)
+
+    async def generate(self, prompt, sampling_params: Optional[SamplingParams], request_id: str,
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """Async generator of this request's outputs; aborts it if the consumer stops early."""
+        collector = self.add_request(request_id, prompt, sampling_params, priority)
+        try:
+            while True:
+                out = await collector.get_async()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not collector.finished:
+                self.abort(request_id)
+
+    def add_output_listener(self, fn: Callable[[list[str]], None]) -> Callable[[], None]:
+        """fn(request_ids) runs on the output-handler thread once per engine step, after
+        those requests' collectors were filled; it must not block. Returns an unsubscribe."""
+        self._listeners = self._listeners + [fn]
+
+        def remove() -> None:
+            self._listeners = [f for f in self._listeners if f is not fn]
+        return remove
+
+    def get_stats(self) -> SchedulerStats:
+        """Scheduler and KV-cache figures as of the last engine step."""
+        return self._stats
+
+    # ---- output handler --------------------------------------------------------------
+    def _output_handler_loop(self) -> None:
+        while True:
+            outs = self.engine_core.get_output()
+            if outs is None:
+                if self._shutdown:
+                    return
+                continue
+            if isinstance(outs, EngineDeadMessage):
+                self._fail(EngineDeadError(f"Engine core died: {outs.message}"))
+                return
+            try:
+                with self._lock:
+                    deliveries, to_abort = self.output_processor.process_outputs(outs.outputs, outs.timestamp)
+                if outs.scheduler_stats is not None:
+                    self._stats = outs.scheduler_stats
+                for collector, ro in deliveries:
+                    collector.put(ro)
+                if to_abort:
+                    self.engine_core.abort_requests(to_abort)
+                self._notify([ro.request_id for _, ro in deliveries])
+            except BaseException as e:  # a bug here must not hang readers
+                logger.exception("Output handler failed")
+                self._fail(EngineDeadError(f"Output handler died: {type(e).__name__}: {e}"))
+                return
+
+    def _notify(self, ids: list[str]) -> None:
+        if not ids:
+            return
+        for fn in self._listeners:
+            try:
+                fn(ids)
+            except Exception:
+                logger.exception("Output listener failed")
+
+    def _fail(self, error: EngineDeadError) -> None:
+        self.dead_error = error
+        with self._lock:
+            pending = list(self.output_processor.parents.items())
+            self.output_processor.fail_all(error)
+        for _, collector in pending:
+            collector.put(error)
+        self._notify([rid for rid, _ in pending])
+
+    def shutdown(self) -> None:
+        """Stop and join the engine threads; idempotent. Pending requests get EngineDeadError."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        self.engine_core.shutdown()
+        self.engine_core.wake_output_reader()
+        if threading.current_thread() is not self._output_thread:
+            self._output_thread.join(timeout=10)
+        if self.dead_error is None:
+            self._fail(EngineDeadError("AsyncLLM was shut down."))
+            self.dead_error = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

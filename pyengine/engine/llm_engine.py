@@ -1,0 +1,50 @@
+"""LLMEngine: a synchronous driver of EngineCore on the caller's thread, for offline use
+(mirrors vllm/v1/engine/llm_engine.py)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pyengine.config import EngineConfig
+from pyengine.engine.async_llm import load_tokenizer
+from pyengine.engine.core import EngineCore
+from pyengine.engine.output_processor import OutputProcessor
+from pyengine.engine.processor import Processor
+from pyengine.outputs import RequestOutput
+from pyengine.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.processor = Processor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self._step = self.engine_core.step_fn()
+
+    def add_request(self, request_id: str, prompt, params: Optional[SamplingParams] = None,
+                    priority: int = 0) -> None:
+        """Raises ValueError for bad input; nothing is queued then."""
+        text, ids, params, core_reqs = self.processor.process(request_id, prompt, params, priority)
+        self.output_processor.add_request(request_id, text, ids, params, core_reqs)
+        for r in core_reqs:
+            self.engine_core.add_request(r)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        core_ids = [c for rid in request_ids for c in self.output_processor.core_ids(rid)]
+        self.engine_core.abort_requests(core_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.get_num_unfinished_requests() > 0 or self.engine_core.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        outs = self._step()
+        if outs is None:
+            return []
+        deliveries, to_abort = self.output_processor.process_outputs(outs.outputs, outs.timestamp)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        return [ro for _, ro in deliveries]
+
+    def get_stats(self):
+        return self.engine_core.scheduler.make_stats()

@@ -1,0 +1,262 @@
+"""Turns EngineCoreOutputs into RequestOutputs: incremental detokenization, stop strings,
+finish reasons, logprobs, metrics, and n > 1 fan-in (mirrors
+vllm/v1/engine/output_processor.py and vllm/v1/engine/parallel_sampling.py)."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Optional
+
+from pyengine.engine.detokenizer import IncrementalDetokenizer, decode_logprob_token
+from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pyengine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core thread died; every pending and future request fails with this."""
+
+
+class RequestOutputCollector:
+    """Single-slot hand-off of one request's outputs from the output-handler thread to one
+    reader. ``put`` never blocks: if the reader lags, DELTA outputs are merged (text
+    concatenated, token ids and logprobs appended, finish state kept), other kinds are
+    replaced by the newer one. Mirrors vllm/v1/engine/output_processor.py's collector."""
+
+    def __init__(self, request_id: str, output_kind: RequestOutputKind):
+        self.request_id = request_id
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self._cond = threading.Condition(threading.Lock())
+        self._output: Optional[RequestOutput | BaseException] = None
+        self._aio_waiter = None  # (loop, asyncio.Event) of a waiting asyncio reader
+        self.finished = False  # the final output has been taken
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        with self._cond:
+            cur = self._output
+            if cur is None or isinstance(output, BaseException) or isinstance(cur, BaseException):
+                self._output = output if not isinstance(cur, BaseException) else cur
+            elif self.aggregate:
+                _merge_delta(cur, output)
+            else:
+                self._output = output
+            self._cond.notify_all()
+            waiter, self._aio_waiter = self._aio_waiter, None
+        if waiter is not None:
+            loop, event = waiter
+            loop.call_soon_threadsafe(event.set)
+
+    def _take(self) -> Optional[RequestOutput]:
+        out, self._output = self._output, None
+        if isinstance(out, BaseException):
+            self._output = out  # stays: every later read fails too
+            raise out
+        if out is not None and out.finished:
+            self.finished = True
+        return out
+
+    def get_nowait(self) -> Optional[RequestOutput]:
+        """The pending output or None. Raises EngineDeadError if the engine died."""
+        with self._cond:
+            return self._take()
+
+    def get(self, timeout: Optional[float] = None) -> RequestOutput:
+        """Blocks for the next output. Raises EngineDeadError, or TimeoutError after timeout seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._output is not None, timeout):
+                raise TimeoutError(f"no output for request {self.request_id} within {timeout} s")
+            return self._take()
+
+    async def get_async(self) -> RequestOutput:
+        import asyncio
+        while True:
+            with self._cond:
+                if self._output is not None:
+                    return self._take()
+                event = asyncio.Event()
+                self._aio_waiter = (asyncio.get_running_loop(), event)
+            await event.wait()
+
+    def __iter__(self):
+        while not self.finished:
+            yield self.get()
+
+
+def _merge_delta(cur: RequestOutput, new: RequestOutput) -> None:
+    by_index = {c.index: c for c in cur.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            cur.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        old.text += c.text
+        old.token_ids = old.token_ids + c.token_ids
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason = c.finish_reason
+        old.stop_reason = c.stop_reason
+    cur.outputs.sort(key=lambda c: c.index)
+    cur.finished = new.finished
+    cur.metrics = new.metrics
+    cur.num_cached_tokens = max(cur.num_cached_tokens, new.num_cached_tokens)
+
+
+class _Child:
+    """State of one of the n completions (one engine-core request)."""
+
+    def __init__(self, parent: "_Parent", index: int, core_req: EngineCoreRequest, tokenizer):
+        self.parent = parent
+        self.index = index
+        self.core_id = core_req.request_id
+        params = core_req.sampling_params
+        self.detok = IncrementalDetokenizer(tokenizer, core_req.prompt_token_ids, params)
+        self.want_logprobs = params.logprobs is not None
+        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.want_logprobs else None
+        self.cumulative_logprob: Optional[float] = 0.0 if self.want_logprobs else None
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[int | str] = None
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
+
+    def completion(self, kind: RequestOutputKind) -> CompletionOutput:
+        delta = kind == RequestOutputKind.DELTA
+        finished = self.finish_reason is not None
+        text = self.detok.get_next_output_text(finished, delta)
+        ids = self.detok.output_token_ids
+        lps = self.logprobs
+        if delta:
+            ids, self.sent_tokens = ids[self.sent_tokens:], len(ids)
+            if lps is not None:
+                lps, self.sent_logprobs = lps[self.sent_logprobs:], len(lps)
+        else:
+            ids = list(ids)
+            lps = list(lps) if lps is not None else None
+        return CompletionOutput(self.index, text, ids, self.cumulative_logprob, lps,
+                                self.finish_reason, self.stop_reason)
+
+
+class _Parent:
+    """One user request (n completions), its collector and metrics."""
+
+    def __init__(self, request_id, prompt, prompt_token_ids, params: SamplingParams, collector, arrival):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.kind = params.output_kind
+        self.collector = collector
+        self.children: list[_Child] = []
+        self.num_finished = 0
+        self.metrics = RequestMetrics(arrival_time=arrival)
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.children)
+
+    def make_output(self, changed: list[_Child]) -> Optional[RequestOutput]:
+        if self.kind == RequestOutputKind.FINAL_ONLY:
+            if not self.finished:
+                return None
+            outs = [c.completion(RequestOutputKind.CUMULATIVE) for c in self.children]
+        elif self.kind == RequestOutputKind.DELTA:
+            outs = [c.completion(self.kind) for c in changed]
+            outs = [o for o in outs if o.text or o.token_ids or o.finish_reason]
+            if not outs and not self.finished:
+                return None
+        else:
+            outs = [c.completion(self.kind) for c in self.children]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
+                             RequestMetrics(**vars(self.metrics)), self.num_cached_tokens)
+
+
+class OutputProcessor:
+    """Not thread-safe; the owner serializes calls (AsyncLLM holds a lock)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, _Parent] = {}
+        self.children: dict[str, _Child] = {}
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.parents
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    params: SamplingParams, core_reqs: list[EngineCoreRequest], collector: Any = None) -> None:
+        """Raises ValueError for a duplicate request id."""
+        if request_id in self.parents or any(r.request_id in self.children for r in core_reqs):
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        parent = _Parent(request_id, prompt, prompt_token_ids, params, collector, core_reqs[0].arrival_time)
+        for i, r in enumerate(core_reqs):
+            child = _Child(parent, i, r, self.tokenizer)
+            parent.children.append(child)
+            self.children[r.request_id] = child
+        self.parents[request_id] = parent
+
+    def core_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [c.core_id for c in parent.children if c.finish_reason is None] if parent else []
+
+    def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float
+                        ) -> tuple[list[tuple[Any, RequestOutput]], list[str]]:
+        """Returns ([(collector, RequestOutput)] in arrival order of outputs, core request
+        ids to abort because a stop string finished them)."""
+        changed: dict[str, list[_Child]] = {}
+        to_abort: list[str] = []
+        for eco in outputs:
+            child = self.children.get(eco.request_id)
+            if child is None:
+                continue  # already finished here (stop string) or unknown
+            parent = child.parent
+            if eco.new_token_ids:
+                m = parent.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = timestamp
+                    parent.num_cached_tokens = eco.num_cached_tokens
+                m.last_token_time = timestamp
+            if eco.new_logprobs and child.want_logprobs:
+                for entry in eco.new_logprobs:
+                    child.logprobs.append(self._logprob_dict(entry))
+                    child.cumulative_logprob += entry.logprobs[0]
+            stop_str = child.detok.update(eco.new_token_ids, eco.finish_reason == "stop")
+            if stop_str is not None and eco.finish_reason != "abort":
+                child.finish_reason, child.stop_reason = "stop", stop_str
+                if not eco.finished:
+                    to_abort.append(eco.request_id)
+            elif eco.finished:
+                child.finish_reason, child.stop_reason = eco.finish_reason, eco.stop_reason
+            if child.finish_reason is not None:
+                del self.children[eco.request_id]
+                parent.num_finished += 1
+                if parent.finished:
+                    parent.metrics.finished_time = timestamp
+            changed.setdefault(parent.request_id, []).append(child)
+        deliveries = []
+        for rid, kids in changed.items():
+            parent = self.parents[rid]
+            out = parent.make_output(kids)
+            if parent.finished:
+                del self.parents[rid]
+            if out is not None:
+                deliveries.append((parent.collector, out))
+        return deliveries, to_abort
+
+    def _logprob_dict(self, entry) -> dict[int, Logprob]:
+        d: dict[int, Logprob] = {}
+        for rank, (tid, lp) in enumerate(zip(entry.token_ids, entry.logprobs)):
+            if tid in d:
+                continue
+            d[tid] = Logprob(lp, entry.sampled_rank if rank == 0 else rank,
+                             decode_logprob_token(self.tokenizer, tid) if self.tokenizer is not None else None)
+        return d
+
+    def fail_all(self, error: BaseException) -> list[Any]:
+        """Engine died: returns every pending request's collector and forgets them."""
+        collectors = [p.collector for p in self.parents.values()]
+        self.parents.clear()
+        self.children.clear()
+        return collectors

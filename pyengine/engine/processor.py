@@ -1,0 +1,104 @@
+"""Front-end input processing: validates a request and turns it into EngineCoreRequests
+(mirrors vllm/v1/engine/processor.py). Runs on the caller's thread, so bad input is a
+ValueError there and nothing reaches the engine."""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from pyengine.config import EngineConfig
+from pyengine.engine.messages import EngineCoreRequest
+from pyengine.sampling_params import SamplingParams
+
+PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
+
+
+def eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json (may list several), else the config / tokenizer."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(config.model).eos_token_id
+    except Exception:  # no generation_config.json
+        eos = None
+    if eos is None:
+        eos = getattr(config.hf_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    return ids
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class Processor:
+    def __init__(self, config: EngineConfig, tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.hf_config.vocab_size
+        self.eos_token_ids = eos_token_ids(config, tokenizer)
+
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """Returns (prompt text or None, prompt token ids). Raises ValueError."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("A prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("The prompt cannot be empty.")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("The prompt cannot be empty.")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("Prompt token ids must be integers.")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"Prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size}).")
+            return None, list(prompt)
+        raise ValueError(f"A prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
+
+    def process(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams],
+                priority: int = 0, arrival_time: Optional[float] = None
+                ) -> tuple[Optional[str], list[int], SamplingParams, list[EngineCoreRequest]]:
+        """Validate one user request; returns (prompt text, prompt ids, params, core
+        requests: one per each of the n completions). Raises ValueError."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string.")
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        text, ids = self.tokenize(prompt)
+        max_len = self.config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"The prompt ({len(ids)} tokens) is too long: the maximum model length is "
+                             f"{max_len} tokens, including at least one generated token.")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary (size {self.vocab_size}).")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        params = params.clone(all_stop_token_ids=stop_ids)
+        room = max_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        core_reqs = []
+        for i in range(params.n):
+            child = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            core_reqs.append(EngineCoreRequest(child_request_id(request_id, i, params.n), ids, child,
+                                               max_tokens, arrival, priority))
+        return text, ids, params, core_reqs

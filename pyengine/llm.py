@@ -1,0 +1,84 @@
+"""LLM: offline batched generation (mirrors vllm/entrypoints/llm.py)."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Optional, Sequence, Union
+
+from pyengine.config import EngineArgs
+from pyengine.engine.llm_engine import LLMEngine
+from pyengine.outputs import RequestOutput
+from pyengine.sampling_params import RequestOutputKind, SamplingParams
+
+_ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+class LLM:
+    """``LLM(model=None, **engine_args)``: model=None loads the built-in default model.
+
+    Raises ValueError for unknown engine arguments or bad values."""
+
+    def __init__(self, model: Optional[str] = None, **kwargs):
+        unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
+        if unknown:
+            raise ValueError(f"Unknown engine argument(s): {', '.join(unknown)}.")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    @staticmethod
+    def _normalize_prompts(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one tokenized prompt
+        return prompts
+
+    def generate(self, prompts: Union[str, Sequence], sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """Generate for every prompt (a string, a list of strings, or a list of token-id
+        lists); returns one finished RequestOutput per prompt, in input order.
+
+        Raises ValueError for any bad prompt or parameter before anything runs."""
+        prompts = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"Got {len(params)} sampling params for {len(prompts)} prompts.")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts.")
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompts]
+        # Validate everything first so one bad prompt queues nothing.
+        for rid, p, sp in zip(ids, prompts, params):
+            engine.processor.process(rid, p, sp)
+        for i, (rid, p, sp) in enumerate(zip(ids, prompts, params)):
+            engine.add_request(rid, p, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                               priority[i] if priority is not None else 0)
+        return self._run_engine(ids, use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        n_out = 0
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        n_out += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix(output_toks=n_out, refresh=False)
+        except BaseException:
+            self.llm_engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,82 @@
+"""Engine-side request state (mirrors vllm/v1/request.py)."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from pyengine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything after this is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> Optional[str]:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop",
+                   RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort"}
+
+
+class Request:
+    """One sequence inside the engine core.
+
+    Token accounting (all in tokens):
+      num_tokens = len(prompt) + len(output) known on the host;
+      num_output_placeholders: tokens sampled on the device but not yet seen by the host
+        (async scheduling); num_computed_tokens: tokens whose KV is (or is being) written.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 max_tokens: int, arrival_time: Optional[float] = None, priority: int = 0):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int | str] = None
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet admitted
+        self.num_output_placeholders = 0
+        self.num_preemptions = 0  # also the "epoch": outputs scheduled before a preemption are dropped
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> Optional[str]:
+        return RequestStatus.finish_reason(self.status)
+
+    def __lt__(self, other: "Request") -> bool:
+        # Priority order: lower priority value first, then earlier arrival.
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority, other.arrival_time, other.request_id)

@@ -1,0 +1,270 @@
+"""Model runner: turns a SchedulerOutput into model inputs, runs the forward pass and
+samples (mirrors vllm/v1/worker/gpu_model_runner.py).
+
+One code path for CPU and GPU. With async scheduling, the token a decode step feeds may
+have been sampled by the previous step and never seen by the host: it is gathered on the
+device from that step's sampled ids. Sampled ids reach the host through a pinned buffer
+copied on a side stream, with an event the engine waits on only when it consumes them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pyengine.attention.backend import AttentionMetadata, get_backend_cls
+from pyengine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from pyengine.core.kv_cache_manager import cdiv
+from pyengine.core.sched.output import SchedulerOutput
+from pyengine.engine.messages import LogprobsEntry
+from pyengine.models.loader import load_model
+from pyengine.models.registry import model_dims
+from pyengine.worker.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger("pyengine")
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Host-side results, one entry per sampled row (rows with ScheduledRequest.sample)."""
+    sampled_token_ids: list[int]
+    logprobs: Optional[list[LogprobsEntry]] = None
+
+
+class AsyncModelRunnerOutput:
+    """Results still on their way to the host; ``get_output()`` waits for the copy only."""
+
+    def __init__(self, event, host_tokens: torch.Tensor, logprobs_fn, keepalive):
+        self._event, self._host, self._logprobs_fn, self._keepalive = event, host_tokens, logprobs_fn, keepalive
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        out = ModelRunnerOutput(self._host.tolist(), self._logprobs_fn() if self._logprobs_fn else None)
+        self._keepalive = None
+        return out
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.device
+        self.dims = model_dims(config.hf_config)
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        d = self.dims
+        backend_cls = get_backend_cls(config.attention_backend)
+        self.attn_backend = backend_cls(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim ** -0.5,
+                                        config.block_size, config.dtype, config.device)
+        t0 = time.perf_counter()
+        self.model = load_model(config, self.attn_backend)
+        logger.info("Loaded %s in %.2f s", config.model, time.perf_counter() - t0)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
+        self.generators: dict[str, torch.Generator] = {}
+        # Async scheduling: the previous launch's sampled ids (device) and row per request.
+        self._prev_sampled: Optional[torch.Tensor] = None
+        self._prev_rows: dict[str, int] = {}
+        self._is_cuda = self.device.type == "cuda"
+        if self._is_cuda:
+            self._copy_stream = torch.cuda.Stream()
+            self._pinned = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._pinned_idx = 0
+
+    # ---- KV cache ------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        d = self.dims
+        itemsize = torch.empty((), dtype=self.config.dtype).element_size()
+        return 2 * d.num_layers * self.block_size * d.num_kv_heads * d.head_dim * itemsize
+
+    def determine_num_blocks(self) -> int:
+        """From num_gpu_blocks_override, kv_cache_memory_bytes, or (GPU) a profiling forward
+        and gpu_memory_utilization; on CPU a fixed default. Raises ValueError if < 2 blocks fit."""
+        c = self.config
+        per_block = self.kv_bytes_per_block()
+        if c.num_gpu_blocks_override is not None:
+            return c.num_gpu_blocks_override + 1  # + the null block
+        if c.kv_cache_memory_bytes is not None:
+            n = c.kv_cache_memory_bytes // per_block
+        elif self._is_cuda:
+            n = self._profile_num_blocks(per_block)
+        else:
+            # Cap at what max_num_seqs full-length sequences could use.
+            n = min(CPU_DEFAULT_KV_BYTES // per_block, c.max_num_seqs * self.max_blocks_per_req + 1)
+        if n < 2:
+            raise ValueError(f"Not enough memory for the KV cache: {n} blocks of {per_block} bytes fit.")
+        return int(n)
+
+    @torch.inference_mode()
+    def _profile_num_blocks(self, per_block: int) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._dummy_run(self.config.max_num_batched_tokens)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        # Memory not owned by torch's allocator (other processes, CUDA context) stays out of reach.
+        used_elsewhere = total - free - torch.cuda.memory_reserved()
+        budget = total * self.config.gpu_memory_utilization - used_elsewhere - peak
+        logger.info("Profiling: peak %.2f GiB, KV cache budget %.2f GiB", peak / 2**30, budget / 2**30)
+        return int(budget // per_block)
+
+    def _dummy_run(self, num_tokens: int) -> None:
+        """A forward over num_tokens tokens in requests of up to 1024 tokens, writing no KV."""
+        c = self.config
+        dummy_caches = [torch.zeros(2, 2, self.block_size, self.dims.num_kv_heads, self.dims.head_dim,
+                                    dtype=c.dtype, device=self.device) for _ in range(self.dims.num_layers)]
+        self.model.bind_kv_caches(dummy_caches)
+        lens = []
+        left = num_tokens
+        while left > 0:
+            lens.append(min(left, 1024, c.max_model_len))
+            left -= lens[-1]
+        qsl = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32)
+        seq = torch.tensor(lens, dtype=torch.int32)
+        meta = AttentionMetadata(num_tokens, len(lens), max(lens), max(lens), qsl.to(self.device), seq.to(self.device),
+                                 torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
+                                 torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device), qsl, seq)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        hidden = self.model(ids, pos, meta)
+        logits = self.model.compute_logits(hidden[: min(num_tokens, c.max_num_seqs)])
+        del hidden, logits, dummy_caches
+
+    def initialize_kv_cache(self) -> int:
+        """Allocate the paged KV cache; returns the number of blocks (block 0 = null block)."""
+        n = self.determine_num_blocks()
+        d = self.dims
+        self.kv_caches = [torch.zeros(2, n, self.block_size, d.num_kv_heads, d.head_dim,
+                                      dtype=self.config.dtype, device=self.device) for _ in range(d.num_layers)]
+        self.model.bind_kv_caches(self.kv_caches)
+        self.num_blocks = n
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, self.block_size,
+                    n * self.kv_bytes_per_block() / 2**20)
+        return n
+
+    # ---- one step ------------------------------------------------------------------
+    def _prepare_inputs(self, so: SchedulerOutput):
+        sched = so.scheduled
+        T, R, bs = so.total_num_scheduled_tokens, len(sched), self.block_size
+        input_ids = np.empty(T, dtype=np.int64)
+        positions = np.empty(T, dtype=np.int64)
+        slots = np.empty(T, dtype=np.int64)
+        qsl = np.zeros(R + 1, dtype=np.int32)
+        seq_lens = np.empty(R, dtype=np.int32)
+        max_blocks = max(len(s.block_ids) for s in sched)
+        block_table = np.zeros((R, max_blocks), dtype=np.int32)
+        ph_rows, ph_src = [], []
+        off = 0
+        for i, s in enumerate(sched):
+            start, n = s.num_computed_tokens, s.num_new_tokens
+            toks = s.request.all_token_ids[start:start + n]
+            if s.placeholder_input:
+                ph_rows.append(off + n - 1)
+                ph_src.append(self._prev_rows[s.request.request_id])
+                toks.append(0)
+            input_ids[off:off + n] = toks
+            pos = np.arange(start, start + n)
+            positions[off:off + n] = pos
+            bids = np.asarray(s.block_ids, dtype=np.int64)
+            slots[off:off + n] = bids[pos // bs] * bs + pos % bs
+            block_table[i, :len(bids)] = bids
+            seq_lens[i] = start + n
+            off += n
+            qsl[i + 1] = off
+        dev = self.device
+        ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+        if ph_rows:
+            rows = torch.tensor(ph_rows, dtype=torch.int64).to(dev, non_blocking=True)
+            src = torch.tensor(ph_src, dtype=torch.int64).to(dev, non_blocking=True)
+            ids_t[rows] = self._prev_sampled[src]
+        qsl_cpu, seq_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_lens)
+        meta = AttentionMetadata(
+            num_actual_tokens=T, num_reqs=R,
+            max_query_len=int(np.diff(qsl).max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc=qsl_cpu.to(dev, non_blocking=True), seq_lens=seq_cpu.to(dev, non_blocking=True),
+            block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu)
+        return ids_t, torch.from_numpy(positions).to(dev, non_blocking=True), meta, qsl, ph_rows
+
+    def _sampling_metadata(self, sampled, ph_flags) -> SamplingMetadata:
+        params = [s.request.sampling_params for s in sampled]
+        need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                          for p in params)
+        if need_tokens:
+            # A placeholder counts as one more output token (its id is added on the device below).
+            outs = [s.request.output_token_ids + ([-1] if ph else []) for s, ph in zip(sampled, ph_flags)]
+            prompts = [s.request.prompt_token_ids for s in sampled]
+        else:
+            outs = prompts = [()] * len(sampled)
+        gens = []
+        for s in sampled:
+            sp, rid = s.request.sampling_params, s.request.request_id
+            g = None
+            if sp.seed is not None and not sp.sampling_type_greedy:
+                g = self.generators.get(rid)
+                if g is None:
+                    g = self.generators[rid] = torch.Generator(device=self.device)
+                    g.manual_seed(sp.seed)
+            gens.append(g)
+        return SamplingMetadata.build(params, prompts, outs, gens, self.dims.vocab_size, self.device)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False):
+        """Run one step. Returns ModelRunnerOutput, or AsyncModelRunnerOutput when
+        non_blocking (async scheduling)."""
+        for rid in so.finished_req_ids:
+            self.generators.pop(rid, None)
+        ids, pos, meta, qsl, ph_rows = self._prepare_inputs(so)
+        hidden = self.model(ids, pos, meta)
+        sampled = [s for s in so.scheduled if s.sample]
+        idx = [int(qsl[i + 1]) - 1 for i, s in enumerate(so.scheduled) if s.sample]
+        if not sampled:
+            return ModelRunnerOutput([], None) if not non_blocking else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None)
+        logits = self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])
+        ph_flags = [s.placeholder_input for s in sampled]
+        meta_s = self._sampling_metadata(sampled, ph_flags)
+        if not meta_s.no_penalties and any(ph_flags):
+            rows = [i for i, f in enumerate(ph_flags) if f]
+            src = torch.tensor([self._prev_rows[sampled[i].request.request_id] for i in rows], device=self.device)
+            toks = self._prev_sampled[src]
+            meta_s.output_token_counts.index_put_(
+                (torch.tensor(rows, device=self.device), toks),
+                torch.ones(len(rows), dtype=meta_s.output_token_counts.dtype, device=self.device), accumulate=True)
+        out = self.sampler(logits, meta_s)
+        tokens = out.sampled_token_ids
+        self._prev_sampled = tokens
+        self._prev_rows = {s.request.request_id: i for i, s in enumerate(sampled)}
+        k_per_row = [s.request.sampling_params.logprobs for s in sampled]
+        lp_host = None
+        if out.logprobs is not None:
+            lp_host = (out.logprobs_token_ids.to("cpu", non_blocking=True), out.logprobs.to("cpu", non_blocking=True),
+                       out.sampled_token_ranks.to("cpu", non_blocking=True))
+
+        def logprobs_fn():
+            if lp_host is None:
+                return None
+            ids_l, lps_l, ranks_l = (t.tolist() for t in lp_host)
+            return [None if k is None else LogprobsEntry(ids_l[i][:k + 1], lps_l[i][:k + 1], ranks_l[i])
+                    for i, k in enumerate(k_per_row)]
+
+        if not self._is_cuda:
+            return AsyncModelRunnerOutput(None, tokens, logprobs_fn, None) if non_blocking else \
+                ModelRunnerOutput(tokens.tolist(), logprobs_fn())
+        if not non_blocking:
+            return ModelRunnerOutput(tokens.tolist(), logprobs_fn())
+        buf = self._pinned[self._pinned_idx][: len(sampled)]
+        self._pinned_idx ^= 1
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            buf.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return AsyncModelRunnerOutput(event, buf, logprobs_fn, tokens)
