@@ -227,8 +227,8 @@ class SamplingMetadata:
             meta.presence_penalties = packed[3]
             meta.frequency_penalties = packed[4]
             meta.repetition_penalties = packed[5]
-            meta.prompt_token_mask = _token_counts(prompt_token_ids, vocab_size, device,
-                                                   pin) > 0
+            meta.prompt_token_mask = _token_presence(prompt_token_ids, vocab_size, device,
+                                                     pin)
             meta.output_token_counts = _token_counts(output_token_ids, vocab_size, device,
                                                      pin)
         if mt_rows:
@@ -239,24 +239,37 @@ class SamplingMetadata:
         return meta
 
 
-def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int,
-                  device: torch.device, pin: bool) -> torch.Tensor:
-    """Per-row token histograms: int32 [B, V] via ``scatter_add`` on ``device``.
-
-    Rows are right-padded with ``V`` into an extra bin that is dropped, so one scatter
-    covers the ragged batch. Token ids outside ``[0, V)`` are counted in that bin too.
-    """
-    B = len(token_ids)
+def _padded_ids(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device,
+                pin: bool) -> Optional[torch.Tensor]:
+    """Ragged rows right-padded with ``V`` (an extra bin dropped later): int64 [B, L] on
+    ``device``, or None when every row is empty. Ids outside ``[0, V)`` also go to ``V``."""
     max_len = max((len(t) for t in token_ids), default=0)
-    counts = torch.zeros((B, vocab_size + 1), dtype=torch.int32, device=device)
     if max_len == 0:
-        return counts[:, :vocab_size]
+        return None
     padded = torch.tensor([list(ids) + [vocab_size] * (max_len - len(ids)) for ids in token_ids],
                           dtype=torch.int64, pin_memory=pin)
     padded.masked_fill_((padded < 0) | (padded > vocab_size), vocab_size)
-    padded = padded.to(device, non_blocking=True)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
+    return padded.to(device, non_blocking=True)
+
+
+def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int,
+                  device: torch.device, pin: bool) -> torch.Tensor:
+    """Per-row token histograms: int32 [B, V] via ``scatter_add`` on ``device``."""
+    counts = torch.zeros((len(token_ids), vocab_size + 1), dtype=torch.int32, device=device)
+    padded = _padded_ids(token_ids, vocab_size, device, pin)
+    if padded is not None:
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
     return counts[:, :vocab_size]
+
+
+def _token_presence(token_ids: Sequence[Sequence[int]], vocab_size: int,
+                    device: torch.device, pin: bool) -> torch.Tensor:
+    """Per-row presence mask: bool [B, V], True where the token occurs in the row."""
+    mask = torch.zeros((len(token_ids), vocab_size + 1), dtype=torch.bool, device=device)
+    padded = _padded_ids(token_ids, vocab_size, device, pin)
+    if padded is not None:
+        mask.scatter_(1, padded, True)
+    return mask[:, :vocab_size]
 
 
 @dataclass
