@@ -1,0 +1,72 @@
+"""Device kernels with torch fallbacks (role of vllm/_custom_ops.py).
+
+Each op takes the same arguments as the torch function in ``pyengine/layers`` and runs
+the triton kernel (``pyengine/ops/fused.py``) when the input is on a CUDA device, else the
+torch reference from ``pyengine/layers``. Triton is imported only on first CUDA use, so
+CPU-only hosts never need it.
+
+* ``rms_norm(x, weight, eps) -> y``
+* ``fused_add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)``
+* ``silu_and_mul(x [..., 2d]) -> [..., d]``
+* ``apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight=None, k_norm_weight=None,
+  eps=1e-6) -> (q, k)``: neox RoPE, optionally fused with Qwen3's per-head q/k RMSNorm
+  (applied before the rotation).
+
+Set ``PYENGINE_DISABLE_TRITON_OPS=1`` to force the torch versions on CUDA too.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_DISABLED = os.environ.get("PYENGINE_DISABLE_TRITON_OPS") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and not _DISABLED
+
+
+def _fused():
+    from pyengine.ops import fused
+    return fused
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x):
+        return _fused().rms_norm(x, weight, eps)
+    from pyengine.layers.layernorm import rms_norm as ref
+    return ref(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return _fused().fused_add_rms_norm(x, residual, weight, eps)
+    from pyengine.layers.layernorm import fused_add_rms_norm as ref
+    return ref(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        return _fused().silu_and_mul(x)
+    from pyengine.layers.activation import silu_and_mul as ref
+    return ref(x)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
+                 k_norm_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(q):
+        return _fused().apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight,
+                                     k_norm_weight, eps)
+    from pyengine.layers.layernorm import rms_norm as norm_ref
+    from pyengine.layers.rotary import apply_rotary as ref
+    if q_norm_weight is not None:
+        q = norm_ref(q, q_norm_weight, eps)
+        k = norm_ref(k, k_norm_weight, eps)
+    return ref(q, k, positions, cos_sin_cache)
+
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "use_triton"]

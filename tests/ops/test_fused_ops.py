@@ -1,0 +1,126 @@
+"""Triton fused ops (pyengine/ops/fused.py) vs the torch layer functions.
+
+CPU: runs only under ``TRITON_INTERPRET=1`` (triton interpreter, tiny shapes):
+    TRITON_INTERPRET=1 pytest tests/ops
+GPU: ``pytest -m gpu tests/ops`` (realistic shapes).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pyengine.layers import activation, layernorm, rotary  # noqa: E402
+from pyengine.ops import fused  # noqa: E402
+import pyengine.ops as ops  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _dev(kind):
+    if kind == "cpu":
+        if not INTERPRET:
+            pytest.skip("set TRITON_INTERPRET=1 to run triton on CPU")
+        return "cpu"
+    if not HAS_CUDA or INTERPRET:
+        pytest.skip("needs CUDA")
+    return "cuda"
+
+
+def _tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _cache(max_pos, d, dtype, device):
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    return rotary.RotaryEmbedding(d, max_pos, params, dtype).cos_sin_cache.to(device)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(kind, dtype):
+    dev = _dev(kind)
+    hidden = 64 if dev == "cpu" else 1024
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, hidden, generator=g).to(dtype).to(dev)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(dev)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), layernorm.rms_norm(x, w, 1e-6), **_tol(dtype))
+    # strided 3-D view (per-head norm on a slice of a fused qkv output)
+    qkv = torch.randn(5, 6 * 16, generator=g).to(dtype).to(dev)
+    q = qkv[:, : 4 * 16].view(5, 4, 16)
+    w16 = w[:16].contiguous()
+    torch.testing.assert_close(fused.rms_norm(q, w16, 1e-6), layernorm.rms_norm(q, w16, 1e-6), **_tol(dtype))
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(kind, dtype):
+    dev = _dev(kind)
+    hidden = 48 if dev == "cpu" else 4096
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, hidden, generator=g).to(dtype).to(dev)
+    r = torch.randn(9, hidden, generator=g).to(dtype).to(dev)
+    w = torch.randn(hidden, generator=g).to(dtype).to(dev)
+    out, res = fused.fused_add_rms_norm(x, r, w, 1e-5)
+    eout, eres = layernorm.fused_add_rms_norm(x, r, w, 1e-5)
+    # exact on the GPU; the CPU interpreter's fp32->bf16 cast may round differently
+    exact = dev == "cuda" or dtype == torch.float32
+    torch.testing.assert_close(res, eres, **(dict(atol=0, rtol=0) if exact else _tol(dtype)))
+    torch.testing.assert_close(out, eout, **_tol(dtype))
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(kind, dtype):
+    dev = _dev(kind)
+    d = 40 if dev == "cpu" else 3072
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 2 * d, generator=g).to(dtype).to(dev)
+    torch.testing.assert_close(fused.silu_and_mul(x), activation.silu_and_mul(x), **_tol(dtype))
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary(kind, dtype, qk_norm):
+    dev = _dev(kind)
+    hq, hk, d, T = (4, 2, 16, 5) if dev == "cpu" else (16, 8, 128, 37)
+    g = torch.Generator().manual_seed(3)
+    cache = _cache(4096, d, dtype, dev)
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(dtype).to(dev)
+    q = qkv[:, : hq * d].view(T, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    pos = torch.randint(0, 4096, (T,), generator=g).to(dev)
+    if qk_norm:
+        qw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(dev)
+        kw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(dev)
+        eq, ek = rotary.apply_rotary(layernorm.rms_norm(q, qw, 1e-6), layernorm.rms_norm(k, kw, 1e-6),
+                                     pos, cache)
+        oq, ok = fused.apply_rotary(q, k, pos, cache, qw, kw, 1e-6)
+    else:
+        eq, ek = rotary.apply_rotary(q, k, pos, cache)
+        oq, ok = fused.apply_rotary(q, k, pos, cache)
+    torch.testing.assert_close(oq, eq, **_tol(dtype))
+    torch.testing.assert_close(ok, ek, **_tol(dtype))
+
+
+def test_dispatch_cpu_uses_torch():
+    x = torch.randn(3, 8)
+    w = torch.ones(8)
+    assert not ops.use_triton(x)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), layernorm.rms_norm(x, w, 1e-6))
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    cache = _cache(16, 8, torch.float32, "cpu")
+    pos = torch.tensor([1, 5])
+    w8 = torch.rand(8)
+    a = ops.apply_rotary(q, k, pos, cache, w8, w8, 1e-6)
+    b = rotary.apply_rotary(layernorm.rms_norm(q, w8, 1e-6), layernorm.rms_norm(k, w8, 1e-6), pos, cache)
+    torch.testing.assert_close(a, b)
