@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine (each sets itself up): `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A pinned torch: on a CPU-only machine of this project's kind pip takes the local CPU
+# wheel; on a GPU machine PyPI's wheel of the same version is the CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup serve test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+serve: setup
+	$(VENV)/bin/vengine serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
