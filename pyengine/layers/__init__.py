@@ -1,5 +1,9 @@
-"""Model building blocks. Each op is a small function (``rms_norm``, ``fused_add_rms_norm``,
-``silu_and_mul``, ``apply_rotary``) so device kernels can replace it."""
+"""Model building blocks. Each op is a small module-level function (``rms_norm``,
+``fused_add_rms_norm`` in ``layernorm``, ``silu_and_mul`` in ``activation``, ``apply_rotary``
+in ``rotary``) that the modules (RMSNorm, SiluAndMul, RotaryEmbedding) look up at call
+time, so a kernel can replace it by assigning the module attribute, e.g.
+``pyengine.layers.layernorm.rms_norm = triton_rms_norm`` (same signature and semantics).
+The models only call the modules, never the functions directly."""
 from pyengine.layers.activation import SiluAndMul, silu_and_mul
 from pyengine.layers.embedding import LMHead, VocabEmbedding
 from pyengine.layers.layernorm import RMSNorm, fused_add_rms_norm, rms_norm

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pyengine.attention.backend import AttentionBackend, AttentionMetadata
-from pyengine.layers.activation import silu_and_mul
+from pyengine.layers.activation import SiluAndMul
 from pyengine.layers.embedding import LMHead, VocabEmbedding
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import Linear, MergedLinear, QKVLinear
@@ -79,9 +79,10 @@ class GatedMLP(nn.Module):
             raise ValueError(f"Unsupported hidden_act {hidden_act!r}; only 'silu' is supported.")
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, (0, 1), bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
