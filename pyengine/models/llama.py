@@ -10,6 +10,7 @@ backend's business).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -21,6 +22,8 @@ from pyengine.layers.embedding import LMHead, VocabEmbedding
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import Linear, MergedLinear, QKVLinear
 from pyengine.layers.rotary import RotaryEmbedding, get_rope_params
+
+logger = logging.getLogger("pyengine")
 
 
 def config_head_dim(hf_config) -> int:
@@ -158,6 +161,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend):
         super().__init__()
         self.config = hf_config
+        if getattr(hf_config, "sliding_window", None):
+            # Full attention is exact up to the window; beyond it outputs differ from HF.
+            logger.warning("sliding_window=%s in the config is not applied; attention is full-context.",
+                           hf_config.sliding_window)
         self.model = DecoderModel(hf_config, attn_backend, self.qkv_bias(hf_config),
                                   self.o_bias(hf_config), self.qk_norm)
         tie = bool(getattr(hf_config, "tie_word_embeddings", False))
