@@ -1,0 +1,408 @@
+"""Python side of libvengine.so (runs inside the interpreter the library embeds).
+
+The C side (capi/vengine_capi.c) owns every request's state. This module:
+
+- loads engines (``AsyncLLM``) and keeps one ``_Bridge`` per engine handle;
+- submits requests (``add_request`` with DELTA outputs) and registers the C request
+  pointer under the engine request id;
+- from the engine's output-handler thread (``add_output_listener``), drains the
+  collectors of the requests that have new output and pushes the step's deltas into C
+  with one ``vg_push`` call; no host callback ever runs on an engine thread;
+- aborts requests (called from the engine's C control thread), detects a dead engine
+  (watchdog poll, same thread) and shuts engines down.
+
+Module-global state (what the embedding strictly needs, because C refers to engines by
+integer id): ``_ENGINES`` (id -> _Bridge), ``_NEXT_ID`` and the ``ffi``/``lib`` pair
+given to ``install``.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import traceback
+from pathlib import Path
+
+from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
+
+from capi.chat import ChatRequestError, parse_chat_request
+
+OK, INVALID, MODEL_LOAD, RUNTIME, UNKNOWN = 0, 1, 2, 3, 4
+
+_ENGINES: dict[int, "_Bridge"] = {}
+_NEXT_ID = itertools.count(1)
+ffi = lib = None  # set by install()
+
+
+class _Refused(ValueError):
+    """An argument error (-> VLLM_ERR_INVALID_ARGUMENT)."""
+
+
+def _write(buf, size: int, text: str) -> None:
+    if buf == ffi.NULL or size <= 0:
+        return
+    data = text.encode("utf-8", "replace")[: size - 1]
+    ffi.memmove(buf, data + b"\0", len(data) + 1)
+
+
+def _cstr(p) -> str | None:
+    if p == ffi.NULL:
+        return None
+    return ffi.string(p).decode("utf-8")
+
+
+def _request_id(num: int) -> str:
+    return f"capi-{num}"
+
+
+class _Live:
+    __slots__ = ("req", "coll")
+
+    def __init__(self, req):
+        self.req = req   # cdata void*: the C vllm_request, alive until its final delta
+        self.coll = None
+
+
+def _push(batch) -> None:
+    """One vg_push call for a list of (req, text: bytes, token_ids, finished, status,
+    prompt_tokens, finish_reason, error)."""
+    n = len(batch)
+    arr = ffi.new("vg_delta[]", n)
+    blob = b"".join(item[1] for item in batch)
+    tbuf = ffi.from_buffer(blob)
+    flat = [t for item in batch for t in item[2]]
+    tokbuf = ffi.new("int32_t[]", flat) if flat else ffi.NULL
+    keep = []
+    off = toff = 0
+    for i, (req, text, toks, fin, status, plen, reason, err) in enumerate(batch):
+        d = arr[i]
+        d.req = req
+        d.text = tbuf + off
+        d.text_len = len(text)
+        off += len(text)
+        if toks:
+            d.token_ids = tokbuf + toff
+            d.n_tokens = len(toks)
+            toff += len(toks)
+        d.finished = 1 if fin else 0
+        d.status = status
+        d.prompt_tokens = plen
+        if reason:
+            r = ffi.new("char[]", reason.encode())
+            keep.append(r)
+            d.finish_reason = r
+        if err:
+            e = ffi.new("char[]", err.encode("utf-8", "replace"))
+            keep.append(e)
+            d.error = e
+    lib.vg_push(arr, n)
+
+
+class _Bridge:
+    """One loaded engine as seen from the C ABI."""
+
+    def __init__(self, llm: AsyncLLM):
+        self.llm = llm
+        self.lock = threading.Lock()  # guards live; drains + pushes happen under it (order)
+        self.live: dict[str, _Live] = {}
+        self.closed = False
+        self.unsubscribe = llm.add_output_listener(self._on_outputs)
+
+    # -- output thread ------------------------------------------------------
+    def _on_outputs(self, request_ids) -> None:
+        if not self.live:
+            return
+        with self.lock:
+            batch = []
+            for rid in request_ids:
+                ent = self.live.get(rid)
+                if ent is not None and ent.coll is not None:
+                    self._take(rid, ent, batch)
+            if batch:
+                _push(batch)
+
+    def _take(self, rid: str, ent: _Live, batch) -> None:
+        """Drain one collector into ``batch`` (caller holds the lock)."""
+        try:
+            out = ent.coll.get_nowait()
+        except EngineDeadError as e:
+            del self.live[rid]
+            batch.append((ent.req, b"", (), True, RUNTIME, -1, "error", f"engine dead: {e}"))
+            return
+        except Exception as e:  # a collector must not break the stream of others
+            del self.live[rid]
+            batch.append((ent.req, b"", (), True, UNKNOWN, -1, "error",
+                          f"vengine: reading the request's output failed: {e!r}"))
+            return
+        if out is None:
+            return
+        c = out.outputs[0]
+        plen = len(out.prompt_token_ids) if out.prompt_token_ids is not None else -1
+        if out.finished:
+            del self.live[rid]
+        batch.append((ent.req, c.text.encode("utf-8", "replace"), c.token_ids, out.finished, OK,
+                      plen, c.finish_reason, None))
+
+    # -- host threads ---------------------------------------------------------
+    def submit(self, req, num: int, prompt, params: SamplingParams, priority: int) -> None:
+        rid = _request_id(num)
+        ent = _Live(req)
+        with self.lock:
+            if self.closed:
+                raise _Refused("the engine was freed")
+            self.live[rid] = ent
+        try:
+            coll = self.llm.add_request(rid, prompt, params, priority=priority)
+        except BaseException:
+            with self.lock:
+                self.live.pop(rid, None)
+            raise
+        with self.lock:
+            ent.coll = coll
+            if rid in self.live:  # output may already be waiting: drain it now
+                batch = []
+                self._take(rid, ent, batch)
+                if batch:
+                    _push(batch)
+
+    def fail_all(self, status: int, message: str) -> None:
+        with self.lock:
+            batch = []
+            for rid, ent in list(self.live.items()):
+                if ent.coll is not None:  # a final output may be waiting
+                    self._take(rid, ent, batch)
+                if rid in self.live:
+                    del self.live[rid]
+                    batch.append((ent.req, b"", (), True, status, -1, "abort", message))
+            if batch:
+                _push(batch)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+        try:
+            self.unsubscribe()
+        except Exception:
+            pass
+        try:
+            self.llm.shutdown()
+        finally:
+            self.fail_all(RUNTIME, "vllm_engine_free: the engine was freed while the request was running")
+
+
+# ---------------------------------------------------------------------------
+# argument conversion
+
+_UNSUPPORTED_MODEL_STRINGS = ("tool_parser", "reasoning_parser", "speculative_config", "kv_transfer_config")
+
+
+def _engine_args(p) -> EngineArgs:
+    model = _cstr(p.model_path)
+    if not model:
+        raise _Refused("vllm_model_params.model_path is NULL or empty")
+    for name in _UNSUPPORTED_MODEL_STRINGS:
+        if _cstr(getattr(p, name)):
+            raise _Refused(f"vllm_model_params.{name} is set, but vengine does not support it")
+    kw = {"model": model}
+    tok = _cstr(p.tokenizer_config_path)
+    if tok:
+        tp = Path(tok)
+        kw["tokenizer"] = str(tp.parent if tp.is_file() else tp)
+    if p.block_size > 0:
+        kw["block_size"] = int(p.block_size)
+    if p.num_blocks > 0:
+        kw["num_gpu_blocks_override"] = int(p.num_blocks)
+    if p.max_model_len > 0:
+        kw["max_model_len"] = int(p.max_model_len)
+    if p.max_num_seqs > 0:
+        kw["max_num_seqs"] = int(p.max_num_seqs)
+    if p.enable_prefix_caching not in (0, 1, 2):
+        raise _Refused(f"vllm_model_params.enable_prefix_caching must be 0, 1 or 2, got {p.enable_prefix_caching}")
+    if p.enable_prefix_caching:
+        kw["enable_prefix_caching"] = p.enable_prefix_caching == 1
+    if p.max_num_batched_tokens > 0:
+        kw["max_num_batched_tokens"] = int(p.max_num_batched_tokens)
+    policy = _cstr(p.scheduling_policy)
+    if policy:
+        kw["scheduling_policy"] = policy
+    if p.enable_jump_forward == 1:
+        raise _Refused("vllm_model_params.enable_jump_forward=1: vengine does not support jump-forward decoding")
+    if p.enable_jump_forward not in (0, 2):
+        raise _Refused(f"vllm_model_params.enable_jump_forward must be 0, 1 or 2, got {p.enable_jump_forward}")
+    devices = {0: "auto", 1: "cpu", 2: "cuda"}
+    if p.device not in devices:
+        raise _Refused(f"vllm_model_params.device must be 0 (auto), 1 (cpu) or 2 (cuda), got {p.device}")
+    kw["device"] = devices[p.device]
+    if p.gpu_memory_utilization != 0:
+        kw["gpu_memory_utilization"] = float(p.gpu_memory_utilization)
+    if p.kv_cache_memory_bytes < 0:
+        raise _Refused(f"vllm_model_params.kv_cache_memory_bytes must be >= 0, got {p.kv_cache_memory_bytes}")
+    if p.kv_cache_memory_bytes > 0:
+        kw["kv_cache_memory_bytes"] = int(p.kv_cache_memory_bytes)
+    return EngineArgs(**kw)
+
+
+def _strings(arr, n: int, what: str) -> list[str]:
+    if n < 0:
+        raise _Refused(f"vllm_sampling_params.n_{what} must be >= 0, got {n}")
+    if n == 0:
+        return []
+    if arr == ffi.NULL:
+        raise _Refused(f"vllm_sampling_params.{what} is NULL but n_{what} = {n}")
+    out = []
+    for i in range(n):
+        if arr[i] == ffi.NULL:
+            raise _Refused(f"vllm_sampling_params.{what}[{i}] is NULL")
+        out.append(ffi.string(arr[i]).decode("utf-8"))
+    return out
+
+
+def _sampling(sp) -> tuple[SamplingParams, int]:
+    for name in ("structured_json", "structured_regex", "structured_grammar", "structured_choice",
+                 "logits_processor"):
+        if getattr(sp, name) != ffi.NULL:
+            raise _Refused(f"vllm_sampling_params.{name} is set, but vengine does not support it")
+    if sp.n_structured_choice != 0:
+        raise _Refused("vllm_sampling_params.n_structured_choice is set, but vengine does not support structured output")
+    if sp.structured_json_object != 0:
+        raise _Refused("vllm_sampling_params.structured_json_object is set, but vengine does not support it")
+    try:
+        params = SamplingParams(
+            temperature=float(sp.temperature), top_p=float(sp.top_p), top_k=int(sp.top_k),
+            min_p=float(sp.min_p), max_tokens=int(sp.max_tokens) if sp.max_tokens > 0 else None,
+            seed=int(sp.seed) if sp.has_seed else None,
+            presence_penalty=float(sp.presence_penalty), frequency_penalty=float(sp.frequency_penalty),
+            repetition_penalty=float(sp.repetition_penalty), min_tokens=int(sp.min_tokens),
+            ignore_eos=bool(sp.ignore_eos), stop=_strings(sp.stop, sp.n_stop, "stop"),
+            output_kind=RequestOutputKind.DELTA)
+    except _Refused:
+        raise
+    except ValueError as e:
+        raise _Refused(f"vllm_sampling_params: {e}") from None
+    return params, int(sp.priority)
+
+
+def _bridge(eng_id: int) -> _Bridge:
+    br = _ENGINES.get(eng_id)
+    if br is None or br.closed:
+        raise _Refused("the engine was freed")
+    return br
+
+
+def _status_of(e: BaseException) -> int:
+    if isinstance(e, (_Refused, ValueError, UnicodeDecodeError)):
+        return INVALID
+    if isinstance(e, EngineDeadError):
+        return RUNTIME
+    return UNKNOWN
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, (ValueError, EngineDeadError)):
+        return str(e) or type(e).__name__
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+# ---------------------------------------------------------------------------
+# the functions C calls (extern "Python")
+
+def install(ffi_, lib_) -> None:
+    global ffi, lib
+    ffi, lib = ffi_, lib_
+
+    @ffi.def_extern(error=UNKNOWN)
+    def _vg_py_load(p, eng_id_out, name_buf, namelen, err, errlen):
+        try:
+            args = _engine_args(p)
+            model = Path(args.model)
+            if not model.is_dir():
+                _write(err, errlen, f"vllm_engine_load: model_path {args.model!r} is not a directory")
+                return MODEL_LOAD
+            if not (model / "config.json").is_file():
+                _write(err, errlen, f"vllm_engine_load: model_path {args.model!r} has no config.json")
+                return MODEL_LOAD
+            try:
+                args.create_engine_config()  # argument errors -> INVALID_ARGUMENT
+            except ValueError as e:
+                _write(err, errlen, f"vllm_engine_load: {e}")
+                return INVALID
+            llm = AsyncLLM.from_engine_args(args)
+        except _Refused as e:
+            _write(err, errlen, f"vllm_engine_load: {e}")
+            return INVALID
+        except BaseException as e:
+            _write(err, errlen, f"vllm_engine_load: loading the model failed: {_message(e)}")
+            return MODEL_LOAD
+        try:
+            eid = next(_NEXT_ID)
+            _ENGINES[eid] = _Bridge(llm)
+            eng_id_out[0] = eid
+            cfg = getattr(llm, "config", None)
+            _write(name_buf, namelen, str(getattr(cfg, "served_model_name", None) or model.name))
+            return OK
+        except BaseException as e:
+            try:
+                llm.shutdown()
+            except BaseException:
+                pass
+            _write(err, errlen, f"vllm_engine_load: {_message(e)}")
+            return UNKNOWN
+
+    @ffi.def_extern(error=UNKNOWN)
+    def _vg_py_submit(eng_id, req, num, prompt, toks, ntoks, sp, err, errlen):
+        try:
+            br = _bridge(eng_id)
+            params, priority = _sampling(sp)
+            if prompt != ffi.NULL:
+                text = ffi.string(prompt).decode("utf-8")
+            else:
+                text = list(ffi.unpack(toks, ntoks))
+            br.submit(req, int(num), text, params, priority)
+            return OK
+        except BaseException as e:
+            _write(err, errlen, _message(e))
+            return _status_of(e)
+
+    @ffi.def_extern(error=UNKNOWN)
+    def _vg_py_submit_chat(eng_id, req, num, raw, flags_out, err, errlen):
+        try:
+            br = _bridge(eng_id)
+            prompt_ids, params, priority, flags = parse_chat_request(
+                ffi.string(raw).decode("utf-8"), br.llm.tokenizer, SamplingParams,
+                RequestOutputKind.DELTA)
+            flags_out[0] = flags
+            br.submit(req, int(num), prompt_ids, params, priority)
+            return OK
+        except ChatRequestError as e:
+            _write(err, errlen, f"vllm_chat: {e}")
+            return INVALID
+        except BaseException as e:
+            _write(err, errlen, _message(e))
+            return _status_of(e)
+
+    @ffi.def_extern()
+    def _vg_py_abort(eng_id, nums, n):
+        br = _ENGINES.get(eng_id)
+        if br is None or br.closed:
+            return
+        try:
+            br.llm.abort([_request_id(x) for x in ffi.unpack(nums, n)])
+        except BaseException:
+            pass  # a dead engine is caught by the poll below
+
+    @ffi.def_extern()
+    def _vg_py_poll(eng_id):
+        br = _ENGINES.get(eng_id)
+        if br is None or br.closed:
+            return
+        if getattr(br.llm, "errored", False):
+            err = getattr(br.llm, "dead_error", None)
+            br.fail_all(RUNTIME, f"engine dead: {err!r}" if err is not None else "engine dead")
+
+    @ffi.def_extern()
+    def _vg_py_engine_free(eng_id):
+        br = _ENGINES.pop(eng_id, None)
+        if br is not None:
+            try:
+                br.close()
+            except BaseException:
+                traceback.print_exc()

@@ -1,0 +1,1133 @@
+/*
+ * vengine C ABI: the C half of libvengine.so.
+ *
+ * This file is the `set_source` preamble of the cffi embedding build
+ * (capi/build.py). Every exported vllm_* function is a plain C function
+ * defined here: it checks its arguments, starts the embedded Python when
+ * needed and returns a real status (cffi's own Python-implemented exports
+ * would return 0 == VLLM_OK when Python failed to start).
+ *
+ * Request state lives here, in C: a malloc'd struct with atomics, a mutex, a
+ * condition variable, a queue of deltas and the error string, so done / error /
+ * wait / cancel never take the GIL. Python pushes one batch of deltas per
+ * engine step (vg_push); a C thread per request (or the caller's own thread,
+ * for the blocking calls) runs the host callbacks, in order, never two at once
+ * for one request. Aborts and the engine-death watchdog run on one C control
+ * thread per engine, the only library thread that takes the GIL.
+ *
+ * Build-time defines (from capi/build.py): VG_PYTHON_EXECUTABLE,
+ * VG_LIBPYTHON_SONAME, VG_VERSION.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <Python.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "vllm.h"
+
+/* ------------------------------------------------------------------------ */
+/* shared with Python (also declared in capi/_cdef.h)                        */
+
+typedef struct vg_delta {
+  void* req;                 /* vllm_request* */
+  const char* text;          /* delta text, text_len bytes (not NUL-terminated) */
+  int64_t text_len;
+  const int32_t* token_ids;  /* delta token ids */
+  int32_t n_tokens;
+  int32_t finished;          /* 1: last delta of the request */
+  int32_t status;            /* vllm_status of a finished request */
+  int32_t prompt_tokens;     /* prompt length in tokens (or -1) */
+  const char* finish_reason; /* NUL-terminated or NULL */
+  const char* error;         /* NUL-terminated or NULL */
+} vg_delta;
+
+#define VG_ERRLEN 4096
+
+/* Implemented in Python (capi/_impl.py); generated after this preamble. */
+static int32_t _vg_py_ready(char* err, int32_t errlen);
+static int32_t _vg_py_load(const vllm_model_params* p, int64_t* eng_id, char* model_name,
+                           int32_t namelen, char* err, int32_t errlen);
+static int32_t _vg_py_submit(int64_t eng_id, void* req, uint64_t num, const char* prompt,
+                             const int32_t* toks, int32_t ntoks, const vllm_sampling_params* sp,
+                             char* err, int32_t errlen);
+static int32_t _vg_py_submit_chat(int64_t eng_id, void* req, uint64_t num, const char* json,
+                                  int32_t* flags, char* err, int32_t errlen);
+static void _vg_py_abort(int64_t eng_id, const uint64_t* nums, int32_t n);
+static void _vg_py_poll(int64_t eng_id);
+static void _vg_py_engine_free(int64_t eng_id);
+
+/* ------------------------------------------------------------------------ */
+/* errors                                                                    */
+
+static _Thread_local char vg_tls_err[VG_ERRLEN];
+
+static void vg_set_err(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+static void vg_set_err(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(vg_tls_err, sizeof vg_tls_err, fmt, ap);
+  va_end(ap);
+}
+static void vg_clear_err(void) { vg_tls_err[0] = '\0'; }
+
+static vllm_status vg_fail(vllm_status st, const char* msg) {
+  vg_set_err("%s", msg);
+  return st;
+}
+
+static char* vg_strdup(const char* s) {
+  size_t n = strlen(s);
+  char* d = (char*)malloc(n + 1);
+  if (d) memcpy(d, s, n + 1);
+  return d;
+}
+
+/* ------------------------------------------------------------------------ */
+/* process state                                                             */
+
+static atomic_int g_py_started;   /* 1 once Python has been started in this process */
+static atomic_int g_forked;       /* 1 in a child forked after Python started */
+static atomic_int g_exiting;      /* 1 once the atexit handler ran: no more callbacks */
+static atomic_uint_fast64_t g_next_req = 1;
+
+static pthread_once_t g_py_once = PTHREAD_ONCE_INIT;
+static vllm_status g_py_status = VLLM_ERR_RUNTIME;
+static char g_py_msg[VG_ERRLEN];
+
+static pthread_mutex_t g_engines_mu = PTHREAD_MUTEX_INITIALIZER;
+static vllm_engine* g_engines; /* live (not yet freed) engines, for atexit */
+static pthread_once_t g_atexit_once = PTHREAD_ONCE_INIT;
+
+static void vg_atfork_child(void) {
+  if (atomic_load(&g_py_started)) atomic_store(&g_forked, 1);
+}
+
+__attribute__((constructor)) static void vg_ctor(void) {
+  /* A host that dlopen()s us with RTLD_LOCAL hides libpython's symbols from the
+   * extension modules Python will import (torch, ...). Promote it to global. */
+  (void)dlopen(VG_LIBPYTHON_SONAME, RTLD_NOW | RTLD_NOLOAD | RTLD_GLOBAL);
+  pthread_atfork(NULL, NULL, vg_atfork_child);
+}
+
+static int vg_check_fork(void) {
+  if (atomic_load(&g_forked)) {
+    vg_set_err("vengine: called in a child process forked after the engine's Python runtime "
+               "started; the engine threads do not exist here. Load the library in the child "
+               "before starting Python in the parent, or exec a new program.");
+    return 1;
+  }
+  return 0;
+}
+
+static void vg_py_start_once(void) {
+  if (!Py_IsInitialized()) {
+    PyConfig config;
+    PyConfig_InitPythonConfig(&config);
+    config.install_signal_handlers = 0;
+    config.parse_argv = 0;
+    const char* exe = getenv("VENGINE_PYTHON");
+    if (!exe || !*exe) exe = VG_PYTHON_EXECUTABLE;
+    PyStatus st = PyConfig_SetBytesString(&config, &config.executable, exe);
+    if (!PyStatus_Exception(st)) st = PyConfig_SetBytesString(&config, &config.program_name, exe);
+    if (!PyStatus_Exception(st)) st = Py_InitializeFromConfig(&config);
+    PyConfig_Clear(&config);
+    if (PyStatus_Exception(st)) {
+      snprintf(g_py_msg, sizeof g_py_msg,
+               "vengine: the embedded Python (executable %s; set VENGINE_PYTHON to change it) "
+               "failed to start: %s%s%s",
+               exe, st.func ? st.func : "", st.func ? ": " : "", st.err_msg ? st.err_msg : "?");
+      g_py_status = VLLM_ERR_RUNTIME;
+      return;
+    }
+    atomic_store(&g_py_started, 1);
+    PyEval_SaveThread(); /* release the GIL; cffi re-acquires it per call */
+  } else {
+    atomic_store(&g_py_started, 1);
+  }
+  if (cffi_start_python() != 0) {
+    snprintf(g_py_msg, sizeof g_py_msg,
+             "vengine: the embedded Python started but libvengine's init code failed "
+             "(traceback on stderr)");
+    g_py_status = VLLM_ERR_RUNTIME;
+    return;
+  }
+  char buf[VG_ERRLEN];
+  buf[0] = '\0';
+  if (_vg_py_ready(buf, (int32_t)sizeof buf) != 1) {
+    snprintf(g_py_msg, sizeof g_py_msg,
+             "vengine: the embedded Python could not import the engine (check VENGINE_PYTHON, "
+             "VENGINE_PYTHONPATH, PYTHONHOME, PYTHONPATH): %s",
+             buf[0] ? buf : "Python-side initialization did not run");
+    g_py_status = VLLM_ERR_RUNTIME;
+    return;
+  }
+  g_py_status = VLLM_OK;
+}
+
+/* Starts Python once per process; returns VLLM_OK or sets the thread's error. */
+static vllm_status vg_py_start(void) {
+  pthread_once(&g_py_once, vg_py_start_once);
+  if (g_py_status != VLLM_OK) vg_set_err("%s", g_py_msg);
+  return g_py_status;
+}
+
+/* ------------------------------------------------------------------------ */
+/* engine and request structs                                                */
+
+typedef struct vg_node {
+  struct vg_node* next;
+  char* text; /* NUL-terminated */
+  size_t text_len;
+  int32_t* toks;
+  int32_t ntoks;
+  int32_t finished;
+  int32_t status;
+  int32_t prompt_tokens;
+  const char* finish_reason; /* static */
+  char* error;               /* malloc'd or NULL */
+} vg_node;
+
+struct vllm_engine {
+  int64_t id; /* key of the Python-side bridge */
+  char model_name[256];
+  atomic_int refs;   /* the host's handle + one per request */
+  atomic_int closed; /* vllm_engine_free started */
+  atomic_int live;   /* requests whose final delta has not arrived yet */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint64_t* aborts; /* request numbers to abort (control thread) */
+  size_t naborts, capaborts;
+  int stop;
+  pthread_t ctl;
+  vllm_engine* next_live; /* g_engines list */
+};
+
+enum { VG_MODE_THREAD = 0, VG_MODE_PUMP = 1 };
+
+struct vllm_request {
+  vllm_engine* eng;
+  uint64_t num;
+  int mode;
+  vllm_token_callback cb;
+  void* ud;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  vg_node *head, *tail;
+  atomic_int refs;        /* host handle (or pump caller) + Python until the final delta */
+  atomic_int cancelled;   /* host asked to stop */
+  atomic_int terminal_in; /* the final delta was pushed */
+  atomic_int done;        /* the final callback returned */
+  atomic_int in_cb;       /* a callback of this request is running ... */
+  pthread_t cb_thread;    /* ... on this thread */
+  int has_thread;
+  pthread_t thread;
+  /* results, valid once done */
+  vllm_status status;
+  char* error;
+  const char* finish_reason;
+  int32_t prompt_tokens;
+  int32_t completion_tokens;
+};
+
+static const char* vg_reason(const char* r) {
+  static const char* const known[] = {"stop", "length", "abort", "error", "tool_calls"};
+  if (!r) return NULL;
+  for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+    if (strcmp(r, known[i]) == 0) return known[i];
+  return "stop";
+}
+
+static void vg_node_free(vg_node* n) {
+  if (!n) return;
+  free(n->text);
+  free(n->toks);
+  free(n->error);
+  free(n);
+}
+
+static void vg_engine_decref(vllm_engine* e) {
+  if (atomic_fetch_sub(&e->refs, 1) != 1) return;
+  pthread_mutex_destroy(&e->mu);
+  pthread_cond_destroy(&e->cv);
+  free(e->aborts);
+  free(e);
+}
+
+static void vg_req_decref(vllm_request* r) {
+  if (atomic_fetch_sub(&r->refs, 1) != 1) return;
+  vg_node* n = r->head;
+  while (n) {
+    vg_node* nx = n->next;
+    vg_node_free(n);
+    n = nx;
+  }
+  free(r->error);
+  pthread_mutex_destroy(&r->mu);
+  pthread_cond_destroy(&r->cv);
+  vllm_engine* e = r->eng;
+  free(r);
+  vg_engine_decref(e);
+}
+
+static vllm_request* vg_req_new(vllm_engine* e, int mode, vllm_token_callback cb, void* ud) {
+  vllm_request* r = (vllm_request*)calloc(1, sizeof *r);
+  if (!r) return NULL;
+  r->eng = e;
+  r->num = atomic_fetch_add(&g_next_req, 1);
+  r->mode = mode;
+  r->cb = cb;
+  r->ud = ud;
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+  atomic_init(&r->refs, 2); /* caller + Python */
+  r->status = VLLM_OK;
+  r->prompt_tokens = -1;
+  atomic_fetch_add(&e->refs, 1);
+  atomic_fetch_add(&e->live, 1);
+  return r;
+}
+
+/* Ask the control thread to abort request `num` in the engine. Never blocks on
+ * Python. */
+static void vg_engine_queue_abort(vllm_engine* e, uint64_t num) {
+  pthread_mutex_lock(&e->mu);
+  if (!e->stop) {
+    if (e->naborts == e->capaborts) {
+      size_t cap = e->capaborts ? e->capaborts * 2 : 16;
+      uint64_t* a = (uint64_t*)realloc(e->aborts, cap * sizeof *a);
+      if (a) {
+        e->aborts = a;
+        e->capaborts = cap;
+      }
+    }
+    if (e->naborts < e->capaborts) e->aborts[e->naborts++] = num;
+    pthread_cond_signal(&e->cv);
+  }
+  pthread_mutex_unlock(&e->mu);
+}
+
+static void vg_cancel_internal(vllm_request* r) {
+  if (atomic_exchange(&r->cancelled, 1)) return;
+  if (atomic_load(&r->terminal_in)) return;
+  vg_engine_queue_abort(r->eng, r->num);
+}
+
+/* Append one node to a request's queue (takes ownership of n). Called by
+ * vg_push (from Python, GIL released) and by the C side for synthetic
+ * final deltas. Releases Python's reference on the final delta. */
+static void vg_req_enqueue(vllm_request* r, vg_node* n) {
+  int fin = n->finished;
+  if (fin && atomic_exchange(&r->terminal_in, 1)) { /* a second final delta: drop */
+    vg_node_free(n);
+    return;
+  }
+  vllm_engine* e = r->eng;
+  pthread_mutex_lock(&r->mu);
+  if (r->tail)
+    r->tail->next = n;
+  else
+    r->head = n;
+  r->tail = n;
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+  if (fin) {
+    atomic_fetch_sub(&e->live, 1);
+    vg_req_decref(r);
+  }
+}
+
+static vg_node* vg_node_make(const char* text, size_t len, const int32_t* toks, int32_t ntoks) {
+  vg_node* n = (vg_node*)calloc(1, sizeof *n);
+  if (!n) return NULL;
+  n->text = (char*)malloc(len + 1);
+  if (!n->text) {
+    free(n);
+    return NULL;
+  }
+  if (len) memcpy(n->text, text, len);
+  n->text[len] = '\0';
+  n->text_len = len;
+  if (ntoks > 0 && toks) {
+    n->toks = (int32_t*)malloc(sizeof(int32_t) * (size_t)ntoks);
+    if (n->toks) {
+      memcpy(n->toks, toks, sizeof(int32_t) * (size_t)ntoks);
+      n->ntoks = ntoks;
+    }
+  }
+  n->prompt_tokens = -1;
+  return n;
+}
+
+/* One engine step's worth of deltas, from Python. */
+static void vg_push(const vg_delta* d, int32_t n) {
+  for (int32_t i = 0; i < n; i++) {
+    vllm_request* r = (vllm_request*)d[i].req;
+    vg_node* node = vg_node_make(d[i].text, (size_t)d[i].text_len, d[i].token_ids, d[i].n_tokens);
+    if (!node && d[i].finished) node = vg_node_make("", 0, NULL, 0); /* the end must arrive */
+    if (!node) {
+      if (!d[i].finished) continue;
+      abort();
+    }
+    node->finished = d[i].finished;
+    node->status = d[i].status;
+    node->prompt_tokens = d[i].prompt_tokens;
+    node->finish_reason = vg_reason(d[i].finish_reason);
+    if (d[i].error && d[i].error[0]) node->error = vg_strdup(d[i].error);
+    vg_req_enqueue(r, node);
+  }
+}
+
+/* A synthetic final delta from the C side (failed submit, dead engine, ...). */
+static void vg_push_final(vllm_request* r, vllm_status st, const char* reason, const char* err) {
+  vg_delta d;
+  memset(&d, 0, sizeof d);
+  d.req = r;
+  d.text = "";
+  d.finished = 1;
+  d.status = st;
+  d.prompt_tokens = -1;
+  d.finish_reason = reason;
+  d.error = err;
+  vg_push(&d, 1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* delivery                                                                  */
+
+/* A handler sees every delta of a request in order, on one thread. It returns
+ * false to cancel the request. `finished` comes exactly once, last. */
+typedef bool (*vg_handler)(void* ctx, vllm_request* r, const vg_node* n, bool cancelled);
+
+static void vg_deliver(vllm_request* r, vg_handler h, void* ctx) {
+  pthread_mutex_lock(&r->mu);
+  for (;;) {
+    while (!r->head) pthread_cond_wait(&r->cv, &r->mu);
+    vg_node* n = r->head;
+    r->head = n->next;
+    if (!r->head) r->tail = NULL;
+    int fin = n->finished;
+    if (n->prompt_tokens >= 0) r->prompt_tokens = n->prompt_tokens;
+    r->completion_tokens += n->ntoks;
+    if (fin) {
+      r->status = (vllm_status)n->status;
+      r->finish_reason = n->finish_reason;
+      r->error = n->error;
+      n->error = NULL;
+    }
+    pthread_mutex_unlock(&r->mu);
+
+    bool cancelled = atomic_load(&r->cancelled) != 0;
+    if (!atomic_load(&g_exiting)) {
+      r->cb_thread = pthread_self();
+      atomic_store(&r->in_cb, 1);
+      bool keep = h(ctx, r, n, cancelled);
+      atomic_store(&r->in_cb, 0);
+      if (!keep && !fin) vg_cancel_internal(r);
+    }
+    vg_node_free(n);
+    pthread_mutex_lock(&r->mu);
+    if (fin) break;
+  }
+  atomic_store(&r->done, 1);
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+}
+
+static int vg_in_own_callback(const vllm_request* r) {
+  return atomic_load(&r->in_cb) && pthread_equal(r->cb_thread, pthread_self());
+}
+
+/* The host-callback handler: text deltas, then one ("", true). Text that
+ * arrives after a cancel is dropped. */
+static bool vg_host_handler(void* ctx, vllm_request* r, const vg_node* n, bool cancelled) {
+  (void)ctx;
+  if (!r->cb) return true;
+  bool keep = true;
+  if (!cancelled && n->text && n->text_len > 0) {
+    keep = r->cb(n->text, false, r->ud);
+    if (!keep) vg_cancel_internal(r);
+  }
+  if (n->finished) r->cb("", true, r->ud);
+  return keep;
+}
+
+static void* vg_delivery_main(void* arg) {
+  vllm_request* r = (vllm_request*)arg;
+  vg_deliver(r, vg_host_handler, NULL);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* engine control thread: aborts and the engine-death watchdog               */
+
+static void* vg_ctl_main(void* arg) {
+  vllm_engine* e = (vllm_engine*)arg;
+  pthread_mutex_lock(&e->mu);
+  for (;;) {
+    if (e->stop) break;
+    if (e->naborts > 0) {
+      size_t n = e->naborts;
+      uint64_t* a = (uint64_t*)malloc(n * sizeof *a);
+      if (a) memcpy(a, e->aborts, n * sizeof *a);
+      e->naborts = 0;
+      pthread_mutex_unlock(&e->mu);
+      if (a) _vg_py_abort(e->id, a, (int32_t)n);
+      free(a);
+      pthread_mutex_lock(&e->mu);
+      continue;
+    }
+    if (atomic_load(&e->live) > 0) {
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      ts.tv_nsec += 250 * 1000000L;
+      if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec += 1;
+        ts.tv_nsec -= 1000000000L;
+      }
+      int rc = pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+      if (rc == ETIMEDOUT && !e->stop && e->naborts == 0 && atomic_load(&e->live) > 0) {
+        pthread_mutex_unlock(&e->mu);
+        _vg_py_poll(e->id); /* fails every live request if the engine died */
+        pthread_mutex_lock(&e->mu);
+      }
+    } else {
+      pthread_cond_wait(&e->cv, &e->mu);
+    }
+  }
+  pthread_mutex_unlock(&e->mu);
+  return NULL;
+}
+
+static void vg_engine_wake(vllm_engine* e) {
+  pthread_mutex_lock(&e->mu);
+  pthread_cond_signal(&e->cv);
+  pthread_mutex_unlock(&e->mu);
+}
+
+/* ------------------------------------------------------------------------ */
+/* exit                                                                      */
+
+static pthread_mutex_t g_exit_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_exit_cv = PTHREAD_COND_INITIALIZER;
+static int g_exit_done;
+
+static void* vg_exit_main(void* arg) {
+  (void)arg;
+  for (;;) {
+    pthread_mutex_lock(&g_engines_mu);
+    vllm_engine* e = g_engines;
+    pthread_mutex_unlock(&g_engines_mu);
+    if (!e) break;
+    vllm_engine_free(e); /* unlinks e */
+  }
+  pthread_mutex_lock(&g_exit_mu);
+  g_exit_done = 1;
+  pthread_cond_broadcast(&g_exit_cv);
+  pthread_mutex_unlock(&g_exit_mu);
+  return NULL;
+}
+
+/* Hosts that exit without vllm_engine_free: stop and join the engine threads
+ * with a bounded wait, so nothing runs while the process tears down. Python is
+ * never finalized. */
+static void vg_atexit(void) {
+  if (atomic_load(&g_forked)) return;
+  atomic_store(&g_exiting, 1);
+  pthread_mutex_lock(&g_engines_mu);
+  int any = g_engines != NULL;
+  pthread_mutex_unlock(&g_engines_mu);
+  if (!any) return;
+  double timeout = 10.0;
+  const char* t = getenv("VENGINE_EXIT_TIMEOUT");
+  if (t && *t) timeout = atof(t);
+  pthread_t th;
+  if (pthread_create(&th, NULL, vg_exit_main, NULL) != 0) return;
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += (time_t)timeout;
+  ts.tv_nsec += (long)((timeout - (double)(time_t)timeout) * 1e9);
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec += 1;
+    ts.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&g_exit_mu);
+  int rc = 0;
+  while (!g_exit_done && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&g_exit_cv, &g_exit_mu, &ts);
+  int ok = g_exit_done;
+  pthread_mutex_unlock(&g_exit_mu);
+  if (ok)
+    pthread_join(th, NULL);
+  else {
+    fprintf(stderr, "vengine: engine shutdown at exit did not finish within %.1fs; exiting anyway\n",
+            timeout);
+    pthread_detach(th);
+  }
+}
+
+static void vg_register_atexit(void) { atexit(vg_atexit); }
+
+/* ------------------------------------------------------------------------ */
+/* exported API                                                              */
+
+#define VG_EXPORT __attribute__((visibility("default")))
+
+VG_EXPORT const char* vllm_last_error(void) { return vg_tls_err; }
+VG_EXPORT const char* vllm_version(void) { return VG_VERSION; }
+VG_EXPORT int32_t vllm_abi_version(void) { return VLLM_ABI_VERSION; }
+
+VG_EXPORT void vllm_model_params_init(vllm_model_params* p) {
+  if (!p) return;
+  memset(p, 0, sizeof *p);
+  p->gpu_memory_utilization = 0.9;
+}
+
+VG_EXPORT void vllm_sampling_params_init(vllm_sampling_params* p) {
+  if (!p) return;
+  memset(p, 0, sizeof *p);
+  p->temperature = 1.0f;
+  p->top_p = 1.0f;
+  p->top_k = 0;
+  p->min_p = 0.0f;
+  p->max_tokens = 16;
+  p->repetition_penalty = 1.0f;
+}
+
+VG_EXPORT vllm_model_params vllm_model_params_default(void) {
+  vllm_model_params p;
+  vllm_model_params_init(&p);
+  return p;
+}
+
+VG_EXPORT vllm_sampling_params vllm_sampling_params_default(void) {
+  vllm_sampling_params p;
+  vllm_sampling_params_init(&p);
+  return p;
+}
+
+VG_EXPORT void vllm_string_free(char* s) { free(s); }
+
+VG_EXPORT void vllm_completion_free(vllm_completion* c) {
+  if (!c) return;
+  free(c->text);
+  memset(c, 0, sizeof *c);
+}
+
+VG_EXPORT vllm_status vllm_engine_load(const vllm_model_params* params, vllm_engine** out) {
+  vg_clear_err();
+  if (out) *out = NULL;
+  if (!params) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_engine_load: params is NULL");
+  if (!out) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_engine_load: out is NULL");
+  if (!params->model_path || !params->model_path[0])
+    return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_engine_load: params->model_path is NULL or empty");
+  if (vg_check_fork()) return VLLM_ERR_RUNTIME;
+  vllm_status st = vg_py_start();
+  if (st != VLLM_OK) return st;
+
+  vllm_engine* e = (vllm_engine*)calloc(1, sizeof *e);
+  if (!e) return vg_fail(VLLM_ERR_RUNTIME, "vllm_engine_load: out of memory");
+  pthread_mutex_init(&e->mu, NULL);
+  pthread_cond_init(&e->cv, NULL);
+  atomic_init(&e->refs, 1);
+  char err[VG_ERRLEN];
+  err[0] = '\0';
+  st = (vllm_status)_vg_py_load(params, &e->id, e->model_name, (int32_t)sizeof e->model_name, err,
+                                (int32_t)sizeof err);
+  if (st != VLLM_OK) {
+    vg_set_err("%s", err[0] ? err : "vllm_engine_load failed");
+    vg_engine_decref(e);
+    return st;
+  }
+  if (pthread_create(&e->ctl, NULL, vg_ctl_main, e) != 0) {
+    _vg_py_engine_free(e->id);
+    vg_engine_decref(e);
+    return vg_fail(VLLM_ERR_RUNTIME, "vllm_engine_load: could not start the control thread");
+  }
+  pthread_once(&g_atexit_once, vg_register_atexit);
+  pthread_mutex_lock(&g_engines_mu);
+  e->next_live = g_engines;
+  g_engines = e;
+  pthread_mutex_unlock(&g_engines_mu);
+  *out = e;
+  return VLLM_OK;
+}
+
+VG_EXPORT void vllm_engine_free(vllm_engine* e) {
+  if (!e) return;
+  if (atomic_load(&g_forked)) return;
+  if (atomic_exchange(&e->closed, 1)) return;
+  pthread_mutex_lock(&g_engines_mu);
+  for (vllm_engine** p = &g_engines; *p; p = &(*p)->next_live) {
+    if (*p == e) {
+      *p = e->next_live;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&g_engines_mu);
+  /* Python: abort what is live, shut the engine down (joins its threads), end
+   * every request still live with a final delta. */
+  _vg_py_engine_free(e->id);
+  pthread_mutex_lock(&e->mu);
+  e->stop = 1;
+  pthread_cond_signal(&e->cv);
+  pthread_mutex_unlock(&e->mu);
+  pthread_join(e->ctl, NULL);
+  vg_engine_decref(e);
+}
+
+/* Common argument checks for the request entry points. */
+static vllm_status vg_check_engine(vllm_engine* e, const char* fn) {
+  if (!e) {
+    vg_set_err("%s: engine is NULL", fn);
+    return VLLM_ERR_INVALID_ARGUMENT;
+  }
+  if (vg_check_fork()) return VLLM_ERR_RUNTIME;
+  if (atomic_load(&e->closed)) {
+    vg_set_err("%s: the engine was freed", fn);
+    return VLLM_ERR_INVALID_ARGUMENT;
+  }
+  return vg_py_start();
+}
+
+/* Start a request in the engine. On success the request is live and Python
+ * holds its reference; on failure the request is released and the thread's
+ * error is set. */
+static vllm_status vg_start(vllm_request* r, const char* prompt, const int32_t* toks,
+                            int32_t ntoks, const vllm_sampling_params* sp, const char* chat_json,
+                            int32_t* chat_flags) {
+  char err[VG_ERRLEN];
+  err[0] = '\0';
+  vllm_status st;
+  if (chat_json)
+    st = (vllm_status)_vg_py_submit_chat(r->eng->id, r, r->num, chat_json, chat_flags, err,
+                                         (int32_t)sizeof err);
+  else
+    st = (vllm_status)_vg_py_submit(r->eng->id, r, r->num, prompt, toks, ntoks, sp, err,
+                                    (int32_t)sizeof err);
+  if (st != VLLM_OK) {
+    vg_set_err("%s", err[0] ? err : "request submission failed");
+    /* Python never registered it: drop Python's reference and the caller's. */
+    atomic_store(&r->terminal_in, 1);
+    atomic_fetch_sub(&r->eng->live, 1);
+    vg_req_decref(r);
+    vg_req_decref(r);
+    return st;
+  }
+  vg_engine_wake(r->eng); /* the watchdog runs while requests are live */
+  return VLLM_OK;
+}
+
+VG_EXPORT vllm_status vllm_request_submit(vllm_engine* e, const char* prompt,
+                                          const vllm_sampling_params* params,
+                                          vllm_token_callback cb, void* user_data,
+                                          vllm_request** out) {
+  vg_clear_err();
+  if (out) *out = NULL;
+  vllm_status st = vg_check_engine(e, "vllm_request_submit");
+  if (st != VLLM_OK) return st;
+  if (!prompt) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_request_submit: prompt is NULL");
+  if (!params) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_request_submit: params is NULL");
+  if (!out) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_request_submit: out is NULL");
+  vllm_request* r = vg_req_new(e, VG_MODE_THREAD, cb, user_data);
+  if (!r) return vg_fail(VLLM_ERR_RUNTIME, "vllm_request_submit: out of memory");
+  st = vg_start(r, prompt, NULL, 0, params, NULL, NULL);
+  if (st != VLLM_OK) return st;
+  if (pthread_create(&r->thread, NULL, vg_delivery_main, r) != 0) {
+    /* no thread to deliver: end the request here without callbacks */
+    r->cb = NULL;
+    vg_cancel_internal(r);
+    vg_deliver(r, vg_host_handler, NULL);
+    vg_req_decref(r);
+    return vg_fail(VLLM_ERR_RUNTIME, "vllm_request_submit: could not start a delivery thread");
+  }
+  r->has_thread = 1;
+  *out = r;
+  return VLLM_OK;
+}
+
+VG_EXPORT vllm_status vllm_request_cancel(vllm_request* r) {
+  vg_clear_err();
+  if (!r) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_request_cancel: request is NULL");
+  if (vg_check_fork()) return VLLM_ERR_RUNTIME;
+  vg_cancel_internal(r);
+  return VLLM_OK;
+}
+
+VG_EXPORT vllm_status vllm_request_wait(vllm_request* r) {
+  vg_clear_err();
+  if (!r) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_request_wait: request is NULL");
+  if (vg_check_fork()) return VLLM_ERR_RUNTIME;
+  if (vg_in_own_callback(r))
+    return vg_fail(VLLM_ERR_INVALID_ARGUMENT,
+                   "vllm_request_wait: called from the request's own callback (it would wait for "
+                   "itself); use vllm_request_cancel there and wait from another thread");
+  pthread_mutex_lock(&r->mu);
+  while (!atomic_load(&r->done)) pthread_cond_wait(&r->cv, &r->mu);
+  pthread_mutex_unlock(&r->mu);
+  if (r->status != VLLM_OK) vg_set_err("%s", r->error ? r->error : "request failed");
+  return r->status;
+}
+
+VG_EXPORT bool vllm_request_done(const vllm_request* r) {
+  return r ? atomic_load(&((vllm_request*)r)->done) != 0 : false;
+}
+
+VG_EXPORT const char* vllm_request_error(const vllm_request* r) {
+  if (!r || !atomic_load(&((vllm_request*)r)->done) || !r->error) return "";
+  return r->error;
+}
+
+VG_EXPORT void vllm_request_free(vllm_request* r) {
+  if (!r) return;
+  vg_clear_err();
+  if (atomic_load(&g_forked)) return; /* the delivery thread does not exist here */
+  if (vg_in_own_callback(r)) {
+    vg_set_err("vllm_request_free: called from the request's own callback; the handle was NOT "
+               "freed. Use vllm_request_cancel there and free from another thread");
+    return;
+  }
+  if (!atomic_load(&r->done)) vg_cancel_internal(r);
+  pthread_mutex_lock(&r->mu);
+  while (!atomic_load(&r->done)) pthread_cond_wait(&r->cv, &r->mu);
+  pthread_mutex_unlock(&r->mu);
+  if (r->has_thread) pthread_join(r->thread, NULL);
+  vg_req_decref(r);
+}
+
+/* ---- blocking calls: submit + a pump loop on the caller's thread --------- */
+
+typedef struct vg_buf {
+  char* p;
+  size_t n, cap;
+  int oom;
+} vg_buf;
+
+static void vg_buf_add(vg_buf* b, const char* s, size_t n) {
+  if (b->oom) return;
+  if (b->n + n + 1 > b->cap) {
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->n + n + 1) cap *= 2;
+    char* p = (char*)realloc(b->p, cap);
+    if (!p) {
+      b->oom = 1;
+      return;
+    }
+    b->p = p;
+    b->cap = cap;
+  }
+  memcpy(b->p + b->n, s, n);
+  b->n += n;
+  b->p[b->n] = '\0';
+}
+static void vg_buf_str(vg_buf* b, const char* s) { vg_buf_add(b, s, strlen(s)); }
+
+typedef struct vg_collect {
+  vg_buf text;
+  int32_t* toks;
+  int32_t ntoks, cap;
+} vg_collect;
+
+static bool vg_collect_handler(void* ctx, vllm_request* r, const vg_node* n, bool cancelled) {
+  (void)r;
+  (void)cancelled;
+  vg_collect* c = (vg_collect*)ctx;
+  if (n->text_len) vg_buf_add(&c->text, n->text, n->text_len);
+  if (n->ntoks > 0 && c->toks != NULL) {
+    int32_t room = c->cap - c->ntoks;
+    int32_t k = n->ntoks < room ? n->ntoks : room;
+    if (k > 0) memcpy(c->toks + c->ntoks, n->toks, sizeof(int32_t) * (size_t)k);
+    c->ntoks += k;
+  }
+  return true;
+}
+
+static vllm_status vg_finish_pump(vllm_request* r) {
+  vllm_status st = r->status;
+  if (st != VLLM_OK) vg_set_err("%s", r->error ? r->error : "request failed");
+  vg_req_decref(r);
+  return st;
+}
+
+static vllm_status vg_complete_impl(vllm_engine* e, const char* fn, const char* prompt,
+                                    const int32_t* ptoks, int32_t nptoks,
+                                    const vllm_sampling_params* params, int32_t* out_toks,
+                                    int32_t max_out, int32_t* n_out, vllm_completion* out) {
+  vllm_request* r = vg_req_new(e, VG_MODE_PUMP, NULL, NULL);
+  if (!r) {
+    vg_set_err("%s: out of memory", fn);
+    return VLLM_ERR_RUNTIME;
+  }
+  vllm_status st = vg_start(r, prompt, ptoks, nptoks, params, NULL, NULL);
+  if (st != VLLM_OK) return st;
+  vg_collect c;
+  memset(&c, 0, sizeof c);
+  c.toks = out_toks;
+  c.cap = out_toks ? max_out : 0;
+  vg_deliver(r, vg_collect_handler, &c);
+  if (n_out) *n_out = c.ntoks;
+  if (out) {
+    if (!c.text.p) vg_buf_str(&c.text, "");
+    out->text = c.text.p;
+    c.text.p = NULL;
+    out->finish_reason = r->finish_reason;
+    out->prompt_tokens = r->prompt_tokens < 0 ? 0 : r->prompt_tokens;
+    out->completion_tokens = r->completion_tokens;
+  }
+  free(c.text.p);
+  if (r->status != VLLM_OK) {
+    if (out) vllm_completion_free(out);
+    if (n_out) *n_out = 0;
+  }
+  return vg_finish_pump(r);
+}
+
+VG_EXPORT vllm_status vllm_complete(vllm_engine* e, const char* prompt,
+                                   const vllm_sampling_params* params, vllm_completion* out) {
+  vg_clear_err();
+  if (out) memset(out, 0, sizeof *out);
+  vllm_status st = vg_check_engine(e, "vllm_complete");
+  if (st != VLLM_OK) return st;
+  if (!prompt) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete: prompt is NULL");
+  if (!params) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete: params is NULL");
+  if (!out) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete: out is NULL");
+  return vg_complete_impl(e, "vllm_complete", prompt, NULL, 0, params, NULL, 0, NULL, out);
+}
+
+VG_EXPORT vllm_status vllm_complete_tokens(vllm_engine* e, const int32_t* prompt_tokens,
+                                           int32_t n_prompt_tokens,
+                                           const vllm_sampling_params* params, int32_t* out_tokens,
+                                           int32_t max_out_tokens, int32_t* n_out_tokens,
+                                           vllm_completion* out) {
+  vg_clear_err();
+  if (out) memset(out, 0, sizeof *out);
+  if (n_out_tokens) *n_out_tokens = 0;
+  vllm_status st = vg_check_engine(e, "vllm_complete_tokens");
+  if (st != VLLM_OK) return st;
+  if (!prompt_tokens || n_prompt_tokens <= 0)
+    return vg_fail(VLLM_ERR_INVALID_ARGUMENT,
+                   "vllm_complete_tokens: prompt_tokens is NULL or n_prompt_tokens <= 0");
+  if (!params) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete_tokens: params is NULL");
+  if (max_out_tokens < 0 || (max_out_tokens > 0 && !out_tokens))
+    return vg_fail(VLLM_ERR_INVALID_ARGUMENT,
+                   "vllm_complete_tokens: out_tokens is NULL with max_out_tokens > 0, or "
+                   "max_out_tokens < 0");
+  if (!n_out_tokens)
+    return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete_tokens: n_out_tokens is NULL");
+  return vg_complete_impl(e, "vllm_complete_tokens", NULL, prompt_tokens, n_prompt_tokens, params,
+                          out_tokens, max_out_tokens, n_out_tokens, out);
+}
+
+VG_EXPORT vllm_status vllm_complete_stream(vllm_engine* e, const char* prompt,
+                                          const vllm_sampling_params* params,
+                                          vllm_token_callback cb, void* user_data) {
+  vg_clear_err();
+  vllm_status st = vg_check_engine(e, "vllm_complete_stream");
+  if (st != VLLM_OK) return st;
+  if (!prompt) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete_stream: prompt is NULL");
+  if (!params) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete_stream: params is NULL");
+  if (!cb) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete_stream: cb is NULL");
+  vllm_request* r = vg_req_new(e, VG_MODE_PUMP, cb, user_data);
+  if (!r) return vg_fail(VLLM_ERR_RUNTIME, "vllm_complete_stream: out of memory");
+  st = vg_start(r, prompt, NULL, 0, params, NULL, NULL);
+  if (st != VLLM_OK) return st;
+  vg_deliver(r, vg_host_handler, NULL);
+  return vg_finish_pump(r);
+}
+
+/* ---- chat ----------------------------------------------------------------- */
+
+static void vg_json_str(vg_buf* b, const char* s, size_t n) {
+  static const char hex[] = "0123456789abcdef";
+  vg_buf_add(b, "\"", 1);
+  size_t start = 0;
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c >= 0x20 && c != '"' && c != '\\') continue;
+    if (i > start) vg_buf_add(b, s + start, i - start);
+    start = i + 1;
+    switch (c) {
+      case '"': vg_buf_add(b, "\\\"", 2); break;
+      case '\\': vg_buf_add(b, "\\\\", 2); break;
+      case '\n': vg_buf_add(b, "\\n", 2); break;
+      case '\r': vg_buf_add(b, "\\r", 2); break;
+      case '\t': vg_buf_add(b, "\\t", 2); break;
+      default: {
+        char u[6] = {'\\', 'u', '0', '0', hex[c >> 4], hex[c & 15]};
+        vg_buf_add(b, u, 6);
+      }
+    }
+  }
+  if (n > start) vg_buf_add(b, s + start, n - start);
+  vg_buf_add(b, "\"", 1);
+}
+
+static void vg_json_int(vg_buf* b, long long v) {
+  char t[32];
+  snprintf(t, sizeof t, "%lld", v);
+  vg_buf_str(b, t);
+}
+
+/* {"id":"chatcmpl-N","object":OBJ,"created":T,"model":M, */
+static void vg_chat_head(vg_buf* b, vllm_request* r, const char* obj, long long created) {
+  char id[48];
+  snprintf(id, sizeof id, "chatcmpl-vengine-%llu", (unsigned long long)r->num);
+  vg_buf_str(b, "{\"id\":\"");
+  vg_buf_str(b, id);
+  vg_buf_str(b, "\",\"object\":\"");
+  vg_buf_str(b, obj);
+  vg_buf_str(b, "\",\"created\":");
+  vg_json_int(b, created);
+  vg_buf_str(b, ",\"model\":");
+  vg_json_str(b, r->eng->model_name, strlen(r->eng->model_name));
+  vg_buf_str(b, ",");
+}
+
+static void vg_chat_usage(vg_buf* b, vllm_request* r) {
+  long long p = r->prompt_tokens < 0 ? 0 : r->prompt_tokens, c = r->completion_tokens;
+  vg_buf_str(b, "\"usage\":{\"prompt_tokens\":");
+  vg_json_int(b, p);
+  vg_buf_str(b, ",\"completion_tokens\":");
+  vg_json_int(b, c);
+  vg_buf_str(b, ",\"total_tokens\":");
+  vg_json_int(b, p + c);
+  vg_buf_str(b, "}");
+}
+
+typedef struct vg_chat_stream_ctx {
+  long long created;
+  int include_usage;
+  int sent_role;
+  int stopped; /* the host returned false */
+} vg_chat_stream_ctx;
+
+static bool vg_chat_emit(vllm_request* r, vg_buf* b) {
+  bool keep = b->oom ? true : r->cb(b->p, false, r->ud);
+  free(b->p);
+  memset(b, 0, sizeof *b);
+  return keep;
+}
+
+static bool vg_chat_stream_handler(void* ctx, vllm_request* r, const vg_node* n, bool cancelled) {
+  vg_chat_stream_ctx* c = (vg_chat_stream_ctx*)ctx;
+  vg_buf b;
+  memset(&b, 0, sizeof b);
+  bool keep = true;
+  if (!cancelled && !c->stopped) {
+    if (!c->sent_role) {
+      c->sent_role = 1;
+      vg_chat_head(&b, r, "chat.completion.chunk", c->created);
+      vg_buf_str(&b, "\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},"
+                     "\"logprobs\":null,\"finish_reason\":null}]}");
+      keep = vg_chat_emit(r, &b);
+    }
+    if (keep && n->text_len > 0) {
+      vg_chat_head(&b, r, "chat.completion.chunk", c->created);
+      vg_buf_str(&b, "\"choices\":[{\"index\":0,\"delta\":{\"content\":");
+      vg_json_str(&b, n->text, n->text_len);
+      vg_buf_str(&b, "},\"logprobs\":null,\"finish_reason\":null}]}");
+      keep = vg_chat_emit(r, &b);
+    }
+    if (keep && n->finished && n->status == VLLM_OK) {
+      vg_chat_head(&b, r, "chat.completion.chunk", c->created);
+      vg_buf_str(&b, "\"choices\":[{\"index\":0,\"delta\":{},\"logprobs\":null,\"finish_reason\":");
+      vg_json_str(&b, n->finish_reason ? n->finish_reason : "stop",
+                  strlen(n->finish_reason ? n->finish_reason : "stop"));
+      vg_buf_str(&b, "}]}");
+      keep = vg_chat_emit(r, &b);
+      if (keep && c->include_usage) {
+        vg_chat_head(&b, r, "chat.completion.chunk", c->created);
+        vg_buf_str(&b, "\"choices\":[],");
+        vg_chat_usage(&b, r);
+        vg_buf_str(&b, "}");
+        keep = vg_chat_emit(r, &b);
+      }
+    }
+    if (!keep) c->stopped = 1;
+  }
+  if (n->finished) r->cb("", true, r->ud);
+  return keep;
+}
+
+static vllm_status vg_chat_start(vllm_engine* e, const char* fn, const char* json,
+                                 vllm_token_callback cb, void* ud, vllm_request** rr,
+                                 int32_t* flags) {
+  vllm_status st = vg_check_engine(e, fn);
+  if (st != VLLM_OK) return st;
+  if (!json) {
+    vg_set_err("%s: request_json is NULL", fn);
+    return VLLM_ERR_INVALID_ARGUMENT;
+  }
+  vllm_request* r = vg_req_new(e, VG_MODE_PUMP, cb, ud);
+  if (!r) {
+    vg_set_err("%s: out of memory", fn);
+    return VLLM_ERR_RUNTIME;
+  }
+  st = vg_start(r, NULL, NULL, 0, NULL, json, flags);
+  if (st != VLLM_OK) return st;
+  *rr = r;
+  return VLLM_OK;
+}
+
+VG_EXPORT vllm_status vllm_chat(vllm_engine* e, const char* request_json, char** out_response_json) {
+  vg_clear_err();
+  if (out_response_json) *out_response_json = NULL;
+  if (!e) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_chat: engine is NULL");
+  if (!out_response_json)
+    return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_chat: out_response_json is NULL");
+  vllm_request* r = NULL;
+  int32_t flags = 0;
+  long long created = (long long)time(NULL);
+  vllm_status st = vg_chat_start(e, "vllm_chat", request_json, NULL, NULL, &r, &flags);
+  if (st != VLLM_OK) return st;
+  vg_collect c;
+  memset(&c, 0, sizeof c);
+  vg_deliver(r, vg_collect_handler, &c);
+  if (r->status == VLLM_OK) {
+    vg_buf b;
+    memset(&b, 0, sizeof b);
+    vg_chat_head(&b, r, "chat.completion", created);
+    vg_buf_str(&b, "\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
+    vg_json_str(&b, c.text.p ? c.text.p : "", c.text.n);
+    vg_buf_str(&b, "},\"logprobs\":null,\"finish_reason\":");
+    const char* fr = r->finish_reason ? r->finish_reason : "stop";
+    vg_json_str(&b, fr, strlen(fr));
+    vg_buf_str(&b, "}],");
+    vg_chat_usage(&b, r);
+    vg_buf_str(&b, "}");
+    if (b.oom || c.text.oom) {
+      free(b.p);
+      free(c.text.p);
+      vg_req_decref(r);
+      return vg_fail(VLLM_ERR_RUNTIME, "vllm_chat: out of memory");
+    }
+    *out_response_json = b.p;
+  }
+  free(c.text.p);
+  return vg_finish_pump(r);
+}
+
+VG_EXPORT vllm_status vllm_chat_stream(vllm_engine* e, const char* request_json,
+                                      vllm_token_callback cb, void* user_data) {
+  vg_clear_err();
+  if (!e) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_chat_stream: engine is NULL");
+  if (!cb) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_chat_stream: cb is NULL");
+  vllm_request* r = NULL;
+  int32_t flags = 0;
+  vg_chat_stream_ctx ctx;
+  memset(&ctx, 0, sizeof ctx);
+  ctx.created = (long long)time(NULL);
+  vllm_status st = vg_chat_start(e, "vllm_chat_stream", request_json, cb, user_data, &r, &flags);
+  if (st != VLLM_OK) return st;
+  ctx.include_usage = flags & 1;
+  vg_deliver(r, vg_chat_stream_handler, &ctx);
+  return vg_finish_pump(r);
+}

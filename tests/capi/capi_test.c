@@ -1,0 +1,597 @@
+/*
+ * C host test driver for libvengine.so (run by tests/capi/test_capi.py).
+ *
+ *   capi_test LIB MODE CASE MODEL [ARGS...]
+ *
+ * LIB: path of libvengine.so, loaded with dlopen(MODE: "local" | "global").
+ * Prints "KEY value" lines; exits 0 when every check passed, 1 (with a FAIL line)
+ * otherwise.
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "vllm.h"
+
+/* ---- the API, resolved with dlsym ---------------------------------------- */
+#define API(X)                 \
+  X(vllm_last_error)           \
+  X(vllm_version)              \
+  X(vllm_abi_version)          \
+  X(vllm_model_params_default) \
+  X(vllm_sampling_params_default) \
+  X(vllm_model_params_init)    \
+  X(vllm_sampling_params_init) \
+  X(vllm_engine_load)          \
+  X(vllm_engine_free)          \
+  X(vllm_complete)             \
+  X(vllm_complete_tokens)      \
+  X(vllm_completion_free)      \
+  X(vllm_string_free)          \
+  X(vllm_complete_stream)      \
+  X(vllm_request_submit)       \
+  X(vllm_request_cancel)       \
+  X(vllm_request_wait)         \
+  X(vllm_request_done)         \
+  X(vllm_request_error)        \
+  X(vllm_request_free)         \
+  X(vllm_chat)                 \
+  X(vllm_chat_stream)
+
+#define DECL(name) static __typeof__(&name) p_##name;
+API(DECL)
+#undef DECL
+
+static int g_failed;
+#define CHECK(cond, ...)                                           \
+  do {                                                             \
+    if (!(cond)) {                                                 \
+      printf("FAIL %s:%d %s: ", __FILE__, __LINE__, #cond);        \
+      printf(__VA_ARGS__);                                         \
+      printf(" | last_error=%s\n", p_vllm_last_error());           \
+      fflush(stdout);                                              \
+      g_failed = 1;                                                \
+    }                                                              \
+  } while (0)
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void sleep_s(double s) {
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  nanosleep(&ts, NULL);
+}
+
+static const char* g_model;
+
+static vllm_engine* load_engine(void) {
+  vllm_model_params mp = p_vllm_model_params_default();
+  mp.model_path = g_model;
+  mp.max_num_seqs = 16;
+  mp.kv_cache_memory_bytes = 16 << 20;
+  vllm_engine* e = NULL;
+  vllm_status st = p_vllm_engine_load(&mp, &e);
+  if (st != VLLM_OK) {
+    printf("FAIL engine_load status=%d error=%s\n", st, p_vllm_last_error());
+    exit(1);
+  }
+  return e;
+}
+
+static vllm_sampling_params greedy(int max_tokens) {
+  vllm_sampling_params sp = p_vllm_sampling_params_default();
+  sp.temperature = 0.0f;
+  sp.max_tokens = max_tokens;
+  sp.ignore_eos = 1;
+  return sp;
+}
+
+/* ---- a callback recorder --------------------------------------------------- */
+typedef struct rec {
+  pthread_mutex_t mu;
+  char text[16384];
+  size_t len;
+  atomic_int ncalls, nfinal, after_final, concurrent, inside;
+  atomic_int stop_after;        /* return false after this many deltas (0: never) */
+  atomic_int cancel_after;      /* call cancel after this many deltas */
+  atomic_int sleep_first_ms;    /* sleep this long in the first callback */
+  atomic_int self_test;         /* call wait/free on own handle inside the callback */
+  vllm_request* self;           /* own handle (set after submit) */
+  atomic_int self_wait_status, self_free_error;
+  double t_final;
+} rec;
+
+static void rec_init(rec* r) {
+  memset(r, 0, sizeof *r);
+  pthread_mutex_init(&r->mu, NULL);
+  r->self_wait_status = -1;
+}
+
+static bool rec_cb(const char* delta, bool finished, void* ud) {
+  rec* r = (rec*)ud;
+  if (atomic_fetch_add(&r->inside, 1) != 0) atomic_fetch_add(&r->concurrent, 1);
+  if (atomic_load(&r->nfinal) > 0) atomic_fetch_add(&r->after_final, 1);
+  int n = atomic_fetch_add(&r->ncalls, 1) + 1;
+  if (finished) {
+    atomic_fetch_add(&r->nfinal, 1);
+    r->t_final = now_s();
+    if (delta[0] != '\0') atomic_fetch_add(&r->after_final, 1000); /* final must be "" */
+  } else {
+    pthread_mutex_lock(&r->mu);
+    size_t k = strlen(delta);
+    if (r->len + k < sizeof r->text) {
+      memcpy(r->text + r->len, delta, k + 1);
+      r->len += k;
+    }
+    pthread_mutex_unlock(&r->mu);
+  }
+  bool keep = true;
+  if (!finished) {
+    if (n == 1 && r->sleep_first_ms) sleep_s(r->sleep_first_ms / 1000.0);
+    if (r->stop_after && n >= r->stop_after) keep = false;
+    if (r->cancel_after && n == r->cancel_after) p_vllm_request_cancel(r->self);
+    if (r->self_test && n == 1) {
+      atomic_store(&r->self_wait_status, (int)p_vllm_request_wait(r->self));
+      p_vllm_request_free(r->self); /* must refuse */
+      atomic_store(&r->self_free_error, p_vllm_last_error()[0] != '\0');
+    }
+  }
+  atomic_fetch_sub(&r->inside, 1);
+  return keep;
+}
+
+static void print_escaped(const char* key, const char* s) {
+  printf("%s ", key);
+  for (const unsigned char* p = (const unsigned char*)s; *p; p++) {
+    if (*p == '\\') printf("\\\\");
+    else if (*p == '\n') printf("\\n");
+    else if (*p < 0x20) printf("\\x%02x", *p);
+    else putchar(*p);
+  }
+  putchar('\n');
+}
+
+/* ---- cases ------------------------------------------------------------------ */
+
+/* blocking complete, complete_tokens and complete_stream on the given prompts */
+static void case_basic(int argc, char** argv) {
+  vllm_engine* e = load_engine();
+  int max_tokens = atoi(argv[0]);
+  printf("VERSION %s ABI %d\n", p_vllm_version(), p_vllm_abi_version());
+  CHECK(p_vllm_abi_version() == VLLM_ABI_VERSION, "abi");
+  for (int i = 1; i < argc; i++) {
+    vllm_sampling_params sp = greedy(max_tokens);
+    vllm_completion c;
+    vllm_status st = p_vllm_complete(e, argv[i], &sp, &c);
+    CHECK(st == VLLM_OK, "complete status %d", st);
+    if (st != VLLM_OK) continue;
+    print_escaped("TEXT", c.text);
+    printf("FINISH %s PROMPT_TOKENS %d COMPLETION_TOKENS %d\n", c.finish_reason, c.prompt_tokens,
+           c.completion_tokens);
+    rec r;
+    rec_init(&r);
+    st = p_vllm_complete_stream(e, argv[i], &sp, rec_cb, &r);
+    CHECK(st == VLLM_OK, "complete_stream status %d", st);
+    CHECK(strcmp(r.text, c.text) == 0, "stream text [%s] != complete text [%s]", r.text, c.text);
+    CHECK(r.nfinal == 1 && r.after_final == 0, "final callbacks %d, after final %d", r.nfinal,
+          r.after_final);
+    CHECK(r.concurrent == 0, "concurrent callbacks");
+    p_vllm_completion_free(&c);
+    CHECK(c.text == NULL, "completion_free zeroes");
+  }
+  /* pre-tokenized: the prompt ids of the last prompt are given by the test as
+   * "--tokens a,b,c" in argv[argc-1]? no: use a fixed prompt */
+  int32_t prompt[4] = {1, 2, 3, 4};
+  int32_t out[64];
+  int32_t n = -1;
+  vllm_sampling_params sp = greedy(max_tokens);
+  vllm_completion c;
+  vllm_status st = p_vllm_complete_tokens(e, prompt, 4, &sp, out, 64, &n, &c);
+  CHECK(st == VLLM_OK && n == max_tokens, "complete_tokens status %d n %d", st, n);
+  printf("TOKENS");
+  for (int i = 0; i < n; i++) printf(" %d", out[i]);
+  printf("\n");
+  CHECK(c.prompt_tokens == 4 && c.completion_tokens == max_tokens, "token counts %d %d",
+        c.prompt_tokens, c.completion_tokens);
+  p_vllm_completion_free(&c);
+  /* out == NULL is allowed */
+  st = p_vllm_complete_tokens(e, prompt, 4, &sp, out, 2, &n, NULL);
+  CHECK(st == VLLM_OK && n == 2, "complete_tokens truncated report: %d n=%d", st, n);
+  /* early stop from the stream callback */
+  rec r;
+  rec_init(&r);
+  r.stop_after = 2;
+  sp = greedy(200);
+  st = p_vllm_complete_stream(e, argv[1], &sp, rec_cb, &r);
+  CHECK(st == VLLM_OK, "stopped stream status %d", st);
+  CHECK(r.nfinal == 1 && r.ncalls == 3 && r.after_final == 0, "stopped stream calls %d final %d",
+        r.ncalls, r.nfinal);
+  p_vllm_engine_free(e);
+}
+
+/* 8 host threads submitting concurrently */
+typedef struct thr {
+  vllm_engine* e;
+  const char* prompt;
+  int max_tokens;
+  rec r;
+  vllm_status st;
+  char* expect;
+} thr;
+
+static void* thread_main(void* arg) {
+  thr* t = (thr*)arg;
+  rec_init(&t->r);
+  vllm_sampling_params sp = greedy(t->max_tokens);
+  vllm_request* q = NULL;
+  t->st = p_vllm_request_submit(t->e, t->prompt, &sp, rec_cb, &t->r, &q);
+  if (t->st != VLLM_OK) return NULL;
+  t->st = p_vllm_request_wait(q);
+  int calls = atomic_load(&t->r.ncalls);
+  sleep_s(0.05);
+  if (atomic_load(&t->r.ncalls) != calls) t->st = 99; /* callback after wait */
+  if (!p_vllm_request_done(q)) t->st = 98;
+  if (p_vllm_request_error(q)[0] != '\0') t->st = 97;
+  p_vllm_request_free(q);
+  return NULL;
+}
+
+static void case_threads(int argc, char** argv) {
+  vllm_engine* e = load_engine();
+  int max_tokens = atoi(argv[0]);
+  int nprompts = argc - 1;
+  thr ts[8];
+  pthread_t th[8];
+  for (int i = 0; i < 8; i++) {
+    memset(&ts[i], 0, sizeof ts[i]);
+    ts[i].e = e;
+    ts[i].prompt = argv[1 + i % nprompts];
+    ts[i].max_tokens = max_tokens;
+    vllm_sampling_params sp = greedy(max_tokens);
+    vllm_completion c;
+    vllm_status st = p_vllm_complete(e, ts[i].prompt, &sp, &c);
+    CHECK(st == VLLM_OK, "complete");
+    ts[i].expect = c.text;
+  }
+  double t0 = now_s();
+  for (int i = 0; i < 8; i++) pthread_create(&th[i], NULL, thread_main, &ts[i]);
+  for (int i = 0; i < 8; i++) pthread_join(th[i], NULL);
+  printf("THREADS_SECONDS %.3f\n", now_s() - t0);
+  for (int i = 0; i < 8; i++) {
+    CHECK(ts[i].st == VLLM_OK, "thread %d status %d", i, ts[i].st);
+    CHECK(ts[i].r.nfinal == 1 && ts[i].r.after_final == 0, "thread %d finals %d", i, ts[i].r.nfinal);
+    CHECK(ts[i].r.concurrent == 0, "thread %d concurrent callbacks", i);
+    CHECK(ts[i].expect && strcmp(ts[i].expect, ts[i].r.text) == 0, "thread %d text [%s] vs [%s]", i,
+          ts[i].r.text, ts[i].expect);
+    free(ts[i].expect);
+  }
+  p_vllm_engine_free(e);
+}
+
+static vllm_request* submit(vllm_engine* e, const char* prompt, int max_tokens, rec* r) {
+  vllm_sampling_params sp = greedy(max_tokens);
+  vllm_request* q = NULL;
+  vllm_status st = p_vllm_request_submit(e, prompt, &sp, rec_cb, r, &q);
+  CHECK(st == VLLM_OK && q, "submit status %d", st);
+  return q;
+}
+
+/* cancel from inside a callback; wait/free from inside the own callback */
+static void case_callbacks(int argc, char** argv) {
+  (void)argc;
+  vllm_engine* e = load_engine();
+  rec r;
+  rec_init(&r);
+  r.cancel_after = 2;
+  /* the callback needs its own handle: keep it from running before r.self is
+   * set by sleeping in the first callback */
+  r.sleep_first_ms = 200;
+  vllm_request* q = submit(e, argv[0], 400, &r);
+  r.self = q;
+  vllm_status st = p_vllm_request_wait(q);
+  CHECK(st == VLLM_OK, "wait after cancel status %d", st);
+  CHECK(r.nfinal == 1 && r.after_final == 0, "cancel: finals %d", r.nfinal);
+  CHECK(r.ncalls < 50, "cancel: too many callbacks %d", r.ncalls);
+  printf("CANCEL_CALLS %d\n", r.ncalls);
+  CHECK(p_vllm_request_cancel(q) == VLLM_OK, "cancel is idempotent");
+  p_vllm_request_free(q);
+
+  rec r2;
+  rec_init(&r2);
+  r2.self_test = 1;
+  r2.sleep_first_ms = 200;
+  q = submit(e, argv[0], 8, &r2);
+  r2.self = q;
+  double t0 = now_s();
+  st = p_vllm_request_wait(q);
+  CHECK(now_s() - t0 < 30, "no deadlock");
+  CHECK(st == VLLM_OK, "wait status %d", st);
+  CHECK(r2.self_wait_status == VLLM_ERR_INVALID_ARGUMENT, "wait from own callback returned %d",
+        r2.self_wait_status);
+  CHECK(r2.self_free_error == 1, "free from own callback set no error");
+  CHECK(r2.nfinal == 1, "finals %d", r2.nfinal);
+  p_vllm_request_free(q);
+
+  /* free while deltas stream: no callback after free returns */
+  rec r3;
+  rec_init(&r3);
+  q = submit(e, argv[0], 400, &r3);
+  while (atomic_load(&r3.ncalls) < 3) sleep_s(0.002);
+  p_vllm_request_free(q);
+  int calls = atomic_load(&r3.ncalls);
+  CHECK(r3.nfinal == 1, "free mid-stream: finals %d", r3.nfinal);
+  sleep_s(0.2);
+  CHECK(atomic_load(&r3.ncalls) == calls, "callback after free");
+  printf("FREE_MIDSTREAM_CALLS %d\n", calls);
+
+  /* one callback blocks for a second: another request is not stalled */
+  rec slow, fast;
+  rec_init(&slow);
+  rec_init(&fast);
+  slow.sleep_first_ms = 1000;
+  vllm_request* qs = submit(e, argv[0], 8, &slow);
+  while (atomic_load(&slow.ncalls) < 1) sleep_s(0.001);
+  t0 = now_s();
+  vllm_request* qf = submit(e, argv[0], 8, &fast);
+  st = p_vllm_request_wait(qf);
+  double fast_s = now_s() - t0;
+  CHECK(st == VLLM_OK, "fast status");
+  CHECK(fast_s < 0.9, "fast request took %.3fs behind a 1s callback", fast_s);
+  CHECK(!p_vllm_request_done(qs), "slow request should still be in its callback");
+  printf("FAST_BEHIND_SLOW_SECONDS %.3f\n", fast_s);
+  p_vllm_request_wait(qs);
+  CHECK(slow.nfinal == 1 && strcmp(slow.text, fast.text) == 0, "slow text [%s] fast [%s]", slow.text,
+        fast.text);
+  p_vllm_request_free(qs);
+  p_vllm_request_free(qf);
+  p_vllm_engine_free(e);
+}
+
+/* bad arguments: each returns its status and a message */
+#define EXPECT_ST(call, want)                                                       \
+  do {                                                                              \
+    vllm_status st_ = (call);                                                       \
+    const char* m_ = p_vllm_last_error();                                           \
+    CHECK(st_ == (want) && m_ && m_[0], "%s -> %d (want %d)", #call, st_, (want));  \
+    printf("ERR %d %s :: %s\n", st_, #call, m_);                                    \
+  } while (0)
+
+static void case_bad_args(int argc, char** argv) {
+  (void)argc;
+  (void)argv;
+  vllm_engine* e = NULL;
+  vllm_model_params mp = p_vllm_model_params_default();
+  EXPECT_ST(p_vllm_engine_load(NULL, &e), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_engine_load(&mp, NULL), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_engine_load(&mp, &e), VLLM_ERR_INVALID_ARGUMENT); /* model_path NULL */
+  mp.model_path = "/nonexistent/model/dir";
+  EXPECT_ST(p_vllm_engine_load(&mp, &e), VLLM_ERR_MODEL_LOAD);
+  CHECK(e == NULL, "out stays NULL");
+  mp.model_path = g_model;
+  mp.scheduling_policy = "lottery";
+  EXPECT_ST(p_vllm_engine_load(&mp, &e), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "lottery") != NULL, "message names the policy");
+  mp.scheduling_policy = NULL;
+  mp.speculative_config = "{\"method\":\"mtp\"}";
+  EXPECT_ST(p_vllm_engine_load(&mp, &e), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "speculative_config") != NULL, "names the field");
+  mp.speculative_config = NULL;
+  mp.tool_parser = "hermes";
+  EXPECT_ST(p_vllm_engine_load(&mp, &e), VLLM_ERR_INVALID_ARGUMENT);
+  mp.tool_parser = NULL;
+  mp.enable_jump_forward = 1;
+  EXPECT_ST(p_vllm_engine_load(&mp, &e), VLLM_ERR_INVALID_ARGUMENT);
+  mp.enable_jump_forward = 0;
+  mp.device = 7;
+  EXPECT_ST(p_vllm_engine_load(&mp, &e), VLLM_ERR_INVALID_ARGUMENT);
+  mp.device = 0;
+
+  e = load_engine();
+  vllm_sampling_params sp = greedy(4);
+  vllm_completion c;
+  vllm_request* q = NULL;
+  EXPECT_ST(p_vllm_complete(NULL, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_complete(e, NULL, &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_complete(e, "x", NULL, &c), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, NULL), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_complete_stream(e, "x", &sp, NULL, NULL), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_request_submit(e, "x", &sp, rec_cb, NULL, NULL), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_request_submit(NULL, "x", &sp, rec_cb, NULL, &q), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_request_cancel(NULL), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_request_wait(NULL), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(!p_vllm_request_done(NULL), "done(NULL)");
+  CHECK(p_vllm_request_error(NULL) != NULL, "error(NULL) not NULL");
+  p_vllm_request_free(NULL);
+  p_vllm_engine_free(NULL);
+  EXPECT_ST(p_vllm_complete_tokens(e, NULL, 3, &sp, NULL, 0, NULL, NULL), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_chat(e, NULL, NULL), VLLM_ERR_INVALID_ARGUMENT);
+  char* js = NULL;
+  EXPECT_ST(p_vllm_chat(e, "{not json", &js), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_chat(e, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{}]}", &js),
+            VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_chat_stream(e, "{\"messages\":[]}", rec_cb, NULL), VLLM_ERR_INVALID_ARGUMENT);
+  /* unsupported / bad sampling fields */
+  sp.structured_regex = "a+";
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "structured_regex") != NULL, "names the field");
+  sp = greedy(4);
+  sp.logits_processor = (vllm_logits_processor)(void (*)(void))rec_cb;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  sp = greedy(4);
+  sp.top_p = 0.0f;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  sp = greedy(4);
+  sp.n_stop = 2;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  sp = greedy(4);
+  EXPECT_ST(p_vllm_complete(e, "", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_complete(e, "\xff\xfe", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  /* still usable after all that */
+  vllm_status st = p_vllm_complete(e, "hello", &sp, &c);
+  CHECK(st == VLLM_OK, "usable after errors");
+  p_vllm_completion_free(&c);
+  /* the *_init variants fill like *_default */
+  vllm_sampling_params a = p_vllm_sampling_params_default(), b;
+  memset(&b, 0x5a, sizeof b);
+  p_vllm_sampling_params_init(&b);
+  CHECK(memcmp(&a, &b, sizeof a) == 0, "sampling init == default");
+  vllm_model_params ma = p_vllm_model_params_default(), mb;
+  memset(&mb, 0x5a, sizeof mb);
+  p_vllm_model_params_init(&mb);
+  CHECK(memcmp(&ma, &mb, sizeof ma) == 0, "model init == default");
+  p_vllm_engine_free(e);
+  /* a freed engine is refused, not crashed on, while requests keep it alive is
+   * covered by the exit tests */
+}
+
+/* chat and chat_stream: print the JSON for the test to parse */
+static void case_chat(int argc, char** argv) {
+  (void)argc;
+  vllm_engine* e = load_engine();
+  char* js = NULL;
+  vllm_status st = p_vllm_chat(e, argv[0], &js);
+  CHECK(st == VLLM_OK && js, "chat status %d", st);
+  if (js) print_escaped("CHAT", js);
+  p_vllm_string_free(js);
+  rec r;
+  rec_init(&r);
+  /* one chunk per callback: record them separated by newlines */
+  st = p_vllm_chat_stream(e, argv[0], rec_cb, &r);
+  CHECK(st == VLLM_OK, "chat_stream status %d", st);
+  CHECK(r.nfinal == 1 && r.after_final == 0, "chat finals %d", r.nfinal);
+  printf("CHUNKS %d\n", r.ncalls - 1);
+  p_vllm_engine_free(e);
+}
+
+static bool chunk_cb(const char* delta, bool finished, void* ud) {
+  (void)ud;
+  if (!finished) print_escaped("CHUNK", delta);
+  else printf("CHUNK_FINAL\n");
+  return true;
+}
+
+static void case_chat_chunks(int argc, char** argv) {
+  (void)argc;
+  vllm_engine* e = load_engine();
+  vllm_status st = p_vllm_chat_stream(e, argv[0], chunk_cb, NULL);
+  CHECK(st == VLLM_OK, "chat_stream status %d", st);
+  p_vllm_engine_free(e);
+}
+
+/* exit with requests in flight and without freeing anything */
+static void case_exit_inflight(int argc, char** argv) {
+  (void)argc;
+  vllm_engine* e = load_engine();
+  static rec rs[6];
+  for (int i = 0; i < 6; i++) {
+    rec_init(&rs[i]);
+    if (i == 0) rs[i].sleep_first_ms = 300; /* one is inside a callback at exit */
+    submit(e, argv[0], 2000, &rs[i]);
+  }
+  vllm_sampling_params sp = greedy(2000);
+  (void)sp;
+  while (atomic_load(&rs[1].ncalls) < 2) sleep_s(0.001);
+  printf("EXITING\n");
+  fflush(stdout);
+  exit(0);
+}
+
+/* a forked child's calls fail fast */
+static void case_fork(int argc, char** argv) {
+  (void)argc;
+  vllm_engine* e = load_engine();
+  vllm_sampling_params sp = greedy(4);
+  rec r;
+  rec_init(&r);
+  vllm_request* q = submit(e, argv[0], 8, &r);
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    vllm_completion c;
+    double t0 = now_s();
+    vllm_status st = p_vllm_complete(e, "hello", &sp, &c);
+    vllm_status st2 = p_vllm_request_wait(q);
+    vllm_engine* e2 = NULL;
+    vllm_model_params mp = p_vllm_model_params_default();
+    mp.model_path = g_model;
+    vllm_status st3 = p_vllm_engine_load(&mp, &e2);
+    printf("CHILD %d %d %d %.3f %s\n", st, st2, st3, now_s() - t0, p_vllm_last_error());
+    fflush(stdout);
+    exit(st == VLLM_ERR_RUNTIME && st2 == VLLM_ERR_RUNTIME && st3 == VLLM_ERR_RUNTIME ? 0 : 3);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status %d", status);
+  CHECK(p_vllm_request_wait(q) == VLLM_OK, "parent request");
+  p_vllm_request_free(q);
+  vllm_completion c;
+  CHECK(p_vllm_complete(e, "hello", &sp, &c) == VLLM_OK, "parent still works");
+  p_vllm_completion_free(&c);
+  p_vllm_engine_free(e);
+}
+
+/* load must fail with a message (broken Python environment set up by the test) */
+static void case_load_fails(int argc, char** argv) {
+  (void)argc;
+  (void)argv;
+  vllm_model_params mp = p_vllm_model_params_default();
+  mp.model_path = g_model;
+  vllm_engine* e = NULL;
+  vllm_status st = p_vllm_engine_load(&mp, &e);
+  printf("LOAD %d\n", st);
+  print_escaped("MESSAGE", p_vllm_last_error());
+  CHECK(st != VLLM_OK && e == NULL && p_vllm_last_error()[0], "load should fail");
+  /* a second call fails the same way, without hanging */
+  st = p_vllm_engine_load(&mp, &e);
+  CHECK(st != VLLM_OK, "second load should fail");
+}
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    fprintf(stderr, "usage: %s LIB local|global CASE MODEL [ARGS...]\n", argv[0]);
+    return 2;
+  }
+  int mode = strcmp(argv[2], "global") == 0 ? RTLD_GLOBAL : RTLD_LOCAL;
+  void* h = dlopen(argv[1], RTLD_NOW | mode);
+  if (!h) {
+    printf("FAIL dlopen: %s\n", dlerror());
+    return 1;
+  }
+#define RESOLVE(name)                                          \
+  p_##name = (__typeof__(&name))dlsym(h, #name);               \
+  if (!p_##name) {                                             \
+    printf("FAIL dlsym %s\n", #name);                          \
+    return 1;                                                  \
+  }
+  API(RESOLVE)
+#undef RESOLVE
+  g_model = argv[4];
+  const char* c = argv[3];
+  int n = argc - 5;
+  char** a = argv + 5;
+  if (!strcmp(c, "basic")) case_basic(n, a);
+  else if (!strcmp(c, "threads")) case_threads(n, a);
+  else if (!strcmp(c, "callbacks")) case_callbacks(n, a);
+  else if (!strcmp(c, "bad_args")) case_bad_args(n, a);
+  else if (!strcmp(c, "chat")) case_chat(n, a);
+  else if (!strcmp(c, "chat_chunks")) case_chat_chunks(n, a);
+  else if (!strcmp(c, "exit_inflight")) case_exit_inflight(n, a);
+  else if (!strcmp(c, "fork")) case_fork(n, a);
+  else if (!strcmp(c, "load_fails")) case_load_fails(n, a);
+  else {
+    printf("FAIL unknown case %s\n", c);
+    return 2;
+  }
+  printf(g_failed ? "RESULT FAIL\n" : "RESULT OK\n");
+  fflush(stdout);
+  return g_failed;
+}
