@@ -39,6 +39,12 @@ _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "Permis
                 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
 
+_UNION_HINTS = {
+    "prompt": "must be a non-empty string, a list of strings, a list of token ids or a list of lists of token ids.",
+    "stop": "must be a string or a list of strings.",
+    "messages": "must be a list of {role, content} objects; content is a string or a list of text parts.",
+}
+
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
 
@@ -527,8 +533,12 @@ def create_app(engine, args=None) -> Flask:
         loc = ".".join(str(x) for x in first.get("loc", ()))
         if first.get("type") == "json_invalid":
             return error_response(400, f"Invalid JSON body: {first.get('msg')}")
+        field0 = str(first.get("loc", ("body",))[0]) if first.get("loc") else None
+        same = [er for er in errs if er.get("loc") and str(er["loc"][0]) == field0]
+        if field0 in _UNION_HINTS and len(same) > 1:
+            return error_response(400, f"{field0}: {_UNION_HINTS[field0]}", field0)
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ())) or 'body'}: {er.get('msg')}"
-                        for er in errs[:5])
+                        for er in errs[:3])
         return error_response(400, msg, loc or None)
 
     @app.errorhandler(HTTPException)

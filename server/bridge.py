@@ -16,7 +16,9 @@ write error cannot reveal the disconnect) is noticed at once.
 from __future__ import annotations
 
 import logging
+import queue
 import socket as _stdsocket
+import threading
 from collections import deque
 from typing import Iterator, Optional
 
@@ -58,6 +60,35 @@ class GeventBridge:
         self._watcher = None
         self._hub = None
         self._unsubscribe = None
+        self._abort_q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._aborter: Optional[threading.Thread] = None
+
+    # -- engine calls that take the engine's locks: never on the hub -------------------
+    def add_request(self, request_id, prompt, sampling_params, priority):
+        """``engine.add_request`` on a gevent threadpool thread: it takes the engine's
+        output-processor lock, which the output thread holds while it processes a whole
+        step; the calling greenlet waits cooperatively, the hub keeps serving."""
+        return gevent.get_hub().threadpool.apply(
+            self._engine.add_request, (request_id, prompt, sampling_params), {"priority": priority})
+
+    def abort(self, request_ids: list) -> None:
+        """Fire-and-forget ``engine.abort`` through one native thread (callable from the
+        hub, from a hub callback or from any greenlet: ``SimpleQueue.put`` never blocks)."""
+        if self._aborter is None:
+            t = threading.Thread(target=self._abort_loop, name="vengine-http-abort", daemon=True)
+            self._aborter = t
+            t.start()
+        self._abort_q.put(list(request_ids))
+
+    def _abort_loop(self) -> None:
+        while True:
+            ids = self._abort_q.get()
+            if ids is None:
+                return
+            try:
+                self._engine.abort(ids)
+            except Exception:  # noqa: BLE001 - a dead engine has nothing left to abort
+                logger.debug("abort failed", exc_info=True)
 
     # -- hub side -------------------------------------------------------------------
     def ensure_started(self) -> None:
@@ -73,6 +104,9 @@ class GeventBridge:
         self._unsubscribe = self._engine.add_output_listener(self._listener)
 
     def close(self) -> None:
+        if self._aborter is not None:
+            self._abort_q.put(None)
+            self._aborter = None
         if self._unsubscribe is not None:
             try:
                 self._unsubscribe()
@@ -192,7 +226,7 @@ class RequestGroup:
         """``engine.add_request``; raises its ValueError / EngineDeadError unchanged."""
         self.bridge.register(request_id, self.event)
         try:
-            collector = self.engine.add_request(request_id, prompt, sampling_params, priority=priority)
+            collector = self.bridge.add_request(request_id, prompt, sampling_params, priority)
         except BaseException:
             self.bridge.unregister(request_id)
             raise
@@ -241,10 +275,7 @@ class RequestGroup:
                and rid not in self._aborted and not getattr(self.collectors[i], "finished", False)]
         if ids:
             self._aborted.update(ids)
-            try:
-                self.engine.abort(ids)
-            except Exception:  # noqa: BLE001 - a dead engine has nothing left to abort
-                logger.debug("abort failed", exc_info=True)
+            self.bridge.abort(ids)
 
     def close(self) -> None:
         """Abort what is still running and drop every hook (idempotent)."""

@@ -1,0 +1,54 @@
+"""Server fixtures: one real AsyncLLM on the tiny CPU llama, served in-process by gevent's
+pywsgi on a background thread bound to a free port (port 0)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+MODEL_NAME = "tiny-llama"
+API_KEY = "test-key-123"
+
+
+def make_engine(model_dir, **kw):
+    from pyengine import AsyncLLM, EngineArgs
+
+    args = dict(model=str(model_dir), device="cpu", max_model_len=512, num_gpu_blocks_override=2048)
+    args.update(kw)
+    return AsyncLLM.from_engine_args(EngineArgs(**args))
+
+
+@pytest.fixture(scope="session")
+def engine(llama_dir):
+    eng = make_engine(llama_dir)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(engine):
+    from server import BackgroundServer, create_app
+
+    app = create_app(engine, SimpleNamespace(served_model_name=[MODEL_NAME, "alias"]))
+    srv = BackgroundServer(app, port=0).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(engine):
+    """A second app over the same engine: API key required, 4 KiB body limit."""
+    from server import BackgroundServer, create_app
+
+    app = create_app(engine, SimpleNamespace(served_model_name=[MODEL_NAME], api_key=API_KEY,
+                                             max_request_body_bytes=4096))
+    srv = BackgroundServer(app, port=0).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
