@@ -147,6 +147,8 @@ def hf_greedy(model_dir, prompts_token_ids: list[list[int]], max_new_tokens: int
 
     model = load_hf_model(model_dir)
     eos = _eos_ids(model)
+    # generate() falls back to the model's own eos_token_id when ours is None: clear it.
+    model.generation_config.eos_token_id = None
     # EOS is handled here rather than by generate so ignore_eos yields full-length outputs.
     gcfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
                             min_new_tokens=0, eos_token_id=None,

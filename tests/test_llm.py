@@ -1,0 +1,233 @@
+"""End-to-end tests of pyengine.LLM against transformers' own greedy generation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyengine import LLM, SamplingParams
+from tests.helpers import hf_greedy, hf_logits, prompt_token_ids
+
+MAX_TOKENS = 24
+FAMILIES = ["llama", "qwen2", "qwen3"]
+# Engine configurations that must not change greedy output.
+CONFIGS = {
+    "default": {},
+    "no_prefix_caching": {"enable_prefix_caching": False},
+    "chunked_prefill": {"max_num_batched_tokens": 16},
+    "preemption": {"num_gpu_blocks_override": 8, "max_model_len": 128, "max_num_batched_tokens": 64},
+    "sync_scheduling": {"async_scheduling": False},
+}
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    base = prompt_token_ids(tokenizer, 8, min_len=4, max_len=40, seed=0)
+    shared = base[0][:4] + prompt_token_ids(tokenizer, 1, 36, 36, seed=1)[0]  # 40-token shared prefix
+    # Three prompts share a 40-token prefix so prefix caching has something to hit.
+    return base[:5] + [shared + p[:6] for p in base[5:8]]
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs, prompts):
+    return {fam: hf_greedy(model_dirs[fam], prompts, MAX_TOKENS) for fam in FAMILIES}
+
+
+def _assert_no_leak(llm: LLM) -> None:
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_gpu_blocks, "KV blocks leaked"
+
+
+def _run_greedy(model_dir, prompts, device, **kwargs):
+    llm = LLM(str(model_dir), device=device, **kwargs)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers(family, config, model_dirs, prompts, references):
+    llm, got = _run_greedy(model_dirs[family], prompts, "cpu", **CONFIGS[config])
+    assert got == references[family]
+    stats = llm.llm_engine.get_stats()
+    if config == "preemption":
+        assert stats.num_preemptions > 0
+    if config == "no_prefix_caching":
+        assert stats.prefix_cache_hits == 0
+    elif config == "default":
+        # The three prompts sharing a 40-token prefix hit at least 2 blocks each after the first.
+        assert stats.prefix_cache_hits >= 2 * 32
+    _assert_no_leak(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_gpu(family, config, model_dirs, prompts, references):
+    llm, got = _run_greedy(model_dirs[family], prompts, "cuda", dtype="float32", **CONFIGS[config])
+    assert got == references[family]
+    _assert_no_leak(llm)
+
+
+def test_outputs_text_and_finish_reasons(llama_dir, tokenizer, prompts, references):
+    llm = LLM(str(llama_dir), device="cpu")
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    eos = tokenizer.eos_token_id
+    for out, ref, p in zip(outs, references["llama"], prompts):
+        c = out.outputs[0]
+        assert out.finished and out.prompt_token_ids == p
+        # A trailing incomplete UTF-8 sequence (random weights) is never emitted.
+        assert c.text == tokenizer.decode(ref, skip_special_tokens=True).rstrip("\ufffd")
+        assert c.finish_reason == ("stop" if ref[-1] == eos else "length")
+        assert c.stop_reason is None
+
+
+def test_string_prompts_and_prefix_stats(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu", block_size=4)
+    text = "def add(a, b):\n    return a + b\n" * 3
+    first = llm.generate(text, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    hits_before = llm.llm_engine.get_stats().prefix_cache_hits
+    second = llm.generate([text], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert second.num_cached_tokens > 0
+    assert llm.llm_engine.get_stats().prefix_cache_hits - hits_before == second.num_cached_tokens
+    _assert_no_leak(llm)
+
+
+def test_stop_token_ids_and_stop_strings(llama_dir, tokenizer, prompts, references):
+    llm = LLM(str(llama_dir), device="cpu")
+    ref = references["llama"][1]
+    stop_id = ref[3]
+    out = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[: ref.index(stop_id) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+    full = tokenizer.decode(ref, skip_special_tokens=True).rstrip("\ufffd")
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), "pick a visible stop string"
+    out = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == full[: full.index(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    out = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop],
+                                                    include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert out.text == full[: full.index(stop) + len(stop)]
+    _assert_no_leak(llm)
+
+
+def test_ignore_eos_and_min_tokens(llama_dir, tokenizer, prompts):
+    eos = tokenizer.eos_token_id
+    llm = LLM(str(llama_dir), device="cpu")
+    ref = hf_greedy(llama_dir, prompts, 40, ignore_eos=True)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    # min_tokens: EOS is masked until min_tokens tokens were produced.
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, min_tokens=12), use_tqdm=False)
+    for o in outs:
+        ids = o.outputs[0].token_ids
+        assert len(ids) >= 12 and eos not in ids[:12]
+
+
+def test_max_tokens_none_runs_to_max_model_len(llama_dir, prompts):
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=48)
+    outs = llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    for o, p in zip(outs, prompts[:3]):
+        assert len(p) + len(o.outputs[0].token_ids) == 48
+        assert o.outputs[0].finish_reason == "length"
+
+
+def test_logprobs_match_transformers(llama_dir, prompts, references):
+    llm = LLM(str(llama_dir), device="cpu")
+    out = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids)
+    ref_lp = torch.log_softmax(hf_logits(llama_dir, prompts[2] + c.token_ids), dim=-1)
+    total = 0.0
+    for i, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        row = ref_lp[len(prompts[2]) - 1 + i]
+        assert lp[tok].rank == 1
+        assert lp[tok].logprob == pytest.approx(row[tok].item(), abs=1e-4)
+        assert set(lp) == set(row.topk(3).indices.tolist()) | {tok}
+        total += row[tok].item()
+    assert c.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+def test_seeded_sampling_reproducible_across_batches(llama_dir, prompts):
+    llm = LLM(str(llama_dir), device="cpu")
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([prompts[0]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.8, max_tokens=10 + i, ignore_eos=True) for i in range(4)]
+    mixed = llm.generate(prompts[3:7] + [prompts[0]], others + [sp], use_tqdm=False)[-1].outputs[0].token_ids
+    first = llm.generate([prompts[0]] + prompts[3:5], [sp] + others[:2], use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == mixed == first
+    other_seed = llm.generate([prompts[0]], sp.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_top_k_1_equals_greedy(llama_dir, prompts, references):
+    llm = LLM(str(llama_dir), device="cpu")
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == references["llama"]
+
+
+def test_n_completions(llama_dir, prompts):
+    llm = LLM(str(llama_dir), device="cpu")
+    out = llm.generate([prompts[0]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("", "empty"),
+    ([], "empty"),
+    ([10**9], "vocabulary"),
+    ([1] * 200, "too long"),
+    (3.5, "string or a list"),
+])
+def test_bad_prompts_rejected_and_engine_keeps_serving(llama_dir, prompts, references, bad, match):
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=128)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([prompts[0], bad], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    _assert_no_leak(llm)
+    outs = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == references["llama"][:2]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -3}, "top_k"),
+    ({"min_p": 2.0}, "min_p"),
+    ({"n": 2, "temperature": 0}, "greedy"),
+    ({"bogus_field": 1}, "bogus_field"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"logprobs": 50}, "logprobs"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"scheduling_policy": "lifo"}, "fcfs, priority"),
+    ({"device": "tpu"}, "device"),
+    ({"dtype": "int3"}, "dtype"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"not_an_arg": 1}, "not_an_arg"),
+    ({"num_gpu_blocks_override": 2, "max_model_len": 1024}, "max_model_len"),
+])
+def test_bad_engine_args(llama_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(llama_dir), device=kwargs.pop("device", "cpu"), **kwargs)
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path / "nope"), device="cpu")
