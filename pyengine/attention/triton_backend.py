@@ -32,7 +32,7 @@ from pyengine.ops.paged_attention import (default_num_splits, paged_decode, page
 class TritonAttentionBackend(AttentionBackend):
     """Triton backend. Extra knobs (attributes, set before first use / capture):
     ``max_splits`` (decode split cap, default 16), ``waves`` (target decode programs per
-    SM, default 4), ``num_splits_override`` (force a split count; None = heuristic)."""
+    SM, default 2), ``num_splits_override`` (force a split count; None = heuristic)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device):
@@ -48,7 +48,7 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             self.num_sms = 8
         self.max_splits = 16
-        self.waves = 4.0
+        self.waves = 2.0
         self.num_splits_override: int | None = None
         self._part_out: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None

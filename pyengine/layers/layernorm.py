@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pyengine import ops as _ops  # triton kernels on CUDA
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = weight * (x / sqrt(mean(x^2) + eps)).
@@ -17,6 +19,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     HF's LlamaRMSNorm does, so low-precision results match transformers bit for bit.
     Returns a tensor shaped and typed like x.
     """
+    if _ops.use_triton(x):
+        return _ops.rms_norm(x, weight, eps)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -31,6 +35,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     (HF adds the residual in model dtype too). Pure function: inputs are not modified; a
     kernel version may update in place, so callers must not reuse x/residual afterwards.
     """
+    if _ops.use_triton(x):
+        return _ops.fused_add_rms_norm(x, residual, weight, eps)
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 

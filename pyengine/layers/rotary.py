@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from pyengine import ops as _ops  # triton kernels on CUDA
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -67,6 +69,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache: [max_positions, head_dim] = cat(cos, sin) over the head_dim/2
     frequencies, in the model dtype. Returns new (q, k), same shapes/dtypes.
     """
+    if _ops.use_triton(q):
+        return _ops.apply_rotary(q, k, positions, cos_sin_cache)
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
     cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)  # [T, 1, D]
     sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)

@@ -188,7 +188,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                  block_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                  scale: float, num_splits: int, part_out: torch.Tensor | None = None,
                  part_lse: torch.Tensor | None = None, block_n: int | None = None,
-                 num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """Paged decode attention, one query token per request.
 
     q: [B, num_heads, head_dim] (row b = request b; row/head strides free, last dim
@@ -198,6 +198,8 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     part_out: float32 [>= B * num_heads * num_splits * head_dim], part_lse: float32
     [>= B * num_heads * num_splits] scratch (needed when num_splits > 1).
     Grid ``(B, num_kv_heads, num_splits)``: static for a given B. Returns ``out``.
+    Defaults (block_n 64, 4 warps, 3 stages) were the fastest of a sweep on an H200
+    (benchmarks/attention_kernels.py --sweep, 2026-11-29).
     """
     B, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -405,9 +407,10 @@ def _extend(q, k_src, v_src, qsl, seq_lens, block_table, out, scale, max_query_l
 
 
 def default_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16,
-                       waves: float = 4.0) -> int:
+                       waves: float = 2.0) -> int:
     """Split count for the decode kernel: enough programs for ``waves`` programs per SM,
-    a power of two in [1, max_splits]. Depends only on static config and batch size."""
+    a power of two in [1, max_splits]. Depends only on static config and batch size.
+    On an H200 (132 SMs, 8 KV heads) batch >= 64 measured fastest unsplit (1 split)."""
     want = math.ceil(num_sms * waves / max(1, batch * num_kv_heads))
     splits = 1
     while splits < want and splits < max_splits:
