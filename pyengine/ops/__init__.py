@@ -58,7 +58,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
                  k_norm_weight: torch.Tensor | None = None,
                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(q):
+    half = q.shape[-1] // 2
+    if use_triton(q) and half & (half - 1) == 0:  # kernel needs head_dim/2 a power of two
         return _fused().apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight,
                                      k_norm_weight, eps)
     from pyengine.layers.layernorm import rms_norm as norm_ref

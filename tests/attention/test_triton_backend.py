@@ -87,6 +87,12 @@ def test_decode_interpret(splits):
 
 
 @cpu_only
+def test_decode_bf16_interpret():
+    run_compare([(1, 9), (1, 33), (1, 2)], 8, 2, 16, 4, torch.bfloat16, "cpu", splits=2,
+                atol=3e-2, rtol=3e-2)
+
+
+@cpu_only
 def test_decode_padding_request_interpret():
     # a padding request (seq_len 0) as CUDA-graph padding yields zeros, not NaN
     q, k, v, cache, meta = make_batch([(1, 9), (1, 3)], 4, 2, 16, 4, torch.float32, "cpu")
