@@ -340,6 +340,7 @@ class _Job:
         self.prompt_tokens = sum(len(ids) for _, ids in prompts)
         self.timers = [RequestTimer(st.metrics) for _ in prompts]
         self.group: Optional[RequestGroup] = None
+        self._recorded: set[int] = set()
 
     def start(self, sock) -> None:
         st = self.st
@@ -359,8 +360,14 @@ class _Job:
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
+            # requests whose end the handler never saw (client gone, engine dead)
+            for i in range(len(self.group.request_ids)):
+                if i not in self._recorded:
+                    self._recorded.add(i)
+                    self.st.metrics.finished("abort")
 
     def _record_finished(self, i: int, out) -> None:
+        self._recorded.add(i)
         m = self.st.metrics
         m.prompt_tokens.inc(len(self.prompts[i][1]))
         m.req_prompt.observe(len(self.prompts[i][1]))

@@ -1,0 +1,130 @@
+"""A client that leaves mid-stream, mid-prefill, or while its request is being admitted:
+the engine request is aborted promptly and running requests and KV usage return to
+baseline."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tests.server.conftest import MODEL_NAME, make_engine
+from tests.server.http_util import SSEStream, metrics, wait_until
+
+
+def _idle(engine) -> bool:
+    st = engine.get_stats()
+    return st.num_running == 0 and st.num_waiting == 0 and st.kv_cache_usage == 0.0
+
+
+def _metrics_idle(port) -> bool:
+    m = metrics(port)
+    return (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+            and m["vllm:kv_cache_usage_perc"] == 0.0)
+
+
+def _raw_send(port, body: dict, path="/v1/completions") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    payload = json.dumps(body).encode()
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return s
+
+
+def test_disconnect_mid_stream(server, engine):
+    assert wait_until(lambda: _idle(engine), 30)
+    s = SSEStream(server.port, "/v1/completions",
+                  {"model": MODEL_NAME, "prompt": "while True:", "max_tokens": 400, "temperature": 0,
+                   "ignore_eos": True, "stream": True})
+    n = 0
+    for _, data in s.events():
+        n += 1
+        if n == 3:
+            break
+    assert engine.get_stats().num_running + engine.get_stats().num_waiting == 1
+    t0 = time.monotonic()
+    s.close()
+    assert wait_until(lambda: _idle(engine), 5)
+    took = time.monotonic() - t0
+    assert took < 2.0, took  # 400 tokens would take far longer
+    assert wait_until(lambda: _metrics_idle(server.port), 5)
+    assert metrics(server.port)["vllm:request_success_total"] >= 1
+
+
+def test_disconnect_non_stream(server, engine):
+    assert wait_until(lambda: _idle(engine), 30)
+    s = _raw_send(server.port, {"model": MODEL_NAME, "prompt": "x = [", "max_tokens": 400, "temperature": 0,
+                                "ignore_eos": True})
+    assert wait_until(lambda: engine.get_stats().num_running == 1, 10)
+    time.sleep(0.1)
+    s.close()
+    assert wait_until(lambda: _idle(engine), 3)
+
+
+@pytest.fixture(scope="module")
+def slow_prefill(llama_dir):
+    """An engine whose prefill of a long prompt takes many steps (1-token budget, no
+    prefix cache so a repeated prompt is prefilled again)."""
+    from server import BackgroundServer, create_app
+
+    eng = make_engine(llama_dir, max_model_len=1024, max_num_batched_tokens=1, enable_prefix_caching=False)
+    srv = BackgroundServer(create_app(eng, SimpleNamespace(served_model_name=[MODEL_NAME])), port=0).start()
+    yield SimpleNamespace(engine=eng, port=srv.port)
+    srv.stop()
+    eng.shutdown()
+
+
+def test_disconnect_during_long_prefill(slow_prefill):
+    eng, port = slow_prefill.engine, slow_prefill.port
+    prompt = [10 + i % 480 for i in range(990)]  # ~990 prefill steps of 1 token
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "stream": True, "ignore_eos": True}
+    # control: how long this prefill takes when the client stays
+    t0 = time.monotonic()
+    s = SSEStream(port, "/v1/completions", body)
+    s.read_headers()
+    next(iter(s.events()))
+    prefill_s = time.monotonic() - t0
+    s.close()
+    assert wait_until(lambda: _idle(eng), 10)
+    assert prefill_s > 0.4, f"prefill too fast ({prefill_s:.2f} s) to test a disconnect during it"
+
+    notes: list = []  # (time, request ids with output) as the engine reports them
+    unsubscribe = eng.add_output_listener(lambda ids: notes.append((time.monotonic(), list(ids))))
+    try:
+        s = _raw_send(port, body)
+        time.sleep(prefill_s / 4)
+        s.settimeout(0.01)
+        with pytest.raises(socket.timeout):  # nothing was sent yet: still in prefill
+            s.recv(1)
+        t_close = time.monotonic()
+        s.close()
+        assert wait_until(lambda: notes, prefill_s * 3)
+        time.sleep(prefill_s)  # had it not been aborted, tokens would come in this window
+    finally:
+        unsubscribe()
+    ids = {rid for _, batch in notes for rid in batch}
+    assert len(ids) == 1, notes
+    # exactly one output (the abort), promptly, long before the prefill would have ended
+    assert len(notes) == 1, notes
+    assert notes[0][0] - t_close < prefill_s / 2, (notes[0][0] - t_close, prefill_s)
+    assert wait_until(lambda: _idle(eng), 5)
+    assert wait_until(lambda: _metrics_idle(port), 5)
+
+
+@pytest.mark.parametrize("linger_rst", [False, True])
+def test_disconnect_racing_admission(server, engine, linger_rst):
+    """Close right after sending (FIN or RST): whether the abort lands before, during or
+    after admission, nothing is left running and no KV block leaks."""
+    assert wait_until(lambda: _idle(engine), 30)
+    for i in range(25):
+        s = _raw_send(server.port, {"model": MODEL_NAME, "prompt": f"import sys{i}", "max_tokens": 300,
+                                    "ignore_eos": True, "stream": bool(i % 2)})
+        if linger_rst:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        if i % 3 == 0:
+            time.sleep(0.005 * (i % 5))
+        s.close()
+    assert wait_until(lambda: _idle(engine), 10), engine.get_stats()
+    assert wait_until(lambda: _metrics_idle(server.port), 5)

@@ -1,0 +1,71 @@
+"""Streaming is real: the first chunk arrives long before generation ends and chunks are
+spread over the generation (arrival times on a raw socket), at concurrency 1 and 32."""
+from __future__ import annotations
+
+import threading
+
+from tests.server.conftest import MODEL_NAME
+from tests.server.http_util import collect_stream
+
+MAX_TOKENS = 32
+
+
+def _check_spread(status, events, t_sent, max_tokens):
+    assert status == 200
+    assert events[-1][1] == "[DONE]"
+    content = [(t, e) for t, e in events[:-1] if e["choices"] and e["choices"][0].get("text")]
+    assert content, events
+    t_first, t_end = content[0][0], events[-1][0]
+    total = t_end - t_sent
+    # the first token is out well before the end ...
+    assert t_first - t_sent < 0.5 * total, (t_first - t_sent, total)
+    # ... and the rest comes in many separate deliveries, none holding most of the stream
+    times = sorted({round(t, 4) for t, _ in content})
+    assert len(times) >= max_tokens // 4, len(times)
+    gaps = [b - a for a, b in zip([t_sent] + times, times + [t_end])]
+    assert max(gaps) < 0.5 * total, (max(gaps), total)
+    n_tokens = sum(1 for _, e in content)
+    assert n_tokens <= max_tokens
+
+
+def _body(i=0):
+    return {"model": MODEL_NAME, "prompt": f"class Foo{i}:\n    def", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def test_stream_timing_concurrency_1(server):
+    status, events, t_sent = collect_stream(server.port, "/v1/completions", _body())
+    _check_spread(status, events, t_sent, MAX_TOKENS)
+
+
+def test_stream_timing_concurrency_32(server):
+    results = [None] * 32
+    barrier = threading.Barrier(32)
+
+    def run(i):
+        barrier.wait()
+        results[i] = collect_stream(server.port, "/v1/completions", _body(i))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for r in results:
+        assert r is not None
+        _check_spread(*r, MAX_TOKENS)
+
+
+def test_chat_stream_role_chunk_first(server):
+    status, events, t_sent = collect_stream(
+        server.port, "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+         "temperature": 0, "ignore_eos": True, "stream": True})
+    assert status == 200
+    first = events[0][1]
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    # the role chunk goes out at once, before the first generated token
+    assert events[0][0] <= events[1][0]
+    assert events[-1][1] == "[DONE]"
+    assert events[-2][1]["choices"][0]["finish_reason"] == "length"
