@@ -291,16 +291,37 @@ def test_fcfs_preempts_most_recently_admitted_and_resumes():
 
 def test_fcfs_victim_is_the_request_itself_when_last():
     sched = make_sched(num_blocks=5, enable_prefix_caching=False)  # 4 usable
+    a, b = make_req("a", 6, max_tokens=3), make_req("b", 8, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    d = Driver(sched)
+    d.step()  # 4 blocks used; a has 7 tokens (fits in 2 blocks), b has 9
+    so = sched.schedule()
+    check_output(sched, so)
+    assert so.preempted_req_ids == ["b"]  # b needs a block and is the last admitted: itself
+    assert sched_of(so) == [("a", 1)]
+    assert b.status == RequestStatus.PREEMPTED and sched.running == [a]
+    d.collect(sched.update_from_output(so, runner_output(so)))
+    d.run()
+    assert d.tokens["a"] == expected_tokens(6, 3)
+    assert d.tokens["b"] == expected_tokens(8, 3)
+    assert_no_leak(sched)
+
+
+def test_fcfs_no_admission_in_a_step_with_preemption():
+    sched = make_sched(num_blocks=5, enable_prefix_caching=False)  # 4 usable
     a, b = make_req("a", 8, max_tokens=3), make_req("b", 8, max_tokens=3)
     sched.add_request(a)
     sched.add_request(b)
     d = Driver(sched)
     d.step()  # 4 blocks used; both have 9 tokens
+    sched.add_request(make_req("w", 1, max_tokens=1))
     so = sched.schedule()
-    # a grabs the block b would need... a needs a 3rd block: victim b; a scheduled
+    # a needs a 3rd block: victim b; a scheduled; b's freed block is left, but nobody is admitted
     assert so.preempted_req_ids == ["b"]
     assert sched_of(so) == [("a", 1)]
-    assert so.num_prefill_reqs == 0  # no admission in a step with preemption
+    assert so.num_prefill_reqs == 0
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 1
     d.collect(sched.update_from_output(so, runner_output(so)))
     d.run()
     assert d.tokens["a"] == expected_tokens(8, 3)
