@@ -1,0 +1,156 @@
+"""Bad input: each case gets its documented status and OpenAI's error envelope, streamed
+requests included (a plain JSON error, not SSE), and the next good request succeeds."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import API_KEY, MODEL_NAME
+from tests.server.http_util import get, post, request
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+OK_C = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
+OK_CH = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def c(**kw):
+    d = dict(OK_C)
+    d.update(kw)
+    return d
+
+
+def ch(**kw):
+    d = dict(OK_CH)
+    d.update(kw)
+    return d
+
+
+# (id, path, body (obj | raw bytes), extra headers, expected status, expected param or None)
+CASES = [
+    # wrong types
+    ("max_tokens_str", C, c(max_tokens="5"), {}, 400, "max_tokens"),
+    ("temperature_str", C, c(temperature="hot"), {}, 400, "temperature"),
+    ("stream_int", C, c(stream=1), {}, 400, "stream"),
+    ("prompt_number", C, c(prompt=5), {}, 400, "prompt"),
+    ("prompt_mixed", C, c(prompt=["a", 1]), {}, 400, "prompt"),
+    ("stop_int", C, c(stop=3), {}, 400, "stop"),
+    ("messages_str", CH, ch(messages="hi"), {}, 400, "messages"),
+    ("message_no_role", CH, ch(messages=[{"content": "hi"}]), {}, 400, None),
+    ("logprobs_int_chat", CH, ch(logprobs=1), {}, 400, "logprobs"),
+    ("body_is_list", C, [1, 2], {}, 400, None),
+    ("missing_prompt", C, {"model": MODEL_NAME}, {}, 400, "prompt"),
+    # out of range
+    ("temperature_neg", C, c(temperature=-1), {}, 400, "temperature"),
+    ("top_p_zero", C, c(top_p=0), {}, 400, "top_p"),
+    ("top_p_big", C, c(top_p=1.5), {}, 400, "top_p"),
+    ("top_k_neg", C, c(top_k=-2), {}, 400, "top_k"),
+    ("min_p_big", C, c(min_p=2), {}, 400, "min_p"),
+    ("n_zero", C, c(n=0), {}, 400, "n"),
+    ("max_tokens_zero", C, c(max_tokens=0), {}, 400, "max_tokens"),
+    ("max_tokens_neg", CH, ch(max_tokens=-1), {}, 400, "max_tokens"),
+    ("presence_big", C, c(presence_penalty=3), {}, 400, "presence_penalty"),
+    ("rep_zero", C, c(repetition_penalty=0), {}, 400, "repetition_penalty"),
+    ("logprobs_big", C, c(logprobs=21), {}, 400, "logprobs"),
+    ("min_tokens_gt_max", C, c(min_tokens=10, max_tokens=2), {}, 400, "min_tokens"),
+    ("n_greedy", C, c(n=2, temperature=0), {}, 400, "n"),
+    ("token_id_oov", C, c(prompt=[1, 2, 10 ** 6]), {}, 400, "prompt"),
+    ("stop_token_oov", C, c(stop_token_ids=[10 ** 6]), {}, 400, "stop_token_ids"),
+    ("top_logprobs_without_logprobs", CH, ch(top_logprobs=2), {}, 400, "top_logprobs"),
+    ("stream_options_without_stream", C, c(stream_options={"include_usage": True}), {}, 400, "stream_options"),
+    ("priority_on_fcfs", C, c(priority=5), {}, 400, "priority"),
+    ("logit_bias", C, c(logit_bias={"5": 1.0}), {}, 400, "logit_bias"),
+    # bad JSON, content type, empty
+    ("bad_json", C, b'{"prompt": "x",', {}, 400, None),
+    ("empty_body", C, b"", {}, 400, None),
+    ("text_plain", C, json.dumps(OK_C).encode(), {"Content-Type": "text/plain"}, 400, None),
+    ("no_content_type", C, json.dumps(OK_C).encode(), {"Content-Type": None}, 400, None),
+    ("empty_prompt", C, c(prompt=""), {}, 400, "prompt"),
+    ("empty_prompt_list", C, c(prompt=[]), {}, 400, "prompt"),
+    ("empty_prompt_in_list", C, c(prompt=["ok", ""]), {}, 400, "prompt"),
+    ("empty_messages", CH, ch(messages=[]), {}, 400, "messages"),
+    # too long for the model (max_model_len 512 in these tests)
+    ("prompt_too_long", C, c(prompt=[5] * 600), {}, 400, "prompt"),
+    ("prompt_plus_max_tokens_too_long", C, c(prompt=[5] * 500, max_tokens=100), {}, 400, "max_tokens"),
+    ("chat_max_tokens_too_long", CH, ch(max_tokens=5000), {}, 400, "max_tokens"),
+    # unknown model
+    ("unknown_model", C, c(model="gpt-9"), {}, 404, "model"),
+    ("unknown_model_chat", CH, ch(model="gpt-9"), {}, 404, "model"),
+]
+
+
+def _check_envelope(status, headers, body, expected_status, param=None):
+    assert status == expected_status, body
+    assert headers.get("Content-Type", "").startswith("application/json")
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    assert err["code"] == expected_status
+    if param is not None:
+        assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=[x[0] for x in CASES])
+def test_bad_input(server, case, stream):
+    _, path, body, headers, expected, param = case
+    if stream and isinstance(body, dict) and "stream" not in body:
+        body = dict(body, stream=True)
+        if case[0] == "stream_options_without_stream":
+            pytest.skip("valid when streaming")
+    status, hdrs, data = post(server.port, path, body, headers)
+    _check_envelope(status, hdrs, data, expected, param)
+    # the server keeps serving
+    good = OK_CH if path == CH else OK_C
+    status, _, data = post(server.port, path, good)
+    assert status == 200, data
+
+
+def test_unknown_route_and_method(server):
+    _check_envelope(*get(server.port, "/v1/nope"), 404)
+    _check_envelope(*get(server.port, C), 405)
+
+
+def test_api_key(keyed_server):
+    port = keyed_server.port
+    _check_envelope(*post(port, C, OK_C), 401)
+    _check_envelope(*post(port, C, OK_C, {"Authorization": "Bearer wrong"}), 401)
+    _check_envelope(*get(port, "/v1/models"), 401)
+    assert post(port, C, OK_C, {"Authorization": f"Bearer {API_KEY}"})[0] == 200
+    assert get(port, "/v1/models", {"Authorization": f"Bearer {API_KEY}"})[0] == 200
+    # health and metrics stay open
+    assert get(port, "/health")[0] == 200
+    assert get(port, "/metrics")[0] == 200
+
+
+def test_api_key_with_openai_client(keyed_server):
+    import openai
+
+    bad = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
+    good = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    assert good.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_oversized_body(keyed_server):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    big = c(prompt="x " * 5000)
+    _check_envelope(*post(keyed_server.port, C, big, auth), 413)
+    assert post(keyed_server.port, C, OK_C, auth)[0] == 200
+
+
+def test_openai_client_sees_bad_request(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, temperature=-3)
+    assert ei.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_request_method_head_health(server):
+    status, _, _ = request(server.port, "GET", "/health")
+    assert status == 200
