@@ -144,11 +144,12 @@ class AsyncLLM:
     def _fail(self, error: EngineDeadError) -> None:
         self.dead_error = error
         with self._lock:
-            pending = list(self.output_processor.parents.items())
-            self.output_processor.fail_all(error)
-        for _, collector in pending:
-            collector.put(error)
-        self._notify([rid for rid, _ in pending])
+            ids = list(self.output_processor.parents)
+            collectors = self.output_processor.fail_all(error)
+        for collector in collectors:
+            if collector is not None:
+                collector.put(error)
+        self._notify(ids)
 
     def shutdown(self) -> None:
         """Stop and join the engine threads; idempotent. Pending requests get EngineDeadError."""

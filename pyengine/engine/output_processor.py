@@ -44,7 +44,10 @@ class RequestOutputCollector:
             waiter, self._aio_waiter = self._aio_waiter, None
         if waiter is not None:
             loop, event = waiter
-            loop.call_soon_threadsafe(event.set)
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the reader's event loop is gone; nobody to wake
+                pass
 
     def _take(self) -> Optional[RequestOutput]:
         out, self._output = self._output, None
@@ -74,8 +77,13 @@ class RequestOutputCollector:
                 if self._output is not None:
                     return self._take()
                 event = asyncio.Event()
-                self._aio_waiter = (asyncio.get_running_loop(), event)
-            await event.wait()
+                waiter = self._aio_waiter = (asyncio.get_running_loop(), event)
+            try:
+                await event.wait()
+            finally:
+                with self._cond:
+                    if self._aio_waiter is waiter:  # cancelled: do not leave a stale waiter
+                        self._aio_waiter = None
 
     def __iter__(self):
         while not self.finished:

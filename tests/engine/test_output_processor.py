@@ -221,9 +221,6 @@ def test_get_async_raises_engine_dead():
     asyncio.run(consume())
 
 
-@pytest.mark.xfail(strict=True, reason="a get_async cancelled while waiting leaves its (loop, event) "
-                   "waiter behind; once that loop is closed the next put raises RuntimeError "
-                   "('Event loop is closed') on the producer (output-handler) thread")
 def test_put_after_cancelled_get_async_on_closed_loop():
     c = RequestOutputCollector("r", DELTA)
 

@@ -1,0 +1,272 @@
+"""AsyncLLM: concurrency, abort, priority, async scheduling, engine death."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+
+import pytest
+
+from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
+from pyengine.engine.llm_engine import LLMEngine
+from tests.helpers import hf_greedy, prompt_token_ids
+
+
+def make_engine(model_dir, **kw) -> AsyncLLM:
+    return AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), device="cpu", **kw))
+
+
+def drain(collector, timeout=60):
+    outs = []
+    while True:
+        out = collector.get(timeout=timeout)
+        outs.append(out)
+        if out.finished:
+            return outs
+
+
+def wait_idle(engine: AsyncLLM, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.get_stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_gpu_blocks:
+            return s
+        time.sleep(0.02)
+    raise AssertionError(f"engine not idle: {engine.get_stats()}")
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return prompt_token_ids(tokenizer, 8, min_len=4, max_len=40, seed=3)
+
+
+def test_100_concurrent_requests(llama_dir, tokenizer):
+    engine = make_engine(llama_dir, max_num_seqs=32)
+    try:
+        ps = prompt_token_ids(tokenizer, 100, 2, 30, seed=5)
+        sp = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        collectors = [engine.add_request(f"r{i}", p, sp) for i, p in enumerate(ps)]
+        results = {}
+        def read(c):
+            outs = drain(c)
+            results[c.request_id] = outs
+        threads = [threading.Thread(target=read, args=(c,)) for c in collectors]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 100
+        for rid, outs in results.items():
+            assert all(o.request_id == rid for o in outs)
+            ids = [t for o in outs for c in o.outputs for t in c.token_ids]
+            assert len(ids) == 10
+            assert sum(o.finished for o in outs) == 1 and outs[-1].finished
+            assert outs[-1].outputs[0].finish_reason == "length"
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_duplicate_and_bad_requests_rejected(llama_dir, prompts):
+    engine = make_engine(llama_dir)
+    try:
+        c = engine.add_request("a", prompts[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("a", prompts[1])
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request("b", "")
+        assert drain(c)[-1].outputs[0].finish_reason == "length"
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_abort_mid_stream_and_before_admission(llama_dir, prompts):
+    engine = make_engine(llama_dir, max_num_seqs=1)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        running = engine.add_request("running", prompts[0], sp)
+        waiting = engine.add_request("waiting", prompts[1], sp)  # max_num_seqs=1: not admitted
+        first = running.get(timeout=30)
+        assert not first.finished
+        engine.abort("waiting")
+        engine.abort("running")
+        engine.abort("running")  # idempotent
+        engine.abort("no-such-request")
+        for c in (running, waiting):
+            last = drain(c)[-1]
+            assert last.finished and last.outputs[0].finish_reason == "abort"
+        assert len(drain(engine.add_request("after", prompts[2], SamplingParams(max_tokens=5, ignore_eos=True)))[-1]
+                   .outputs[0].token_ids) == 5
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_abort_storm(llama_dir, tokenizer):
+    engine = make_engine(llama_dir, max_num_seqs=16, num_gpu_blocks_override=64, max_model_len=256)
+    rng = random.Random(0)
+    try:
+        ps = prompt_token_ids(tokenizer, 300, 2, 60, seed=9)
+        collectors, aborted = {}, set()
+        for i, p in enumerate(ps):
+            sp = SamplingParams(temperature=1.0, max_tokens=rng.randint(1, 30), ignore_eos=True,
+                                output_kind=rng.choice(list(RequestOutputKind)))
+            collectors[f"s{i}"] = engine.add_request(f"s{i}", p, sp)
+            if rng.random() < 0.5:
+                victim = f"s{rng.randint(0, i)}"
+                engine.abort(victim)
+                aborted.add(victim)
+        for rid, c in collectors.items():
+            last = drain(c)[-1]
+            reason = last.outputs[0].finish_reason
+            if rid not in aborted:
+                assert reason == "length"
+            else:
+                assert reason in ("abort", "length")  # it may have finished before the abort
+        assert sum(drain_reason == "abort" for drain_reason in []) == 0
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_asyncio_generate_and_early_exit(llama_dir, prompts):
+    engine = make_engine(llama_dir)
+
+    async def main():
+        texts = []
+        async for out in engine.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True,
+                                                                    output_kind=RequestOutputKind.DELTA), "g1"):
+            texts.append(out)
+        assert texts[-1].finished and sum(len(o.outputs[0].token_ids) for o in texts) == 8
+        gen = engine.generate(prompts[1], SamplingParams(max_tokens=500, ignore_eos=True), "g2")
+        async for _ in gen:
+            break
+        await gen.aclose()  # consumer leaves early: the request is aborted
+
+        async def one(i):
+            outs = [o async for o in engine.generate(prompts[i % len(prompts)],
+                                                     SamplingParams(max_tokens=6, ignore_eos=True), f"c{i}")]
+            return outs[-1].outputs[0].token_ids
+        res = await asyncio.gather(*(one(i) for i in range(20)))
+        assert all(len(r) == 6 for r in res)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_priority_order_with_one_seq(llama_dir, prompts):
+    engine = make_engine(llama_dir, max_num_seqs=1, scheduling_policy="priority")
+    try:
+        blocker = engine.add_request("blocker", prompts[0], SamplingParams(max_tokens=60, ignore_eos=True))
+        blocker.get(timeout=30)  # running, so the rest queue up behind it
+        prios = [5, 1, 3, 1, 0, 5]
+        cs = [engine.add_request(f"p{i}", prompts[1], SamplingParams(max_tokens=2, ignore_eos=True), priority=pr)
+              for i, pr in enumerate(prios)]
+        finals = [drain(c)[-1] for c in cs]
+        drain(blocker)
+        order = [f.request_id for f in sorted(finals, key=lambda f: f.metrics.first_token_time)]
+        assert order == ["p4", "p1", "p3", "p2", "p0", "p5"]  # (priority, arrival)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("policy, expected_victim", [("priority", "low"), ("fcfs", "high")])
+def test_preemption_victim_and_exactness(llama_dir, prompts, policy, expected_victim):
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", num_gpu_blocks_override=8, block_size=16,
+                     max_model_len=128, scheduling_policy=policy, async_scheduling=False).create_engine_config()
+    engine = LLMEngine(cfg)
+    victims = []
+    sched = engine.engine_core.scheduler
+    orig = sched._preempt
+
+    def record(r):
+        running = list(sched.running)
+        if policy == "priority":  # the victim is the lowest-priority (largest value) running request
+            assert (r.priority, r.arrival_time) == max((x.priority, x.arrival_time) for x in running)
+        else:  # the most recently admitted
+            assert r is running[-1]
+        victims.append(r.request_id)
+        orig(r)
+    sched._preempt = record
+    p = [x[:20] + x[:20] for x in prompts[:3]]  # 40-token prompts: 3 blocks each
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("low", p[0], sp, priority=2)
+    outs = {}
+    for _ in range(3):
+        outs.update({o.request_id: o for o in engine.step()})
+    engine.add_request("high", p[1], sp, priority=0)
+    engine.add_request("mid", p[2], sp, priority=1)
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert victims and victims[0] == expected_victim
+    ref = hf_greedy(llama_dir, p, 40, ignore_eos=True)
+    assert [outs[r].outputs[0].token_ids for r in ("low", "high", "mid")] == ref
+    s = engine.get_stats()
+    assert s.num_free_blocks == s.num_gpu_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_greedy_identical_sync_async_fcfs_priority(llama_dir, prompts, policy, async_scheduling):
+    engine = make_engine(llama_dir, scheduling_policy=policy, async_scheduling=async_scheduling,
+                         max_num_batched_tokens=32, num_gpu_blocks_override=12, max_model_len=96, max_num_seqs=4)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        cs = [engine.add_request(f"q{i}", p, sp, priority=i % 3) for i, p in enumerate(prompts)]
+        got = [drain(c)[-1].outputs[0].token_ids for c in cs]
+        assert got == hf_greedy(llama_dir, prompts, 30, ignore_eos=True)
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_async_scheduling_switches(llama_dir, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="pyengine")
+    assert EngineArgs(model=str(llama_dir), device="cpu").create_engine_config().async_scheduling
+    assert not EngineArgs(model=str(llama_dir), device="cpu", async_scheduling=False).create_engine_config().async_scheduling
+    monkeypatch.setenv("VENGINE_ASYNC_SCHED", "0")
+    assert not EngineArgs(model=str(llama_dir), device="cpu").create_engine_config().async_scheduling
+    engine = make_engine(llama_dir)
+    engine.shutdown()
+    assert "Asynchronous scheduling is disabled" in caplog.text
+    monkeypatch.delenv("VENGINE_ASYNC_SCHED")
+    engine = make_engine(llama_dir)
+    engine.shutdown()
+    assert "Asynchronous scheduling is enabled" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_engine_death_reaches_every_stream(llama_dir, prompts):
+    engine = make_engine(llama_dir, max_num_seqs=2)
+    try:
+        runner = engine.engine_core.engine_core.model_runner
+        calls = {"n": 0}
+        orig = runner.execute_model
+
+        def boom(*a, **k):
+            calls["n"] += 1
+            if calls["n"] > 5:
+                raise RuntimeError("injected failure")
+            return orig(*a, **k)
+        runner.execute_model = boom
+        seen = []
+        listener_remove = engine.add_output_listener(lambda ids: seen.append(ids))
+        cs = [engine.add_request(f"d{i}", p, SamplingParams(max_tokens=500, ignore_eos=True)) for i, p in enumerate(prompts)]
+        t0 = time.monotonic()
+        for c in cs:
+            with pytest.raises(EngineDeadError, match="injected failure"):
+                drain(c, timeout=5)
+        assert time.monotonic() - t0 < 5
+        assert engine.errored
+        with pytest.raises(EngineDeadError):
+            engine.add_request("late", prompts[0])
+        assert seen  # listeners were told so gevent/C readers wake up
+        listener_remove()
+    finally:
+        engine.shutdown()
