@@ -53,6 +53,7 @@ class EngineArgs:
     enforce_eager: bool = False
     attention_backend: Optional[str] = None  # None: "triton" on CUDA, "torch" on CPU
     served_model_name: Optional[str] = None
+    load_format: str = "auto"  # "dummy": random weights (benchmarks of a model shape)
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -81,18 +82,21 @@ class EngineConfig:
     async_scheduling: bool
     enforce_eager: bool
     attention_backend: str
+    load_format: str = "auto"
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
         from transformers import AutoConfig
 
         model = a.model or str(DEFAULT_MODEL_DIR)
-        if not Path(model).is_dir() or not (Path(model) / "config.json").is_file():
+        if not Path(model).is_dir() or not (Path(model) / "config.json").is_file():  # no hub downloads
             raise ValueError(f"model must be a Hugging Face model directory with a config.json; "
                              f"{model!r} is not one.")
         if a.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"Unknown scheduling_policy {a.scheduling_policy!r}; "
                              f"valid policies: {', '.join(SCHEDULING_POLICIES)}.")
+        if a.load_format not in ("auto", "dummy"):
+            raise ValueError(f"Unknown load_format {a.load_format!r}; valid: auto, dummy.")
         if a.device not in DEVICES:
             raise ValueError(f"Unknown device {a.device!r}; valid devices: {', '.join(DEVICES)}.")
         if a.dtype not in DTYPES:
@@ -133,7 +137,12 @@ class EngineConfig:
             async_sched = env_async_scheduling_allowed()
         elif async_sched and not env_async_scheduling_allowed():
             async_sched = False
-        backend = a.attention_backend or ("triton" if device.type == "cuda" else "torch")
+        backend = a.attention_backend
+        if backend is None:
+            hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+            # The triton kernels need a power-of-two head_dim >= 16.
+            pow2 = hd >= 16 and hd & (hd - 1) == 0
+            backend = "triton" if device.type == "cuda" and pow2 else "torch"
         return cls(
             model=model, tokenizer=a.tokenizer or model,
             served_model_name=a.served_model_name or model.rstrip("/").split("/")[-1],
@@ -145,7 +154,8 @@ class EngineConfig:
             enable_prefix_caching=a.enable_prefix_caching,
             enable_chunked_prefill=a.enable_chunked_prefill,
             scheduling_policy=a.scheduling_policy, seed=a.seed, async_scheduling=async_sched,
-            enforce_eager=a.enforce_eager or device.type != "cuda", attention_backend=backend)
+            enforce_eager=a.enforce_eager or device.type != "cuda", attention_backend=backend,
+            load_format=a.load_format)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

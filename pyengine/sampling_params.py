@@ -41,6 +41,7 @@ class SamplingParams:
     logprobs: Optional[int] = None  # number of top logprobs per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, text stays ""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Token ids that end generation by default (EOS etc.), filled from the model's
     # generation config by the engine; not user-facing.

@@ -119,7 +119,16 @@ class _Child:
         self.index = index
         self.core_id = core_req.request_id
         params = core_req.sampling_params
-        self.detok = IncrementalDetokenizer(tokenizer, core_req.prompt_token_ids, params)
+        # FINAL_ONLY without stop strings needs no incremental text: decode once at the end
+        # (keeps per-step detokenization off the hot path of offline generation).
+        self.deferred = (params.detokenize and tokenizer is not None and not params.stop
+                         and params.output_kind == RequestOutputKind.FINAL_ONLY)
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.include_stop = params.include_stop_str_in_output
+        self.final_text: Optional[str] = None
+        self.detok = IncrementalDetokenizer(tokenizer if params.detokenize and not self.deferred else None,
+                                            core_req.prompt_token_ids, params)
         self.want_logprobs = params.logprobs is not None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.want_logprobs else None
         self.cumulative_logprob: Optional[float] = 0.0 if self.want_logprobs else None
@@ -128,10 +137,17 @@ class _Child:
         self.sent_tokens = 0
         self.sent_logprobs = 0
 
+    def finish_deferred(self, stop_terminated: bool) -> None:
+        ids = self.detok.output_token_ids
+        if stop_terminated and not self.include_stop:
+            ids = ids[:-1]
+        # Like the incremental path, never end on an incomplete UTF-8 sequence.
+        self.final_text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens).rstrip("\ufffd")
+
     def completion(self, kind: RequestOutputKind) -> CompletionOutput:
         delta = kind == RequestOutputKind.DELTA
         finished = self.finish_reason is not None
-        text = self.detok.get_next_output_text(finished, delta)
+        text = self.final_text or "" if self.deferred else self.detok.get_next_output_text(finished, delta)
         ids = self.detok.output_token_ids
         lps = self.logprobs
         if delta:
@@ -238,6 +254,8 @@ class OutputProcessor:
             elif eco.finished:
                 child.finish_reason, child.stop_reason = eco.finish_reason, eco.stop_reason
             if child.finish_reason is not None:
+                if child.deferred:
+                    child.finish_deferred(eco.finish_reason == "stop")
                 del self.children[eco.request_id]
                 parent.num_finished += 1
                 if parent.finished:

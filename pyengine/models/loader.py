@@ -133,5 +133,21 @@ def load_model(config, attn_backend) -> nn.Module:
         model = model_cls(hf_config, attn_backend)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     with torch.no_grad():
-        load_weights(model, iterate_weights(config.model), tie_word_embeddings=tie)
+        if getattr(config, "load_format", "auto") == "dummy":
+            init_dummy_weights(model, config.seed)
+        else:
+            load_weights(model, iterate_weights(config.model), tie_word_embeddings=tie)
     return model.eval()
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights on the model's device (vLLM's load_format="dummy"), for benchmarks
+    of a model shape without a checkpoint: uniform in [-0.02, 0.02], norm weights 1."""
+    gen = None
+    for name, p in model.named_parameters():
+        if gen is None:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.uniform_(-0.02, 0.02, generator=gen)
