@@ -36,6 +36,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 from urllib.parse import urlparse
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, _REPO)
+
 # ----------------------------------------------------------------------------------------
 # Workload
 

@@ -1,0 +1,78 @@
+"""The real entry point: ``python -m server MODEL`` on a free port, then SIGTERM; and a
+clear error without a usable model."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.server.http_util import get, post
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def test_help_lists_vllm_flags():
+    out = subprocess.run([sys.executable, "-m", "server", "--help"], cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
+                 "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy",
+                 "--no-async-scheduling", "--api-key", "--dtype", "--device", "--max-concurrent-streams"):
+        assert flag in out.stdout, flag
+
+
+def test_serve_subprocess(llama_dir):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", str(llama_dir), "--port", "0", "--device", "cpu",
+         "--served-model-name", "cli-model", "--max-model-len", "256", "--num-gpu-blocks-override", "256",
+         "--max-concurrent-streams", "8", "--disable-access-log"],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port, lines, deadline = None, [], time.time() + 120
+        while time.time() < deadline and port is None:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            lines.append(line)
+            m = re.search(r"serving cli-model on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+        assert port, "".join(lines)
+        assert get(port, "/health")[0] == 200
+        status, _, body = post(port, "/v1/completions", {"model": "cli-model", "prompt": "hi", "max_tokens": 3})
+        assert status == 200, body
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bad_model_dir_is_a_clear_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "server", str(tmp_path / "nope"), "--port", "0"],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "cannot load" in out.stderr and "nope" in out.stderr
+
+
+def test_default_model_when_missing():
+    from pyengine.config import DEFAULT_MODEL_DIR
+
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():
+        pytest.skip("the built-in default model exists")
+    out = subprocess.run([sys.executable, "-m", "server", "--port", "0"], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "built-in default model" in out.stderr
