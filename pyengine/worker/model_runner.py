@@ -72,6 +72,8 @@ class ModelRunner:
         self._prev_sampled: Optional[torch.Tensor] = None
         self._prev_rows: dict[str, int] = {}
         self._is_cuda = self.device.type == "cuda"
+        self.graph_runner = None  # CUDAGraphRunner once captured (CUDA, triton backend, not enforce_eager)
+        self.graph_capture_time_s = 0.0
         if self._is_cuda:
             self._copy_stream = torch.cuda.Stream()
             self._pinned = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
@@ -147,37 +149,45 @@ class ModelRunner:
         self.num_blocks = n
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, self.block_size,
                     n * self.kv_bytes_per_block() / 2**20)
+        if self._is_cuda and not self.config.enforce_eager and self.config.attention_backend == "triton":
+            from pyengine.worker.cuda_graph import CUDAGraphRunner
+            self.graph_runner = CUDAGraphRunner(self.model, self.attn_backend, self.config.max_num_seqs,
+                                                self.max_blocks_per_req, self.config.max_model_len, self.device)
+            self.graph_capture_time_s = self.graph_runner.capture()
         return n
 
     # ---- one step ------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput):
         sched = so.scheduled
         T, R, bs = so.total_num_scheduled_tokens, len(sched), self.block_size
-        input_ids = np.empty(T, dtype=np.int64)
-        positions = np.empty(T, dtype=np.int64)
-        slots = np.empty(T, dtype=np.int64)
-        qsl = np.zeros(R + 1, dtype=np.int32)
-        seq_lens = np.empty(R, dtype=np.int32)
+        toks: list[int] = []
+        ph_rows, ph_src = [], []
+        starts = np.empty(R, dtype=np.int64)
+        ns = np.empty(R, dtype=np.int64)
         max_blocks = max(len(s.block_ids) for s in sched)
         block_table = np.zeros((R, max_blocks), dtype=np.int32)
-        ph_rows, ph_src = [], []
-        off = 0
         for i, s in enumerate(sched):
             start, n = s.num_computed_tokens, s.num_new_tokens
-            toks = s.request.all_token_ids[start:start + n]
+            starts[i], ns[i] = start, n
+            all_ids = s.request.all_token_ids
             if s.placeholder_input:
-                ph_rows.append(off + n - 1)
+                # Fed from the previous step's sampled ids, still on the device.
+                toks.extend(all_ids[start:start + n - 1])
+                ph_rows.append(len(toks))
                 ph_src.append(self._prev_rows[s.request.request_id])
                 toks.append(0)
-            input_ids[off:off + n] = toks
-            pos = np.arange(start, start + n)
-            positions[off:off + n] = pos
-            bids = np.asarray(s.block_ids, dtype=np.int64)
-            slots[off:off + n] = bids[pos // bs] * bs + pos % bs
-            block_table[i, :len(bids)] = bids
-            seq_lens[i] = start + n
-            off += n
-            qsl[i + 1] = off
+            elif n == 1:
+                toks.append(all_ids[start])
+            else:
+                toks.extend(all_ids[start:start + n])
+            block_table[i, :len(s.block_ids)] = s.block_ids
+        qsl = np.zeros(R + 1, dtype=np.int32)
+        np.cumsum(ns, out=qsl[1:])
+        req_of_tok = np.repeat(np.arange(R), ns)
+        positions = starts[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
+        slots = block_table[req_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (starts + ns).astype(np.int32)
+        input_ids = np.asarray(toks, dtype=np.int64)
         dev = self.device
         ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
         if ph_rows:
@@ -187,7 +197,7 @@ class ModelRunner:
         qsl_cpu, seq_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_lens)
         meta = AttentionMetadata(
             num_actual_tokens=T, num_reqs=R,
-            max_query_len=int(np.diff(qsl).max()), max_seq_len=int(seq_lens.max()),
+            max_query_len=int(ns.max()), max_seq_len=int(seq_lens.max()),
             query_start_loc=qsl_cpu.to(dev, non_blocking=True), seq_lens=seq_cpu.to(dev, non_blocking=True),
             block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
@@ -223,12 +233,18 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
         ids, pos, meta, qsl, ph_rows = self._prepare_inputs(so)
-        hidden = self.model(ids, pos, meta)
+        if (self.graph_runner is not None and meta.max_query_len == 1
+                and meta.num_reqs <= self.graph_runner.max_batch_size):
+            hidden = self.graph_runner.run(ids, pos, meta)
+        else:
+            hidden = self.model(ids, pos, meta)
         sampled = [s for s in so.scheduled if s.sample]
         idx = [int(qsl[i + 1]) - 1 for i, s in enumerate(so.scheduled) if s.sample]
         if not sampled:
             return ModelRunnerOutput([], None) if not non_blocking else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None)
-        logits = self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])
+        if len(idx) != meta.num_actual_tokens:  # only the last row of each sampling request
+            hidden = hidden[torch.tensor(idx, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         ph_flags = [s.placeholder_input for s in sampled]
         meta_s = self._sampling_metadata(sampled, ph_flags)
         if not meta_s.no_penalties and any(ph_flags):
