@@ -211,11 +211,15 @@ def test_preemption_victim_and_exactness(llama_dir, prompts, policy, expected_vi
     assert s.num_free_blocks == s.num_gpu_blocks
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_greedy_identical_sync_async_fcfs_priority(llama_dir, prompts, policy, async_scheduling):
-    engine = make_engine(llama_dir, scheduling_policy=policy, async_scheduling=async_scheduling,
-                         max_num_batched_tokens=32, num_gpu_blocks_override=12, max_model_len=96, max_num_seqs=4)
+def test_greedy_identical_sync_async_fcfs_priority(model_dirs, prompts, policy, async_scheduling, device):
+    llama_dir = model_dirs["llama"]
+    engine = AsyncLLM.from_engine_args(EngineArgs(
+        model=str(llama_dir), device=device, dtype="float32", scheduling_policy=policy,
+        async_scheduling=async_scheduling, max_num_batched_tokens=32, num_gpu_blocks_override=12,
+        max_model_len=96, max_num_seqs=4))
     try:
         sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
         cs = [engine.add_request(f"q{i}", p, sp, priority=i % 3) for i, p in enumerate(prompts)]
