@@ -82,7 +82,8 @@ def test_slow_reader_does_not_delay_others(server):
         assert all(r[0] == 200 for r in out), out
         for i, (status, evs, _) in enumerate(out):
             assert evs[-1][1] == "[DONE]"
-        assert took < 2 * base_s + 2.0, (took, base_s)
+        # generous: the dev box is shared; a stalled writer would hold them for the whole run
+        assert took < 3 * base_s + 5.0, (took, base_s)
         # the slow client still gets its whole stream, in order, once it reads
         slow.read_headers()
         evs = [json.loads(d) for _, d in slow.events() if d != "[DONE]"]
