@@ -368,8 +368,20 @@ static vg_node* vg_node_make(const char* text, size_t len, const int32_t* toks, 
   return n;
 }
 
+/* exit() runs handlers in reverse registration order, and C++ libraries loaded
+ * by Python (libtorch, ...) register destructors of function-local statics the
+ * first time a code path runs, i.e. during the first engine steps, after our
+ * registration at load; those destructors would then run while the engine
+ * thread still computes ("unknown parameter type" from torch, seen in a test).
+ * So the handler is registered again at the 1st, 2nd, 4th, 8th, ... step pushed
+ * (a log-bounded number of entries); only its first run does work. */
+static void vg_atexit(void);
+static atomic_uint_fast64_t g_pushes;
+
 /* One engine step's worth of deltas, from Python. */
 static void vg_push(const vg_delta* d, int32_t n) {
+  uint64_t k = atomic_fetch_add(&g_pushes, 1) + 1;
+  if ((k & (k - 1)) == 0) atexit(vg_atexit);
   for (int32_t i = 0; i < n; i++) {
     vllm_request* r = (vllm_request*)d[i].req;
     vg_node* node = vg_node_make(d[i].text, (size_t)d[i].text_len, d[i].token_ids, d[i].n_tokens);
@@ -403,6 +415,44 @@ static void vg_push_final(vllm_request* r, vllm_status st, const char* reason, c
 
 /* ------------------------------------------------------------------------ */
 /* delivery                                                                  */
+
+typedef struct vg_buf {
+  char* p;
+  size_t n, cap;
+  int oom;
+} vg_buf;
+
+static void vg_buf_add(vg_buf* b, const char* s, size_t n) {
+  if (b->oom) return;
+  if (b->n + n + 1 > b->cap) {
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->n + n + 1) cap *= 2;
+    char* p = (char*)realloc(b->p, cap);
+    if (!p) {
+      b->oom = 1;
+      return;
+    }
+    b->p = p;
+    b->cap = cap;
+  }
+  memcpy(b->p + b->n, s, n);
+  b->n += n;
+  b->p[b->n] = '\0';
+}
+static void vg_buf_str(vg_buf* b, const char* s) { vg_buf_add(b, s, strlen(s)); }
+
+/* Append text for a C string: NUL characters (a byte-level tokenizer can produce
+ * them) become U+FFFD. */
+static void vg_buf_text(vg_buf* b, const char* s, size_t n) {
+  size_t start = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (s[i] != '\0') continue;
+    vg_buf_add(b, s + start, i - start);
+    vg_buf_add(b, "\xEF\xBF\xBD", 3);
+    start = i + 1;
+  }
+  vg_buf_add(b, s + start, n - start);
+}
 
 /* A handler sees every delta of a request in order, on one thread. It returns
  * false to cancel the request. `finished` comes exactly once, last. */
@@ -454,7 +504,15 @@ static bool vg_host_handler(void* ctx, vllm_request* r, const vg_node* n, bool c
   if (!r->cb) return true;
   bool keep = true;
   if (!cancelled && n->text && n->text_len > 0) {
-    keep = r->cb(n->text, false, r->ud);
+    if (memchr(n->text, 0, n->text_len)) { /* C strings cannot carry NUL: U+FFFD */
+      vg_buf b;
+      memset(&b, 0, sizeof b);
+      vg_buf_text(&b, n->text, n->text_len);
+      keep = b.oom ? true : r->cb(b.p, false, r->ud);
+      free(b.p);
+    } else {
+      keep = r->cb(n->text, false, r->ud);
+    }
     if (!keep) vg_cancel_internal(r);
   }
   if (n->finished) r->cb("", true, r->ud);
@@ -542,7 +600,7 @@ static void* vg_exit_main(void* arg) {
  * never finalized. */
 static void vg_atexit(void) {
   if (atomic_load(&g_forked)) return;
-  atomic_store(&g_exiting, 1);
+  if (atomic_exchange(&g_exiting, 1)) return;
   pthread_mutex_lock(&g_engines_mu);
   int any = g_engines != NULL;
   pthread_mutex_unlock(&g_engines_mu);
@@ -575,6 +633,9 @@ static void vg_atexit(void) {
 }
 
 static void vg_register_atexit(void) { atexit(vg_atexit); }
+
+/* exit() runs handlers in reverse registration order, and C++ libraries loaded
+ * by Python (libtorch, ...) register destructors of function-local statics the
 
 /* ------------------------------------------------------------------------ */
 /* exported API                                                              */
@@ -805,33 +866,9 @@ VG_EXPORT void vllm_request_free(vllm_request* r) {
 
 /* ---- blocking calls: submit + a pump loop on the caller's thread --------- */
 
-typedef struct vg_buf {
-  char* p;
-  size_t n, cap;
-  int oom;
-} vg_buf;
-
-static void vg_buf_add(vg_buf* b, const char* s, size_t n) {
-  if (b->oom) return;
-  if (b->n + n + 1 > b->cap) {
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->n + n + 1) cap *= 2;
-    char* p = (char*)realloc(b->p, cap);
-    if (!p) {
-      b->oom = 1;
-      return;
-    }
-    b->p = p;
-    b->cap = cap;
-  }
-  memcpy(b->p + b->n, s, n);
-  b->n += n;
-  b->p[b->n] = '\0';
-}
-static void vg_buf_str(vg_buf* b, const char* s) { vg_buf_add(b, s, strlen(s)); }
-
 typedef struct vg_collect {
   vg_buf text;
+  int raw; /* keep NUL characters (chat JSON escapes them) */
   int32_t* toks;
   int32_t ntoks, cap;
 } vg_collect;
@@ -840,7 +877,12 @@ static bool vg_collect_handler(void* ctx, vllm_request* r, const vg_node* n, boo
   (void)r;
   (void)cancelled;
   vg_collect* c = (vg_collect*)ctx;
-  if (n->text_len) vg_buf_add(&c->text, n->text, n->text_len);
+  if (n->text_len) {
+    if (c->raw)
+      vg_buf_add(&c->text, n->text, n->text_len);
+    else
+      vg_buf_text(&c->text, n->text, n->text_len);
+  }
   if (n->ntoks > 0 && c->toks != NULL) {
     int32_t room = c->cap - c->ntoks;
     int32_t k = n->ntoks < room ? n->ntoks : room;
@@ -1090,6 +1132,7 @@ VG_EXPORT vllm_status vllm_chat(vllm_engine* e, const char* request_json, char**
   if (st != VLLM_OK) return st;
   vg_collect c;
   memset(&c, 0, sizeof c);
+  c.raw = 1;
   vg_deliver(r, vg_collect_handler, &c);
   if (r->status == VLLM_OK) {
     vg_buf b;

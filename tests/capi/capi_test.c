@@ -526,7 +526,9 @@ static void case_fork(int argc, char** argv) {
     vllm_status st3 = p_vllm_engine_load(&mp, &e2);
     printf("CHILD %d %d %d %.3f %s\n", st, st2, st3, now_s() - t0, p_vllm_last_error());
     fflush(stdout);
-    exit(st == VLLM_ERR_RUNTIME && st2 == VLLM_ERR_RUNTIME && st3 == VLLM_ERR_RUNTIME ? 0 : 3);
+    /* _exit, not exit: exit() would run the handlers of the libraries Python loaded
+     * (libtorch, ...), which are not fork-safe (seen deadlocking in a futex) */
+    _exit(st == VLLM_ERR_RUNTIME && st2 == VLLM_ERR_RUNTIME && st3 == VLLM_ERR_RUNTIME ? 0 : 3);
   }
   int status = 0;
   waitpid(pid, &status, 0);
