@@ -1,0 +1,315 @@
+"""Shared pieces of the benchmark scripts: model directories of a named shape (config +
+tokenizer, no weights: the engine runs them with ``load_format="dummy"``), device
+checks, hardware records, markdown tables and JSON results.
+
+Nothing here imports from ``tests/`` (the tokenizer builder is a local copy), so the
+scripts run from a bare checkout.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, str(_REPO))
+
+# ----------------------------------------------------------------------------------------
+# Shapes
+
+SHAPES = ("qwen3-0.6b", "llama-3.1-8b", "tiny")
+DEFAULT_SHAPE = "qwen3-0.6b"
+ARCHITECTURES = {"qwen3-0.6b": "Qwen3ForCausalLM", "llama-3.1-8b": "LlamaForCausalLM", "tiny": "Qwen3ForCausalLM"}
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS_MODULES = ["os", "collections/__init__", "functools", "typing", "argparse", "json/decoder",
+                   "json/encoder", "logging/__init__", "threading", "subprocess", "pathlib", "shutil"]
+_CORPUS_BYTES = 200_000
+TOKENIZER_VOCAB = 512
+
+
+def _corpus() -> list[str]:
+    root = Path(os.__file__).parent
+    texts, total = [], 0
+    for mod in _CORPUS_MODULES:
+        f = root / f"{mod}.py"
+        if f.is_file():
+            t = f.read_text(encoding="utf-8", errors="replace")
+            texts.append(t)
+            total += len(t)
+            if total >= _CORPUS_BYTES:
+                break
+    if not texts:  # a Python install without sources: any text will do for a benchmark
+        texts = ["def f(x):\n    return x + 1\n" * 200]
+    return texts
+
+
+def build_tokenizer(out_dir, vocab_size: int = TOKENIZER_VOCAB) -> Path:
+    """Train a small byte-level BPE tokenizer on stdlib sources and save it (with
+    ``<s>``/``</s>``/``<pad>`` specials) as a PreTrainedTokenizerFast in ``out_dir``.
+    The benchmarks feed token ids, so the tokenizer only has to load."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                   pad_token=PAD, chat_template=_CHAT_TEMPLATE)
+    fast.save_pretrained(str(out))
+    return out
+
+
+def shape_config(shape: str, bos: int = 0, eos: int = 1, pad: int = 2, vocab_size: Optional[int] = None):
+    """The transformers config object of a named shape (random-weight benchmarks)."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    ids = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    if shape == "qwen3-0.6b":
+        return Qwen3Config(
+            vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+            num_key_value_heads=8, head_dim=128, intermediate_size=3072, hidden_act="silu",
+            max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            attention_bias=False, dtype="bfloat16", **ids)
+    if shape == "llama-3.1-8b":
+        return LlamaConfig(
+            vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, intermediate_size=14336, hidden_act="silu",
+            max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+            attention_bias=False, mlp_bias=False, dtype="bfloat16", **ids)
+    if shape == "tiny":
+        return Qwen3Config(
+            vocab_size=vocab_size or TOKENIZER_VOCAB, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+            hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6,
+            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            attention_bias=False, dtype="float32", **ids)
+    raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
+
+
+def make_model_dir(shape: str, out_dir) -> Path:
+    """Write ``config.json`` of the named shape and a small trained tokenizer into
+    ``out_dir`` (no weights: use ``load_format="dummy"``). Returns ``out_dir``.
+    Reuses a directory that already holds the same config."""
+    from transformers import AutoTokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / ".vengine_shape"
+    if marker.is_file() and marker.read_text() == shape and (out / "config.json").is_file() \
+            and (out / "tokenizer.json").is_file():
+        return out
+    build_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    bos, eos, pad = tok.convert_tokens_to_ids([BOS, EOS, PAD])
+    cfg = shape_config(shape, bos, eos, pad, vocab_size=len(tok))
+    cfg.architectures = [ARCHITECTURES[shape]]
+    cfg.save_pretrained(str(out))
+    marker.write_text(shape)
+    return out
+
+
+def default_model_dir(shape: str) -> Path:
+    """A per-shape cache directory for ``make_model_dir`` (``$VENGINE_BENCH_DIR`` or the
+    system temp dir)."""
+    import tempfile
+    root = Path(os.environ.get("VENGINE_BENCH_DIR") or Path(tempfile.gettempdir()) / "vengine_bench_models")
+    return root / shape
+
+
+def random_prompts(n: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0,
+                   max_id: int = 10000, min_id: int = 8) -> list[list[int]]:
+    """``n`` prompts of random token ids in [min_id, min(max_id, vocab_size)) with lengths
+    uniform in [min_len, max_len] (nano-vllm's bench draws ids below 10000)."""
+    rng = random.Random(seed)
+    hi = min(max_id, vocab_size) - 1
+    lo = min(min_id, hi)
+    return [[rng.randint(lo, hi) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------
+# Arguments and devices
+
+
+def add_common_args(p: argparse.ArgumentParser, default_shape: str = DEFAULT_SHAPE, multi_shape: bool = False) -> None:
+    if multi_shape:
+        p.add_argument("--shape", type=parse_shapes, default=parse_shapes(default_shape),
+                       help=f"comma-separated model shapes from {', '.join(SHAPES)} (random weights)")
+    else:
+        p.add_argument("--shape", choices=SHAPES, default=default_shape,
+                       help="model shape (random weights, load_format=dummy)")
+    p.add_argument("--model-dir", default=None,
+                   help="where to write the shape's config.json + tokenizer (default: a per-shape temp dir)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results as JSON to OUT")
+
+
+def parse_shapes(text: str) -> list[str]:
+    shapes = [s.strip() for s in str(text).split(",") if s.strip()]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad or not shapes:
+        raise argparse.ArgumentTypeError(f"unknown shape(s) {bad or text!r}; choose from {', '.join(SHAPES)}")
+    return shapes
+
+
+def parse_ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def check_device(device: str) -> None:
+    """Exit with a clear message when CUDA is asked for but absent."""
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: CUDA is not available on this machine (torch %s). These benchmarks are "
+                 "meant for a GPU; pass --device cpu (with --shape tiny) for a CPU smoke run."
+                 % torch.__version__)
+
+
+def resolve_dtype(args) -> str:
+    return args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+
+
+def prepare_model_dir(args, shape: Optional[str] = None) -> Path:
+    shape = shape or args.shape
+    if args.model_dir:
+        base = Path(args.model_dir)
+        return make_model_dir(shape, base if shape == args.shape else base / shape)
+    return make_model_dir(shape, default_model_dir(shape))
+
+
+def free_cuda() -> None:
+    gc.collect()
+    try:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+def shutdown_llm(llm) -> None:
+    """Drop an LLM's engine and give its GPU memory back (caller must drop its own refs)."""
+    try:
+        eng = getattr(llm, "llm_engine", None)
+        core = getattr(eng, "engine_core", None)
+        runner = getattr(core, "model_runner", None)
+        if runner is not None:
+            for name in ("kv_caches", "model"):
+                if hasattr(runner, name):
+                    setattr(runner, name, None)
+    except Exception:
+        pass
+    free_cuda()
+
+
+# ----------------------------------------------------------------------------------------
+# Records
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=str(_REPO), capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def hardware_info(device: str = "cuda") -> dict:
+    import torch
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "git_commit": _git_commit(),
+    }
+    for mod in ("triton", "transformers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            info[mod] = None
+    if device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_count"] = torch.cuda.device_count()
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        info["cuda"] = torch.version.cuda
+    else:
+        info["gpu"] = None
+    return info
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0]) if sys.argv else "python"] + sys.argv[1:])
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            if v != v:
+                return "n/a"
+            return f"{v:,.0f}" if abs(v) >= 1000 else (f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}")
+        return "n/a" if v is None else str(v)
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(v) for v in r) + " |")
+    return "\n".join(lines)
+
+
+def header_md(title: str, hw: dict, cmd: Optional[str] = None) -> str:
+    gpu = hw.get("gpu") or f"CPU ({hw.get('cpu_count')} cores)"
+    return (f"### {title}\n\n`{cmd or command_line()}`\n\n"
+            f"{gpu}; torch {hw.get('torch')}, triton {hw.get('triton')}, transformers {hw.get('transformers')}, "
+            f"python {hw.get('python')}; commit {hw.get('git_commit')}; {hw.get('date')}\n")
+
+
+def write_json(path: Optional[str], payload: dict) -> None:
+    if not path:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"results written to {p}")
+
+
+def stats_delta(before, after) -> dict:
+    """Host time per step between two SchedulerStats snapshots."""
+    steps = after.num_steps - before.num_steps
+    host = after.step_host_time_s - before.step_host_time_s
+    return {"num_steps": steps, "step_host_time_s": host,
+            "host_ms_per_step": (1e3 * host / steps) if steps > 0 else float("nan")}

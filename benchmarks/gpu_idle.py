@@ -1,0 +1,228 @@
+"""GPU idle fraction between decode steps, async scheduling on and off.
+
+For each mode: ``--batch`` (64) requests with a short prompt are admitted and prefilled, a
+few warm-up decode steps run, then
+
+* a timed window of ``--timed-steps`` decode steps (no profiler) gives decode tokens/s;
+* a profiled window of ``--profile-steps`` decode steps under
+  ``torch.profiler.profile(activities=[CUDA])`` gives every kernel / memcpy / memset
+  interval; idle = 1 - (union of busy intervals) / (first start .. last end).
+
+The on/off ratio of decode tokens/s is printed too (``throughput.py
+--no-async-scheduling`` gives the same ratio on the full throughput workload).
+
+    python benchmarks/gpu_idle.py                        # Qwen3-0.6B shape, batch 64
+    python benchmarks/gpu_idle.py --batch 256 --trace-dir /tmp/traces
+    python benchmarks/gpu_idle.py --device cpu --shape tiny --batch 2 --timed-steps 4   # smoke (no profile)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Optional
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+from benchmarks.common import (add_common_args, check_device, command_line, free_cuda, hardware_info,  # noqa: E402
+                               header_md, md_table, prepare_model_dir, random_prompts, resolve_dtype,
+                               shutdown_llm, stats_delta, write_json)
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--timed-steps", type=int, default=200)
+    p.add_argument("--profile-steps", type=int, default=100)
+    p.add_argument("--modes", default="on,off", help="async scheduling modes to run: on,off | on | off")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--gap-us", type=float, default=5.0, help="report gaps longer than this (microseconds)")
+    p.add_argument("--trace-dir", default=None, help="keep the chrome traces here")
+    p.add_argument("--verbose", action="store_true", help="engine INFO logs")
+    return p
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> tuple[float, float, float, list[float]]:
+    """(window start, window end, busy time, gaps) of [start, end) intervals (any unit)."""
+    if not intervals:
+        return 0.0, 0.0, 0.0, []
+    intervals = sorted(intervals)
+    busy = 0.0
+    gaps = []
+    cur_s, cur_e = intervals[0]
+    for s, e in intervals[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(s - cur_e)
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    return intervals[0][0], max(e for _, e in intervals), busy, gaps
+
+
+def gpu_intervals_from_trace(path: str) -> list[tuple[float, float]]:
+    """Busy intervals (microseconds) of kernels, memcpys and memsets in a chrome trace."""
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    out = []
+    for ev in events:
+        if ev.get("ph") != "X" or str(ev.get("cat", "")).lower() not in GPU_CATEGORIES:
+            continue
+        ts, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
+        out.append((ts, ts + max(dur, 0.0)))
+    return out
+
+
+def run_mode(args, model_dir, async_on: bool) -> dict:
+    import torch
+    from pyengine import LLM, RequestOutputKind, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), load_format="dummy", dtype=resolve_dtype(args), device=args.device,
+              max_model_len=args.max_model_len, max_num_seqs=max(args.batch, 1), async_scheduling=async_on,
+              enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization)
+    startup = time.perf_counter() - t0
+    eng = llm.llm_engine
+    cfg = eng.config
+    cuda = cfg.device.type == "cuda"
+    prompts = random_prompts(args.batch, args.input_len, args.input_len, cfg.hf_config.vocab_size, seed=11)
+    total_steps = args.warmup_steps + args.timed_steps + args.profile_steps + 16
+    max_tokens = min(total_steps, args.max_model_len - args.input_len - 1)
+    if max_tokens < total_steps:
+        raise SystemExit(f"error: {total_steps} decode steps do not fit max_model_len {args.max_model_len}")
+    sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens, detokenize=False,
+                        output_kind=RequestOutputKind.DELTA)
+    ids = [f"idle{i}" for i in range(args.batch)]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, sp)
+
+    def steps(n) -> int:
+        toks = 0
+        for _ in range(n):
+            for out in eng.step():
+                toks += sum(len(c.token_ids) for c in out.outputs)
+        return toks
+
+    # Prefill (one step for the default sizes), then until every request has a token.
+    seen = 0
+    for _ in range(64):
+        seen += steps(1)
+        if seen >= args.batch:
+            break
+    steps(args.warmup_steps)
+    st = eng.get_stats()
+    if st.num_running != args.batch or st.num_waiting:
+        print(f"warning: {st.num_running} running, {st.num_waiting} waiting (expected {args.batch} running)",
+              file=sys.stderr)
+
+    before = eng.get_stats()
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    toks = steps(args.timed_steps)
+    if cuda:
+        torch.cuda.synchronize()
+    timed_s = time.perf_counter() - t
+    sd = stats_delta(before, eng.get_stats())
+
+    res = {"async_scheduling": cfg.async_scheduling, "enforce_eager": cfg.enforce_eager, "startup_s": startup,
+           "batch": args.batch, "timed_steps": args.timed_steps, "decode_tokens": toks, "timed_s": timed_s,
+           "decode_tok_s": toks / timed_s, "wall_ms_per_step": 1e3 * timed_s / max(args.timed_steps, 1),
+           "host_ms_per_step": sd["host_ms_per_step"], "idle_fraction": None}
+
+    if cuda and args.profile_steps > 0:
+        from torch.profiler import ProfilerActivity, profile
+        trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="vengine_idle_")
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, f"decode_async_{'on' if cfg.async_scheduling else 'off'}.json")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            steps(args.profile_steps)
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(path)
+        iv = gpu_intervals_from_trace(path)
+        start, end, busy, gaps = busy_union(iv)
+        window = end - start
+        long_gaps = [g for g in gaps if g > args.gap_us]
+        res.update({
+            "idle_fraction": (1.0 - busy / window) if window > 0 else None,
+            "profile_window_ms": window / 1e3, "gpu_busy_ms": busy / 1e3, "num_gpu_ops": len(iv),
+            "profile_steps": args.profile_steps, "idle_ms_per_step": (window - busy) / 1e3 / args.profile_steps,
+            "gaps_over_threshold": len(long_gaps), "gap_threshold_us": args.gap_us,
+            "max_gap_us": max(gaps) if gaps else 0.0,
+            "trace": path if args.trace_dir else None,
+        })
+        if not iv:
+            print("warning: the profiler recorded no GPU activity", file=sys.stderr)
+        if not args.trace_dir:
+            try:
+                os.remove(path)
+                os.rmdir(trace_dir)
+            except OSError:
+                pass
+    eng.abort_request(ids)
+    for _ in range(8):  # let the aborts (and any in-flight batch) drain
+        if not eng.has_unfinished_requests():
+            break
+        eng.step()
+    shutdown_llm(llm)
+    del llm, eng
+    free_cuda()
+    return res
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = build_parser().parse_args(argv)
+    check_device(args.device)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("on", "off") for m in modes):
+        raise SystemExit(f"error: --modes takes on,off; got {args.modes!r}")
+    hw = hardware_info(args.device)
+    cmd = command_line() if argv is None else "benchmarks/gpu_idle.py " + " ".join(argv)
+    model_dir = prepare_model_dir(args)
+    results = {m: run_mode(args, model_dir, m == "on") for m in modes}
+    ratio = None
+    if "on" in results and "off" in results:
+        ratio = results["on"]["decode_tok_s"] / max(results["off"]["decode_tok_s"], 1e-9)
+
+    print()
+    print(header_md(f"GPU idle between decode steps: {args.shape}, batch {args.batch}, "
+                    f"{args.profile_steps} profiled steps", hw, cmd))
+    g = results[modes[0]]
+    print(f"CUDA graphs {'off' if g['enforce_eager'] else 'on'}, dtype {resolve_dtype(args)}\n")
+
+    def pct(v):
+        return "n/a" if v is None else f"{100 * v:.2f}%"
+    print(md_table(["async scheduling", "GPU idle", "idle ms/step", "wall ms/step", "host ms/step", "decode tok/s",
+                    f"gaps > {args.gap_us:g} us", "max gap (us)"],
+                   [[m, pct(r["idle_fraction"]), r.get("idle_ms_per_step"), r["wall_ms_per_step"],
+                     r["host_ms_per_step"], r["decode_tok_s"], r.get("gaps_over_threshold"), r.get("max_gap_us")]
+                    for m, r in results.items()]))
+    if ratio is not None:
+        print(f"\nasync on / off (decode tok/s): {ratio:.3f}x")
+    print()
+    payload = {"benchmark": "gpu_idle", "command": cmd, "hardware": hw, "shape": args.shape, "args": vars(args),
+               "results": results, "ratio_on_off_decode_tok_s": ratio}
+    write_json(args.json_out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Smoke tests of the benchmark scripts: each script's main() on the tiny shape on the CPU
+with a handful of requests, so a broken script shows up in CI. The numbers are not checked
+(the GPU runs are what count); the shapes of the JSON results are."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import async_sched, common, gpu_idle, latency, throughput
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return common.make_model_dir("tiny", tmp_path_factory.mktemp("bench_tiny"))
+
+
+def _cpu(tiny_dir, tmp_path, name):
+    out = tmp_path / f"{name}.json"
+    return ["--device", "cpu", "--shape", "tiny", "--model-dir", str(tiny_dir), "--json", str(out)], out
+
+
+def test_make_model_dir_shapes(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    for shape, arch, layers in (("qwen3-0.6b", "Qwen3ForCausalLM", 28), ("llama-3.1-8b", "LlamaForCausalLM", 32)):
+        d = common.make_model_dir(shape, tmp_path / shape)
+        cfg = AutoConfig.from_pretrained(str(d))
+        assert cfg.architectures == [arch] and cfg.num_hidden_layers == layers
+        assert cfg.num_key_value_heads == 8 and cfg.head_dim == 128
+        assert AutoTokenizer.from_pretrained(str(d)).eos_token == "</s>"
+    q = AutoConfig.from_pretrained(str(tmp_path / "qwen3-0.6b"))
+    assert (q.hidden_size, q.vocab_size, q.intermediate_size, q.tie_word_embeddings) == (1024, 151936, 3072, True)
+    ll = AutoConfig.from_pretrained(str(tmp_path / "llama-3.1-8b"))
+    assert (ll.hidden_size, ll.vocab_size, ll.intermediate_size) == (4096, 128256, 14336)
+    assert ll.rope_parameters["rope_type"] == "llama3" and ll.rope_parameters["rope_theta"] == 500000.0
+
+
+def test_helpers():
+    start, end, busy, gaps = gpu_idle.busy_union([(0, 10), (5, 12), (20, 30), (29, 31), (40, 41)])
+    assert (start, end, busy, gaps) == (0, 41, 24, [8, 9])
+    table = common.md_table(["a", "b"], [[1, 2.5], ["x", None]])
+    assert table.splitlines()[0] == "| a | b |" and "n/a" in table
+    ps = common.random_prompts(5, 3, 7, vocab_size=100, seed=0)
+    assert len(ps) == 5 and all(3 <= len(p) <= 7 and max(p) < 100 for p in ps)
+    assert ps == common.random_prompts(5, 3, 7, vocab_size=100, seed=0)
+
+
+def test_cuda_required_message(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        throughput.main(["--shape", "tiny", "--num-requests", "1"])
+
+
+def test_throughput_smoke(tiny_dir, tmp_path):
+    args, out = _cpu(tiny_dir, tmp_path, "throughput")
+    res = throughput.main(args + ["--num-requests", "3", "--min-len", "4", "--max-len", "12"])
+    ours = res["results"]["ours"]
+    assert ours["requests_short"] == 0 and ours["output_tokens"] > 0 and ours["output_tok_s"] > 0
+    assert json.loads(out.read_text())["results"]["ours"]["output_tokens"] == ours["output_tokens"]
+
+
+def test_latency_smoke(tiny_dir, tmp_path):
+    args, out = _cpu(tiny_dir, tmp_path, "latency")
+    res = latency.main(args + ["--batch-sizes", "1,2", "--input-len", "8", "--output-len", "6", "--iters", "1"])
+    assert [r["batch"] for r in res["results"]] == [1, 2]
+    assert all(r["tpot_ms"] > 0 for r in res["results"])
+    assert out.is_file()
+
+
+def test_gpu_idle_smoke(tiny_dir, tmp_path):
+    args, out = _cpu(tiny_dir, tmp_path, "gpu_idle")
+    res = gpu_idle.main(args + ["--batch", "2", "--input-len", "8", "--warmup-steps", "1", "--timed-steps", "3",
+                                "--profile-steps", "2"])
+    assert set(res["results"]) == {"on", "off"} and res["ratio_on_off_decode_tok_s"] > 0
+    assert res["results"]["on"]["idle_fraction"] is None  # no profile on the CPU
+    assert out.is_file()
+
+
+def test_async_sched_smoke(tiny_dir, tmp_path):
+    args, out = _cpu(tiny_dir, tmp_path, "async_sched")
+    res = async_sched.main(args + ["--concurrency", "1,2", "--min-requests", "2", "--requests-per-client", "1",
+                                   "--input-len", "8", "--output-len", "4"])
+    for mode in ("on", "off"):
+        levels = res["results"][mode]["levels"]
+        assert [lv["concurrency"] for lv in levels] == [1, 2]
+        assert all(lv["output_tokens"] == lv["requests"] * 4 for lv in levels)
+    assert set(res["ratios"]) == {1, 2}
+    assert out.is_file()
