@@ -129,6 +129,17 @@ static int vg_check_fork(void) {
   return 0;
 }
 
+/* cffi (< Python 3.12) uses PyCapsule_Type.tp_version_tag as a spin lock that
+ * must read 0; the type cache gives the type a tag as soon as anything looks up
+ * an attribute on a capsule (a sitecustomize importing torch did, in a test),
+ * and cffi's start-up then asserts (or spins forever without asserts).
+ * PyType_Modified resets the tag and invalidates the type's cache entries. */
+static void vg_reset_cffi_lock(void) {
+#if PY_VERSION_HEX < 0x030C0000
+  if (PyCapsule_Type.tp_version_tag != 0) PyType_Modified(&PyCapsule_Type);
+#endif
+}
+
 static void vg_py_start_once(void) {
   if (!Py_IsInitialized()) {
     PyConfig config;
@@ -150,9 +161,13 @@ static void vg_py_start_once(void) {
       return;
     }
     atomic_store(&g_py_started, 1);
+    vg_reset_cffi_lock();
     PyEval_SaveThread(); /* release the GIL; cffi re-acquires it per call */
   } else {
     atomic_store(&g_py_started, 1);
+    PyGILState_STATE g = PyGILState_Ensure();
+    vg_reset_cffi_lock();
+    PyGILState_Release(g);
   }
   if (cffi_start_python() != 0) {
     snprintf(g_py_msg, sizeof g_py_msg,

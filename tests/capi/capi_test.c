@@ -557,6 +557,31 @@ static void case_load_fails(int argc, char** argv) {
   CHECK(st != VLLM_OK, "second load should fail");
 }
 
+/* the engine core dies mid-request (the test injects the failure): the request
+ * ends with VLLM_ERR_RUNTIME and a message, later calls fail fast, nothing hangs */
+static void case_engine_dies(int argc, char** argv) {
+  (void)argc;
+  vllm_engine* e = load_engine();
+  rec r;
+  rec_init(&r);
+  vllm_request* q = submit(e, argv[0], 500, &r);
+  double t0 = now_s();
+  vllm_status st = p_vllm_request_wait(q);
+  printf("WAIT %d %.3f\n", st, now_s() - t0);
+  print_escaped("WAIT_ERROR", p_vllm_last_error());
+  CHECK(st == VLLM_ERR_RUNTIME, "wait status %d", st);
+  CHECK(p_vllm_request_error(q)[0] != '\0', "request error set");
+  CHECK(r.nfinal == 1, "finals %d", r.nfinal);
+  p_vllm_request_free(q);
+  vllm_sampling_params sp = greedy(4);
+  vllm_completion c;
+  st = p_vllm_complete(e, "hello", &sp, &c);
+  printf("AFTER %d\n", st);
+  print_escaped("AFTER_ERROR", p_vllm_last_error());
+  CHECK(st == VLLM_ERR_RUNTIME, "complete after death %d", st);
+  p_vllm_engine_free(e);
+}
+
 int main(int argc, char** argv) {
   if (argc < 5) {
     fprintf(stderr, "usage: %s LIB local|global CASE MODEL [ARGS...]\n", argv[0]);
@@ -589,6 +614,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(c, "exit_inflight")) case_exit_inflight(n, a);
   else if (!strcmp(c, "fork")) case_fork(n, a);
   else if (!strcmp(c, "load_fails")) case_load_fails(n, a);
+  else if (!strcmp(c, "engine_dies")) case_engine_dies(n, a);
   else {
     printf("FAIL unknown case %s\n", c);
     return 2;

@@ -274,3 +274,29 @@ def test_broken_python_environment_fails_load(capi_test_bin, capi_lib, llama_dir
                       env={"VENGINE_PYTHON": str(tmp_path / "no-python"), "PYTHONHOME": str(tmp_path / "nope")},
                       timeout=60))
     assert "LOAD 3" in out
+
+
+_DIE_AFTER_STEPS = """
+import sys
+sys.path.insert(0, {root!r})
+import pyengine.engine.core as _core
+_orig = _core.EngineCore.step_fn
+def _step_fn(self):
+    step, n = _orig(self), [0]
+    def dying_step():
+        n[0] += 1
+        if n[0] > 5:
+            raise RuntimeError("injected engine failure")
+        return step()
+    return dying_step
+_core.EngineCore.step_fn = _step_fn
+"""
+
+
+def test_engine_death_fails_requests(capi_test_bin, capi_lib, llama_dir, tmp_path):
+    # the embedded interpreter imports sitecustomize from PYTHONPATH: it makes the engine
+    # core's step raise after 5 steps
+    (tmp_path / "sitecustomize.py").write_text(_DIE_AFTER_STEPS.format(root=str(ROOT)))
+    out = _check(_run(capi_test_bin, capi_lib, "engine_dies", llama_dir, PROMPTS[0],
+                      env={"PYTHONPATH": str(tmp_path)}, timeout=120))
+    assert "injected engine failure" in out
