@@ -97,6 +97,8 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_reqs = meta.num_reqs
         if kv_cache is None or kv_cache.numel() == 0:
+            # Profiling run (no cache bound yet): k and v may be differently strided views.
+            k, v = k.contiguous(), v.contiguous()
             return varlen_attention(q, k, v, meta.query_start_loc, out, self.scale,
                                     meta.max_query_len, num_reqs)
         key_cache, value_cache = kv_cache[0], kv_cache[1]

@@ -44,6 +44,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def _dot(a, b, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif a.dtype == tl.float32:
+        # fp32 models need IEEE products: tl.dot defaults to TF32 (10-bit mantissa), which
+        # flips near-tie greedy tokens against the reference.
+        return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
 

@@ -120,8 +120,8 @@ class ModelRunner:
     def _dummy_run(self, num_tokens: int) -> None:
         """A forward over num_tokens tokens in requests of up to 1024 tokens, writing no KV."""
         c = self.config
-        dummy_caches = [torch.zeros(2, 2, self.block_size, self.dims.num_kv_heads, self.dims.head_dim,
-                                    dtype=c.dtype, device=self.device) for _ in range(self.dims.num_layers)]
+        # Empty caches: backends then attend over each request's own rows and write nothing.
+        dummy_caches = [torch.empty(0, dtype=c.dtype, device=self.device) for _ in range(self.dims.num_layers)]
         self.model.bind_kv_caches(dummy_caches)
         lens = []
         left = num_tokens
