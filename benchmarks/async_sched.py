@@ -33,7 +33,7 @@ if _REPO not in sys.path:
 
 from benchmarks.common import (add_common_args, check_device, command_line, free_cuda, hardware_info,  # noqa: E402
                                header_md, md_table, parse_ints, prepare_model_dir, random_prompts,
-                               resolve_dtype, stats_delta, write_json)
+                               resolve_dtype, shutdown_llm, stats_delta, write_json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,13 +153,14 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
                 "levels": levels}
     finally:
         llm.shutdown()
+        shutdown_llm(llm)
         del llm
         free_cuda()
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = build_parser().parse_args(argv)
-    check_device(args.device)
+    check_device(args.device, args.threads)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.input_len is None:

@@ -169,6 +169,7 @@ def add_common_args(p: argparse.ArgumentParser, default_shape: str = DEFAULT_SHA
                    help="where to write the shape's config.json + tokenizer (default: a per-shape temp dir)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU runs)")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results as JSON to OUT")
 
 
@@ -190,9 +191,11 @@ def parse_ints(text: str) -> list[int]:
     return vals
 
 
-def check_device(device: str) -> None:
-    """Exit with a clear message when CUDA is asked for but absent."""
+def check_device(device: str, threads: Optional[int] = None) -> None:
+    """Exit with a clear message when CUDA is asked for but absent; apply --threads."""
     import torch
+    if threads:
+        torch.set_num_threads(threads)
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: CUDA is not available on this machine (torch %s). These benchmarks are "
                  "meant for a GPU; pass --device cpu (with --shape tiny) for a CPU smoke run."
@@ -222,14 +225,29 @@ def free_cuda() -> None:
         pass
 
 
+def _model_runner(engine):
+    """The ModelRunner behind an LLM or an AsyncLLM (None if not found)."""
+    for path in (("llm_engine", "engine_core", "model_runner"),  # LLM
+                 ("engine_core", "proc", "engine_core", "model_runner"),  # AsyncLLM -> InprocClient
+                 ("engine_core", "model_runner")):
+        obj = engine
+        for name in path:
+            obj = getattr(obj, name, None)
+            if obj is None:
+                break
+        if obj is not None:
+            return obj
+    return None
+
+
 def shutdown_llm(llm) -> None:
-    """Drop an LLM's engine and give its GPU memory back (caller must drop its own refs)."""
+    """Drop an LLM's / AsyncLLM's model, KV cache and CUDA graphs so that the GPU memory
+    goes back before the next engine is built (caller must drop its own refs too).
+    An AsyncLLM must be shut down first."""
     try:
-        eng = getattr(llm, "llm_engine", None)
-        core = getattr(eng, "engine_core", None)
-        runner = getattr(core, "model_runner", None)
+        runner = _model_runner(llm)
         if runner is not None:
-            for name in ("kv_caches", "model"):
+            for name in ("graph_runner", "kv_caches", "model"):
                 if hasattr(runner, name):
                     setattr(runner, name, None)
     except Exception:

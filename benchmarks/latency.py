@@ -122,7 +122,7 @@ def bench_shape(args, shape: str, seed_base: int = 0) -> list[dict]:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = build_parser().parse_args(argv)
-    check_device(args.device)
+    check_device(args.device, args.threads)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     hw = hardware_info(args.device)

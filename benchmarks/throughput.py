@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers' use_cuda_graph (on: forced on; auto: its own heuristic)")
     p.add_argument("--peer-attn", default=None,
                    help="transformers attn_implementation (default: paged|sdpa where registered, else sdpa)")
-    p.add_argument("--peer-timeout", type=float, default=480.0,
+    p.add_argument("--peer-timeout", type=float, default=300.0,
                    help="seconds; a peer run past this is stopped and reported as partial")
     p.add_argument("--progress", action="store_true", help="show progress bars")
     p.add_argument("--verbose", action="store_true", help="engine INFO logs")
@@ -164,11 +164,16 @@ def peer_attn_implementation() -> str:
     return "sdpa"
 
 
-def _cb_config(args, use_cuda: bool):
+def _cb_config(args, use_cuda: bool, prompts, max_tokens):
     from transformers import ContinuousBatchingConfig
 
     names = {f.name for f in fields(ContinuousBatchingConfig)}
     kw = {}
+    if not use_cuda and {"num_blocks", "max_batch_tokens", "block_size"} <= names:
+        # transformers sizes its cache from GPU memory; on the CPU (smoke runs) size it by hand
+        bs = ContinuousBatchingConfig().block_size
+        kw["num_blocks"] = sum(-(-(len(p) + m) // bs) for p, m in zip(prompts, max_tokens)) + 8
+        kw["max_batch_tokens"] = 1024
     if args.peer_cuda_graph != "auto" and "use_cuda_graph" in names:
         kw["use_cuda_graph"] = (args.peer_cuda_graph == "on") and use_cuda
     if "auto_switch_to_flash" in names:
@@ -210,7 +215,7 @@ def run_transformers_peer(args, model_dir, prompts, max_tokens) -> dict:
                   max_new_tokens=max(max_tokens), eos_token_id=-1, pad_token_id=cfg.pad_token_id)
     gcfg = GenerationConfig(**gen_kw)
     model.generation_config = gcfg
-    cb_cfg = _cb_config(args, use_cuda)
+    cb_cfg = _cb_config(args, use_cuda, prompts, max_tokens)
     cm_kw = dict(generation_config=gcfg, continuous_batching_config=cb_cfg, block=True, timeout=30)
     sig = inspect.signature(model.continuous_batching_context_manager).parameters
     if "workload_hints" in sig:
@@ -289,7 +294,7 @@ def run_transformers_peer(args, model_dir, prompts, max_tokens) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = build_parser().parse_args(argv)
-    check_device(args.device)
+    check_device(args.device, args.threads)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     hw = hardware_info(args.device)
@@ -300,9 +305,19 @@ def main(argv: Optional[list[str]] = None) -> dict:
     cmd = command_line() if argv is None else "benchmarks/throughput.py " + " ".join(argv)
 
     results = {"ours": run_ours(args, model_dir, prompts, max_tokens)}
+    o = results["ours"]
+    print(f"vengine: {o['output_tokens']} output tokens in {o['elapsed_s']:.2f} s = {o['output_tok_s']:,.0f} tok/s "
+          f"(start-up {o['startup_s']:.1f} s)", flush=True)
     if args.peer == "transformers":
-        results["peer"] = run_transformers_peer(args, model_dir, prompts, max_tokens)
-        results["ratio_output_tok_s"] = results["ours"]["output_tok_s"] / max(results["peer"]["output_tok_s"], 1e-9)
+        try:
+            results["peer"] = run_transformers_peer(args, model_dir, prompts, max_tokens)
+            results["ratio_output_tok_s"] = o["output_tok_s"] / max(results["peer"]["output_tok_s"], 1e-9)
+        except Exception as e:  # keep our numbers; say why the peer failed
+            import traceback
+            traceback.print_exc()
+            results["peer_error"] = f"{type(e).__name__}: {e}"
+            print(f"error: the transformers peer failed: {results['peer_error']}", file=sys.stderr)
+            free_cuda()
 
     rows = []
     for key in ("ours", "peer"):
@@ -324,6 +339,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     "host ms/step", "wall ms/step"], rows))
     if "ratio_output_tok_s" in results:
         print(f"\nours / transformers (output tok/s): {results['ratio_output_tok_s']:.2f}x")
+    if "peer_error" in results:
+        print(f"\ntransformers peer failed: {results['peer_error']}")
     print()
     payload = {"benchmark": "throughput", "command": cmd, "hardware": hw, "shape": args.shape,
                "args": vars(args), "results": results}
