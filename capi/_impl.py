@@ -353,7 +353,10 @@ def install(ffi_, lib_) -> None:
             br = _bridge(eng_id)
             params, priority = _sampling(sp)
             if prompt != ffi.NULL:
-                text = ffi.string(prompt).decode("utf-8")
+                try:
+                    text = ffi.string(prompt).decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise _Refused(f"prompt is not valid UTF-8: {e}") from None
             else:
                 text = list(ffi.unpack(toks, ntoks))
             br.submit(req, int(num), text, params, priority)
@@ -372,8 +375,11 @@ def install(ffi_, lib_) -> None:
             flags_out[0] = flags
             br.submit(req, int(num), prompt_ids, params, priority)
             return OK
+        except UnicodeDecodeError as e:
+            _write(err, errlen, f"chat request: request_json is not valid UTF-8: {e}")
+            return INVALID
         except ChatRequestError as e:
-            _write(err, errlen, f"vllm_chat: {e}")
+            _write(err, errlen, f"chat request: {e}")
             return INVALID
         except BaseException as e:
             _write(err, errlen, _message(e))
