@@ -8,8 +8,10 @@ with ``add_output_listener``.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from typing import AsyncGenerator, Callable, Iterable, Optional
 
 from pyengine.config import EngineArgs, EngineConfig
@@ -42,6 +44,10 @@ class AsyncLLM:
         self._stats = self.engine_core.engine_core.scheduler.make_stats()
         self._output_thread = threading.Thread(target=self._output_handler_loop, name="OutputHandler", daemon=True)
         self._output_thread.start()
+        # Join the engine threads before interpreter teardown (a daemon thread killed inside
+        # a torch call aborts the process); weak, so the engine can still be collected.
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().shutdown())
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
@@ -49,6 +55,7 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
+        """True once the engine died or was shut down."""
         return self.dead_error is not None
 
     def get_tokenizer(self):
@@ -162,7 +169,6 @@ class AsyncLLM:
             self._output_thread.join(timeout=10)
         if self.dead_error is None:
             self._fail(EngineDeadError("AsyncLLM was shut down."))
-            self.dead_error = None
 
     def __enter__(self):
         return self

@@ -116,7 +116,7 @@ class EngineCoreProc:
                 if not self._drain_input():
                     break
                 outputs = step()
-                if outputs is not None and outputs.outputs:
+                if outputs is not None:  # also output-less steps (prefill chunks): fresh stats
                     self.output_queue.put(outputs)
         except BaseException as e:
             logger.exception("EngineCore loop died")
