@@ -791,10 +791,12 @@ static vllm_status vg_start(vllm_request* r, const char* prompt, const int32_t* 
                                     (int32_t)sizeof err);
   if (st != VLLM_OK) {
     vg_set_err("%s", err[0] ? err : "request submission failed");
-    /* Python never registered it: drop Python's reference and the caller's. */
-    atomic_store(&r->terminal_in, 1);
-    atomic_fetch_sub(&r->eng->live, 1);
-    vg_req_decref(r);
+    /* Python does not hold it: drop Python's reference (unless a final delta was
+     * pushed meanwhile, e.g. by a concurrent vllm_engine_free) and the caller's. */
+    if (!atomic_exchange(&r->terminal_in, 1)) {
+      atomic_fetch_sub(&r->eng->live, 1);
+      vg_req_decref(r);
+    }
     vg_req_decref(r);
     return st;
   }
