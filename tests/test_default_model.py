@@ -22,11 +22,13 @@ MODEL_DIR = os.path.join(REPO, "pyengine", "default_model")
 SAMPLE = 10          # first SAMPLE headers of heldout_headers.json (a seeded shuffle)
 MAX_NEW = 128
 MATCH_NEW = 48
+# prompts end where code continues: the tokenizer merges a newline with the next line's
+# indentation, so a bare trailing newline reads as "block over"
 PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "import os\nimport sys\n\n\ndef main(argv):\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "for i in range(10):\n",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+    "import os\nimport sys\n\n\ndef main(argv):",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "def read_config(path):\n    with open(path) as f:",
 ]
 
 
@@ -90,7 +92,8 @@ def test_transformers_loads(hf):
     src = "def f(x):\n    return {'a': x ** 2}  # ünïcode\n"
     ids = tok(src, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == src
-    assert len(ids) < len(src) / 2  # BPE merges code
+    code = "    def __init__(self, name, value=None):\n        self.name = name\n        self.value = value\n"
+    assert len(tok(code, add_special_tokens=False)["input_ids"]) < len(code) / 3  # BPE merges code
 
 
 def test_transformers_sample_parses(hf, headers):
@@ -111,6 +114,7 @@ def test_vengine_greedy_matches_transformers(hf, llm):
         got = _strip_eos(out.token_ids, tok.eos_token_id)
         want = _strip_eos(ref, tok.eos_token_id)
         assert got == want, (prompt, tok.decode(got), tok.decode(want))
+        assert len(want) >= 16, (prompt, tok.decode(want))  # a real continuation, not an early eos
 
 
 def test_vengine_sample_parses(llm, headers, hf):

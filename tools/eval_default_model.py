@@ -12,19 +12,23 @@ Two scores, both on data the model was not trained on:
 * **Parse rate** of greedy completions of held-out *function headers*.  A header is
   the source text of a ``def`` / ``async def`` signature (all its lines, decorators
   excluded) plus its docstring, taken with ``ast`` from a held-out file, dedented
-  so that ``def`` is at column 0, and ending with a newline.  The model completes it
-  greedily (``max_new_tokens`` new tokens, stopping early at ``<|endoftext|>``).
-  The completion is then cut, see :func:`cut_completion`:
+  so that ``def`` is at column 0, and ending right after the docstring's closing
+  quotes (no newline: with this byte-level BPE a newline and the next line's
+  indentation are one token, so a prompt ending in a bare newline tells the model
+  the function is over).  The model completes it greedily (``max_new_tokens`` new
+  tokens, stopping early at ``<|endoftext|>``).  The completion is then cut, see
+  :func:`cut_completion`:
 
-  1. split the completion into lines at ``"\\n"``;
-  2. the cut is at the first line that is not blank (``line.strip() != ""``) and
-     starts at column 0 (first character neither space nor tab): that line is the
-     next top-level statement, and it and everything after it are dropped;
+  1. split the completion into lines at ``"\\n"``; the first piece continues the
+     header's last line and is always kept;
+  2. the cut is at the first later line that is not blank (``line.strip() != ""``)
+     and starts at column 0 (first character neither space nor tab): that line is
+     the next top-level statement, and it and everything after it are dropped;
   3. if there is no such line and the generation stopped because it hit
      ``max_new_tokens`` (not at ``<|endoftext|>``), the last line, which may be
      cut mid-token, is dropped;
-  4. the header followed by the kept lines passes if it contains at least one
-     non-blank kept line (a body beyond the docstring) and ``ast.parse`` accepts it.
+  4. header plus kept text passes if a kept line after the first piece is not
+     blank (a body beyond the docstring) and ``ast.parse`` accepts it.
 
   The parse rate is the share of headers that pass.
 
@@ -47,6 +51,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 REPO = os.path.dirname(HERE)
 DEFAULT_MODEL_DIR = os.path.join(REPO, "pyengine", "default_model")
 HEADERS_FILE = "heldout_headers.json"
@@ -60,7 +65,7 @@ def extract_headers(source: str, max_chars: int = MAX_HEADER_CHARS) -> list[dict
 
     Returns dicts with ``line`` (1-based line of ``def``), ``raw`` (the header as it
     stands in the file, original indentation) and ``prompt`` (dedented, ends with
-    a newline).  Only functions whose docstring is followed by at least one more
+    the docstring's closing quotes).  Only functions whose docstring is followed by at least one more
     statement, whose docstring line ends right after the closing quotes, and whose
     header has no tabs are kept.
     """
@@ -107,9 +112,9 @@ def extract_headers(source: str, max_chars: int = MAX_HEADER_CHARS) -> list[dict
             ded.append(ln[col:])
         if not ok:
             continue
-        prompt = "\n".join(ded) + "\n"
+        prompt = "\n".join(ded)
         try:  # the header alone (docstring as body) must parse
-            ast.parse(prompt)
+            ast.parse(prompt + "\n")
         except SyntaxError:
             continue
         out.append({"line": node.lineno, "raw": raw, "prompt": prompt})
@@ -122,7 +127,8 @@ def cut_completion(completion: str, hit_max_tokens: bool) -> str:
     """Cut a completion at the next top-level statement (see module docstring)."""
     lines = completion.split("\n")
     kept = None
-    for i, ln in enumerate(lines):
+    for i in range(1, len(lines)):
+        ln = lines[i]
         if ln.strip() and ln[0] not in " \t":
             kept = lines[:i]
             break
@@ -135,7 +141,7 @@ def score_completion(prompt: str, completion: str, hit_max_tokens: bool) -> tupl
     """(passes, program text) for one header and its raw completion."""
     body = cut_completion(completion, hit_max_tokens)
     program = prompt + body
-    if not body.strip():
+    if not any(ln.strip() for ln in body.split("\n")[1:]):
         return False, program
     try:
         ast.parse(program)
@@ -226,6 +232,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=100)
     ap.add_argument("--show", type=int, default=3, help="print this many completions")
+    ap.add_argument("--ppl", action="store_true",
+                    help="also held-out perplexity on this machine's held-out-bucket files "
+                         "(stdlib + site-packages whose path hash puts them in the held-out split)")
+    ap.add_argument("--ppl-max-tokens", type=int, default=2_000_000)
+    ap.add_argument("--json", default=None, help="write per-header results here")
     args = ap.parse_args()
 
     import torch
@@ -235,9 +246,26 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(dev).eval()
     with open(args.headers or os.path.join(args.model, HEADERS_FILE)) as f:
         headers = json.load(f)["headers"][: args.limit]
+    if args.ppl:
+        import numpy as np
+        import train_default_model as tr
+        t0 = time.time()
+        files = [(r, t) for r, t in tr.gather_files(0, 1e12, True) if tr.is_heldout(r, 2.0)]
+        ids = []
+        for e in tok.backend_tokenizer.encode_batch([t for _, t in files], add_special_tokens=False):
+            ids.extend(e.ids)
+            ids.append(tok.eos_token_id)
+        ppl, n = perplexity_hf(model, np.asarray(ids), model.config.max_position_embeddings,
+                               batch_size=8, max_tokens=args.ppl_max_tokens)
+        print(f"held-out perplexity: {ppl:.3f} per token over {n} tokens of {len(files)} held-out files "
+              f"({time.time() - t0:.1f} s)")
     t0 = time.time()
     rate, rows = parse_rate_hf(model, tok, headers, args.max_new_tokens, verbose=args.show)
     print(f"parse rate: {sum(r['ok'] for r in rows)}/{len(rows)} = {rate:.1%}  ({time.time() - t0:.1f} s, {dev}, {args.dtype})")
+    print("per header: " + "".join("1" if r["ok"] else "0" for r in rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"parse_rate": rate, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

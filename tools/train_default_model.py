@@ -119,12 +119,10 @@ def gather_files(seed: int, max_mb: float, site_packages: bool) -> list[tuple[st
 
 
 # --------------------------------------------------------------------------- tokenizer
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
-    "{% else %}{{ message['content'] }}\n{% endif %}"
-    "{% endfor %}"
-)
+# A code model has no roles: the messages' contents joined by newlines, nothing after the
+# last one (a trailing bare newline would read as "the block is over", see the card).
+CHAT_TEMPLATE = ("{% for message in messages %}{% if not loop.first %}\n{% endif %}"
+                 "{{ message['content'] }}{% endfor %}")
 
 
 def train_tokenizer(texts: list[str], vocab: int):
@@ -313,8 +311,11 @@ def main() -> None:
     train_t = torch.from_numpy(train_ids.astype(np.int64)).to(dev)
     held_t = torch.from_numpy(held_ids.astype(np.int64))
     gen = torch.Generator().manual_seed(args.seed)
-    n_windows_eval = min(32, max(1, len(held_ids) // (T + 1)))
-    eval_x = held_t[: n_windows_eval * T].view(n_windows_eval, T).to(dev)
+    # 32 windows spread evenly over the held-out stream (for the loss curve; the final
+    # perplexity uses all held-out tokens)
+    n_windows_eval = min(32, max(1, len(held_ids) // T))
+    starts = torch.linspace(0, len(held_ids) - T, n_windows_eval).long()
+    eval_x = torch.stack([held_t[s:s + T] for s in starts.tolist()]).to(dev)
     ar = torch.arange(T + 1, device=dev)
     amp = torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
 
@@ -447,10 +448,15 @@ Training command (the loop is time-budgeted; `--steps {step}` repeats this run s
 ```
 
 Evaluation (`tools/eval_default_model.py`, headers in `heldout_headers.json`): a header is
-a held-out function's signature plus docstring; the greedy completion is cut at the
-first non-blank line at column 0 (the next top-level statement), or, when it ran out of
-tokens without one, its last (partial) line is dropped; the header plus what is kept
-must contain a body line and pass `ast.parse`.
+a held-out function's signature plus docstring, dedented, ending right after the closing
+quotes; the greedy completion is cut at the first later non-blank line at column 0 (the
+next top-level statement), or, when it ran out of tokens without one, its last (partial)
+line is dropped; the header plus what is kept must contain a body line and pass
+`ast.parse`.
+
+Prompting: end a prompt where code continues (after `:` or a docstring's closing quotes),
+not with a bare newline. The tokenizer merges a newline with the next line's indentation,
+so a prompt ending in `"\\n"` reads as "the block is over".
 
 Example (held-out `{example['path'] if example else ''}`), prompt plus greedy completion as cut:
 
