@@ -135,7 +135,8 @@ typedef struct vllm_completion {
  * with finished == true and delta_text == "" when the request ends (finished,
  * stopped, cancelled or failed). Never called twice at once for one request,
  * always in order. Return false to stop the request: further text is dropped
- * and the final (finished == true) call still follows. */
+ * and the final (finished == true) call still follows. A call that returns an
+ * error before the request started (bad argument, ...) makes no callback. */
 typedef bool (*vllm_token_callback)(const char* delta_text, bool finished, void* user_data);
 
 /* ---- library ------------------------------------------------------------- */
