@@ -61,7 +61,7 @@ def run_level(llm, prompts: list[list[int]], concurrency: int, output_len: int, 
                         output_kind=RequestOutputKind.DELTA)
     nxt = itertools.count()
     lock = threading.Lock()
-    records: list[tuple[float, float, int]] = []  # (ttft, tpot, tokens)
+    records: list[tuple[float, float, int, float]] = []  # (ttft, tpot, tokens, e2e)
     errors: list[BaseException] = []
 
     def client():
@@ -89,7 +89,7 @@ def run_level(llm, prompts: list[list[int]], concurrency: int, output_len: int, 
                 # tokens delivered with the first output do not count toward TPOT
                 tpot = (t_last - t_first) / (n - n_first) if n > n_first else float("nan")
                 with lock:
-                    records.append((t_first - t_sub, tpot, n))
+                    records.append((t_first - t_sub, tpot, n, t_last - t_sub))
             except BaseException as e:  # reported after the level
                 with lock:
                     errors.append(e)
@@ -118,6 +118,11 @@ def run_level(llm, prompts: list[list[int]], concurrency: int, output_len: int, 
         "tpot_ms_median": 1e3 * statistics.median(tpots) if tpots else float("nan"),
         "tpot_ms_mean": 1e3 * statistics.mean(tpots) if tpots else float("nan"),
         "ttft_ms_median": 1e3 * statistics.median(ttfts) if ttfts else float("nan"),
+        "ttft_ms_max": 1e3 * max(ttfts) if ttfts else float("nan"),
+        "e2e_ms_median": 1e3 * statistics.median(r[3] for r in records) if records else float("nan"),
+        "e2e_ms_max": 1e3 * max(r[3] for r in records) if records else float("nan"),
+        # share of the level's wall time that the clients spent inside requests (1.0: always busy)
+        "client_busy_fraction": sum(r[3] for r in records) / (concurrency * elapsed) if elapsed > 0 else float("nan"),
         "num_steps": sd["num_steps"], "host_ms_per_step": sd["host_ms_per_step"],
         "wall_ms_per_step": 1e3 * elapsed / sd["num_steps"] if sd["num_steps"] else float("nan"),
     }
@@ -179,7 +184,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     for m, res in results.items():
         for r in res["levels"]:
             rows.append([m, r["concurrency"], r["requests"], r["output_tok_s"], r["tpot_ms_median"],
-                         r["ttft_ms_median"], r["host_ms_per_step"], r["wall_ms_per_step"]])
+                         r["ttft_ms_median"], r["ttft_ms_max"], r["e2e_ms_max"], r["host_ms_per_step"],
+                         r["wall_ms_per_step"]])
     ratios = {}
     if "on" in results and "off" in results:
         for a, b in zip(results["on"]["levels"], results["off"]["levels"]):
@@ -192,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     g = next(iter(results.values()))
     print(f"device {args.device}, dtype {resolve_dtype(args)}, CUDA graphs {'off' if g['enforce_eager'] else 'on'}\n")
     print(md_table(["async", "concurrency", "requests", "output tok/s", "TPOT p50 (ms)", "TTFT p50 (ms)",
-                    "host ms/step", "wall ms/step"], rows))
+                    "TTFT max (ms)", "e2e max (ms)", "host ms/step", "wall ms/step"], rows))
     if ratios:
         print()
         print(md_table(["concurrency", "tok/s on/off", "TPOT on/off"],
