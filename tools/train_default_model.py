@@ -121,7 +121,7 @@ def gather_files(seed: int, max_mb: float, site_packages: bool) -> list[tuple[st
 # --------------------------------------------------------------------------- tokenizer
 # A code model has no roles: the messages' contents joined by newlines, nothing after the
 # last one (a trailing bare newline would read as "the block is over", see the card).
-CHAT_TEMPLATE = ("{% for message in messages %}{% if not loop.first %}\n{% endif %}"
+CHAT_TEMPLATE = ("{% for message in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
                  "{{ message['content'] }}{% endfor %}")
 
 
