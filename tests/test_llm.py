@@ -64,7 +64,8 @@ def test_greedy_matches_transformers(family, config, model_dirs, prompts, refere
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers_gpu(family, config, model_dirs, prompts, references):
-    llm, got = _run_greedy(model_dirs[family], prompts, "cuda", dtype="float32", **CONFIGS[config])
+    # max_num_seqs=16: few CUDA graphs to capture per engine, so the suite stays quick.
+    llm, got = _run_greedy(model_dirs[family], prompts, "cuda", dtype="float32", max_num_seqs=16, **CONFIGS[config])
     assert got == references[family]
     _assert_no_leak(llm)
 
