@@ -115,7 +115,8 @@ class EngineConfig:
         hf_config = AutoConfig.from_pretrained(model)
         dtype = DTYPES[a.dtype]
         if dtype is None:
-            cfg_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+            # transformers 5 names it `dtype` (reading `torch_dtype` warns); 4.x `torch_dtype`.
+            cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
             if isinstance(cfg_dtype, str):
                 cfg_dtype = DTYPES.get(cfg_dtype)
             dtype = cfg_dtype if cfg_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
