@@ -244,6 +244,11 @@ def shutdown_llm(llm) -> None:
     """Drop an LLM's / AsyncLLM's model, KV cache and CUDA graphs so that the GPU memory
     goes back before the next engine is built (caller must drop its own refs too).
     An AsyncLLM must be shut down first."""
+    if hasattr(llm, "shutdown"):  # LLM.shutdown / AsyncLLM.shutdown release device memory
+        try:
+            llm.shutdown()
+        except Exception:
+            pass
     try:
         runner = _model_runner(llm)
         if runner is not None:

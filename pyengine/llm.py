@@ -82,3 +82,9 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+    def shutdown(self) -> None:
+        """Release the engine's device memory (model, KV cache, CUDA graphs); the LLM is
+        unusable afterwards. Lets a second engine (or another library) use the GPU in the
+        same process."""
+        self.llm_engine.shutdown()

@@ -232,3 +232,11 @@ def test_bad_engine_args(llama_dir, kwargs, match):
 def test_missing_model_dir(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(tmp_path / "nope"), device="cpu")
+
+
+def test_shutdown_releases_model_and_kv_cache(llama_dir, prompts):
+    llm = LLM(str(llama_dir), device="cpu")
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    runner = llm.llm_engine.engine_core.model_runner
+    llm.shutdown()
+    assert runner.model is None and runner.kv_caches == [] and runner.graph_runner is None

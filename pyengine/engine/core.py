@@ -72,6 +72,11 @@ class EngineCore:
         so, pending = self.batch_queue.popleft()
         return self.scheduler.update_from_output(so, pending.get_output())
 
+    def shutdown(self) -> None:
+        """Release device memory (model, KV cache, graphs); no more steps after this."""
+        self.batch_queue.clear()
+        self.model_runner.release()
+
     def step_fn(self):
         return self.step_with_batch_queue if self.config.async_scheduling else self.step
 
@@ -121,6 +126,8 @@ class EngineCoreProc:
         except BaseException as e:
             logger.exception("EngineCore loop died")
             self.output_queue.put(EngineDeadMessage(f"{type(e).__name__}: {e}"))
+        finally:
+            core.shutdown()
 
     def _drain_input(self) -> bool:
         while True:

@@ -48,3 +48,7 @@ class LLMEngine:
 
     def get_stats(self):
         return self.engine_core.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        """Release the model, KV cache and CUDA graphs (device memory)."""
+        self.engine_core.shutdown()

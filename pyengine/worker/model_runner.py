@@ -284,3 +284,17 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return AsyncModelRunnerOutput(event, buf, logprobs_fn, tokens)
+
+    def release(self) -> None:
+        """Drop the model, KV cache, CUDA graphs and per-step device state so their memory
+        can go back to the device (the runner is unusable afterwards)."""
+        if self.model is not None and self.kv_caches:
+            self.model.bind_kv_caches([None] * len(self.kv_caches))
+        self.graph_runner = None
+        self.kv_caches = []
+        self.model = None
+        self._prev_sampled = None
+        self.generators.clear()
+        if self._is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
