@@ -2,15 +2,32 @@
 
 torch is left unpinned beyond a floor so that a GPU machine keeps (or gets) its CUDA build;
 the Makefile installs the pinned CPU build first on machines without a GPU."""
+import shutil
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPy(build_py):
+    """Ships include/vllm.h inside the capi package, so `python -m capi.build` also works
+    from an installed (non-editable) copy."""
+
+    def run(self):
+        super().run()
+        dst = Path(self.build_lib) / "capi"
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(__file__).parent / "include" / "vllm.h", dst / "vllm.h")
 
 setup(
     name="vengine",
     version="0.1.0",
     description="A vLLM-v1-style LLM inference engine: Python API, OpenAI server, C ABI",
     python_requires=">=3.10",
-    packages=find_packages(include=["pyengine", "pyengine.*", "server", "server.*", "capi", "capi.*"]),
-    package_data={"pyengine": ["default_model/*"], "capi": ["*.c", "*.h"]},
+    packages=find_packages(include=["pyengine", "pyengine.*", "server", "server.*", "capi", "capi.*"])
+    + ["pyengine.default_model"],
+    package_data={"pyengine.default_model": ["*"], "capi": ["*.c", "*.h"]},
+    cmdclass={"build_py": BuildPy},
     include_package_data=True,
     install_requires=[
         "torch>=2.4",

@@ -32,7 +32,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-HEADER = ROOT / "include" / "vllm.h"
+# A source checkout has include/vllm.h; an installed wheel carries a copy inside capi/.
+HEADER = next((h for h in (ROOT / "include" / "vllm.h", HERE / "vllm.h") if h.is_file()),
+              ROOT / "include" / "vllm.h")
 C_SOURCE = HERE / "vengine_capi.c"
 MODULE = "_vengine_cffi"
 LIB_NAME = "libvengine.so"
@@ -126,8 +128,16 @@ def _libpython():
 
 def build(out_dir: str | os.PathLike | None = None, verbose: bool = False) -> Path:
     """Generate the cffi embedding C code and compile it into ``out_dir/libvengine.so``."""
+    import importlib.util
+
     import cffi
 
+    # The library embeds *this* interpreter: without torch it would build fine and then
+    # fail at every vllm_engine_load.
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"capi.build: {sys.executable} cannot import {', '.join(missing)}; build with "
+                           "the Python that runs the engine (e.g. .venv/bin/python -m capi.build).")
     out_dir = Path(out_dir) if out_dir else DEFAULT_OUT
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / LIB_NAME
@@ -151,7 +161,7 @@ def build(out_dir: str | os.PathLike | None = None, verbose: bool = False) -> Pa
         cmd = cc + [
             "-shared", "-fPIC", "-O2", "-g", "-pthread", "-fvisibility=hidden",
             "-Wall", "-Wno-unused-function", "-Wno-unused-parameter",
-            "-I", str(ROOT / "include"), "-I", sysconfig.get_paths()["include"],
+            "-I", str(HEADER.parent), "-I", sysconfig.get_paths()["include"],
             str(c_file), "-o", str(tmp_target),
             f"-L{libdir}", f"-l{pyname}", f"-Wl,-rpath,{libdir}",
             "-Wl,-z,nodelete", f"-Wl,--version-script={version_script}", "-ldl",

@@ -55,7 +55,8 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("The prompt cannot be empty.")
-            return prompt, self.tokenizer.encode(prompt)
+            # verbose=False: the length check below reports over-long prompts itself.
+            return prompt, self.tokenizer.encode(prompt, verbose=False)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("The prompt cannot be empty.")
