@@ -1,0 +1,58 @@
+"""Processor: request validation and fan-out into engine-core requests."""
+from __future__ import annotations
+
+import pytest
+
+from pyengine import EngineArgs, SamplingParams
+from pyengine.engine.processor import Processor
+
+
+@pytest.fixture(scope="module")
+def processor(llama_dir, tokenizer):
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=64).create_engine_config()
+    return Processor(cfg, tokenizer)
+
+
+def test_eos_and_stop_ids_resolved(processor, tokenizer):
+    text, ids, params, reqs = processor.process("a", "def f(x):", SamplingParams(stop_token_ids=[7]))
+    assert ids == tokenizer.encode("def f(x):") and text == "def f(x):"
+    assert reqs[0].sampling_params.all_stop_token_ids == {7, tokenizer.eos_token_id}
+    _, _, _, reqs = processor.process("b", [5, 6], SamplingParams(stop_token_ids=[7], ignore_eos=True))
+    assert reqs[0].sampling_params.all_stop_token_ids == {7}
+
+
+def test_user_params_not_mutated(processor):
+    sp = SamplingParams(max_tokens=5)
+    processor.process("c", [5, 6], sp)
+    assert sp.all_stop_token_ids == set()
+
+
+def test_max_tokens_resolution(processor):
+    _, _, _, reqs = processor.process("d", [5] * 10, SamplingParams(max_tokens=None))
+    assert reqs[0].max_tokens == 64 - 10
+    _, _, _, reqs = processor.process("e", [5] * 10, SamplingParams(max_tokens=500))
+    assert reqs[0].max_tokens == 64 - 10
+    _, _, _, reqs = processor.process("f", [5] * 10, SamplingParams(max_tokens=3))
+    assert reqs[0].max_tokens == 3
+
+
+def test_n_fans_out_with_distinct_seeds(processor):
+    _, _, _, reqs = processor.process("g", [5, 6], SamplingParams(n=3, seed=10, temperature=1.0))
+    assert [r.request_id for r in reqs] == ["0_g", "1_g", "2_g"]
+    assert [r.sampling_params.seed for r in reqs] == [10, 11, 12]
+    assert all(r.sampling_params.n == 1 for r in reqs)
+
+
+@pytest.mark.parametrize("prompt, params, priority, match", [
+    ("", None, 0, "empty"),
+    ([5] * 64, None, 0, "too long"),
+    ([-1], None, 0, "vocabulary"),
+    ([True], None, 0, "integers"),
+    ({"text": "x"}, None, 0, "prompt_token_ids"),
+    ("x", {"max_tokens": 3}, 0, "SamplingParams"),
+    ("x", SamplingParams(stop_token_ids=[10**6]), 0, "stop_token_ids"),
+    ("x", None, "high", "priority"),
+])
+def test_rejections(processor, prompt, params, priority, match):
+    with pytest.raises(ValueError, match=match):
+        processor.process("h", prompt, params, priority)
