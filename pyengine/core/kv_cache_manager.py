@@ -62,11 +62,18 @@ class KVCacheManager:
         """Reserve blocks so that num_computed + len(new_computed)*bs + num_new_tokens
         tokens fit. Returns False (and changes nothing) if not enough blocks are free."""
         rid = request.request_id
-        blocks = self.req_to_blocks.setdefault(rid, [])
-        block_ids = self.req_to_block_ids.setdefault(rid, [])
+        blocks = self.req_to_blocks.get(rid)
+        if blocks is None:
+            blocks = self.req_to_blocks[rid] = []
+            self.req_to_block_ids[rid] = []
+        block_ids = self.req_to_block_ids[rid]
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        if need <= 0 and not new_computed_blocks:  # fast path: most decode steps
+            if self.enable_caching:
+                self._cache_full_blocks(request, min(total, request.num_tokens) // self.block_size)
+            return True
         # Prefix-hit blocks that sit in the free queue stop being free once touched.
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if need > self.block_pool.get_num_free_blocks() - evictable_hits:
