@@ -180,7 +180,7 @@ def _completion_prompts(st: ServerState, req: CompletionRequest) -> list[tuple[O
 
 def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: Optional[int],
                      prompt_lens: list[int], stream: bool):
-    from pyengine.sampling_params import RequestOutputKind, SamplingParams
+    from pyengine import RequestOutputKind, SamplingParams
 
     max_len = st.cfg.max_model_len
     longest = max(prompt_lens)
