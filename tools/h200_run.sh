@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything this project measures on the H200, in one device call (device time is scarce):
+# the GPU test suite, then every benchmark. Results land in $OUT (the device tool's folder):
+# all.log (every command's tail) plus one JSON per benchmark — 8 files at most come back.
+#
+#   run this on the device with `.whl` carried (../shared/tools/device-wheels.sh):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+#     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+LOG="$OUT/all.log"
+step() {  # step SECONDS NAME CMD...
+  local t=$1 name=$2; shift 2
+  echo "=== $name: $* (limit ${t}s)" | tee -a "$LOG"
+  local start=$SECONDS
+  timeout "$t" "$@" > "$OUT/.$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/.$name.log" | grep -v "Writing model shards\|Loading weights" >> "$LOG"
+  echo "=== $name rc=$rc in $((SECONDS - start))s" | tee -a "$LOG"
+  rm -f "$OUT/.$name.log"
+}
+nvidia-smi -L >> "$LOG" 2>&1
+step 240 gpu_tests python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short
+step 300 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 180 --json "$OUT/throughput.json"
+step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"
+step 180 latency python3 benchmarks/latency.py --json "$OUT/latency.json"
+step 120 gpu_idle python3 benchmarks/gpu_idle.py --json "$OUT/gpu_idle.json"
+step 240 async_sched python3 benchmarks/async_sched.py --json "$OUT/async_sched.json"
+step 120 attention python3 benchmarks/attention_kernels.py --json "$OUT/attention.json"
