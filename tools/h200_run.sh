@@ -5,14 +5,19 @@
 #
 #   run this on the device with `.whl` carried (../shared/tools/device-wheels.sh):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-#     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh
+#     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
+# STEP: gpu_tests throughput throughput_noasync latency gpu_idle async_sched attention
+# (default: all). A device call is capped at 10 minutes: split the steps over two calls
+# (e.g. `gpu_tests throughput latency` then the rest).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 LOG="$OUT/all.log"
+WANT=" ${*:-gpu_tests throughput throughput_noasync latency gpu_idle async_sched attention} "
 step() {  # step SECONDS NAME CMD...
   local t=$1 name=$2; shift 2
+  [[ "$WANT" == *" $name "* ]] || return 0
   echo "=== $name: $* (limit ${t}s)" | tee -a "$LOG"
   local start=$SECONDS
   timeout "$t" "$@" > "$OUT/.$name.log" 2>&1
