@@ -158,6 +158,10 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput):
+        """Build the step's inputs. All integer inputs go to the device in two copies: one
+        int64 buffer [input ids | positions | slot mapping | placeholder rows | their source
+        rows] and one int32 buffer [query_start_loc | seq_lens | block table]; the tensors the
+        model sees are views of those."""
         sched = so.scheduled
         T, R, bs = so.total_num_scheduled_tokens, len(sched), self.block_size
         toks: list[int] = []
@@ -165,7 +169,8 @@ class ModelRunner:
         starts = np.empty(R, dtype=np.int64)
         ns = np.empty(R, dtype=np.int64)
         max_blocks = max(len(s.block_ids) for s in sched)
-        block_table = np.zeros((R, max_blocks), dtype=np.int32)
+        buf32 = np.zeros(2 * R + 1 + R * max_blocks, dtype=np.int32)
+        block_table = buf32[2 * R + 1:].reshape(R, max_blocks)
         for i, s in enumerate(sched):
             start, n = s.num_computed_tokens, s.num_new_tokens
             starts[i], ns[i] = start, n
@@ -181,28 +186,33 @@ class ModelRunner:
             else:
                 toks.extend(all_ids[start:start + n])
             block_table[i, :len(s.block_ids)] = s.block_ids
-        qsl = np.zeros(R + 1, dtype=np.int32)
+        qsl = buf32[:R + 1]
         np.cumsum(ns, out=qsl[1:])
+        seq_lens = buf32[R + 1:2 * R + 1]
+        seq_lens[:] = starts + ns
+        P = len(ph_rows)
+        buf64 = np.empty(3 * T + 2 * P, dtype=np.int64)
+        buf64[:T] = toks
         req_of_tok = np.repeat(np.arange(R), ns)
-        positions = starts[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
-        slots = block_table[req_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = (starts + ns).astype(np.int32)
-        input_ids = np.asarray(toks, dtype=np.int64)
+        positions = buf64[T:2 * T]
+        positions[:] = starts[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
+        buf64[2 * T:3 * T] = block_table[req_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
+        buf64[3 * T:3 * T + P] = ph_rows
+        buf64[3 * T + P:] = ph_src
         dev = self.device
-        ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
-        if ph_rows:
-            rows = torch.tensor(ph_rows, dtype=torch.int64).to(dev, non_blocking=True)
-            src = torch.tensor(ph_src, dtype=torch.int64).to(dev, non_blocking=True)
-            ids_t[rows] = self._prev_sampled[src]
-        qsl_cpu, seq_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_lens)
+        d64 = torch.from_numpy(buf64).to(dev, non_blocking=True)
+        d32 = torch.from_numpy(buf32).to(dev, non_blocking=True)
+        ids_t = d64[:T]
+        if P:
+            ids_t[d64[3 * T:3 * T + P]] = self._prev_sampled[d64[3 * T + P:]]
+        host32 = torch.from_numpy(buf32)
         meta = AttentionMetadata(
             num_actual_tokens=T, num_reqs=R,
             max_query_len=int(ns.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True), seq_lens=seq_cpu.to(dev, non_blocking=True),
-            block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu)
-        return ids_t, torch.from_numpy(positions).to(dev, non_blocking=True), meta, qsl, ph_rows
+            query_start_loc=d32[:R + 1], seq_lens=d32[R + 1:2 * R + 1],
+            block_table=d32[2 * R + 1:].view(R, max_blocks), slot_mapping=d64[2 * T:3 * T],
+            query_start_loc_cpu=host32[:R + 1], seq_lens_cpu=host32[R + 1:2 * R + 1])
+        return ids_t, d64[T:2 * T], meta, qsl, ph_rows
 
     def _sampling_metadata(self, sampled, ph_flags) -> SamplingMetadata:
         params = [s.request.sampling_params for s in sampled]
