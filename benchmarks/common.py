@@ -45,26 +45,29 @@ _CORPUS_BYTES = 200_000
 TOKENIZER_VOCAB = 512
 
 
-def _corpus() -> list[str]:
+def _corpus(modules: Sequence[str] = tuple(_CORPUS_MODULES), max_bytes: int = _CORPUS_BYTES) -> list[str]:
     root = Path(os.__file__).parent
     texts, total = [], 0
-    for mod in _CORPUS_MODULES:
+    for mod in modules:
         f = root / f"{mod}.py"
         if f.is_file():
             t = f.read_text(encoding="utf-8", errors="replace")
             texts.append(t)
             total += len(t)
-            if total >= _CORPUS_BYTES:
+            if total >= max_bytes:
                 break
     if not texts:  # a Python install without sources: any text will do for a benchmark
         texts = ["def f(x):\n    return x + 1\n" * 200]
     return texts
 
 
-def build_tokenizer(out_dir, vocab_size: int = TOKENIZER_VOCAB) -> Path:
+def build_tokenizer(out_dir, vocab_size: int = TOKENIZER_VOCAB, corpus_modules: Sequence[str] = tuple(_CORPUS_MODULES),
+                    corpus_bytes: int = _CORPUS_BYTES) -> Path:
     """Train a small byte-level BPE tokenizer on stdlib sources and save it (with
-    ``<s>``/``</s>``/``<pad>`` specials) as a PreTrainedTokenizerFast in ``out_dir``.
-    The benchmarks feed token ids, so the tokenizer only has to load."""
+    ``<s>``/``</s>``/``<pad>`` specials and a ChatML-like template) as a
+    PreTrainedTokenizerFast in ``out_dir``; deterministic for a given Python install.
+    The benchmarks feed token ids, so there the tokenizer only has to load; the tests
+    (tests/helpers.py) use it with a larger corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -76,7 +79,7 @@ def build_tokenizer(out_dir, vocab_size: int = TOKENIZER_VOCAB) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus(corpus_modules, corpus_bytes), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
                                    pad_token=PAD, chat_template=_CHAT_TEMPLATE)
     fast.save_pretrained(str(out))

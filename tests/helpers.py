@@ -2,21 +2,15 @@
 greedy oracle, random prompts and hand-built AttentionMetadata. Nothing is downloaded."""
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
-BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# One tokenizer recipe for tests and benchmarks (benchmarks/common.py).
+from benchmarks.common import BOS, EOS, PAD
+
 # Stdlib modules whose sources make the tokenizer corpus (present in every CPython install).
 _CORPUS_MODULES = ["os", "collections/__init__", "functools", "typing", "argparse", "json/decoder",
                    "json/encoder", "logging/__init__", "threading", "subprocess", "pathlib", "shutil",
@@ -26,41 +20,13 @@ _CORPUS_BYTES = 400_000
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def _corpus() -> list[str]:
-    root = Path(os.__file__).parent
-    texts, total = [], 0
-    for mod in _CORPUS_MODULES:
-        f = root / f"{mod}.py"
-        if not f.is_file():
-            continue
-        t = f.read_text(encoding="utf-8", errors="replace")
-        texts.append(t)
-        total += len(t)
-        if total >= _CORPUS_BYTES:
-            break
-    return texts
-
-
 def build_tokenizer(out_dir, vocab_size: int = 512) -> Path:
     """Train a byte-level BPE tokenizer on stdlib sources and save it as a
     PreTrainedTokenizerFast (bos ``<s>``, eos ``</s>``, pad ``<pad>``, ChatML-like
     template). Deterministic for a given Python install. Returns ``out_dir``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from benchmarks.common import build_tokenizer as _build
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
-                                   pad_token=PAD, chat_template=CHAT_TEMPLATE)
-    fast.save_pretrained(str(out))
-    return out
+    return _build(out_dir, vocab_size, corpus_modules=_CORPUS_MODULES, corpus_bytes=_CORPUS_BYTES)
 
 
 def _config_for(family: str, vocab_size: int, bos: int, eos: int, pad: int, **overrides):
