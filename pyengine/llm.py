@@ -55,12 +55,12 @@ class LLM:
             raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts.")
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
-        # Validate everything first so one bad prompt queues nothing.
-        for rid, p, sp in zip(ids, prompts, params):
-            engine.processor.process(rid, p, sp)
-        for i, (rid, p, sp) in enumerate(zip(ids, prompts, params)):
-            engine.add_request(rid, p, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY),
-                               priority[i] if priority is not None else 0)
+        # Validate (and tokenize) everything first so one bad prompt queues nothing.
+        processed = [engine.processor.process(rid, p, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                                              priority[i] if priority is not None else 0)
+                     for i, (rid, p, sp) in enumerate(zip(ids, prompts, params))]
+        for rid, proc in zip(ids, processed):
+            engine.add_processed(rid, proc)
         return self._run_engine(ids, use_tqdm)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

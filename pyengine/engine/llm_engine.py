@@ -25,7 +25,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: Optional[SamplingParams] = None,
                     priority: int = 0) -> None:
         """Raises ValueError for bad input; nothing is queued then."""
-        text, ids, params, core_reqs = self.processor.process(request_id, prompt, params, priority)
+        self.add_processed(request_id, self.processor.process(request_id, prompt, params, priority))
+
+    def add_processed(self, request_id: str, processed) -> None:
+        """Queue a request already validated by ``self.processor.process``."""
+        text, ids, params, core_reqs = processed
         self.output_processor.add_request(request_id, text, ids, params, core_reqs)
         for r in core_reqs:
             self.engine_core.add_request(r)
