@@ -4,7 +4,6 @@ vllm/v1/engine/output_processor.py and vllm/v1/engine/parallel_sampling.py)."""
 from __future__ import annotations
 
 import threading
-from collections import deque
 from typing import Any, Optional
 
 from pyengine.engine.detokenizer import IncrementalDetokenizer, decode_logprob_token

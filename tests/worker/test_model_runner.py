@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pyengine import LLM, EngineArgs, SamplingParams
 from pyengine.worker.cuda_graph import capture_sizes

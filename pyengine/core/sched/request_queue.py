@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterator, Optional
+from typing import Iterator
 
 from pyengine.request import Request
 
