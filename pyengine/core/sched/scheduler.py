@@ -15,8 +15,7 @@ from pyengine.config import EngineConfig
 from pyengine.core.kv_cache_manager import KVCacheManager
 from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
 from pyengine.core.sched.request_queue import create_request_queue
-from pyengine.engine.messages import (EngineCoreOutput, EngineCoreOutputs, LogprobsEntry,
-                                      SchedulerStats)
+from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from pyengine.request import Request, RequestStatus
 
 
@@ -243,7 +242,3 @@ class Scheduler:
             num_preemptions=self.num_preemptions, num_gpu_blocks=kv.block_pool.num_blocks - 1,
             num_free_blocks=kv.block_pool.get_num_free_blocks(), num_steps=self.num_steps,
             step_host_time_s=self.step_host_time_s)
-
-
-def make_logprobs_entry(token_ids: list[int], logprobs: list[float], rank: int) -> LogprobsEntry:
-    return LogprobsEntry(token_ids, logprobs, rank)
