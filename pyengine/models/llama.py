@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pyengine import ops as _ops
 from pyengine.attention.backend import AttentionBackend, AttentionMetadata
 from pyengine.layers.activation import SiluAndMul
 from pyengine.layers.embedding import LMHead, VocabEmbedding
@@ -64,10 +65,15 @@ class DecoderAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.q_norm is not None and _ops.use_triton(q):
+            # Qwen3: per-head q/k RMSNorm and RoPE in one kernel.
+            q, k = _ops.apply_rotary(q, k, positions, self.rotary.cos_sin_cache, self.q_norm.weight,
+                                     self.k_norm.weight, self.q_norm.eps)
+        else:
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         o = self.attn.forward(q, k, v, self.kv_cache, meta)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

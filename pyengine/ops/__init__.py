@@ -12,7 +12,9 @@ CPU-only hosts never need it.
   eps=1e-6) -> (q, k)``: neox RoPE, optionally fused with Qwen3's per-head q/k RMSNorm
   (applied before the rotation).
 
-Set ``PYENGINE_DISABLE_TRITON_OPS=1`` to force the torch versions on CUDA too.
+Set ``PYENGINE_DISABLE_TRITON_OPS=1`` to force the torch versions on CUDA too. With
+``TRITON_INTERPRET=1``, ``PYENGINE_TRITON_OPS_ON_CPU=1`` runs the triton kernels on CPU
+tensors through triton's interpreter (tests of the GPU compute path on a CPU machine).
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ import os
 import torch
 
 _DISABLED = os.environ.get("PYENGINE_DISABLE_TRITON_OPS") == "1"
+_ON_CPU = (os.environ.get("TRITON_INTERPRET") == "1"
+           and os.environ.get("PYENGINE_TRITON_OPS_ON_CPU") == "1")
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and not _DISABLED
+    return (x.is_cuda or _ON_CPU) and not _DISABLED
 
 
 def _fused():
