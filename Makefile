@@ -24,8 +24,9 @@ serve: setup
 # triton's CPU interpreter, so kernel/runner integration is checked without a GPU.
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/ops tests/attention
 	TRITON_INTERPRET=1 PYENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -p no:cacheprovider \
-		tests/ops tests/attention tests/test_llm_triton_interpret.py
+		tests/test_llm_triton_interpret.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
