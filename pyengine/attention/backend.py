@@ -70,6 +70,19 @@ class AttentionBackend(ABC):
         unspecified)."""
 
 
+    def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                          eps: float = 1e-6) -> torch.Tensor:
+        """Like ``forward`` but q and k come before RoPE (and before Qwen3's per-head
+        RMSNorm when the norm weights are given), so a backend can fuse them with the KV
+        write. positions: int64 [T]; cos_sin_cache: [max_positions, head_dim]. This default
+        applies them with ``pyengine.ops.apply_rotary`` and calls ``forward``."""
+        from pyengine import ops
+        q, k = ops.apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+        return self.forward(q, k, v, kv_cache, meta)
+
+
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 
 

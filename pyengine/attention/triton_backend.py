@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from pyengine.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from pyengine.ops.fused import rope_and_cache
 from pyengine.ops.paged_attention import (default_num_splits, paged_decode, paged_extend,
                                           reshape_and_cache, varlen_attention)
 
@@ -103,6 +104,24 @@ class TritonAttentionBackend(AttentionBackend):
                                     meta.max_query_len, num_reqs)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        return self._attend(q, key_cache, value_cache, meta, out)
+
+    def forward_with_rope(self, q, k, v, positions, cos_sin_cache, kv_cache, meta,
+                          q_norm_weight=None, k_norm_weight=None, eps=1e-6):
+        """RoPE (and Qwen3's q/k RMSNorm) fused with the KV-cache write in one kernel;
+        the rotated k exists only in the cache. Falls back to the unfused path before the
+        caches are bound (profiling) or for a head_dim/2 that is not a power of two."""
+        half = q.shape[-1] // 2
+        if kv_cache is None or kv_cache.numel() == 0 or half & (half - 1):
+            return super().forward_with_rope(q, k, v, positions, cos_sin_cache, kv_cache, meta,
+                                             q_norm_weight, k_norm_weight, eps)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        q = rope_and_cache(q, k, v, positions, cos_sin_cache, key_cache, value_cache, meta.slot_mapping,
+                           q_norm_weight, k_norm_weight, eps)
+        return self._attend(q, key_cache, value_cache, meta, torch.empty_like(q))
+
+    def _attend(self, q, key_cache, value_cache, meta, out):
+        num_reqs = meta.num_reqs
         if meta.max_query_len == 1:
             splits = self.num_splits(num_reqs)
             if splits > 1:

@@ -65,16 +65,17 @@ class DecoderAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and _ops.use_triton(q):
-            # Qwen3: per-head q/k RMSNorm and RoPE in one kernel.
-            q, k = _ops.apply_rotary(q, k, positions, self.rotary.cos_sin_cache, self.q_norm.weight,
-                                     self.k_norm.weight, self.q_norm.eps)
+        if _ops.use_triton(q):
+            # Kernel path: the backend fuses (Qwen3's per-head q/k RMSNorm +) RoPE with the KV write.
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+            o = self.attn.forward_with_rope(q, k, v, positions, self.rotary.cos_sin_cache, self.kv_cache, meta,
+                                            *qk_norm)
         else:
             if self.q_norm is not None:
                 q = self.q_norm(q)
                 k = self.k_norm(k)
             q, k = self.rotary(positions, q, k)
-        o = self.attn.forward(q, k, v, self.kv_cache, meta)
+            o = self.attn.forward(q, k, v, self.kv_cache, meta)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

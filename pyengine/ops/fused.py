@@ -124,11 +124,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_heads(src_ptr, dst_ptr, t, stride_t, stride_h, cos, sin, w_ptr, eps,
-                H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+def _rope_heads(src_ptr, t, stride_t, stride_h, dst_base, dst_stride_h, h_limit, cos, sin, w_ptr, eps,
+                H_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Rotate heads [0, h_limit) of token t of src and store them at dst_base + h * dst_stride_h."""
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, HALF)
-    mask = (offs_h < H)[:, None]
+    mask = (offs_h < h_limit)[:, None]
     base = src_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
@@ -146,7 +147,7 @@ def _rope_heads(src_ptr, dst_ptr, t, stride_t, stride_h, cos, sin, w_ptr, eps,
     b = (-x2f * sin[None, :]).to(dt).to(tl.float32)
     c = (x2f * cos[None, :]).to(dt).to(tl.float32)
     e = (x1f * sin[None, :]).to(dt).to(tl.float32)
-    out = dst_ptr + t * (H * 2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    out = dst_base + offs_h[:, None] * dst_stride_h + offs_d[None, :]
     tl.store(out, (a + b).to(dt), mask=mask)
     tl.store(out + HALF, (c + e).to(dt), mask=mask)
 
@@ -161,10 +162,72 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, qw_ptr,
     offs_d = tl.arange(0, HALF)
     cos = tl.load(cache_ptr + pos * stride_c + offs_d).to(tl.float32)
     sin = tl.load(cache_ptr + pos * stride_c + HALF + offs_d).to(tl.float32)
-    _rope_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, cos, sin, qw_ptr, eps,
-                HQ, HQ_PAD, HALF, NORM)
-    _rope_heads(k_ptr, k_out_ptr, t, stride_kt, stride_kh, cos, sin, kw_ptr, eps,
-                HK, HK_PAD, HALF, NORM)
+    _rope_heads(q_ptr, t, stride_qt, stride_qh, q_out_ptr + t * (HQ * 2 * HALF), 2 * HALF, HQ,
+                cos, sin, qw_ptr, eps, HQ_PAD, HALF, NORM)
+    _rope_heads(k_ptr, t, stride_kt, stride_kh, k_out_ptr + t * (HK * 2 * HALF), 2 * HALF, HK,
+                cos, sin, kw_ptr, eps, HK_PAD, HALF, NORM)
+
+
+@triton.jit
+def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr,
+                       cache_ptr, qw_ptr, kw_ptr, eps,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+                       stride_cb, stride_cs, stride_ch,
+                       HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
+                       HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cache_ptr + pos * stride_c + offs_d).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + offs_d).to(tl.float32)
+    _rope_heads(q_ptr, t, stride_qt, stride_qh, q_out_ptr + t * (HQ * 2 * HALF), 2 * HALF, HQ,
+                cos, sin, qw_ptr, eps, HQ_PAD, HALF, NORM)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # Padding rows (slot -1) write nothing: fold the skip into the head bound.
+    hk_limit = tl.where(slot >= 0, HK, 0)
+    s = tl.where(slot >= 0, slot, 0)
+    dst = (s // BLOCK_SIZE) * stride_cb + (s % BLOCK_SIZE) * stride_cs
+    _rope_heads(k_ptr, t, stride_kt, stride_kh, k_cache_ptr + dst, stride_ch, hk_limit,
+                cos, sin, kw_ptr, eps, HK_PAD, HALF, NORM)
+    offs_h = tl.arange(0, HK_PAD)
+    offs_v = tl.arange(0, 2 * HALF)
+    m = (offs_h < hk_limit)[:, None]
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=m, other=0.0)
+    tl.store(v_cache_ptr + dst + offs_h[:, None] * stride_ch + offs_v[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=m)
+
+
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
+                   k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """One kernel for (optional per-head q/k RMSNorm) + neox RoPE + the KV-cache write.
+
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (before RoPE; last dim
+    contiguous); positions: int64 [T]; cos_sin_cache: [max_positions, head_dim];
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    slot_mapping: int64 [>= T], -1 rows write nothing. Rotated k goes straight into the
+    cache (attention reads it from there); returns the rotated q, [T, num_heads, head_dim].
+    Mirrors the fused rope + reshape_and_cache path of vLLM's attention backends.
+    """
+    T, hq, d = q.shape
+    hk = k.shape[1]
+    assert d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0, "head_dim/2 must be a power of two"
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q_out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_out
+    norm = q_norm_weight is not None
+    qw = q_norm_weight if norm else q
+    kw = k_norm_weight if norm else k
+    _rope_cache_kernel[(T,)](
+        q, k, v, q_out, key_cache, value_cache, positions, slot_mapping, cos_sin_cache, qw, kw, float(eps),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HK=hk, HK_PAD=triton.next_power_of_2(hk),
+        HALF=d // 2, BLOCK_SIZE=key_cache.shape[1], NORM=norm, num_warps=4)
+    return q_out
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

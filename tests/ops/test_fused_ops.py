@@ -124,3 +124,41 @@ def test_dispatch_cpu_uses_torch():
     a = ops.apply_rotary(q, k, pos, cache, w8, w8, 1e-6)
     b = rotary.apply_rotary(layernorm.rms_norm(q, w8, 1e-6), layernorm.rms_norm(k, w8, 1e-6), pos, cache)
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", DEVICES)
+def test_rope_and_cache(kind, dtype, qk_norm):
+    """Fused (q/k norm +) RoPE + KV write == apply_rotary + a plain cache write; padded
+    rows (slot -1) leave the cache untouched."""
+    dev = _dev(kind)
+    hq, hk, d, T, bs, nb = (4, 2, 16, 6, 4, 8) if dev == "cpu" else (16, 8, 128, 40, 16, 64)
+    g = torch.Generator().manual_seed(4)
+    cache = _cache(4096, d, dtype, dev)
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(dtype).to(dev)
+    q = qkv[:, : hq * d].view(T, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(T, hk, d)
+    pos = torch.randint(0, 4096, (T,), generator=g).to(dev)
+    slots = torch.randperm(nb * bs, generator=g)[:T].to(dev)
+    slots[-1] = -1  # a padding row
+    kc = torch.zeros(nb, bs, hk, d, dtype=dtype, device=dev)
+    vc = torch.zeros_like(kc)
+    w = {}
+    if qk_norm:
+        w = dict(q_norm_weight=(1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(dev),
+                 k_norm_weight=(1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(dev), eps=1e-6)
+        eq, ek = rotary.apply_rotary(layernorm.rms_norm(q, w["q_norm_weight"], 1e-6),
+                                     layernorm.rms_norm(k, w["k_norm_weight"], 1e-6), pos, cache)
+    else:
+        eq, ek = rotary.apply_rotary(q, k, pos, cache)
+    oq = fused.rope_and_cache(q, k, v, pos, cache, kc, vc, slots, **w)
+    torch.testing.assert_close(oq, eq, **_tol(dtype))
+    real = slots >= 0
+    flat_k, flat_v = kc.view(nb * bs, hk, d), vc.view(nb * bs, hk, d)
+    torch.testing.assert_close(flat_k[slots[real]], ek[real], **_tol(dtype))
+    torch.testing.assert_close(flat_v[slots[real]], v[real], atol=0, rtol=0)
+    untouched = torch.ones(nb * bs, dtype=torch.bool, device=dev)
+    untouched[slots[real]] = False
+    assert flat_k[untouched].abs().sum() == 0 and flat_v[untouched].abs().sum() == 0
