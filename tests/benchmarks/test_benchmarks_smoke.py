@@ -88,3 +88,13 @@ def test_async_sched_smoke(tiny_dir, tmp_path):
         assert all(lv["output_tokens"] == lv["requests"] * 4 for lv in levels)
     assert set(res["ratios"]) == {1, 2}
     assert out.is_file()
+
+
+def test_host_overhead_smoke(tmp_path):
+    from benchmarks import host_overhead
+
+    out = tmp_path / "host.json"
+    res = host_overhead.main(["--batch-sizes", "1,4", "--steps", "12", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["batch"] for r in rows] == [1, 4] == [r["batch"] for r in res["results"]]
+    assert all(r["schedule_ms"] > 0 and r["process_outputs_ms"] > 0 for r in rows)
