@@ -26,6 +26,8 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(status)
 
 
+# Plain ints for the hot path: enum member access is slow on Python 3.11 (descriptor lookup).
+_FINISHED_MIN = int(RequestStatus.FINISHED_STOPPED)
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop",
                    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
                    RequestStatus.FINISHED_ABORTED: "abort"}
@@ -71,7 +73,7 @@ class Request:
         return self.all_token_ids[self.num_prompt_tokens:]
 
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return self.status >= _FINISHED_MIN
 
     def get_finished_reason(self) -> Optional[str]:
         return RequestStatus.finish_reason(self.status)

@@ -11,6 +11,9 @@ from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
+# Module aliases: enum member access is slow on Python 3.11 and these run per request per step.
+_CUMULATIVE, _DELTA, _FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
 
 class EngineDeadError(RuntimeError):
     """The engine-core thread died; every pending and future request fails with this."""
@@ -144,7 +147,7 @@ class _Child:
         self.final_text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens).rstrip("\ufffd")
 
     def completion(self, kind: RequestOutputKind) -> CompletionOutput:
-        delta = kind == RequestOutputKind.DELTA
+        delta = kind == _DELTA
         finished = self.finish_reason is not None
         text = self.final_text or "" if self.deferred else self.detok.get_next_output_text(finished, delta)
         ids = self.detok.output_token_ids
@@ -179,11 +182,11 @@ class _Parent:
         return self.num_finished == len(self.children)
 
     def make_output(self, changed: list[_Child]) -> Optional[RequestOutput]:
-        if self.kind == RequestOutputKind.FINAL_ONLY:
+        if self.kind == _FINAL_ONLY:
             if not self.finished:
                 return None
-            outs = [c.completion(RequestOutputKind.CUMULATIVE) for c in self.children]
-        elif self.kind == RequestOutputKind.DELTA:
+            outs = [c.completion(_CUMULATIVE) for c in self.children]
+        elif self.kind == _DELTA:
             outs = [c.completion(self.kind) for c in changed]
             outs = [o for o in outs if o.text or o.token_ids or o.finish_reason]
             if not outs and not self.finished:

@@ -18,6 +18,9 @@ from pyengine.core.sched.request_queue import create_request_queue
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from pyengine.request import Request, RequestStatus
 
+# Module aliases: enum member access is slow on Python 3.11 and these sit in per-request loops.
+_RUNNING = RequestStatus.RUNNING
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int):
@@ -129,7 +132,7 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != _RUNNING:
                 continue  # req itself was preempted; self.running shifted under index i
             scheduled.append(self._scheduled(req, n))
             budget -= n
