@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pyengine import ops as _ops
 from pyengine.attention.backend import AttentionBackend, AttentionMetadata
 from pyengine.layers.activation import SiluAndMul
 from pyengine.layers.embedding import LMHead, VocabEmbedding
@@ -65,17 +64,11 @@ class DecoderAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if _ops.use_triton(q):
-            # Kernel path: the backend fuses (Qwen3's per-head q/k RMSNorm +) RoPE with the KV write.
-            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
-            o = self.attn.forward_with_rope(q, k, v, positions, self.rotary.cos_sin_cache, self.kv_cache, meta,
-                                            *qk_norm)
-        else:
-            if self.q_norm is not None:
-                q = self.q_norm(q)
-                k = self.k_norm(k)
-            q, k = self.rotary(positions, q, k)
-            o = self.attn.forward(q, k, v, self.kv_cache, meta)
+        # The backend applies (Qwen3's per-head q/k RMSNorm and) RoPE, fused with the KV
+        # write where it can.
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+        o = self.attn.forward_with_rope(q, k, v, positions, self.rotary.cos_sin_cache, self.kv_cache, meta,
+                                        *qk_norm)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -153,17 +153,27 @@ def _rope_heads(src_ptr, t, stride_t, stride_h, dst_base, dst_stride_h, h_limit,
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, qw_ptr, kw_ptr, eps,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                 HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
-                 HALF: tl.constexpr, NORM: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _rope_q(q_ptr, q_out_ptr, t, pos_ptr, cache_ptr, qw_ptr, eps, stride_qt, stride_qh, stride_c,
+            HQ: tl.constexpr, HQ_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Shared prologue of the RoPE kernels: load token t's cos/sin, rotate its q heads into
+    the contiguous q_out; returns (cos, sin) for the k heads."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF)
     cos = tl.load(cache_ptr + pos * stride_c + offs_d).to(tl.float32)
     sin = tl.load(cache_ptr + pos * stride_c + HALF + offs_d).to(tl.float32)
     _rope_heads(q_ptr, t, stride_qt, stride_qh, q_out_ptr + t * (HQ * 2 * HALF), 2 * HALF, HQ,
                 cos, sin, qw_ptr, eps, HQ_PAD, HALF, NORM)
+    return cos, sin
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, qw_ptr, kw_ptr, eps,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+                 HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
+                 HALF: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cos, sin = _rope_q(q_ptr, q_out_ptr, t, pos_ptr, cache_ptr, qw_ptr, eps, stride_qt, stride_qh, stride_c,
+                       HQ, HQ_PAD, HALF, NORM)
     _rope_heads(k_ptr, t, stride_kt, stride_kh, k_out_ptr + t * (HK * 2 * HALF), 2 * HALF, HK,
                 cos, sin, kw_ptr, eps, HK_PAD, HALF, NORM)
 
@@ -176,12 +186,8 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                        HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
                        HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, HALF)
-    cos = tl.load(cache_ptr + pos * stride_c + offs_d).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_c + HALF + offs_d).to(tl.float32)
-    _rope_heads(q_ptr, t, stride_qt, stride_qh, q_out_ptr + t * (HQ * 2 * HALF), 2 * HALF, HQ,
-                cos, sin, qw_ptr, eps, HQ_PAD, HALF, NORM)
+    cos, sin = _rope_q(q_ptr, q_out_ptr, t, pos_ptr, cache_ptr, qw_ptr, eps, stride_qt, stride_qh, stride_c,
+                       HQ, HQ_PAD, HALF, NORM)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # Padding rows (slot -1) write nothing: fold the skip into the head bound.
     hk_limit = tl.where(slot >= 0, HK, 0)
