@@ -8,6 +8,13 @@ few warm-up decode steps run, then
   ``torch.profiler.profile(activities=[CUDA])`` gives every kernel / memcpy / memset
   interval; idle = 1 - (union of busy intervals) / (first start .. last end).
 
+The idle time is split in two. A one-byte marker kernel is queued on the compute stream
+after every ``step()`` call, so the stream's work falls into the groups each step launched.
+The idle gaps the markers fall into are **between steps** (the GPU waited for the host to
+queue the next step: the figure async scheduling exists to shrink); every other gap is a
+**bubble inside a step** (kernel-to-kernel latency on the GPU, present even when the host
+is far ahead). Marker kernels count as idle, never as busy.
+
 The on/off ratio of decode tokens/s is printed too (``throughput.py
 --no-async-scheduling`` gives the same ratio on the full throughput workload).
 
@@ -75,8 +82,43 @@ def busy_union(intervals: list[tuple[float, float]]) -> tuple[float, float, floa
     return intervals[0][0], max(e for _, e in intervals), busy, gaps
 
 
-def gpu_intervals_from_trace(path: str) -> list[tuple[float, float]]:
-    """Busy intervals (microseconds) of kernels, memcpys and memsets in a chrome trace."""
+def split_idle(ops: list[tuple[float, float]], markers: list[tuple[float, float]]) -> tuple[float, float]:
+    """(idle between steps, idle inside steps) given busy ``ops`` and step ``markers`` intervals.
+
+    A gap of the ops' busy union is "between steps" if a marker's midpoint falls in it.
+    """
+    if not ops:
+        return 0.0, 0.0
+    ivs = sorted(ops)
+    gaps = []
+    cur_e = ivs[0][1]
+    for s, e in ivs[1:]:
+        if s > cur_e:
+            gaps.append((cur_e, s))
+        cur_e = max(cur_e, e)
+    mids = sorted((a + b) / 2 for a, b in markers)
+    between = inside = 0.0
+    for a, b in gaps:
+        # any marker midpoint inside (a, b)?
+        lo, hi = 0, len(mids)
+        while lo < hi:  # first midpoint > a
+            m = (lo + hi) // 2
+            if mids[m] <= a:
+                lo = m + 1
+            else:
+                hi = m
+        if lo < len(mids) and mids[lo] < b:
+            between += b - a
+        else:
+            inside += b - a
+    return between, inside
+
+
+MARKER_KERNEL = "bitwise_not"  # the marker's kernel name contains this; no engine step runs one
+
+
+def gpu_intervals_from_trace(path: str) -> list[tuple[float, float, str]]:
+    """Busy intervals (microseconds) and names of kernels, memcpys and memsets in a chrome trace."""
     with open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -85,7 +127,7 @@ def gpu_intervals_from_trace(path: str) -> list[tuple[float, float]]:
         if ev.get("ph") != "X" or str(ev.get("cat", "")).lower() not in GPU_CATEGORIES:
             continue
         ts, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
-        out.append((ts, ts + max(dur, 0.0)))
+        out.append((ts, ts + max(dur, 0.0), str(ev.get("name", ""))))
     return out
 
 
@@ -112,11 +154,15 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, p, sp)
 
-    def steps(n) -> int:
+    marker = torch.zeros(1, dtype=torch.uint8, device=cfg.device) if cuda else None
+
+    def steps(n, mark=False) -> int:
         toks = 0
         for _ in range(n):
             for out in eng.step():
                 toks += sum(len(c.token_ids) for c in out.outputs)
+            if mark:
+                marker.bitwise_not_()  # step boundary in the compute stream (see the module doc)
         return toks
 
     # Prefill (one step for the default sizes), then until every request has a token.
@@ -152,15 +198,23 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
         os.makedirs(trace_dir, exist_ok=True)
         path = os.path.join(trace_dir, f"decode_async_{'on' if cfg.async_scheduling else 'off'}.json")
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            steps(args.profile_steps)
+            steps(args.profile_steps, mark=True)
             torch.cuda.synchronize()
         prof.export_chrome_trace(path)
-        iv = gpu_intervals_from_trace(path)
+        ops = gpu_intervals_from_trace(path)
+        markers = [(a, b) for a, b, name in ops if MARKER_KERNEL in name]
+        iv = [(a, b) for a, b, name in ops if MARKER_KERNEL not in name]
         start, end, busy, gaps = busy_union(iv)
         window = end - start
         long_gaps = [g for g in gaps if g > args.gap_us]
+        between, inside = split_idle(iv, markers)
+        if len(markers) != args.profile_steps:
+            print(f"warning: found {len(markers)} step markers for {args.profile_steps} steps", file=sys.stderr)
         res.update({
             "idle_fraction": (1.0 - busy / window) if window > 0 else None,
+            "idle_between_steps_fraction": between / window if window > 0 else None,
+            "idle_inside_steps_fraction": inside / window if window > 0 else None,
+            "num_step_markers": len(markers),
             "profile_window_ms": window / 1e3, "gpu_busy_ms": busy / 1e3, "num_gpu_ops": len(iv),
             "profile_steps": args.profile_steps, "idle_ms_per_step": (window - busy) / 1e3 / args.profile_steps,
             "gaps_over_threshold": len(long_gaps), "gap_threshold_us": args.gap_us,
@@ -213,9 +267,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     def pct(v):
         return "n/a" if v is None else f"{100 * v:.2f}%"
-    print(md_table(["async scheduling", "GPU idle", "idle ms/step", "wall ms/step", "host ms/step", "decode tok/s",
+    print(md_table(["async scheduling", "GPU idle", "between steps", "inside steps", "idle ms/step", "wall ms/step", "host ms/step", "decode tok/s",
                     f"gaps > {args.gap_us:g} us", "max gap (us)", "GPU ops/step"],
-                   [[m, pct(r["idle_fraction"]), r.get("idle_ms_per_step"), r["wall_ms_per_step"],
+                   [[m, pct(r["idle_fraction"]), pct(r.get("idle_between_steps_fraction")),
+                     pct(r.get("idle_inside_steps_fraction")), r.get("idle_ms_per_step"), r["wall_ms_per_step"],
                      r["host_ms_per_step"], r["decode_tok_s"], r.get("gaps_over_threshold"), r.get("max_gap_us"),
                      r.get("gpu_ops_per_step")]
                     for m, r in results.items()]))

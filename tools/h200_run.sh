@@ -29,9 +29,9 @@ step() {  # step SECONDS NAME CMD...
 }
 nvidia-smi -L >> "$LOG" 2>&1
 # kernels first (fast, and a failure there explains any end-to-end failure), then token-exactness
-step 120 gpu_ops python3 -m pytest -q -m gpu tests/ops tests/attention tests/worker -p no:cacheprovider --tb=short --durations=5
-step 270 gpu_e2e python3 -m pytest -q -m gpu tests/test_llm.py tests/engine -p no:cacheprovider --tb=short --durations=10
-step 300 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 180 --json "$OUT/throughput.json"
+step 120 gpu_ops python3 -m pytest -q -m gpu tests/ops tests/attention tests/worker -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=100
+step 270 gpu_e2e python3 -m pytest -q -m gpu tests/test_llm.py tests/engine -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=100
+step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"
 step 180 latency python3 benchmarks/latency.py --json "$OUT/latency.json"
 step 120 gpu_idle python3 benchmarks/gpu_idle.py --json "$OUT/gpu_idle.json"

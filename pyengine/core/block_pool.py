@@ -3,6 +3,11 @@
 Blocks with ref_cnt 0 sit in a free queue in eviction order (least recently freed
 first). A free block may still hold a cached prefix (``block_hash`` set): it is evicted
 lazily, only when it is taken for new data.
+
+Never-used blocks come first in that order (vLLM's queue starts with every block, by
+id). They are not materialised up front: a tiny model under ``gpu_memory_utilization``
+gets millions of blocks, and building one Python object each would cost seconds and GBs of
+host memory. A counter hands them out by id instead, before any freed block.
 """
 from __future__ import annotations
 
@@ -34,18 +39,22 @@ class BlockPool:
             raise ValueError(f"KV cache needs at least 2 blocks, got {num_blocks}.")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
-        self.null_block.ref_cnt = 1
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.null_block = KVCacheBlock(0, ref_cnt=1)
+        self.blocks = [self.null_block]  # blocks handed out so far, indexed by id
+        # Freed blocks only; ids len(self.blocks) .. num_blocks-1 are free and never used.
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
 
     def get_num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + self.num_blocks - len(self.blocks)
+
+    def free_block_ids(self) -> list[int]:
+        """Ids of the free blocks in eviction order (never-used first). O(num free): for tests."""
+        return list(range(len(self.blocks), self.num_blocks)) + list(self.free_queue)
 
     def get_usage(self) -> float:
         """Fraction of usable blocks referenced by some request, in [0, 1]."""
-        return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
+        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
 
     def get_cached_block(self, block_hash: int) -> Optional[KVCacheBlock]:
         return self.cached.get(block_hash)
@@ -59,10 +68,13 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Raises ValueError if fewer than n blocks are free (callers check first)."""
-        if n > len(self.free_queue):
-            raise ValueError(f"Cannot allocate {n} KV blocks; {len(self.free_queue)} free.")
-        out = []
-        for _ in range(n):
+        if n > self.get_num_free_blocks():
+            raise ValueError(f"Cannot allocate {n} KV blocks; {self.get_num_free_blocks()} free.")
+        first = len(self.blocks)
+        fresh = min(n, self.num_blocks - first)
+        out = [KVCacheBlock(i, ref_cnt=1) for i in range(first, first + fresh)]
+        self.blocks.extend(out)
+        for _ in range(n - fresh):
             _, b = self.free_queue.popitem(last=False)
             if b.block_hash is not None:  # lazy eviction of a cached prefix
                 if self.cached.get(b.block_hash) is b:
@@ -86,7 +98,7 @@ class BlockPool:
                 self.free_queue[b.block_id] = b
 
     def reset_prefix_cache(self) -> bool:
-        if len(self.free_queue) != self.num_blocks - 1:
+        if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
         for b in self.blocks:
             b.block_hash = None

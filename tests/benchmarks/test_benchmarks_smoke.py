@@ -98,3 +98,13 @@ def test_host_overhead_smoke(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["batch"] for r in rows] == [1, 4] == [r["batch"] for r in res["results"]]
     assert all(r["schedule_ms"] > 0 and r["process_outputs_ms"] > 0 for r in rows)
+
+
+def test_gpu_idle_split_between_and_inside_steps():
+    # two steps: ops 0-10, 11-20 (1 us bubble), marker at 21-22, next step 30-40 with a 2 us bubble
+    ops = [(0, 10), (11, 20), (30, 35), (37, 40)]
+    between, inside = gpu_idle.split_idle(ops, [(21, 22)])
+    assert (between, inside) == (10, 3)
+    assert gpu_idle.split_idle(ops, []) == (0, 13)
+    # a marker overlapping busy time (another stream) marks no gap
+    assert gpu_idle.split_idle(ops, [(4, 6)]) == (0, 13)

@@ -9,7 +9,7 @@ def ids(blocks):
 
 
 def free_ids(pool):
-    return list(pool.free_queue)
+    return pool.free_block_ids()
 
 
 def test_too_few_blocks_rejected():
@@ -173,3 +173,18 @@ def test_hash_chain_depends_on_parent_and_tokens():
     assert h1 != hash_block_tokens(None, [1, 3])
     assert hash_block_tokens(h1, [5, 6]) != hash_block_tokens(None, [5, 6])
     assert hash_block_tokens(h1, [5, 6]) != hash_block_tokens(h1, [5, 6], ("lora",))
+
+
+def test_huge_pool_materialises_blocks_only_when_handed_out():
+    # A tiny model under gpu_memory_utilization gets millions of blocks; the pool must not
+    # build a Python object per block up front.
+    pool = BlockPool(50_000_000, enable_caching=True)
+    assert pool.get_num_free_blocks() == 49_999_999
+    assert len(pool.blocks) == 1
+    a = pool.get_new_blocks(3)
+    assert ids(a) == [1, 2, 3] and len(pool.blocks) == 4
+    pool.free_blocks([a[1]])
+    # never-used blocks still go before the freed one
+    assert ids(pool.get_new_blocks(2)) == [4, 5]
+    assert pool.get_num_free_blocks() == 49_999_999 - 5 + 1
+    assert pool.get_usage() == pytest.approx(4 / 49_999_999)

@@ -132,7 +132,7 @@ def test_allocate_slots_grows_by_blocks():
 
 def _snapshot(kv):
     pool = kv.block_pool
-    return (pool.get_num_free_blocks(), list(pool.free_queue), [b.ref_cnt for b in pool.blocks],
+    return (pool.get_num_free_blocks(), pool.free_block_ids(), [b.ref_cnt for b in pool.blocks],
             dict(pool.cached), {k: list(v) for k, v in kv.req_to_blocks.items() if v},
             kv.prefix_cache_stats.hits)
 
@@ -188,7 +188,7 @@ def test_free_releases_tail_first():
     kv.allocate_slots(r, 12)
     bids = list(kv.get_block_ids("r"))
     kv.free(r)
-    assert list(kv.block_pool.free_queue)[-3:] == bids[::-1]
+    assert kv.block_pool.free_block_ids()[-3:] == bids[::-1]
 
 
 def test_caching_disabled_never_hits():
