@@ -22,3 +22,15 @@ def test_triton_path_matches_transformers(family, model_dirs, tokenizer):
     llm = LLM(str(model_dirs[family]), device="cpu", attention_backend="triton", max_num_batched_tokens=24)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dirs[family], prompts, 8, ignore_eos=True)
+
+
+def test_kernel_warm_up_writes_no_kv(model_dirs, tokenizer):
+    llm = LLM(str(model_dirs["qwen3"]), device="cpu", attention_backend="triton")
+    runner = llm.llm_engine.engine_core.model_runner
+    for c in runner.kv_caches:
+        c.fill_(0.5)
+    runner._warm_up_kernels()
+    assert all(bool((c == 0.5).all()) for c in runner.kv_caches)
+    prompts = prompt_token_ids(tokenizer, 2, 4, 20, seed=5)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dirs["qwen3"], prompts, 4, ignore_eos=True)

@@ -28,6 +28,11 @@ from pyengine.worker.sampler import Sampler, SamplingMetadata
 logger = logging.getLogger("pyengine")
 
 
+def _align(n: int, m: int) -> int:
+    """n rounded up to a multiple of m."""
+    return -(-n // m) * m
+
+
 @dataclass
 class ModelRunnerOutput:
     """Host-side results, one entry per sampled row (rows with ScheduledRequest.sample)."""
@@ -128,16 +133,38 @@ class ModelRunner:
         while left > 0:
             lens.append(min(left, 1024, c.max_model_len))
             left -= lens[-1]
+        self._dummy_forward(lens, logits_rows=min(num_tokens, c.max_num_seqs))
+        del dummy_caches
+
+    def _dummy_forward(self, lens: list[int], logits_rows: int = 0) -> None:
+        """One forward over requests of the given query lengths (tokens) with no cached
+        context; slot mapping -1, so no KV is written. With caches bound, attention reads
+        the null block (block 0) through an all-zero block table."""
+        num_tokens = sum(lens)
         qsl = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32)
         seq = torch.tensor(lens, dtype=torch.int32)
+        width = cdiv(max(lens), self.block_size)
         meta = AttentionMetadata(num_tokens, len(lens), max(lens), max(lens), qsl.to(self.device), seq.to(self.device),
-                                 torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
+                                 torch.zeros(len(lens), width, dtype=torch.int32, device=self.device),
                                  torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device), qsl, seq)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         hidden = self.model(ids, pos, meta)
-        logits = self.model.compute_logits(hidden[: min(num_tokens, c.max_num_seqs)])
-        del hidden, logits, dummy_caches
+        if logits_rows:
+            self.model.compute_logits(hidden[:logits_rows])
+
+    @torch.inference_mode()
+    def _warm_up_kernels(self) -> float:
+        """Compile, at start-up, every triton kernel variant a prefill or mixed step can
+        pick: the extend kernel's query tile (BLOCK_T, a compile-time constant) follows the
+        longest query of the step, so a cold variant would otherwise compile mid-serving and
+        stall that step for seconds. Returns seconds."""
+        t0 = time.perf_counter()
+        for n in (2, 3, 5, 9, 17, 33, 65):  # every power-of-two tile (see _extend in ops/paged_attention.py)
+            self._dummy_forward([min(n, self.config.max_model_len)])
+        if self._is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     def initialize_kv_cache(self) -> int:
         """Allocate the paged KV cache; returns the number of blocks (block 0 = null block)."""
@@ -149,6 +176,8 @@ class ModelRunner:
         self.num_blocks = n
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, self.block_size,
                     n * self.kv_bytes_per_block() / 2**20)
+        if self._is_cuda and self.config.attention_backend == "triton":
+            logger.info("Warmed up prefill kernels in %.2f s", self._warm_up_kernels())
         if self._is_cuda and not self.config.enforce_eager and self.config.attention_backend == "triton":
             from pyengine.worker.cuda_graph import CUDAGraphRunner
             self.graph_runner = CUDAGraphRunner(self.model, self.attn_backend, self.config.max_num_seqs,
@@ -161,7 +190,9 @@ class ModelRunner:
         """Build the step's inputs. All integer inputs go to the device in two copies: one
         int64 buffer [input ids | positions | slot mapping | placeholder rows | their source
         rows] and one int32 buffer [query_start_loc | seq_lens | block table]; the tensors the
-        model sees are views of those."""
+        model sees are views of those. Every view starts on a 16-byte boundary: triton
+        specialises kernels on pointer alignment, so an odd offset would compile (and, cold,
+        stall a step for) another variant of each kernel."""
         sched = so.scheduled
         T, R, bs = so.total_num_scheduled_tokens, len(sched), self.block_size
         toks: list[int] = []
@@ -169,8 +200,10 @@ class ModelRunner:
         starts = np.empty(R, dtype=np.int64)
         ns = np.empty(R, dtype=np.int64)
         max_blocks = max(len(s.block_ids) for s in sched)
-        buf32 = np.zeros(2 * R + 1 + R * max_blocks, dtype=np.int32)
-        block_table = buf32[2 * R + 1:].reshape(R, max_blocks)
+        o_seq = _align(R + 1, 4)  # int32 offsets, in elements
+        o_bt = o_seq + _align(R, 4)
+        buf32 = np.zeros(o_bt + R * max_blocks, dtype=np.int32)
+        block_table = buf32[o_bt:].reshape(R, max_blocks)
         for i, s in enumerate(sched):
             start, n = s.num_computed_tokens, s.num_new_tokens
             starts[i], ns[i] = start, n
@@ -188,31 +221,32 @@ class ModelRunner:
             block_table[i, :len(s.block_ids)] = s.block_ids
         qsl = buf32[:R + 1]
         np.cumsum(ns, out=qsl[1:])
-        seq_lens = buf32[R + 1:2 * R + 1]
+        seq_lens = buf32[o_seq:o_seq + R]
         seq_lens[:] = starts + ns
         P = len(ph_rows)
-        buf64 = np.empty(3 * T + 2 * P, dtype=np.int64)
+        t2, p2 = _align(T, 2), _align(P, 2)  # int64 offsets: positions t2, slots 2*t2, placeholders 3*t2
+        buf64 = np.empty(3 * t2 + p2 + P, dtype=np.int64)
         buf64[:T] = toks
         req_of_tok = np.repeat(np.arange(R), ns)
-        positions = buf64[T:2 * T]
+        positions = buf64[t2:t2 + T]
         positions[:] = starts[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
-        buf64[2 * T:3 * T] = block_table[req_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
-        buf64[3 * T:3 * T + P] = ph_rows
-        buf64[3 * T + P:] = ph_src
+        buf64[2 * t2:2 * t2 + T] = block_table[req_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
+        buf64[3 * t2:3 * t2 + P] = ph_rows
+        buf64[3 * t2 + p2:] = ph_src
         dev = self.device
         d64 = torch.from_numpy(buf64).to(dev, non_blocking=True)
         d32 = torch.from_numpy(buf32).to(dev, non_blocking=True)
         ids_t = d64[:T]
         if P:
-            ids_t[d64[3 * T:3 * T + P]] = self._prev_sampled[d64[3 * T + P:]]
+            ids_t[d64[3 * t2:3 * t2 + P]] = self._prev_sampled[d64[3 * t2 + p2:]]
         host32 = torch.from_numpy(buf32)
         meta = AttentionMetadata(
             num_actual_tokens=T, num_reqs=R,
             max_query_len=int(ns.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc=d32[:R + 1], seq_lens=d32[R + 1:2 * R + 1],
-            block_table=d32[2 * R + 1:].view(R, max_blocks), slot_mapping=d64[2 * T:3 * T],
-            query_start_loc_cpu=host32[:R + 1], seq_lens_cpu=host32[R + 1:2 * R + 1])
-        return ids_t, d64[T:2 * T], meta, qsl, ph_rows
+            query_start_loc=d32[:R + 1], seq_lens=d32[o_seq:o_seq + R],
+            block_table=d32[o_bt:].view(R, max_blocks), slot_mapping=d64[2 * t2:2 * t2 + T],
+            query_start_loc_cpu=host32[:R + 1], seq_lens_cpu=host32[o_seq:o_seq + R])
+        return ids_t, d64[t2:t2 + T], meta, qsl, ph_rows
 
     def _sampling_metadata(self, sampled, ph_flags) -> SamplingMetadata:
         params = [s.request.sampling_params for s in sampled]
@@ -242,21 +276,25 @@ class ModelRunner:
         non_blocking (async scheduling)."""
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
+        # All host-side preparation (inputs and sampling metadata) comes before the first
+        # kernel of the step, so the step reaches the GPU as one burst of launches.
         ids, pos, meta, qsl, ph_rows = self._prepare_inputs(so)
+        sampled = [s for s in so.scheduled if s.sample]
+        idx = [int(qsl[i + 1]) - 1 for i, s in enumerate(so.scheduled) if s.sample]
+        ph_flags = [s.placeholder_input for s in sampled]
+        meta_s = self._sampling_metadata(sampled, ph_flags) if sampled else None
+        rows_t = (torch.tensor(idx, dtype=torch.int64).to(self.device, non_blocking=True)
+                  if sampled and len(idx) != meta.num_actual_tokens else None)
         if (self.graph_runner is not None and meta.max_query_len == 1
                 and meta.num_reqs <= self.graph_runner.max_batch_size):
             hidden = self.graph_runner.run(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta)
-        sampled = [s for s in so.scheduled if s.sample]
-        idx = [int(qsl[i + 1]) - 1 for i, s in enumerate(so.scheduled) if s.sample]
         if not sampled:
             return ModelRunnerOutput([], None) if not non_blocking else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None)
-        if len(idx) != meta.num_actual_tokens:  # only the last row of each sampling request
-            hidden = hidden[torch.tensor(idx, device=self.device)]
+        if rows_t is not None:  # only the last row of each sampling request
+            hidden = hidden[rows_t]
         logits = self.model.compute_logits(hidden)
-        ph_flags = [s.placeholder_input for s in sampled]
-        meta_s = self._sampling_metadata(sampled, ph_flags)
         if not meta_s.no_penalties and any(ph_flags):
             rows = [i for i, f in enumerate(ph_flags) if f]
             src = torch.tensor([self._prev_rows[sampled[i].request.request_id] for i in rows], device=self.device)

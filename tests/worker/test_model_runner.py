@@ -34,17 +34,24 @@ def test_async_steps_feed_placeholders_from_device(llama_dir, tokenizer):
     previous step's device tensor; the output must still equal transformers'."""
     llm = LLM(str(llama_dir), device="cpu", async_scheduling=True)
     runner = llm.llm_engine.engine_core.model_runner
-    fed = {"placeholders": 0}
+    fed = {"placeholders": 0, "odd_sizes": 0}
     orig = runner._prepare_inputs
 
     def spy(so):
         fed["placeholders"] += sum(s.placeholder_input for s in so.scheduled)
-        return orig(so)
+        out = orig(so)
+        ids, pos, meta = out[:3]
+        # every device view starts 16-byte aligned (triton specialises on pointer alignment)
+        views = [ids, pos, meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping]
+        fed["odd_sizes"] += meta.num_actual_tokens % 2 or meta.num_reqs % 4 != 3
+        assert all(v.storage_offset() * v.element_size() % 16 == 0 for v in views)
+        return out
     runner._prepare_inputs = spy
     prompts = prompt_token_ids(tokenizer, 4, 4, 20, seed=11)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llama_dir, prompts, 12, ignore_eos=True)
     assert fed["placeholders"] >= 4 * 10
+    assert fed["odd_sizes"] > 0  # the alignment check saw sizes that would misalign unpadded views
 
 
 @pytest.mark.gpu
