@@ -15,6 +15,10 @@ queue the next step: the figure async scheduling exists to shrink); every other 
 **bubble inside a step** (kernel-to-kernel latency on the GPU, present even when the host
 is far ahead). Marker kernels count as idle, never as busy.
 
+A floor for the bubbles: the same batch's decode CUDA graph replayed back to back
+(``--profile-steps`` replays, no host work in between; the host queues replays faster than
+the GPU runs them) gives the idle fraction of the forward pass alone ("graph replay idle").
+
 The on/off ratio of decode tokens/s is printed too (``throughput.py
 --no-async-scheduling`` gives the same ratio on the full throughput workload).
 
@@ -131,6 +135,28 @@ def gpu_intervals_from_trace(path: str) -> list[tuple[float, float, str]]:
     return out
 
 
+def graph_replay_idle(llm, batch: int, replays: int, trace_dir: str) -> Optional[float]:
+    """Idle fraction of ``replays`` back-to-back replays of the decode graph that serves
+    ``batch`` (its buffers still hold the last step's inputs, so it recomputes that step and
+    rewrites the same KV slots with the same values). None without CUDA graphs."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    gr = llm.llm_engine.engine_core.model_runner.graph_runner
+    if gr is None or batch > gr.max_batch_size:
+        return None
+    graph = gr.graphs[next(s for s in gr.sizes if s >= batch)]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    path = os.path.join(trace_dir, "graph_replay.json")
+    prof.export_chrome_trace(path)
+    start, end, busy, _ = busy_union([(a, b) for a, b, _ in gpu_intervals_from_trace(path)])
+    os.remove(path)
+    return (1.0 - busy / (end - start)) if end > start else None
+
+
 def run_mode(args, model_dir, async_on: bool) -> dict:
     import torch
     from pyengine import LLM, RequestOutputKind, SamplingParams
@@ -222,6 +248,7 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
             "trace": path if args.trace_dir else None,
         })
         res["gpu_ops_per_step"] = len(iv) / args.profile_steps
+        res["graph_replay_idle_fraction"] = graph_replay_idle(llm, args.batch, args.profile_steps, trace_dir)
         if len(iv) < 5 * args.profile_steps:
             print(f"warning: the profiler recorded only {len(iv)} GPU ops over {args.profile_steps} steps; kernels "
                   f"inside CUDA-graph replays may be missing from the trace (check with --enforce-eager)",
@@ -267,10 +294,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     def pct(v):
         return "n/a" if v is None else f"{100 * v:.2f}%"
-    print(md_table(["async scheduling", "GPU idle", "between steps", "inside steps", "idle ms/step", "wall ms/step", "host ms/step", "decode tok/s",
+    print(md_table(["async scheduling", "GPU idle", "between steps", "inside steps", "graph replay idle", "idle ms/step", "wall ms/step", "host ms/step", "decode tok/s",
                     f"gaps > {args.gap_us:g} us", "max gap (us)", "GPU ops/step"],
                    [[m, pct(r["idle_fraction"]), pct(r.get("idle_between_steps_fraction")),
-                     pct(r.get("idle_inside_steps_fraction")), r.get("idle_ms_per_step"), r["wall_ms_per_step"],
+                     pct(r.get("idle_inside_steps_fraction")), pct(r.get("graph_replay_idle_fraction")),
+                     r.get("idle_ms_per_step"), r["wall_ms_per_step"],
                      r["host_ms_per_step"], r["decode_tok_s"], r.get("gaps_over_threshold"), r.get("max_gap_us"),
                      r.get("gpu_ops_per_step")]
                     for m, r in results.items()]))
