@@ -6,7 +6,7 @@
 #   run this on the device with `.whl` carried (../shared/tools/device-wheels.sh):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_ops gpu_e2e throughput throughput_noasync latency gpu_idle async_sched attention
+# STEP: gpu_ops gpu_e2e throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256 async_sched attention
 # (default: all). A device call is capped at 10 minutes: split the steps over two calls
 # (e.g. `gpu_ops gpu_e2e latency gpu_idle attention` then the rest).
 set -u
@@ -24,16 +24,18 @@ step() {  # step SECONDS NAME CMD...
   local rc=$?
   tail -n 25 "$OUT/.$name.log" | grep -v "Writing model shards\|Loading weights" >> "$LOG"
   echo "=== $name rc=$rc in $((SECONDS - start))s" | tee -a "$LOG"
-  # test logs (and any failing step's log) come back whole; the rest only as the tail above
-  if [[ $name == gpu_* || $rc != 0 ]]; then mv "$OUT/.$name.log" "$OUT/$name.log"; else rm -f "$OUT/.$name.log"; fi
+  # a failing step's log comes back whole (8 files at most come back); the rest only as the tail above
+  if [[ $rc != 0 ]]; then mv "$OUT/.$name.log" "$OUT/$name.log"; else rm -f "$OUT/.$name.log"; fi
 }
 nvidia-smi -L >> "$LOG" 2>&1
 # kernels first (fast, and a failure there explains any end-to-end failure), then token-exactness
 step 120 gpu_ops python3 -m pytest -q -m gpu tests/ops tests/attention tests/worker -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=100
 step 270 gpu_e2e python3 -m pytest -q -m gpu tests/test_llm.py tests/engine -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=100
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
+step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"
 step 180 latency python3 benchmarks/latency.py --json "$OUT/latency.json"
 step 120 gpu_idle python3 benchmarks/gpu_idle.py --json "$OUT/gpu_idle.json"
+step 120 gpu_idle_b256 python3 benchmarks/gpu_idle.py --batch 256 --json "$OUT/gpu_idle_b256.json"
 step 240 async_sched python3 benchmarks/async_sched.py --json "$OUT/async_sched.json"
 step 120 attention python3 benchmarks/attention_kernels.py --verbose --json "$OUT/attention.json"
