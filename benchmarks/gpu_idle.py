@@ -6,7 +6,10 @@ few warm-up decode steps run, then
 * a timed window of ``--timed-steps`` decode steps (no profiler) gives decode tokens/s;
 * a profiled window of ``--profile-steps`` decode steps under
   ``torch.profiler.profile(activities=[CUDA])`` gives every kernel / memcpy / memset
-  interval; idle = 1 - (union of busy intervals) / (first start .. last end).
+  interval; idle = 1 - (union of busy intervals) / window, the window running from the
+  first step marker (below) to the last, so that the trace's edges (the profiler starting,
+  a batch queued before it started) are left out; the whole-trace figure and its longest
+  gaps are kept in the JSON too.
 
 The idle time is split in two. A one-byte marker kernel is queued on the compute stream
 after every ``step()`` call, so the stream's work falls into the groups each step launched.
@@ -116,6 +119,35 @@ def split_idle(ops: list[tuple[float, float]], markers: list[tuple[float, float]
         else:
             inside += b - a
     return between, inside
+
+
+def clip_to_markers(ops: list[tuple[float, float]], markers: list[tuple[float, float]]):
+    """(ops clipped to the window, window) where the window runs from the first step marker's
+    start to the last one's end. Its edges are left out: work queued before the profiler
+    started (async scheduling keeps a batch in flight) and the profiler's own start-up
+    would otherwise count as idle. Zero-length ops pin the window's ends, so the idle time
+    at either edge (where a marker sits) counts as between steps. Window None: < 2 markers."""
+    if len(markers) < 2:
+        return ops, None
+    ws, we = min(a for a, _ in markers), max(b for _, b in markers)
+    clipped = [(max(a, ws), min(b, we)) for a, b in ops if b > ws and a < we]
+    return [(ws, ws)] + clipped + [(we, we)], (ws, we)
+
+
+def top_gaps(ops: list[tuple[float, float]], markers: list[tuple[float, float]], k: int = 5) -> list[dict]:
+    """The k longest idle gaps of the ops' busy union: length (us), start relative to the
+    first op (ms), and how many step markers ran before it."""
+    if not ops:
+        return []
+    ivs = sorted(ops)
+    t0, gaps, cur_e = ivs[0][0], [], ivs[0][1]
+    for a, b in ivs[1:]:
+        if a > cur_e:
+            gaps.append((a - cur_e, cur_e))
+        cur_e = max(cur_e, b)
+    mstarts = sorted(a for a, _ in markers)
+    return [{"gap_us": g, "at_ms": (at - t0) / 1e3, "markers_before": sum(1 for m in mstarts if m < at)}
+            for g, at in sorted(gaps, reverse=True)[:k]]
 
 
 MARKER_KERNEL = "bitwise_not"  # the marker's kernel name contains this; no engine step runs one
@@ -229,7 +261,9 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
         prof.export_chrome_trace(path)
         ops = gpu_intervals_from_trace(path)
         markers = [(a, b) for a, b, name in ops if MARKER_KERNEL in name]
-        iv = [(a, b) for a, b, name in ops if MARKER_KERNEL not in name]
+        raw = [(a, b) for a, b, name in ops if MARKER_KERNEL not in name]
+        s0, e0, busy0, _ = busy_union(raw)
+        iv, win = clip_to_markers(raw, markers)
         start, end, busy, gaps = busy_union(iv)
         window = end - start
         long_gaps = [g for g in gaps if g > args.gap_us]
@@ -238,11 +272,14 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
             print(f"warning: found {len(markers)} step markers for {args.profile_steps} steps", file=sys.stderr)
         res.update({
             "idle_fraction": (1.0 - busy / window) if window > 0 else None,
+            "idle_fraction_whole_trace": (1.0 - busy0 / (e0 - s0)) if e0 > s0 else None,
+            "longest_gaps_whole_trace": top_gaps(raw, markers),
             "idle_between_steps_fraction": between / window if window > 0 else None,
             "idle_inside_steps_fraction": inside / window if window > 0 else None,
             "num_step_markers": len(markers),
             "profile_window_ms": window / 1e3, "gpu_busy_ms": busy / 1e3, "num_gpu_ops": len(iv),
-            "profile_steps": args.profile_steps, "idle_ms_per_step": (window - busy) / 1e3 / args.profile_steps,
+            "profile_steps": args.profile_steps,
+            "idle_ms_per_step": (window - busy) / 1e3 / max(len(markers) - 1 if win else args.profile_steps, 1),
             "gaps_over_threshold": len(long_gaps), "gap_threshold_us": args.gap_us,
             "max_gap_us": max(gaps) if gaps else 0.0,
             "trace": path if args.trace_dir else None,
@@ -294,14 +331,19 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     def pct(v):
         return "n/a" if v is None else f"{100 * v:.2f}%"
-    print(md_table(["async scheduling", "GPU idle", "between steps", "inside steps", "graph replay idle", "idle ms/step", "wall ms/step", "host ms/step", "decode tok/s",
+    print(md_table(["async scheduling", "GPU idle", "whole trace", "between steps", "inside steps", "graph replay idle", "idle ms/step", "wall ms/step", "host ms/step", "decode tok/s",
                     f"gaps > {args.gap_us:g} us", "max gap (us)", "GPU ops/step"],
-                   [[m, pct(r["idle_fraction"]), pct(r.get("idle_between_steps_fraction")),
+                   [[m, pct(r["idle_fraction"]), pct(r.get("idle_fraction_whole_trace")),
+                     pct(r.get("idle_between_steps_fraction")),
                      pct(r.get("idle_inside_steps_fraction")), pct(r.get("graph_replay_idle_fraction")),
                      r.get("idle_ms_per_step"), r["wall_ms_per_step"],
                      r["host_ms_per_step"], r["decode_tok_s"], r.get("gaps_over_threshold"), r.get("max_gap_us"),
                      r.get("gpu_ops_per_step")]
                     for m, r in results.items()]))
+    for m, r in results.items():
+        for g in r.get("longest_gaps_whole_trace") or []:
+            print(f"async {m}: gap {g['gap_us']:,.0f} us at {g['at_ms']:.2f} ms into the trace, "
+                  f"after {g['markers_before']} step markers")
     if ratio is not None:
         print(f"\nasync on / off (decode tok/s): {ratio:.3f}x")
     print()

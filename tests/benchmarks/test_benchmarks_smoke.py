@@ -108,3 +108,19 @@ def test_gpu_idle_split_between_and_inside_steps():
     assert gpu_idle.split_idle(ops, []) == (0, 13)
     # a marker overlapping busy time (another stream) marks no gap
     assert gpu_idle.split_idle(ops, [(4, 6)]) == (0, 13)
+
+
+def test_gpu_idle_window_between_first_and_last_marker():
+    # an op queued before the profiler started (0-1), a 50 us profiler start-up gap, then
+    # two steps separated by markers at 60-61, 80-81, 100-101
+    ops = [(0, 1), (51, 59), (62, 70), (72, 79), (83, 99), (102, 110)]
+    markers = [(60, 61), (80, 81), (100, 101)]
+    clipped, win = gpu_idle.clip_to_markers(ops, markers)
+    assert win == (60, 101)
+    start, end, busy, _ = gpu_idle.busy_union(clipped)
+    assert (start, end, busy) == (60, 101, 8 + 7 + 16)
+    between, inside = gpu_idle.split_idle(clipped, markers)
+    assert (between, inside) == (2 + 4 + 2, 2)
+    assert gpu_idle.clip_to_markers(ops, markers[:1]) == (ops, None)
+    top = gpu_idle.top_gaps(ops, markers, k=2)
+    assert [(g["gap_us"], g["markers_before"]) for g in top] == [(50, 0), (4, 1)]
