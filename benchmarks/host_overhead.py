@@ -1,9 +1,9 @@
 """Host time per engine step, split by phase, with the model forward stubbed out — the
 part of a decode step that a GPU cannot hide, measurable on any CPU.
 
-At small batch the H200 decode step is bounded by this host work (docs/benchmarks.md:
-GPU idle 11% at batch 64, batch-1 TPOT 1.51 ms), so it can be optimized here and then
-confirmed on the GPU. The model is a tiny random Qwen3 on CPU whose forward is replaced by
+When this host work outgrows the GPU's step time, the GPU idles between decode steps
+(docs/benchmarks.md, "GPU idle"), so it can be optimized here and then confirmed on the
+GPU. The model is a tiny random Qwen3 on CPU whose forward is replaced by
 a constant hidden state; scheduling, input preparation, sampling, the scheduler update
 and the output processor run for real.
 
