@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers' use_cuda_graph (on: forced on; auto: its own heuristic)")
     p.add_argument("--peer-attn", default=None,
                    help="transformers attn_implementation (default: paged|sdpa where registered, else sdpa)")
+    p.add_argument("--peer-memory-fraction", type=float, default=0.7,
+                   help="transformers' max_memory_percent for its paged cache (fraction of free GPU memory)")
     p.add_argument("--peer-timeout", type=float, default=300.0,
                    help="seconds; a peer run past this is stopped and reported as partial")
     p.add_argument("--progress", action="store_true", help="show progress bars")
@@ -164,6 +166,18 @@ def peer_attn_implementation() -> str:
     return "sdpa"
 
 
+def cuda_memory_snapshot() -> dict | None:
+    """GiB allocated / reserved by this process's torch and free on the device (None on CPU):
+    shows that our engine gave its memory back before the peer starts."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    g = 2 ** 30
+    return {"allocated_gib": torch.cuda.memory_allocated() / g, "reserved_gib": torch.cuda.memory_reserved() / g,
+            "free_gib": free / g, "total_gib": total / g}
+
+
 def _cb_config(args, use_cuda: bool, prompts, max_tokens):
     from transformers import ContinuousBatchingConfig
 
@@ -182,6 +196,10 @@ def _cb_config(args, use_cuda: bool, prompts, max_tokens):
         kw["seed"] = args.seed
     if "max_requests_per_batch" in names:
         kw["max_requests_per_batch"] = args.max_num_seqs
+    if use_cuda and args.peer_memory_fraction is not None and "max_memory_percent" in names:
+        # transformers sizes its paged cache from free memory; at its default (0.8 with a
+        # temperature processor) its own warm-up ran out of memory on the H200
+        kw["max_memory_percent"] = args.peer_memory_fraction
     return ContinuousBatchingConfig(**kw)
 
 
@@ -310,6 +328,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"(start-up {o['startup_s']:.1f} s)", flush=True)
     if args.peer == "transformers":
         try:
+            results["gpu_memory_before_peer"] = cuda_memory_snapshot()
             results["peer"] = run_transformers_peer(args, model_dir, prompts, max_tokens)
             results["ratio_output_tok_s"] = o["output_tok_s"] / max(results["peer"]["output_tok_s"], 1e-9)
         except Exception as e:  # keep our numbers; say why the peer failed
@@ -339,6 +358,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     "host ms/step", "wall ms/step"], rows))
     if "ratio_output_tok_s" in results:
         print(f"\nours / transformers (output tok/s): {results['ratio_output_tok_s']:.2f}x")
+    if results.get("gpu_memory_before_peer"):
+        m = results["gpu_memory_before_peer"]
+        print(f"\nGPU memory when the peer started: {m['allocated_gib']:.2f} GiB allocated, "
+              f"{m['reserved_gib']:.2f} GiB reserved by torch, {m['free_gib']:.1f} of {m['total_gib']:.1f} GiB free")
     if "peer_error" in results:
         print(f"\ntransformers peer failed: {results['peer_error']}")
     print()
