@@ -268,9 +268,15 @@ def shutdown_llm(llm) -> None:
 
 
 def _git_commit() -> Optional[str]:
+    """Short HEAD, with "+dirty" when tracked files differ from it: a copy of the tree whose
+    .git is older than its files (as on a remote runner) must not pass for that commit."""
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=str(_REPO), capture_output=True, text=True, timeout=10).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=str(_REPO), capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD")
+        if not head:
+            return None
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:
         return None
 
