@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import logging
 import os
 import statistics
 import sys
@@ -31,9 +30,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, check_device, command_line, free_cuda, hardware_info,  # noqa: E402
-                               header_md, md_table, parse_ints, prepare_model_dir, random_prompts,
-                               resolve_dtype, shutdown_llm, stats_delta, write_json)
+from benchmarks.common import (add_common_args, async_modes, finish, free_cuda, header_md,  # noqa: E402
+                               md_table, parse_ints, prepare_model_dir, random_prompts, resolve_dtype,
+                               shutdown_llm, start, stats_delta)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,19 +163,12 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    args = build_parser().parse_args(argv)
-    check_device(args.device, args.threads)
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args, hw, cmd = start(build_parser(), argv, "async_sched.py")
     if args.input_len is None:
         args.input_len = 128 if args.device == "cuda" else 32
     if args.output_len is None:
         args.output_len = 128 if args.device == "cuda" else 32
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("on", "off") for m in modes):
-        raise SystemExit(f"error: --modes takes on,off; got {args.modes!r}")
-    hw = hardware_info(args.device)
-    cmd = command_line() if argv is None else "benchmarks/async_sched.py " + " ".join(argv)
+    modes = async_modes(args.modes)
     model_dir = prepare_model_dir(args)
     results = {m: run_mode(args, model_dir, m == "on") for m in modes}
 
@@ -204,10 +196,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         print(md_table(["concurrency", "tok/s on/off", "TPOT on/off"],
                        [[c, v["output_tok_s_on_off"], v["tpot_on_off"]] for c, v in ratios.items()]))
     print()
-    payload = {"benchmark": "async_sched", "command": cmd, "hardware": hw, "shape": args.shape, "args": vars(args),
-               "results": results, "ratios": ratios}
-    write_json(args.json_out, payload)
-    return payload
+    return finish("async_sched", args, hw, cmd, shape=args.shape, results=results, ratios=ratios)
 
 
 if __name__ == "__main__":

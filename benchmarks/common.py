@@ -11,6 +11,7 @@ import argparse
 import datetime as _dt
 import gc
 import json
+import logging
 import os
 import platform
 import random
@@ -328,6 +329,33 @@ def header_md(title: str, hw: dict, cmd: Optional[str] = None) -> str:
     return (f"### {title}\n\n`{cmd or command_line()}`\n\n"
             f"{gpu}; torch {hw.get('torch')}, triton {hw.get('triton')}, transformers {hw.get('transformers')}, "
             f"python {hw.get('python')}; commit {hw.get('git_commit')}; {hw.get('date')}\n")
+
+
+def start(parser: argparse.ArgumentParser, argv: Optional[list[str]], script: str):
+    """A benchmark's opening: parse ``argv`` (None: sys.argv), check the device, turn on the
+    engine's INFO logs with ``--verbose``. Returns (args, hardware info, command line)."""
+    args = parser.parse_args(argv)
+    check_device(args.device, args.threads)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cmd = command_line() if argv is None else f"benchmarks/{script} " + " ".join(argv)
+    return args, hardware_info(args.device), cmd
+
+
+def async_modes(text: str) -> list[str]:
+    """``--modes`` ("on,off", "on" or "off") as a list; SystemExit on anything else."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in ("on", "off") for m in modes):
+        raise SystemExit(f"error: --modes takes on,off; got {text!r}")
+    return modes
+
+
+def finish(benchmark: str, args: argparse.Namespace, hw: dict, cmd: str, **fields: Any) -> dict:
+    """Writes and returns the result payload: benchmark name, command, hardware, args and
+    ``fields``, as JSON to ``--json`` when given."""
+    payload = {"benchmark": benchmark, "command": cmd, "hardware": hw, "args": vars(args), **fields}
+    write_json(args.json_out, payload)
+    return payload
 
 
 def write_json(path: Optional[str], payload: dict) -> None:

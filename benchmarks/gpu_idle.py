@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -44,9 +43,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, check_device, command_line, free_cuda, hardware_info,  # noqa: E402
-                               header_md, md_table, prepare_model_dir, random_prompts, resolve_dtype,
-                               shutdown_llm, stats_delta, write_json)
+from benchmarks.common import (add_common_args, async_modes, finish, free_cuda, header_md,  # noqa: E402
+                               md_table, prepare_model_dir, random_prompts, resolve_dtype, shutdown_llm,
+                               start, stats_delta)
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -308,15 +307,8 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    args = build_parser().parse_args(argv)
-    check_device(args.device, args.threads)
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("on", "off") for m in modes):
-        raise SystemExit(f"error: --modes takes on,off; got {args.modes!r}")
-    hw = hardware_info(args.device)
-    cmd = command_line() if argv is None else "benchmarks/gpu_idle.py " + " ".join(argv)
+    args, hw, cmd = start(build_parser(), argv, "gpu_idle.py")
+    modes = async_modes(args.modes)
     model_dir = prepare_model_dir(args)
     results = {m: run_mode(args, model_dir, m == "on") for m in modes}
     ratio = None
@@ -347,10 +339,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if ratio is not None:
         print(f"\nasync on / off (decode tok/s): {ratio:.3f}x")
     print()
-    payload = {"benchmark": "gpu_idle", "command": cmd, "hardware": hw, "shape": args.shape, "args": vars(args),
-               "results": results, "ratio_on_off_decode_tok_s": ratio}
-    write_json(args.json_out, payload)
-    return payload
+    return finish("gpu_idle", args, hw, cmd, shape=args.shape, results=results, ratio_on_off_decode_tok_s=ratio)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ fresh ids each iteration so no prefix-cache hits), ``N`` = 128 output tokens,
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import statistics
 import sys
@@ -27,9 +26,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, check_device, command_line, free_cuda, hardware_info,  # noqa: E402
-                               header_md, md_table, parse_ints, prepare_model_dir, random_prompts,
-                               resolve_dtype, shutdown_llm, stats_delta, write_json)
+from benchmarks.common import (add_common_args, finish, free_cuda, header_md, md_table,  # noqa: E402
+                               parse_ints, prepare_model_dir, random_prompts, resolve_dtype, shutdown_llm,
+                               start, stats_delta)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,12 +120,7 @@ def bench_shape(args, shape: str, seed_base: int = 0) -> list[dict]:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    args = build_parser().parse_args(argv)
-    check_device(args.device, args.threads)
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    hw = hardware_info(args.device)
-    cmd = command_line() if argv is None else "benchmarks/latency.py " + " ".join(argv)
+    args, hw, cmd = start(build_parser(), argv, "latency.py")
     rows = []
     for i, shape in enumerate(args.shape):
         rows += bench_shape(args, shape, seed_base=100 * i)
@@ -142,9 +136,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                    [[r["shape"], r["batch"], r["tpot_ms"], r["e2e_minus_prefill_ms_per_token"], r["prefill_s"],
                      r["total_s"], r["output_tok_s"], r["host_ms_per_step"], r["startup_s"]] for r in rows]))
     print()
-    payload = {"benchmark": "latency", "command": cmd, "hardware": hw, "args": vars(args), "results": rows}
-    write_json(args.json_out, payload)
-    return payload
+    return finish("latency", args, hw, cmd, results=rows)
 
 
 if __name__ == "__main__":

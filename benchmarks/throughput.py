@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import logging
 import os
 import sys
 import time
@@ -37,9 +36,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, check_device, command_line, free_cuda,  # noqa: E402
-                               hardware_info, header_md, md_table, prepare_model_dir, random_prompts,
-                               resolve_dtype, shutdown_llm, stats_delta, write_json)
+from benchmarks.common import (add_common_args, finish, free_cuda, header_md, md_table,  # noqa: E402
+                               prepare_model_dir, random_prompts, resolve_dtype, shutdown_llm, start,
+                               stats_delta)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,16 +310,11 @@ def run_transformers_peer(args, model_dir, prompts, max_tokens) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    args = build_parser().parse_args(argv)
-    check_device(args.device, args.threads)
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    hw = hardware_info(args.device)
+    args, hw, cmd = start(build_parser(), argv, "throughput.py")
     model_dir = prepare_model_dir(args)
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
     prompts, max_tokens = make_workload(args, vocab)
-    cmd = command_line() if argv is None else "benchmarks/throughput.py " + " ".join(argv)
 
     results = {"ours": run_ours(args, model_dir, prompts, max_tokens)}
     o = results["ours"]
@@ -365,10 +359,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if "peer_error" in results:
         print(f"\ntransformers peer failed: {results['peer_error']}")
     print()
-    payload = {"benchmark": "throughput", "command": cmd, "hardware": hw, "shape": args.shape,
-               "args": vars(args), "results": results}
-    write_json(args.json_out, payload)
-    return payload
+    return finish("throughput", args, hw, cmd, shape=args.shape, results=results)
 
 
 if __name__ == "__main__":
