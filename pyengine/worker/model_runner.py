@@ -73,6 +73,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
         self.generators: dict[str, torch.Generator] = {}
+        self._gen_state_before_draw: dict[str, torch.Tensor] = {}  # see _rewind_generators
         # Async scheduling: the previous launch's sampled ids (device) and row per request.
         self._prev_sampled: Optional[torch.Tensor] = None
         self._prev_rows: dict[str, int] = {}
@@ -267,8 +268,19 @@ class ModelRunner:
                 if g is None:
                     g = self.generators[rid] = torch.Generator(device=self.device)
                     g.manual_seed(sp.seed)
+                self._gen_state_before_draw[rid] = g.get_state()  # host-side copy, no sync
             gens.append(g)
         return SamplingMetadata.build(params, prompts, outs, gens, self.dims.vocab_size, self.device)
+
+    def _rewind_generators(self, request_ids) -> None:
+        """Undo the last draw of these requests' seeded generators: its token was dropped
+        (async scheduling; the request was preempted while the step was in flight), and
+        the request has not drawn since, so its next draw must repeat that one, as it would
+        under sync scheduling."""
+        for rid in request_ids:
+            g, state = self.generators.get(rid), self._gen_state_before_draw.pop(rid, None)
+            if g is not None and state is not None:
+                g.set_state(state)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, non_blocking: bool = False):
@@ -276,6 +288,8 @@ class ModelRunner:
         non_blocking (async scheduling)."""
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
+            self._gen_state_before_draw.pop(rid, None)
+        self._rewind_generators(so.discarded_draw_req_ids)
         # All host-side preparation (inputs and sampling metadata) comes before the first
         # kernel of the step, so the step reaches the GPU as one burst of launches.
         ids, pos, meta, qsl, ph_rows = self._prepare_inputs(so)
@@ -343,6 +357,7 @@ class ModelRunner:
         self.model = None
         self._prev_sampled = None
         self.generators.clear()
+        self._gen_state_before_draw.clear()
         if self._is_cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

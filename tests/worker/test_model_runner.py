@@ -68,3 +68,21 @@ def test_cuda_graphs_match_eager(qwen3_dir, tokenizer, dtype):
     assert results[True] == results[False]
     if dtype == "float32":
         assert results[False] == hf_greedy(qwen3_dir, prompts, 24, ignore_eos=True)
+
+
+def test_seeded_sampling_unchanged_by_preemption_under_async_scheduling(llama_dir, tokenizer):
+    """A preempted request's in-flight token is dropped under async scheduling; its seeded
+    generator is rewound by that draw, so it samples the same tokens as with sync
+    scheduling and no preemption."""
+    prompts = prompt_token_ids(tokenizer, 12, 10, 30, seed=4)
+    sps = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True) for i in range(12)]
+
+    def run(**kw):
+        llm = LLM(str(llama_dir), device="cpu", block_size=4, max_model_len=48, **kw)
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.llm_engine.get_stats().num_preemptions
+
+    ref, _ = run(async_scheduling=False)
+    got, preemptions = run(async_scheduling=True, num_gpu_blocks_override=14)
+    assert preemptions > 0
+    assert got == ref

@@ -3,7 +3,8 @@
 Batch N+1 is scheduled before batch N's sampled tokens reach the host. A request whose
 step will sample a token gets an output placeholder; the next step feeds that token
 straight from the device. Placeholders count against the token budget, ``max_tokens``
-and ``max_model_len``; outputs for requests finished or preempted meanwhile are dropped.
+and ``max_model_len``; outputs for requests finished or preempted meanwhile are dropped
+(for a preempted request the runner also rewinds its seeded generator by that draw).
 """
 from __future__ import annotations
 

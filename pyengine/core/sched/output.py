@@ -28,6 +28,9 @@ class SchedulerOutput:
     num_prefill_reqs: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
+    # requests whose sampled token from an in-flight batch was dropped (async scheduling,
+    # preempted meanwhile): the runner rewinds their seeded generators by that draw
+    discarded_draw_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

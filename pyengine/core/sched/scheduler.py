@@ -34,6 +34,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
+        self._discarded_draws: set[str] = set()  # for the next SchedulerOutput
         self._pending_outputs: list[EngineCoreOutput] = []  # aborts, reported with the next outputs
         self.num_preemptions = 0
         self.num_steps = 0
@@ -92,7 +93,10 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            # Largest (priority, arrival_time), ties by request id exactly as the waiting queue
+            # orders them (Request.__lt__): the n > 1 children of one request tie on both,
+            # and breaking the tie the other way round made them preempt each other forever.
+            return max(self.running)
         return self.running[-1]
 
     def _preempt(self, req: Request) -> None:
@@ -162,9 +166,10 @@ class Scheduler:
                 num_prefill += 1
 
         out = SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_prefill, preempted,
-                              self.finished_req_ids)
+                              self.finished_req_ids, self._discarded_draws)
         if scheduled:  # an empty output is not run; keep the ids for the next one
             self.finished_req_ids = set()
+            self._discarded_draws = set()
         for s in scheduled:
             self._update_after_schedule(s)
         self.step_host_time_s += time.perf_counter() - t0
@@ -198,8 +203,14 @@ class Scheduler:
             tok, lp = tokens[row], (lps[row] if lps is not None else None)
             row += 1
             req = s.request
-            if req.is_finished() or req.request_id not in self.requests or s.epoch != req.num_preemptions:
-                continue  # finished or preempted while this batch was in flight
+            if req.is_finished() or req.request_id not in self.requests:
+                continue  # finished while this batch was in flight
+            if s.epoch != req.num_preemptions:
+                # Preempted while this batch was in flight: the token is dropped, and the
+                # runner rewinds the request's seeded generator past the draw (see
+                # ModelRunner._rewind_generators) so its tokens match sync scheduling.
+                self._discarded_draws.add(req.request_id)
+                continue
             self._on_token_consumed(req)
             req.all_token_ids.append(tok)
             finished = self._check_stop(req, tok)

@@ -396,6 +396,24 @@ def test_priority_victim_with_equal_priority_is_latest_arrival():
     assert_no_leak(sched)
 
 
+@pytest.mark.parametrize("cls,depth", [(Scheduler, 1), (AsyncScheduler, 2)])
+def test_priority_ties_do_not_preempt_each_other_forever(cls, depth):
+    # The n > 1 children of one request share priority and arrival time. The victim must be
+    # the one the waiting queue would admit last (ties by request id); picking the other
+    # made two such siblings preempt each other forever.
+    sched = make_sched(cls=cls, num_blocks=12, scheduling_policy="priority", enable_prefix_caching=False,
+                       max_num_batched_tokens=8, max_model_len=48)
+    prompt = list(range(100, 136))  # 9 of the 11 usable blocks each
+    kids = [make_req(f"r-{i}", prompt=prompt, max_tokens=4, arrival=5.0) for i in range(2)]
+    for r in kids:
+        sched.add_request(r)
+    d = Driver(sched, depth=depth)
+    d.run(max_steps=200)
+    assert all(d.tokens[r.request_id] == expected_tokens(36, 4) for r in kids)
+    assert sched.num_preemptions <= 4
+    assert_no_leak(sched)
+
+
 def test_priority_victim_already_scheduled_this_step_is_taken_back():
     sched = make_sched(num_blocks=5, scheduling_policy="priority", enable_prefix_caching=False)
     v = make_req("v", 6, max_tokens=4, priority=5, arrival=0.0)
@@ -659,6 +677,32 @@ def test_async_output_of_preempted_request_dropped():
     d.q.append((so2, runner_output(so2)))
     d.run()
     assert a.output_token_ids == expected_tokens(8, 3)
+    assert b.output_token_ids == expected_tokens(8, 3)
+    assert_no_leak(sched)
+
+
+def test_async_dropped_draw_reported_to_the_runner_once():
+    # So the runner can rewind b's seeded generator by the draw whose token was dropped.
+    sched = make_sched(cls=AsyncScheduler, num_blocks=5, enable_prefix_caching=False)
+    a, b = make_req("a", 8, max_tokens=3), make_req("b", 8, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    so1 = sched.schedule()
+    so2 = sched.schedule()  # b preempted while so1 (which samples for b) is in flight
+    sched.update_from_output(so1, runner_output(so1))
+    seen = []
+    orig = sched.schedule
+
+    def spy():
+        so = orig()
+        seen.append(so.discarded_draw_req_ids)
+        return so
+    sched.schedule = spy
+    d = Driver(sched, depth=2)
+    d.q.append((so2, runner_output(so2)))
+    d.run()
+    assert so1.discarded_draw_req_ids == so2.discarded_draw_req_ids == set()
+    assert seen[0] == {"b"} and not any(seen[1:])
     assert b.output_token_ids == expected_tokens(8, 3)
     assert_no_leak(sched)
 
