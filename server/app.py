@@ -133,7 +133,10 @@ def _parse(schema):
     if request.mimetype != "application/json":
         raise APIError(400, f"Content-Type must be application/json, got {request.mimetype or 'none'!r}.")
     body = request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH
-    return schema.model_validate_json(body)
+    req = schema.model_validate_json(body)
+    if req.model_extra:
+        logger.warning("The following fields were present in the request but ignored: %s", sorted(req.model_extra))
+    return req
 
 
 def _check_model(st: ServerState, model: Optional[str]) -> str:

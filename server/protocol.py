@@ -1,6 +1,7 @@
 """Request schemas of the OpenAI-compatible API (pydantic, strict JSON types).
 
-Unknown fields are ignored (as vLLM does); a JSON ``null`` means "use the default".
+Unknown top-level fields are ignored and logged (as vLLM does); a JSON ``null`` means
+"use the default".
 Type errors, bad JSON and missing required fields surface as ``pydantic.ValidationError``,
 which the app turns into HTTP 400 with OpenAI's error envelope.
 """
@@ -23,6 +24,9 @@ class StreamOptions(_Schema):
 
 class _SamplingFields(_Schema):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+    # kept in model_extra so the app can log what it ignored
+    model_config = ConfigDict(strict=True, extra="allow")
+
     model: Optional[str] = None
     n: Optional[int] = None
     temperature: Optional[float] = None

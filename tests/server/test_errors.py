@@ -154,3 +154,16 @@ def test_openai_client_sees_bad_request(client):
 def test_request_method_head_health(server):
     status, _, _ = request(server.port, "GET", "/health")
     assert status == 200
+
+
+def test_unknown_fields_ignored_and_logged(server, caplog):
+    caplog.set_level("WARNING", logger="vengine.server")
+    status, _, data = post(server.port, C, c(bogus_field=1, another={"x": 1}))
+    assert status == 200, data
+    assert "present in the request but ignored: ['another', 'bogus_field']" in caplog.text
+    caplog.clear()
+    assert post(server.port, CH, ch(bogus_field=1))[0] == 200
+    assert "['bogus_field']" in caplog.text
+    caplog.clear()
+    assert post(server.port, C, OK_C)[0] == 200
+    assert "ignored" not in caplog.text
