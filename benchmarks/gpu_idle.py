@@ -32,6 +32,7 @@ The on/off ratio of decode tokens/s is printed too (``throughput.py
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import sys
@@ -69,23 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def idle_gaps(ops: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (start, end) gaps of the union of [start, end) intervals, in time order."""
+    ivs = sorted(ops)
+    gaps = []
+    cur_e = ivs[0][1] if ivs else 0.0
+    for s, e in ivs[1:]:
+        if s > cur_e:
+            gaps.append((cur_e, s))
+        cur_e = max(cur_e, e)
+    return gaps
+
+
 def busy_union(intervals: list[tuple[float, float]]) -> tuple[float, float, float, list[float]]:
-    """(window start, window end, busy time, gaps) of [start, end) intervals (any unit)."""
+    """(window start, window end, busy time, gap lengths) of [start, end) intervals (any unit)."""
     if not intervals:
         return 0.0, 0.0, 0.0, []
-    intervals = sorted(intervals)
-    busy = 0.0
-    gaps = []
-    cur_s, cur_e = intervals[0]
-    for s, e in intervals[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            gaps.append(s - cur_e)
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
-    return intervals[0][0], max(e for _, e in intervals), busy, gaps
+    start, end = min(s for s, _ in intervals), max(e for _, e in intervals)
+    gaps = [b - a for a, b in idle_gaps(intervals)]
+    return start, end, (end - start) - sum(gaps), gaps
 
 
 def split_idle(ops: list[tuple[float, float]], markers: list[tuple[float, float]]) -> tuple[float, float]:
@@ -93,27 +96,11 @@ def split_idle(ops: list[tuple[float, float]], markers: list[tuple[float, float]
 
     A gap of the ops' busy union is "between steps" if a marker's midpoint falls in it.
     """
-    if not ops:
-        return 0.0, 0.0
-    ivs = sorted(ops)
-    gaps = []
-    cur_e = ivs[0][1]
-    for s, e in ivs[1:]:
-        if s > cur_e:
-            gaps.append((cur_e, s))
-        cur_e = max(cur_e, e)
     mids = sorted((a + b) / 2 for a, b in markers)
     between = inside = 0.0
-    for a, b in gaps:
-        # any marker midpoint inside (a, b)?
-        lo, hi = 0, len(mids)
-        while lo < hi:  # first midpoint > a
-            m = (lo + hi) // 2
-            if mids[m] <= a:
-                lo = m + 1
-            else:
-                hi = m
-        if lo < len(mids) and mids[lo] < b:
+    for a, b in idle_gaps(ops):
+        i = bisect.bisect_right(mids, a)  # first midpoint after the gap's start
+        if i < len(mids) and mids[i] < b:
             between += b - a
         else:
             inside += b - a
@@ -138,15 +125,11 @@ def top_gaps(ops: list[tuple[float, float]], markers: list[tuple[float, float]],
     first op (ms), and how many step markers ran before it."""
     if not ops:
         return []
-    ivs = sorted(ops)
-    t0, gaps, cur_e = ivs[0][0], [], ivs[0][1]
-    for a, b in ivs[1:]:
-        if a > cur_e:
-            gaps.append((a - cur_e, cur_e))
-        cur_e = max(cur_e, b)
+    t0 = min(a for a, _ in ops)
     mstarts = sorted(a for a, _ in markers)
-    return [{"gap_us": g, "at_ms": (at - t0) / 1e3, "markers_before": sum(1 for m in mstarts if m < at)}
-            for g, at in sorted(gaps, reverse=True)[:k]]
+    longest = sorted(idle_gaps(ops), key=lambda g: g[1] - g[0], reverse=True)[:k]
+    return [{"gap_us": b - a, "at_ms": (a - t0) / 1e3, "markers_before": bisect.bisect_left(mstarts, a)}
+            for a, b in longest]
 
 
 MARKER_KERNEL = "bitwise_not"  # the marker's kernel name contains this; no engine step runs one

@@ -268,7 +268,8 @@ class ModelRunner:
                 if g is None:
                     g = self.generators[rid] = torch.Generator(device=self.device)
                     g.manual_seed(sp.seed)
-                self._gen_state_before_draw[rid] = g.get_state()  # host-side copy, no sync
+                if self.config.async_scheduling:  # only async scheduling drops drawn tokens
+                    self._gen_state_before_draw[rid] = g.get_state()  # host-side copy, no sync
             gens.append(g)
         return SamplingMetadata.build(params, prompts, outs, gens, self.dims.vocab_size, self.device)
 
