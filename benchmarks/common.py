@@ -63,11 +63,12 @@ def _corpus(modules: Sequence[str] = tuple(_CORPUS_MODULES), max_bytes: int = _C
 
 
 def build_tokenizer(out_dir, vocab_size: int = TOKENIZER_VOCAB, corpus_modules: Sequence[str] = tuple(_CORPUS_MODULES),
-                    corpus_bytes: int = _CORPUS_BYTES) -> Path:
+                    corpus_bytes: int = _CORPUS_BYTES, fill_to: Optional[int] = None) -> Path:
     """Train a small byte-level BPE tokenizer on stdlib sources and save it (with
     ``<s>``/``</s>``/``<pad>`` specials and a ChatML-like template) as a
     PreTrainedTokenizerFast in ``out_dir``; deterministic for a given Python install.
-    The benchmarks feed token ids, so there the tokenizer only has to load; the tests
+    The benchmarks feed token ids; ``fill_to`` extends the vocabulary to a model's size
+    (see ``_fill_vocab``) so that every id they generate decodes to text. The tests
     (tests/helpers.py) use it with a larger corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -81,10 +82,37 @@ def build_tokenizer(out_dir, vocab_size: int = TOKENIZER_VOCAB, corpus_modules: 
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_corpus(corpus_modules, corpus_bytes), trainer=trainer)
+    if fill_to is not None and fill_to > tok.get_vocab_size():
+        tok = _fill_vocab(tok, fill_to)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
                                    pad_token=PAD, chat_template=_CHAT_TEMPLATE)
     fast.save_pretrained(str(out))
     return out
+
+
+def _fill_vocab(tok, size: int):
+    """Extend a trained byte-level BPE to ``size`` tokens with merges that build every
+    2-, 3- then 4-letter lowercase word: with random weights of a real model's shape the
+    engine samples ids all over the vocabulary, and each must decode to text (1-4 ASCII
+    letters, about a real token's length) or a streaming benchmark would send empty deltas."""
+    import itertools
+    import string
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    letters = string.ascii_lowercase
+    for length in (2, 3, 4):
+        for chars in itertools.product(letters, repeat=length):
+            if len(vocab) >= size:  # the trained vocab already holds the specials
+                break
+            word = "".join(chars)
+            if word in vocab:
+                continue
+            vocab[word] = len(vocab)
+            merges.append([word[:-1], word[-1]])
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def shape_config(shape: str, bos: int = 0, eos: int = 1, pad: int = 2, vocab_size: Optional[int] = None):
@@ -127,16 +155,17 @@ def make_model_dir(shape: str, out_dir) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     marker = out / ".vengine_shape"
-    if marker.is_file() and marker.read_text() == shape and (out / "config.json").is_file() \
+    if marker.is_file() and marker.read_text() == f"{shape} full-vocab" and (out / "config.json").is_file() \
             and (out / "tokenizer.json").is_file():
         return out
-    build_tokenizer(out)
+    model_vocab = shape_config(shape).vocab_size
+    build_tokenizer(out, fill_to=model_vocab if model_vocab > TOKENIZER_VOCAB else None)
     tok = AutoTokenizer.from_pretrained(str(out))
     bos, eos, pad = tok.convert_tokens_to_ids([BOS, EOS, PAD])
     cfg = shape_config(shape, bos, eos, pad, vocab_size=len(tok))
     cfg.architectures = [ARCHITECTURES[shape]]
     cfg.save_pretrained(str(out))
-    marker.write_text(shape)
+    marker.write_text(f"{shape} full-vocab")
     return out
 
 

@@ -1,24 +1,32 @@
-"""Serving benchmark (in the manner of ``vllm bench serve``).
+"""Serving benchmark: every front end against the offline ceiling, in one run.
 
-Three modes:
+``--suite`` (what docs/benchmarks.md records) runs one workload through
 
-* HTTP client (default): stream ``/v1/completions`` (or ``/v1/chat/completions``) from a
-  running server at a request rate (Poisson arrivals) and/or a max concurrency, with
-  random or fixed prompt/output lengths; reports TTFT, TPOT, ITL and E2E percentiles and
-  request/token throughput::
+* ``offline``  — ``LLM.generate`` with every prompt at once: the ceiling;
+* ``asyncllm`` — ``AsyncLLM.generate`` asyncio streams in one process;
+* ``http``     — ``vengine serve`` streaming ``/v1/completions`` to clients spread over
+  ``--http-clients`` other processes (one Python client cannot parse 50k SSE events/s);
+* ``capi``     — ``vllm_request_submit`` streams from a C host (``libvengine.so``),
 
-      python benchmarks/serve.py --base-url http://127.0.0.1:8000 --num-prompts 200 \\
-          --max-concurrency 16 --input-len 128 --output-len 64
+each in its own process, for each engine core (``--cores inproc,mp``: the engine loop on a
+thread of the front end's process, or in its own process), at each concurrency
+(``--concurrency 1,64,256``), with TTFT / TPOT / ITL percentiles, and prints every ratio
+to the offline rate of the same run. ``--profile C`` also samples the front end's
+process(es) with py-spy during an extra run at concurrency C: per thread, the share of
+wall time on CPU and holding the GIL, and the hottest frames.
 
-* ``--in-process --model DIR``: the same workload straight through ``AsyncLLM``
-  (asyncio ``generate``), no HTTP.
+    python benchmarks/serve.py --suite --json serve.json                    # H200, Qwen3-0.6B shape
+    python benchmarks/serve.py --suite --device cpu --shape tiny --concurrency 1,16 \\
+        --num-prompts 32 --output-len 32 --frontends offline,asyncllm,http
 
-* ``--compare --model DIR --concurrency 1,16,64``: for each concurrency, the workload
-  in-process, then over HTTP against ``vengine serve`` started as a subprocess on a free
-  port; prints the HTTP/in-process output-throughput ratio table.
+The workload (the issue's): ``--num-prompts`` prompts of ``--input-len`` random token ids,
+``--output-len`` tokens each, greedy, ``ignore_eos``; concurrency 1 runs
+``--c1-prompts`` of them. The C host submits text prompts (the same ids decoded), so its
+prompts are within a few tokens of the others'. Weights are random (bf16 on CUDA), written
+once to the model directory so that every front end, the C ABI included, loads the same.
 
-The HTTP client is gevent greenlets on raw sockets (no monkey-patching, no extra
-dependency), so hundreds of streams cost the client little.
+Also a plain HTTP client for a running server (``--base-url``, in the manner of
+``vllm bench serve``).
 """
 from __future__ import annotations
 
@@ -28,11 +36,15 @@ import math
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
 
@@ -40,8 +52,13 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, _REPO)
 
+FRONTENDS = ("offline", "asyncllm", "http", "capi")
+CORES = ("inproc", "mp")
+# The engine-core switch the child processes get (pyengine reads it when it builds a client).
+CORE_ENV = "VENGINE_ENABLE_MULTIPROCESSING"
+
 # ----------------------------------------------------------------------------------------
-# Workload
+# Workload and results
 
 
 @dataclass
@@ -50,19 +67,18 @@ class Req:
     output_len: int
 
 
-def make_workload(num: int, input_len: int, output_len: int, dataset: str, range_ratio: float,
-                  vocab_size: int, seed: int, skip_ids: int = 8) -> list[Req]:
+def make_workload(num: int, input_len: int, output_len: int, vocab_size: int, seed: int,
+                  dataset: str = "fixed", range_ratio: float = 0.0, skip_ids: int = 8) -> list[Req]:
     """Token-id prompts (exact lengths, no tokenizer round trip). ``dataset="random"``
     draws lengths uniformly in ``[L*(1-r), L*(1+r)]``; ``"fixed"`` uses ``L`` exactly."""
     rng = random.Random(seed)
-    lo_id, hi_id = skip_ids, max(skip_ids + 1, vocab_size - 1)
+    lo_id, hi_id = skip_ids, max(skip_ids + 1, min(vocab_size, 10000) - 1)
     out = []
     for _ in range(num):
+        il, ol = input_len, output_len
         if dataset == "random" and range_ratio > 0:
             il = rng.randint(max(1, int(input_len * (1 - range_ratio))), max(1, int(input_len * (1 + range_ratio))))
             ol = rng.randint(max(1, int(output_len * (1 - range_ratio))), max(1, int(output_len * (1 + range_ratio))))
-        else:
-            il, ol = input_len, output_len
         out.append(Req([rng.randint(lo_id, hi_id) for _ in range(il)], ol))
     return out
 
@@ -75,6 +91,10 @@ class Result:
     ttft: float = 0.0
     e2e: float = 0.0
     itls: list = field(default_factory=list)
+    start: float = 0.0  # time.time() at send (merging results of several client processes)
+    end: float = 0.0
+    events: int = 0  # SSE events / deltas received
+    bytes: int = 0  # SSE bytes received (HTTP)
     error: str = ""
 
 
@@ -95,11 +115,15 @@ def summarize(results: list[Result], duration: float, percentiles=(50, 90, 99)) 
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) * 1000 for r in good if r.output_tokens > 1]
     itls = [x * 1000 for r in good for x in r.itls]
     e2es = [r.e2e * 1000 for r in good]
+    events = sum(r.events for r in good)
     s = {"completed": len(good), "failed": len(results) - len(good), "duration_s": duration,
          "input_tokens": in_tok, "output_tokens": out_tok,
          "request_throughput": len(good) / duration if duration else 0.0,
          "output_throughput": out_tok / duration if duration else 0.0,
-         "total_token_throughput": (in_tok + out_tok) / duration if duration else 0.0}
+         "total_token_throughput": (in_tok + out_tok) / duration if duration else 0.0,
+         "events": events, "tokens_per_event": out_tok / events if events else float("nan"),
+         "bytes_per_event": sum(r.bytes for r in good) / events if events and any(r.bytes for r in good)
+         else float("nan")}
     for name, xs in (("ttft_ms", ttfts), ("tpot_ms", tpots), ("itl_ms", itls), ("e2e_ms", e2es)):
         s[f"mean_{name}"] = statistics.fmean(xs) if xs else float("nan")
         for p in percentiles:
@@ -112,20 +136,15 @@ def summarize(results: list[Result], duration: float, percentiles=(50, 90, 99)) 
 
 def print_summary(title: str, s: dict) -> None:
     print(f"============ {title} ============")
-    print(f"Successful requests:            {s['completed']}")
-    print(f"Failed requests:                {s['failed']}")
-    print(f"Benchmark duration (s):         {s['duration_s']:.2f}")
-    print(f"Total input tokens:             {s['input_tokens']}")
-    print(f"Total generated tokens:         {s['output_tokens']}")
-    print(f"Request throughput (req/s):     {s['request_throughput']:.2f}")
-    print(f"Output token throughput (tok/s):{s['output_throughput']:.2f}")
-    print(f"Total token throughput (tok/s): {s['total_token_throughput']:.2f}")
+    print(f"requests ok/failed: {s['completed']}/{s['failed']}  duration {s['duration_s']:.2f} s  "
+          f"output {s['output_throughput']:.1f} tok/s  tokens/event {s['tokens_per_event']:.2f}")
     for name, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         ps = "  ".join(f"p{k[1:].split('_')[0]}={v:.2f}" for k, v in s.items()
                        if k.startswith("p") and k.endswith(name))
         print(f"{label:5s} (ms): mean={s[f'mean_{name}']:.2f}  {ps}")
     for e in s.get("errors", []):
         print(f"error: {e}")
+    sys.stdout.flush()
 
 
 def _arrival_gaps(n: int, rate: float, seed: int):
@@ -135,73 +154,80 @@ def _arrival_gaps(n: int, rate: float, seed: int):
 
 
 # ----------------------------------------------------------------------------------------
-# HTTP client (gevent, raw sockets)
+# HTTP client (gevent greenlets on raw sockets: hundreds of streams cost the client little)
 
 
-def _http_stream(host: str, port: int, path: str, body: bytes, headers: dict, res: Result,
-                 t_send: float) -> None:
+def _read_response_head(sock, buf: bytes) -> tuple[int, bool, bytes]:
+    while b"\r\n\r\n" not in buf:
+        d = sock.recv(65536)
+        if not d:
+            raise ConnectionError("connection closed before the response headers")
+        buf += d
+    head, buf = buf.split(b"\r\n\r\n", 1)
+    return int(head.split(b" ", 2)[1]), b"transfer-encoding: chunked" in head.lower(), buf
+
+
+def _dechunk(body_buf: bytes, events_buf: bytes) -> tuple[bytes, bytes, bool]:
+    """Move whole chunks from ``body_buf`` to ``events_buf``; True once the last chunk came."""
+    while True:
+        i = body_buf.find(b"\r\n")
+        if i < 0:
+            return body_buf, events_buf, False
+        size = int(body_buf[:i].split(b";")[0], 16)
+        if len(body_buf) < i + 2 + size + 2:
+            return body_buf, events_buf, False
+        if size == 0:
+            return b"", events_buf, True
+        events_buf += body_buf[i + 2:i + 2 + size]
+        body_buf = body_buf[i + 2 + size + 2:]
+
+
+def _on_event(data: bytes, res: Result, state: dict) -> bool:
+    """One SSE ``data:`` payload; True at ``[DONE]``."""
+    if data == b"[DONE]":
+        return True
+    obj = json.loads(data)
+    if "error" in obj:
+        raise RuntimeError(f"stream error: {obj['error'].get('message')}")
+    if obj.get("usage") and not obj.get("choices"):
+        res.output_tokens = obj["usage"]["completion_tokens"]
+        return False
+    res.events += 1
+    res.bytes += len(data) + 8
+    ch = obj["choices"][0]
+    text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+    if text:
+        now = time.perf_counter()
+        if state["last"] is None:
+            res.ttft = now - state["t_send"]
+        else:
+            res.itls.append(now - state["last"])
+        state["last"] = now
+    return False
+
+
+def _http_stream(host: str, port: int, path: str, body: bytes, headers: dict, res: Result) -> None:
     from gevent import socket as gsocket
 
+    res.start, t_send = time.time(), time.perf_counter()
     sock = gsocket.create_connection((host, port))
     try:
         sock.setsockopt(gsocket.IPPROTO_TCP, gsocket.TCP_NODELAY, 1)
         hdr = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         sock.sendall((f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                       f"Content-Length: {len(body)}\r\nConnection: close\r\n{hdr}\r\n").encode() + body)
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            d = sock.recv(65536)
-            if not d:
-                raise ConnectionError("connection closed before the response headers")
-            buf += d
-        head, buf = buf.split(b"\r\n\r\n", 1)
-        status = int(head.split(b" ", 2)[1])
-        chunked = b"transfer-encoding: chunked" in head.lower()
-        # De-chunk incrementally, then split SSE events on blank lines.
-        body_buf, events_buf, last_t, eof = buf, b"", None, False
-        while True:
+        status, chunked, body_buf = _read_response_head(sock, b"")
+        events_buf, eof, state = b"", False, {"last": None, "t_send": t_send}
+        while not eof:
             if chunked:
-                while True:
-                    i = body_buf.find(b"\r\n")
-                    if i < 0:
-                        break
-                    size = int(body_buf[:i].split(b";")[0], 16)
-                    if len(body_buf) < i + 2 + size + 2:
-                        break
-                    if size == 0:
-                        eof = True
-                        body_buf = b""
-                        break
-                    events_buf += body_buf[i + 2:i + 2 + size]
-                    body_buf = body_buf[i + 2 + size + 2:]
+                body_buf, events_buf, eof = _dechunk(body_buf, events_buf)
             else:
-                events_buf += body_buf
-                body_buf = b""
-            now = time.perf_counter()
+                events_buf, body_buf = events_buf + body_buf, b""
             while b"\n\n" in events_buf:
                 ev, events_buf = events_buf.split(b"\n\n", 1)
-                if status != 200:
-                    continue
-                if not ev.startswith(b"data: "):
-                    continue
-                data = ev[6:]
-                if data == b"[DONE]":
+                if status == 200 and ev.startswith(b"data: ") and _on_event(ev[6:], res, state):
                     eof = True
                     break
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise RuntimeError(f"stream error: {obj['error'].get('message')}")
-                if obj.get("usage") and not obj.get("choices"):
-                    res.output_tokens = obj["usage"]["completion_tokens"]
-                    continue
-                ch = obj["choices"][0]
-                text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                if text:
-                    if last_t is None:
-                        res.ttft = now - t_send
-                    else:
-                        res.itls.append(now - last_t)
-                    last_t = now
             if eof:
                 break
             d = sock.recv(65536)
@@ -211,13 +237,16 @@ def _http_stream(host: str, port: int, path: str, body: bytes, headers: dict, re
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {(body_buf + events_buf)[:200]!r}")
         res.e2e = time.perf_counter() - t_send
+        res.end = time.time()
         res.ok = True
     finally:
         sock.close()
 
 
 def run_http(base_url: str, reqs: list[Req], model: Optional[str], endpoint: str, max_concurrency: Optional[int],
-             request_rate: float, seed: int, api_key: Optional[str], ignore_eos: bool = True) -> tuple[list, float]:
+             request_rate: float, seed: int, api_key: Optional[str], ignore_eos: bool = True,
+             start_at: Optional[float] = None) -> tuple[list, float]:
+    """Stream every request; returns (results, seconds from the first send to the last end)."""
     import gevent
     from gevent.pool import Pool
 
@@ -236,12 +265,13 @@ def run_http(base_url: str, reqs: list[Req], model: Optional[str], endpoint: str
             payload["messages"] = [{"role": "user", "content": " ".join(str(t) for t in r.prompt)}]
         else:
             payload["prompt"] = r.prompt
-        res = results[i]
         try:
-            _http_stream(host, port, endpoint, json.dumps(payload).encode(), headers, res, time.perf_counter())
+            _http_stream(host, port, endpoint, json.dumps(payload).encode(), headers, results[i])
         except Exception as e:  # noqa: BLE001 - counted as a failed request
-            res.ok, res.error = False, f"{type(e).__name__}: {e}"
+            results[i].ok, results[i].error = False, f"{type(e).__name__}: {e}"
 
+    if start_at is not None:
+        gevent.sleep(max(0.0, start_at - time.time()))
     pool = Pool(max_concurrency or len(reqs) or 1)
     t0 = time.perf_counter()
     for i, (r, gap) in enumerate(zip(reqs, _arrival_gaps(len(reqs), request_rate, seed))):
@@ -261,8 +291,7 @@ def run_in_process(engine, reqs: list[Req], max_concurrency: Optional[int], requ
     import asyncio
     import uuid
 
-    from pyengine import SamplingParams
-    from pyengine.sampling_params import RequestOutputKind
+    from pyengine import RequestOutputKind, SamplingParams
 
     results = [Result(False, len(r.prompt)) for r in reqs]
 
@@ -271,13 +300,14 @@ def run_in_process(engine, reqs: list[Req], max_concurrency: Optional[int], requ
             res = results[i]
             sp = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=ignore_eos,
                                 output_kind=RequestOutputKind.DELTA)
-            t_send = time.perf_counter()
+            res.start, t_send = time.time(), time.perf_counter()
             last = None
             try:
                 async for out in engine.generate(r.prompt, sp, f"bench-{uuid.uuid4().hex}"):
                     now = time.perf_counter()
                     o = out.outputs[0]
                     res.output_tokens += len(o.token_ids)
+                    res.events += 1
                     if o.token_ids:
                         if last is None:
                             res.ttft = now - t_send
@@ -285,6 +315,7 @@ def run_in_process(engine, reqs: list[Req], max_concurrency: Optional[int], requ
                             res.itls.append(now - last)
                         last = now
                 res.e2e = time.perf_counter() - t_send
+                res.end = time.time()
                 res.ok = True
             except Exception as e:  # noqa: BLE001
                 res.error = f"{type(e).__name__}: {e}"
@@ -305,36 +336,200 @@ def run_in_process(engine, reqs: list[Req], max_concurrency: Optional[int], requ
 
 
 # ----------------------------------------------------------------------------------------
-# Compare mode
+# Profiling (py-spy): per thread, the share of samples on CPU and holding the GIL
 
 
-def _engine_kwargs(a) -> dict:
-    kw = {"model": a.model, "device": a.device, "max_num_seqs": a.max_num_seqs}
-    if a.max_model_len:
-        kw["max_model_len"] = a.max_model_len
-    if a.num_gpu_blocks_override:
-        kw["num_gpu_blocks_override"] = a.num_gpu_blocks_override
-    if a.no_async_scheduling:
+def find_py_spy(explicit: Optional[str] = None) -> Optional[str]:
+    for cand in (explicit, shutil.which("py-spy"), os.path.join(os.path.dirname(sys.executable), "py-spy")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    for p in sys.path:  # installed with --target DIR: DIR/bin/py-spy
+        cand = os.path.join(p, "bin", "py-spy")
+        if p and os.path.isfile(cand):
+            return cand
+    return None
+
+
+def parse_py_spy_raw(text: str, top: int = 12) -> dict:
+    """py-spy's raw (collapsed-stack) output -> per (process, thread) sample counts, the
+    hottest leaf frames and the hottest functions anywhere on the stack."""
+    threads: dict[str, dict] = {}
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        proc = next((f for f in frames if f.startswith("process ")), "")
+        thread = next((f for f in frames if f.startswith("thread ")), "thread ?")
+        name = thread.split(": ", 1)[-1] if ": " in thread else thread
+        pid = re.match(r"process (\d+)", proc)
+        key = f"{pid.group(1) if pid else '?'}:{name}"
+        code = [f for f in frames if not f.startswith(("process ", "thread "))]
+        t = threads.setdefault(key, {"samples": 0, "leaf": {}, "inclusive": {}})
+        n = int(count)
+        t["samples"] += n
+        if code:
+            leaf = code[-1]
+            t["leaf"][leaf] = t["leaf"].get(leaf, 0) + n
+            for f in set(re.sub(r" \(.*", "", x) for x in code):
+                t["inclusive"][f] = t["inclusive"].get(f, 0) + n
+    for t in threads.values():
+        for k in ("leaf", "inclusive"):
+            t[k] = dict(sorted(t[k].items(), key=lambda kv: -kv[1])[:top])
+    return threads
+
+
+def profile_process(pid: int, seconds: float, py_spy: str, rate: int = 200) -> dict:
+    """Two py-spy passes over ``pid`` and its children: GIL holders, then on-CPU threads.
+    Shares are samples / (rate x seconds)."""
+    out = {"rate": rate, "seconds": seconds}
+    for mode, flags in (("gil", ["--gil"]), ("active", [])):
+        with tempfile.NamedTemporaryFile(suffix=".txt", delete=False) as f:
+            path = f.name
+        cmd = [py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
+               "--threads", "--subprocesses", "--nonblocking", "--format", "raw", "-o", path, *flags]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            out[mode] = {"error": (proc.stderr or proc.stdout)[-500:]}
+            continue
+        threads = parse_py_spy_raw(Path(path).read_text())
+        os.unlink(path)
+        total = rate * int(seconds)
+        for t in threads.values():
+            t["share"] = round(t["samples"] / total, 3)
+        out[mode] = dict(sorted(threads.items(), key=lambda kv: -kv[1]["samples"]))
+    return out
+
+
+class _Profiler:
+    """Starts ``profile_process`` on a thread ``delay`` s from now (inside a measured run)."""
+
+    def __init__(self, pid: int, py_spy: Optional[str], seconds: float, delay: float = 1.0):
+        self.result: Optional[dict] = None
+        if not py_spy:
+            self.result = {"error": "py-spy not found"}
+            self.thread = None
+            return
+
+        def run():
+            time.sleep(delay)
+            self.result = profile_process(pid, seconds, py_spy)
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self) -> Optional[dict]:
+        if self.thread is not None:
+            self.thread.join()
+        return self.result
+
+
+# ----------------------------------------------------------------------------------------
+# Suite: one child process per (core, front end)
+
+
+def _child_spec(a, frontend: str, core: str, model_dir: str) -> dict:
+    return {"frontend": frontend, "core": core, "model": model_dir, "device": a.device,
+            "dtype": a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
+            "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
+            "levels": [int(x) for x in a.concurrency.split(",")], "num_prompts": a.num_prompts,
+            "c1_prompts": a.c1_prompts, "input_len": a.input_len, "output_len": a.output_len,
+            "seed": a.seed, "http_clients": a.http_clients, "profile": a.profile,
+            "profile_seconds": a.profile_seconds, "py_spy": find_py_spy(a.py_spy),
+            "switch_interval": a.switch_interval, "stream_interval": a.stream_interval,
+            "no_async_scheduling": a.no_async_scheduling}
+
+
+def _level_prompts(spec: dict, c: int) -> int:
+    return spec["c1_prompts"] if c == 1 else max(spec["num_prompts"], c)
+
+
+def _engine_kwargs(spec: dict) -> dict:
+    kw = {"model": spec["model"], "device": spec["device"], "dtype": spec["dtype"],
+          "max_num_seqs": spec["max_num_seqs"], "seed": spec["seed"]}
+    if spec.get("max_model_len"):
+        kw["max_model_len"] = spec["max_model_len"]
+    if spec.get("no_async_scheduling"):
         kw["async_scheduling"] = False
+    if spec.get("stream_interval"):
+        kw["stream_interval"] = spec["stream_interval"]
     return kw
 
 
-def _serve_cmd(a) -> list[str]:
-    cmd = [sys.executable, "-m", "server", a.model, "--port", "0", "--device", a.device,
-           "--max-num-seqs", str(a.max_num_seqs), "--disable-access-log", "--log-level", "warning"]
-    if a.max_model_len:
-        cmd += ["--max-model-len", str(a.max_model_len)]
-    if a.num_gpu_blocks_override:
-        cmd += ["--num-gpu-blocks-override", str(a.num_gpu_blocks_override)]
-    if a.no_async_scheduling:
-        cmd += ["--no-async-scheduling"]
-    return cmd
+def _vocab(model_dir: str) -> int:
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_dir).vocab_size
 
 
-def start_server_subprocess(cmd: list[str], timeout: float = 180.0):
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _profile_prompts(spec: dict, tok_s: float) -> int:
+    """Enough requests at the profiled concurrency to outlast both py-spy passes."""
+    need_s = 2 * spec["profile_seconds"] + 4
+    return max(spec["num_prompts"], int(math.ceil(need_s * max(tok_s, 1.0) / spec["output_len"])))
+
+
+def child_offline(spec: dict) -> dict:
+    from pyengine import LLM, SamplingParams
+
+    llm = LLM(**_engine_kwargs(spec))
+    reqs = make_workload(spec["num_prompts"], spec["input_len"], spec["output_len"], _vocab(spec["model"]),
+                         spec["seed"])
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=spec["output_len"])
+    llm.generate([r.prompt for r in reqs[:8]], sp, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.shutdown()
+    return {"levels": {"all": {"completed": len(outs), "failed": 0, "duration_s": dt, "output_tokens": toks,
+                               "output_throughput": toks / dt}}}
+
+
+def child_asyncllm(spec: dict) -> dict:
+    from pyengine import AsyncLLM, EngineArgs
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(**_engine_kwargs(spec)))
+    vocab = engine.config.hf_config.vocab_size
+    levels, prof = {}, None
+    try:
+        run_in_process(engine, make_workload(8, spec["input_len"], 8, vocab, spec["seed"] + 99), 8,
+                       math.inf, 0)  # warm-up
+        for c in spec["levels"]:
+            reqs = make_workload(_level_prompts(spec, c), spec["input_len"], spec["output_len"], vocab, spec["seed"])
+            res, dur = run_in_process(engine, reqs, c, math.inf, spec["seed"])
+            levels[str(c)] = summarize(res, dur)
+            print_summary(f"asyncllm/{spec['core']} c={c}", levels[str(c)])
+        c = spec.get("profile")
+        if c:
+            tok_s = levels.get(str(c), {}).get("output_throughput", 10000.0)
+            reqs = make_workload(_profile_prompts(spec, tok_s), spec["input_len"], spec["output_len"], vocab,
+                                 spec["seed"] + 7)
+            p = _Profiler(os.getpid(), spec["py_spy"], spec["profile_seconds"])
+            res, dur = run_in_process(engine, reqs, c, math.inf, spec["seed"])
+            prof = {"concurrency": c, "run": summarize(res, dur), "py_spy": p.join()}
+    finally:
+        engine.shutdown()
+    return {"levels": levels, "profile": prof}
+
+
+def _serve_cmd(spec: dict) -> list[str]:
+    args = [spec["model"], "--port", "0", "--device", spec["device"], "--dtype", spec["dtype"],
+            "--max-num-seqs", str(spec["max_num_seqs"]), "--seed", str(spec["seed"]),
+            "--disable-access-log", "--log-level", "warning"]
+    if spec.get("max_model_len"):
+        args += ["--max-model-len", str(spec["max_model_len"])]
+    if spec.get("no_async_scheduling"):
+        args += ["--no-async-scheduling"]
+    if spec.get("stream_interval"):
+        args += ["--stream-interval", str(spec["stream_interval"])]
+    pre = f"import sys; sys.setswitchinterval({spec['switch_interval'] / 1000.0!r}); " if spec.get(
+        "switch_interval") else "import sys; "
+    return [sys.executable, "-c", pre + f"sys.argv = ['vengine'] + {args!r}; from server.cli import main; "
+                                        "sys.exit(main())"]
+
+
+def start_server_subprocess(cmd: list[str], env: Optional[dict] = None, timeout: float = 300.0):
+    env = dict(env or os.environ)
+    env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + timeout
     lines = []
     while time.time() < deadline:
@@ -346,54 +541,323 @@ def start_server_subprocess(cmd: list[str], timeout: float = 180.0):
         lines.append(line)
         m = re.search(r"serving .* on (http://\S+)", line)
         if m:
+            # keep draining its output so a chatty server never blocks on a full pipe
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
             return proc, m.group(1)
     proc.kill()
     raise RuntimeError("server did not start:\n" + "".join(lines[-30:]))
 
 
-def compare(a) -> dict:
-    from pyengine import AsyncLLM, EngineArgs
+def _http_level(url: str, spec: dict, reqs: list[Req], c: int) -> tuple[list[Result], float]:
+    """The requests spread over client processes that start together."""
+    k = max(1, min(spec["http_clients"], c))
+    start_at = time.time() + 3.0
+    procs = []
+    for i in range(k):
+        shard = reqs[i::k]
+        conc = c // k + (1 if i < c % k else 0)
+        payload = json.dumps({"url": url, "reqs": [asdict(r) for r in shard], "concurrency": conc,
+                              "start_at": start_at, "seed": spec["seed"]})
+        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--http-client"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=_REPO)
+        p.stdin.write(payload)
+        p.stdin.close()
+        procs.append(p)
+    results = []
+    for p in procs:
+        out = p.stdout.read()
+        p.wait()
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            raise RuntimeError(f"HTTP client failed: {out[-500:]}")
+        results += [Result(**r) for r in json.loads(line[7:])]
+    ok = [r for r in results if r.ok] or results
+    return results, max(r.end for r in ok) - min(r.start for r in ok if r.start)
 
-    levels = [int(x) for x in a.concurrency.split(",")]
-    table = {}
-    engine = AsyncLLM.from_engine_args(EngineArgs(**_engine_kwargs(a)))
-    vocab = engine.config.hf_config.vocab_size
+
+def http_client_main() -> int:
+    job = json.loads(sys.stdin.read())
+    reqs = [Req(**r) for r in job["reqs"]]
+    res, _ = run_http(job["url"], reqs, None, "/v1/completions", job["concurrency"], math.inf, job["seed"], None,
+                      start_at=job["start_at"])
+    print("RESULT " + json.dumps([asdict(r) for r in res]), flush=True)
+    return 0
+
+
+def child_http(spec: dict) -> dict:
+    proc, url = start_server_subprocess(_serve_cmd(spec))
+    vocab = _vocab(spec["model"])
+    levels, prof = {}, None
     try:
-        for c in levels:
-            n = max(a.num_prompts, c * a.prompts_per_level)
-            reqs = make_workload(n, a.input_len, a.output_len, a.dataset, a.range_ratio, vocab, a.seed)
-            run_in_process(engine, reqs[: min(n, c * 2)], c, math.inf, a.seed)  # warm-up
-            res, dur = run_in_process(engine, reqs, c, math.inf, a.seed)
-            s = summarize(res, dur)
-            print_summary(f"in-process AsyncLLM, concurrency {c}", s)
-            table[c] = {"in_process": s}
-    finally:
-        engine.shutdown()
-    proc, url = start_server_subprocess(_serve_cmd(a))
-    try:
-        for c in levels:
-            n = max(a.num_prompts, c * a.prompts_per_level)
-            reqs = make_workload(n, a.input_len, a.output_len, a.dataset, a.range_ratio, vocab, a.seed)
-            run_http(url, reqs[: min(n, c * 2)], None, a.endpoint, c, math.inf, a.seed, None)  # warm-up
-            res, dur = run_http(url, reqs, None, a.endpoint, c, math.inf, a.seed, None)
-            s = summarize(res, dur)
-            print_summary(f"HTTP {a.endpoint}, concurrency {c}", s)
-            table[c]["http"] = s
+        _http_level(url, spec, make_workload(8, spec["input_len"], 8, vocab, spec["seed"] + 99), 8)  # warm-up
+        for c in spec["levels"]:
+            reqs = make_workload(_level_prompts(spec, c), spec["input_len"], spec["output_len"], vocab, spec["seed"])
+            res, dur = _http_level(url, spec, reqs, c)
+            levels[str(c)] = summarize(res, dur)
+            print_summary(f"http/{spec['core']} c={c}", levels[str(c)])
+        c = spec.get("profile")
+        if c:
+            tok_s = levels.get(str(c), {}).get("output_throughput", 10000.0)
+            reqs = make_workload(_profile_prompts(spec, tok_s), spec["input_len"], spec["output_len"], vocab,
+                                 spec["seed"] + 7)
+            p = _Profiler(proc.pid, spec["py_spy"], spec["profile_seconds"], delay=4.0)
+            res, dur = _http_level(url, spec, reqs, c)
+            prof = {"concurrency": c, "run": summarize(res, dur), "py_spy": p.join()}
     finally:
         proc.terminate()
         try:
-            proc.wait(20)
+            proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    print("\n| concurrency | in-process tok/s | HTTP tok/s | HTTP / in-process | in-proc p50 ITL ms | HTTP p50 ITL ms | in-proc p50 TTFT ms | HTTP p50 TTFT ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for c in levels:
-        ip, h = table[c]["in_process"], table[c]["http"]
-        ratio = h["output_throughput"] / ip["output_throughput"] if ip["output_throughput"] else float("nan")
-        table[c]["ratio"] = ratio
-        print(f"| {c} | {ip['output_throughput']:.1f} | {h['output_throughput']:.1f} | {ratio:.3f} | "
-              f"{ip['p50_itl_ms']:.2f} | {h['p50_itl_ms']:.2f} | {ip['p50_ttft_ms']:.2f} | {h['p50_ttft_ms']:.2f} |")
-    return table
+    return {"levels": levels, "profile": prof}
+
+
+C_DRIVER = r"""
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include "vllm.h"
+
+/* argv: model max_num_seqs max_tokens concurrency prompts_file times_file
+ * prompts_file: NUL-separated prompts. Submits with at most `concurrency` in flight and
+ * writes, per request, the submit time then every callback's time (doubles, seconds),
+ * each list preceded by its length as a double. */
+typedef struct { double* t; int n, cap; } rec;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static int inflight = 0;
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static bool cb(const char* d, bool fin, void* ud) {
+  rec* r = ud; (void)d;
+  if (r->n < r->cap) r->t[r->n++] = now();
+  if (fin) { pthread_mutex_lock(&mu); inflight--; pthread_cond_signal(&cv); pthread_mutex_unlock(&mu); }
+  return true;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 7) { fprintf(stderr, "usage\n"); return 2; }
+  int max_tokens = atoi(argv[3]), conc = atoi(argv[4]);
+  FILE* f = fopen(argv[5], "rb"); fseek(f, 0, SEEK_END); long sz = ftell(f); fseek(f, 0, SEEK_SET);
+  char* blob = malloc(sz + 1); fread(blob, 1, sz, f); fclose(f); blob[sz] = 0;
+  int n = 0; for (long i = 0; i < sz; i++) n += blob[i] == 0;
+  char** prompts = malloc(sizeof(char*) * n);
+  { long p = 0; for (int i = 0; i < n; i++) { prompts[i] = blob + p; p += strlen(blob + p) + 1; } }
+  vllm_model_params mp = vllm_model_params_default();
+  mp.model_path = argv[1]; mp.max_num_seqs = atoi(argv[2]);
+  vllm_engine* e = NULL;
+  if (vllm_engine_load(&mp, &e) != VLLM_OK) { fprintf(stderr, "load: %s\n", vllm_last_error()); return 1; }
+  vllm_sampling_params sp = vllm_sampling_params_default();
+  sp.temperature = 0; sp.max_tokens = max_tokens; sp.ignore_eos = 1;
+  { vllm_completion c; vllm_sampling_params w = sp; w.max_tokens = 8;
+    for (int i = 0; i < 2; i++) { vllm_complete(e, prompts[i % n], &w, &c); vllm_completion_free(&c); } }
+  rec* recs = calloc(n, sizeof(rec)); double* t_submit = calloc(n, sizeof(double));
+  vllm_request** rs = calloc(n, sizeof(*rs));
+  int failed = 0;
+  double t0 = now();
+  for (int i = 0; i < n; i++) {
+    recs[i].cap = max_tokens + 8; recs[i].t = malloc(sizeof(double) * recs[i].cap);
+    pthread_mutex_lock(&mu);
+    while (inflight >= conc) pthread_cond_wait(&cv, &mu);
+    inflight++;
+    pthread_mutex_unlock(&mu);
+    t_submit[i] = now();
+    if (vllm_request_submit(e, prompts[i], &sp, cb, &recs[i], &rs[i]) != VLLM_OK) {
+      fprintf(stderr, "submit: %s\n", vllm_last_error()); return 1; }
+  }
+  for (int i = 0; i < n; i++) { failed += vllm_request_wait(rs[i]) != VLLM_OK; vllm_request_free(rs[i]); }
+  double dt = now() - t0;
+  FILE* o = fopen(argv[6], "wb");
+  for (int i = 0; i < n; i++) { double k = recs[i].n; fwrite(&t_submit[i], 8, 1, o); fwrite(&k, 8, 1, o);
+    fwrite(recs[i].t, 8, recs[i].n, o); }
+  fclose(o);
+  printf("{\"seconds\": %.6f, \"requests\": %d, \"failed\": %d}\n", dt, n, failed);
+  vllm_engine_free(e);
+  return failed != 0;
+}
+"""
+
+
+def _capi_results(path: Path, n: int, prompt_len: int, output_len: int) -> list[Result]:
+    import array
+    a = array.array("d")
+    a.frombytes(path.read_bytes())
+    out, i = [], 0
+    for _ in range(n):
+        t_sub, k = a[i], int(a[i + 1])
+        ts = a[i + 2:i + 2 + k]
+        i += 2 + k
+        r = Result(True, prompt_len, output_tokens=output_len, events=max(k - 1, 0))
+        r.start, r.end = t_sub, ts[-1] if k else t_sub
+        r.ttft = (ts[0] - t_sub) if k else 0.0
+        r.e2e = r.end - t_sub
+        r.itls = [ts[j] - ts[j - 1] for j in range(1, k - 1)]  # the last callback is the empty final one
+        out.append(r)
+    return out
+
+
+def child_capi(spec: dict) -> dict:
+    from transformers import AutoTokenizer
+
+    from capi.build import build
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    vocab = _vocab(spec["model"])
+    levels = {}
+    with tempfile.TemporaryDirectory(prefix="serve-capi-") as tmp:
+        tmp = Path(tmp)
+        lib = build(tmp / "lib")
+        (tmp / "driver.c").write_text(C_DRIVER)
+        exe = tmp / "driver"
+        subprocess.run(["gcc", "-O2", "-std=c11", "-pthread", f"-I{Path(_REPO) / 'include'}", str(tmp / "driver.c"),
+                        "-o", str(exe), f"-L{lib.parent}", "-lvengine", f"-Wl,-rpath,{lib.parent}"], check=True)
+        env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        for c in spec["levels"]:
+            reqs = make_workload(_level_prompts(spec, c), spec["input_len"], spec["output_len"], vocab, spec["seed"])
+            texts = [tok.decode(r.prompt).replace("\0", " ") or "x" for r in reqs]
+            (tmp / "prompts").write_bytes(b"".join(t.encode() + b"\0" for t in texts))
+            times = tmp / "times"
+            proc = subprocess.run([str(exe), spec["model"], str(spec["max_num_seqs"]), str(spec["output_len"]),
+                                   str(c), str(tmp / "prompts"), str(times)], capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                raise RuntimeError(f"C driver failed: {proc.stderr[-2000:]}")
+            info = json.loads(proc.stdout.strip().splitlines()[-1])
+            res = _capi_results(times, len(reqs), spec["input_len"], spec["output_len"])
+            levels[str(c)] = summarize(res, info["seconds"])
+            print_summary(f"capi/{spec['core']} c={c}", levels[str(c)])
+    return {"levels": levels}
+
+
+CHILDREN = {"offline": child_offline, "asyncllm": child_asyncllm, "http": child_http, "capi": child_capi}
+
+
+def child_main(name: str) -> int:
+    spec = json.loads(sys.stdin.read())
+    if spec["core"] == "mp":
+        os.environ[CORE_ENV] = "1"
+    elif spec["core"] == "inproc":
+        os.environ[CORE_ENV] = "0"
+    if spec.get("switch_interval"):
+        sys.setswitchinterval(spec["switch_interval"] / 1000.0)
+    t0 = time.time()
+    try:
+        out = CHILDREN[name](spec)
+        out["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported in the suite's table
+        import traceback
+        traceback.print_exc()
+        out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    out["wall_s"] = time.time() - t0
+    print("RESULT " + json.dumps(out, default=str), flush=True)
+    return 0
+
+
+def _run_child(spec: dict, timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONUNBUFFERED="1")
+    env[CORE_ENV] = "1" if spec["core"] == "mp" else "0"
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec["frontend"]],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=_REPO, env=env)
+    p.stdin.write(json.dumps(spec))
+    p.stdin.close()
+    result, tail = None, []
+    deadline = time.time() + timeout
+    timer = threading.Timer(timeout, p.kill)
+    timer.start()
+    try:
+        for line in p.stdout:
+            if line.startswith("RESULT "):
+                result = json.loads(line[7:])
+            else:
+                tail = (tail + [line])[-40:]
+                sys.stdout.write(f"  [{spec['frontend']}/{spec['core']}] {line}")
+                sys.stdout.flush()
+        p.wait()
+    finally:
+        timer.cancel()
+    if result is None:
+        why = "timed out" if time.time() >= deadline else f"exit {p.returncode}"
+        result = {"ok": False, "error": f"child {why}: " + "".join(tail[-12:])}
+    return result
+
+
+def ensure_weights(model_dir: Path, device: str, dtype: str, seed: int) -> None:
+    """Random weights in safetensors next to the shape's config (once), so every front
+    end, the C ABI included, loads the same model from disk."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    marker = model_dir / ".vengine_weights"
+    if marker.is_file() and any(model_dir.glob("*.safetensors")):
+        return
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    torch.manual_seed(seed)
+    dt = getattr(torch, dtype)
+    with torch.device(device if device == "cuda" else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dt)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    cfg.save_pretrained(str(model_dir))
+    del model
+    marker.write_text("random")
+
+
+def _ratio_table(results: dict, levels: list[int]) -> tuple[list, list]:
+    rows, headers = [], ["front end", "core"] + [f"c={c} tok/s (× offline)" for c in levels] + \
+        [f"TTFT p50 c={levels[-1]} (ms)", f"TPOT p50 c={levels[-1]} (ms)", f"ITL p50 c={levels[-1]} (ms)"]
+    for core, by_fe in results.items():
+        off = by_fe.get("offline", {})
+        ceiling = off.get("levels", {}).get("all", {}).get("output_throughput") if off.get("ok") else None
+        for fe, r in by_fe.items():
+            if fe == "offline":
+                rows.append([fe, core, f"{ceiling:,.0f} (ceiling)" if ceiling else "failed"] + [""] * (len(levels) + 2))
+                continue
+            if not r.get("ok"):
+                rows.append([fe, core, "failed: " + r.get("error", "")[:60]] + [""] * (len(levels) + 2))
+                continue
+            cells = []
+            for c in levels:
+                s = r["levels"].get(str(c), {})
+                tps = s.get("output_throughput", float("nan"))
+                cells.append(f"{tps:,.0f} ({tps / ceiling:.2f}×)" if ceiling else f"{tps:,.0f}")
+            last = r["levels"].get(str(levels[-1]), {})
+            rows.append([fe, core] + cells + [f"{last.get('p50_ttft_ms', float('nan')):.1f}",
+                                              f"{last.get('p50_tpot_ms', float('nan')):.2f}",
+                                              f"{last.get('p50_itl_ms', float('nan')):.2f}"])
+    return headers, rows
+
+
+def suite(a) -> dict:
+    from benchmarks.common import hardware_info, make_model_dir, md_table
+
+    if a.model:
+        model_dir = Path(a.model)
+    else:
+        from benchmarks.common import default_model_dir
+        model_dir = make_model_dir(a.shape, Path(a.model_dir) if a.model_dir else default_model_dir(a.shape))
+        ensure_weights(model_dir, a.device, a.dtype or ("bfloat16" if a.device == "cuda" else "float32"), a.seed)
+    hw = hardware_info(a.device)
+    levels = [int(x) for x in a.concurrency.split(",")]
+    results: dict = {}
+    for core in a.cores.split(","):
+        for fe in a.frontends.split(","):
+            spec = _child_spec(a, fe, core, str(model_dir))
+            if fe not in ("asyncllm", "http"):
+                spec["profile"] = None
+            print(f"=== {fe} / core={core}", flush=True)
+            results.setdefault(core, {})[fe] = _run_child(spec, a.child_timeout)
+    headers, rows = _ratio_table(results, levels)
+    table = md_table(headers, rows)
+    print("\n" + table)
+    payload = {"benchmark": "serve_suite", "command": " ".join(sys.argv), "hardware": hw, "args": vars(a),
+               "results": results, "table": table}
+    if a.json_out:
+        Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json_out).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        print(f"results written to {a.json_out}")
+    return payload
 
 
 # ----------------------------------------------------------------------------------------
@@ -401,71 +865,62 @@ def compare(a) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
-    p.add_argument("--model", default=None, help="HTTP: model name to send; in-process/compare: model directory.")
-    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--dataset", choices=["random", "fixed"], default="random")
+    p.add_argument("--suite", action="store_true", help="every front end against the offline ceiling.")
+    p.add_argument("--frontends", default=",".join(FRONTENDS))
+    p.add_argument("--cores", default="inproc,mp", help="engine cores to run the front ends on (inproc, mp).")
+    p.add_argument("--shape", default="qwen3-0.6b", help="model shape (random weights) when --model is not given.")
+    p.add_argument("--model-dir", default=None, help="where the shape's config, tokenizer and weights go.")
+    p.add_argument("--model", default=None, help="suite: a model directory; HTTP client mode: the model name.")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--concurrency", default="1,64,256")
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--c1-prompts", type=int, default=16, help="requests at concurrency 1")
     p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--range-ratio", type=float, default=0.0, help="random dataset: lengths vary by +-ratio.")
-    p.add_argument("--vocab-size", type=int, default=None, help="HTTP mode: token-id range for random prompts.")
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--http-clients", type=int, default=8, help="client processes for the HTTP front end")
+    p.add_argument("--profile", type=int, default=None, metavar="C",
+                   help="also profile asyncllm and http at concurrency C with py-spy")
+    p.add_argument("--profile-seconds", type=float, default=4.0)
+    p.add_argument("--py-spy", default=None, help="py-spy executable (default: on PATH or next to python)")
+    p.add_argument("--switch-interval", type=float, default=None, help="ms; sys.setswitchinterval in the front end")
+    p.add_argument("--stream-interval", type=int, default=None, help="engine arg stream_interval")
+    p.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument("--child-timeout", type=float, default=900.0)
+    p.add_argument("--json", dest="json_out", default=None)
+    # plain client of a running server
+    p.add_argument("--base-url", default=None, help="benchmark a running server (HTTP client mode)")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
+    p.add_argument("--vocab-size", type=int, default=256, help="HTTP client mode: token-id range of prompts")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf: all at once.")
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--percentiles", default="50,90,99")
-    p.add_argument("--result-json", default=None, help="write the summary (or compare table) here.")
-    p.add_argument("--in-process", action="store_true", help="run through AsyncLLM in this process.")
-    p.add_argument("--compare", action="store_true", help="in-process vs HTTP at --concurrency levels.")
-    p.add_argument("--concurrency", default="1,16,64")
-    p.add_argument("--prompts-per-level", type=int, default=4, help="compare: at least this many x concurrency.")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--no-async-scheduling", action="store_true")
+    # internal
+    p.add_argument("--child", choices=FRONTENDS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--http-client", action="store_true", help=argparse.SUPPRESS)
     return p
-
-
-def _vocab_from_server(base_url: str, api_key: Optional[str]) -> int:
-    import urllib.request
-
-    req = urllib.request.Request(base_url.rstrip("/") + "/v1/models",
-                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    json.loads(urllib.request.urlopen(req, timeout=10).read())  # reachability check
-    return 256  # safe for any model; pass --vocab-size for a wider id range
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    pcts = tuple(int(x) for x in a.percentiles.split(","))
-    if a.compare:
-        if not a.model:
-            raise SystemExit("--compare needs --model DIR")
-        out = compare(a)
-    elif a.in_process:
-        from pyengine import AsyncLLM, EngineArgs
-
-        engine = AsyncLLM.from_engine_args(EngineArgs(**_engine_kwargs(a)))
-        try:
-            reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.dataset, a.range_ratio,
-                                 engine.config.hf_config.vocab_size, a.seed)
-            res, dur = run_in_process(engine, reqs, a.max_concurrency, a.request_rate, a.seed)
-        finally:
-            engine.shutdown()
-        out = summarize(res, dur, pcts)
-        print_summary("in-process AsyncLLM", out)
-    else:
-        vocab = a.vocab_size or _vocab_from_server(a.base_url, a.api_key)
-        reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.dataset, a.range_ratio, vocab, a.seed)
-        res, dur = run_http(a.base_url, reqs, a.model, a.endpoint, a.max_concurrency, a.request_rate, a.seed,
-                            a.api_key)
-        out = summarize(res, dur, pcts)
-        print_summary(f"HTTP {a.endpoint}", out)
-    if a.result_json:
-        with open(a.result_json, "w") as f:
-            json.dump(out, f, indent=2, default=str)
+    if a.child:
+        return child_main(a.child)
+    if a.http_client:
+        return http_client_main()
+    if a.suite:
+        suite(a)
+        return 0
+    if not a.base_url:
+        raise SystemExit("give --suite, or --base-url of a running server")
+    reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.vocab_size, a.seed)
+    res, dur = run_http(a.base_url, reqs, a.model, a.endpoint, a.max_concurrency, a.request_rate, a.seed, a.api_key)
+    out = summarize(res, dur)
+    print_summary(f"HTTP {a.endpoint}", out)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(out, indent=2, default=str))
     return 0
 
 

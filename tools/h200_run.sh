@@ -6,7 +6,10 @@
 #   run this on the device with `.whl` carried (../shared/tools/device-wheels.sh):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_ops gpu_e2e throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256 async_sched attention
+# STEP: gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+#       async_sched attention serve_before serve_mp serve_inproc
+# serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
+# commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
 # (default: all). A device call is capped at 10 minutes: split the steps over two calls
 # (e.g. `gpu_ops gpu_e2e latency gpu_idle attention` then the rest).
 set -u
@@ -31,6 +34,11 @@ nvidia-smi -L >> "$LOG" 2>&1
 # kernels first (fast, and a failure there explains any end-to-end failure), then token-exactness
 step 120 gpu_ops python3 -m pytest -q -m gpu tests/ops tests/attention tests/worker -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=100
 step 270 gpu_e2e python3 -m pytest -q -m gpu tests/test_llm.py tests/engine -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=100
+step 150 gpu_mp python3 -m pytest -q -m gpu tests/engine/test_core_client.py -p no:cacheprovider --tb=short -o faulthandler_timeout=100
+SERVE="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 256"
+step 240 serve_before bash -c "cd .bench_before && python3 $SERVE --cores inproc --frontends offline,asyncllm,http --concurrency 64,256 --json $OUT/serve_before.json"
+step 420 serve_mp python3 $SERVE --cores mp --json "$OUT/serve_mp.json"
+step 400 serve_inproc python3 $SERVE --cores inproc --frontends asyncllm,http,capi --json "$OUT/serve_inproc.json"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"
