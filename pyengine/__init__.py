@@ -3,7 +3,8 @@ import logging as _logging
 
 from pyengine.config import EngineArgs, EngineConfig
 from pyengine.engine.messages import SchedulerStats
-from pyengine.engine.output_processor import EngineDeadError, RequestOutputCollector
+from pyengine.engine.output_processor import RequestOutputCollector
+from pyengine.exceptions import EngineDeadError
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 

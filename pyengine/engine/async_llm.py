@@ -1,10 +1,13 @@
-"""AsyncLLM: the serving front end over an in-process engine core (mirrors
+"""AsyncLLM: the serving front end over an engine core (mirrors
 vllm/v1/engine/async_llm.py).
 
-Threads: the engine-core thread (EngineCoreProc) and one output-handler thread here that
-runs the OutputProcessor and fills one RequestOutputCollector per request. Readers may be
-plain threads (``collector.get()``), asyncio (``generate()``), gevent or C, which hook in
-with ``add_output_listener``.
+The engine core runs behind an ``EngineCoreClient`` (pyengine/engine/core_client.py): in
+its own process (``MPClient``) or on a thread of this one (``InprocClient``). Here, one
+output-handler thread reads the core's outputs, runs the OutputProcessor
+(detokenization, stop strings, n > 1) and fills one RequestOutputCollector per request.
+Readers may be plain threads (``collector.get()``), asyncio (``generate()``), gevent or
+C, which hook in with ``add_output_listener``. Nothing here touches the scheduler: stats
+and utility calls are messages.
 """
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ import weakref
 from typing import AsyncGenerator, Callable, Iterable, Optional
 
 from pyengine.config import EngineArgs, EngineConfig
-from pyengine.engine.core_client import InprocClient
+from pyengine.engine.core_client import make_client
 from pyengine.engine.messages import EngineDeadMessage, SchedulerStats
-from pyengine.engine.output_processor import EngineDeadError, OutputProcessor, RequestOutputCollector
+from pyengine.engine.output_processor import OutputProcessor, RequestOutputCollector, wake_asyncio_readers
+from pyengine.exceptions import EngineDeadError
 from pyengine.engine.processor import Processor
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
@@ -31,17 +35,27 @@ def load_tokenizer(config: EngineConfig):
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig):
+    """``multiprocess``: the engine core in its own process (True) or on a thread (False);
+    None follows ``VENGINE_ENABLE_MULTIPROCESSING`` (pyengine/engine/core_client.py)."""
+
+    def __init__(self, config: EngineConfig, multiprocess: Optional[bool] = None):
         self.config = config
-        self.tokenizer = load_tokenizer(config)
-        self.processor = Processor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()  # serializes OutputProcessor use across threads
         self._listeners: list[Callable[[list[str]], None]] = []
         self.dead_error: Optional[BaseException] = None
         self._shutdown = False
-        self.engine_core = InprocClient(config)
-        self._stats = self.engine_core.engine_core.scheduler.make_stats()
+        # The engine process loads the model while this one loads the tokenizer.
+        self.engine_core = make_client(config, multiprocess, wait=False)
+        try:
+            self.tokenizer = load_tokenizer(config)
+            self.processor = Processor(config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
+            self.engine_core.wait_ready()
+        except BaseException:
+            self.engine_core.shutdown()
+            self.engine_core.close()
+            raise
+        self._stats = self.engine_core.ready.stats
         self._output_thread = threading.Thread(target=self._output_handler_loop, name="OutputHandler", daemon=True)
         self._output_thread.start()
         # Join the engine threads before interpreter teardown (a daemon thread killed inside
@@ -50,8 +64,8 @@ class AsyncLLM:
         atexit.register(lambda: ref() is not None and ref().shutdown())
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
-        return cls(engine_args.create_engine_config())
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: Optional[bool] = None) -> "AsyncLLM":
+        return cls(engine_args.create_engine_config(), multiprocess)
 
     @property
     def errored(self) -> bool:
@@ -117,9 +131,9 @@ class AsyncLLM:
     def _output_handler_loop(self) -> None:
         while True:
             outs = self.engine_core.get_output()
+            if self._shutdown:
+                return
             if outs is None:
-                if self._shutdown:
-                    return
                 continue
             if isinstance(outs, EngineDeadMessage):
                 self._fail(EngineDeadError(f"Engine core died: {outs.message}"))
@@ -129,8 +143,13 @@ class AsyncLLM:
                     deliveries, to_abort = self.output_processor.process_outputs(outs.outputs, outs.timestamp)
                 if outs.scheduler_stats is not None:
                     self._stats = outs.scheduler_stats
+                waiters = []
                 for collector, ro in deliveries:
-                    collector.put(ro)
+                    w = collector.put(ro, False)
+                    if w is not None:
+                        waiters.append(w)
+                if waiters:
+                    wake_asyncio_readers(waiters)
                 if to_abort:
                     self.engine_core.abort_requests(to_abort)
                 self._notify([ro.request_id for _, ro in deliveries])
@@ -167,6 +186,7 @@ class AsyncLLM:
         self.engine_core.wake_output_reader()
         if threading.current_thread() is not self._output_thread:
             self._output_thread.join(timeout=10)
+            self.engine_core.close()
         if self.dead_error is None:
             self._fail(EngineDeadError("AsyncLLM was shut down."))
 

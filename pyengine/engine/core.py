@@ -1,10 +1,11 @@
-"""EngineCore (schedule -> execute -> update) and EngineCoreProc, its busy loop on one
-native thread (mirrors vllm/v1/engine/core.py)."""
+"""EngineCore (schedule -> execute -> update) and EngineCoreProc, its busy loop between
+an input and an output queue (mirrors vllm/v1/engine/core.py). Where the loop runs — a
+thread of the front end's process or a process of its own — is the client's choice
+(pyengine/engine/core_client.py)."""
 from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections import deque
 from typing import Optional, Union
 
@@ -12,7 +13,8 @@ from pyengine.config import EngineConfig
 from pyengine.core.sched.async_scheduler import AsyncScheduler
 from pyengine.core.sched.scheduler import Scheduler
 from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
-                                      EngineDeadMessage)
+                                      EngineCoreShutdown, EngineDeadMessage, SchedulerStats, UtilityOutput,
+                                      UtilityRequest)
 from pyengine.request import Request, RequestStatus
 from pyengine.worker.model_runner import ModelRunner
 
@@ -80,52 +82,59 @@ class EngineCore:
     def step_fn(self):
         return self.step_with_batch_queue if self.config.async_scheduling else self.step
 
+    # ---- utility calls (front ends reach the scheduler only through these) ----------
+    UTILITY_METHODS = frozenset({"get_stats"})
 
-_SHUTDOWN = object()
-EngineCoreInput = Union[EngineCoreRequest, EngineCoreAbort, object]
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def call_utility(self, msg: UtilityRequest) -> UtilityOutput:
+        """Run one allowed utility method; an error is returned, never raised (it concerns
+        the caller, not the engine)."""
+        if msg.method not in self.UTILITY_METHODS:
+            return UtilityOutput(msg.call_id, None, f"ValueError: unknown utility method {msg.method!r}")
+        try:
+            return UtilityOutput(msg.call_id, getattr(self, msg.method)(*msg.args))
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            return UtilityOutput(msg.call_id, None, f"{type(e).__name__}: {e}")
+
+
+EngineCoreInput = Union[EngineCoreRequest, EngineCoreAbort, UtilityRequest, EngineCoreShutdown]
 
 
 class EngineCoreProc:
-    """Runs EngineCore's busy loop on one native thread between an input queue (adds,
-    aborts, shutdown) and an output queue (EngineCoreOutputs, or EngineDeadMessage once
-    if the loop dies). Blocks only when there is no work. Construction raises whatever
-    EngineCore's construction raised (e.g. ValueError for a bad model)."""
+    """EngineCore's busy loop between an input queue (adds, aborts, utility calls,
+    shutdown) and an output queue (EngineCoreOutputs, UtilityOutputs, and one
+    EngineDeadMessage if the loop dies). Blocks only when there is no work. The
+    in-process client runs it on a thread; the multi-process client in the main thread of
+    its own process (``pyengine.engine.core_proc``). Mirrors vllm/v1/engine/core.py's
+    EngineCoreProc."""
 
-    def __init__(self, config: EngineConfig):
-        self.input_queue: "queue.Queue[EngineCoreInput]" = queue.Queue()
-        self.output_queue: "queue.Queue" = queue.Queue()
-        self.engine_core: Optional[EngineCore] = None
-        self._init_error: Optional[BaseException] = None
-        self._ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(config,), name="EngineCore", daemon=True)
-        self.thread.start()
-        self._ready.wait()
-        if self._init_error is not None:
-            self.thread.join()
-            raise self._init_error
+    def __init__(self, engine_core: EngineCore, input_queue: "queue.Queue[EngineCoreInput]",
+                 output_queue: "queue.Queue"):
+        self.engine_core = engine_core
+        self.input_queue = input_queue
+        self.output_queue = output_queue
 
-    def _run(self, config: EngineConfig) -> None:
-        try:
-            self.engine_core = EngineCore(config)
-        except BaseException as e:  # reported to the constructing thread
-            self._init_error = e
-            self._ready.set()
-            return
-        self._ready.set()
+    def run_busy_loop(self) -> bool:
+        """Serve until an EngineCoreShutdown arrives (returns True) or a step raises (puts
+        an EngineDeadMessage on the output queue, returns False). Releases the device
+        either way."""
         core = self.engine_core
         step = core.step_fn()
         try:
             while True:
                 if not core.has_work() and not self._handle(self.input_queue.get()):
-                    break
+                    return True
                 if not self._drain_input():
-                    break
+                    return True
                 outputs = step()
                 if outputs is not None:  # also output-less steps (prefill chunks): fresh stats
                     self.output_queue.put(outputs)
         except BaseException as e:
             logger.exception("EngineCore loop died")
-            self.output_queue.put(EngineDeadMessage(f"{type(e).__name__}: {e}"))
+            self.output_queue.put(EngineDeadMessage(f"{type(e).__name__}: {e}", type(e).__name__))
+            return False
         finally:
             core.shutdown()
 
@@ -140,15 +149,97 @@ class EngineCoreProc:
 
     def _handle(self, msg) -> bool:
         """Apply one input message; False means shut down."""
-        if msg is _SHUTDOWN:
-            return False
         if isinstance(msg, EngineCoreRequest):
             self.engine_core.add_request(msg)
         elif isinstance(msg, EngineCoreAbort):
             self.engine_core.abort_requests(msg.request_ids)
+        elif isinstance(msg, UtilityRequest):
+            self.output_queue.put(self.engine_core.call_utility(msg))
+        elif isinstance(msg, EngineCoreShutdown):
+            return False
         return True
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        self.input_queue.put(_SHUTDOWN)
-        if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
+
+# ---- the engine-core process (multi-process client) -------------------------------------
+
+_STOP_WRITER = object()
+# An orphaned engine process (its front end gone) that does not stop within this many
+# seconds is exited hard: it must never keep holding the GPU.
+_ORPHAN_GRACE_S = 30.0
+
+
+def run_engine_core(config: EngineConfig, conn, log_level: int = logging.WARNING) -> None:
+    """Main of the engine-core process started by ``core_client.MPClient``.
+
+    ``conn`` is a duplex ``multiprocessing`` connection to the front end carrying
+    ``messages.encode``d messages. A reader thread decodes inputs onto the busy loop's
+    input queue, a writer thread encodes its outputs; the loop runs here, on the main
+    thread. The first output is ``EngineCoreReady``, or an ``EngineDeadMessage`` with
+    ``during_startup`` if EngineCore could not be built. End of input (the front end
+    exited or was killed) shuts the process down. Exit status 0 after a requested
+    shutdown, 1 after a failure."""
+    import os
+    import threading
+
+    from pyengine.engine.messages import EngineCoreReady, decode, encode
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
+    input_queue: "queue.Queue" = queue.Queue()
+    output_queue: "queue.Queue" = queue.Queue()
+    serving = threading.Event()
+
+    def reader() -> None:
+        while True:
+            try:
+                msg = decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                logger.warning("The front end is gone; the engine core is shutting down.")
+                if not serving.is_set():  # still loading: nothing to finish, do not hold the device
+                    os._exit(1)
+                input_queue.put(EngineCoreShutdown())
+                threading.Timer(_ORPHAN_GRACE_S, os._exit, (1,)).start()
+                return
+            input_queue.put(msg)
+            if isinstance(msg, EngineCoreShutdown):
+                return
+
+    def writer() -> None:
+        while True:
+            msg = output_queue.get()
+            if msg is _STOP_WRITER:
+                return
+            try:
+                conn.send_bytes(encode(msg))
+            except OSError:  # the front end is gone; the reader sees it too
+                return
+
+    threading.Thread(target=reader, name="EngineCoreInput", daemon=True).start()
+    try:
+        core = EngineCore(config)
+    except BaseException as e:  # reported to the front end, which raises it to the user
+        logger.debug("EngineCore failed to start", exc_info=True)
+        conn.send_bytes(encode(EngineDeadMessage(str(e) or type(e).__name__, type(e).__name__,
+                                                 during_startup=True)))
+        conn.close()
+        _exit(1)
+    out_thread = threading.Thread(target=writer, name="EngineCoreOutput", daemon=True)
+    out_thread.start()
+    output_queue.put(EngineCoreReady(core.get_stats()))
+    serving.set()
+    ok = EngineCoreProc(core, input_queue, output_queue).run_busy_loop()
+    output_queue.put(_STOP_WRITER)
+    out_thread.join(10)
+    conn.close()
+    _exit(0 if ok else 1)
+
+
+def _exit(code: int) -> None:
+    """Leave without the interpreter's teardown (torch's is slow and there is nothing to
+    save: the device memory goes back with the process)."""
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,43 +1,380 @@
-"""Client side of the engine core (mirrors vllm/v1/engine/core_client.py). The in-process
-client puts messages on EngineCoreProc's queues; a multi-process client would send the
-same messages cbor2-encoded (pyengine.engine.messages.encode)."""
+"""Client side of the engine core (mirrors vllm/v1/engine/core_client.py).
+
+``make_client(config)`` returns one of two clients that pass the same messages
+(pyengine/engine/messages.py):
+
+- ``InprocClient``: the engine core's busy loop (``EngineCoreProc``) on a native thread of
+  this process, fed through queues with the message objects themselves.
+- ``MPClient``: the busy loop in a process of its own (``core.run_engine_core``), fed
+  through a duplex ``multiprocessing`` pipe with ``messages.encode``d bytes, so the engine
+  loop no longer shares a GIL with the front end (output processing, HTTP, C delivery).
+
+Which one: ``VENGINE_ENABLE_MULTIPROCESSING`` (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``):
+``1`` the process, ``0`` the thread; unset, the default below. The engine process is
+started by ``multiprocessing``'s ``forkserver`` (a server process that imported the engine
+once, so each engine starts by a fork, without re-importing torch) or, with
+``VENGINE_MULTIPROC_METHOD=spawn``, by a fresh interpreter. Either way the caller's
+``__main__`` must be import-safe (``if __name__ == "__main__":``), as with any
+``multiprocessing`` program.
+
+Failure semantics of the process boundary: the engine process exiting for any reason
+(an exception in a step, OOM, ``kill -9``) makes ``get_output`` return an
+``EngineDeadMessage`` at once (the process sentinel is watched with the pipe); the
+front end exiting closes the pipe, and the engine process shuts down (see
+``core.run_engine_core``); a start-up failure in the engine process is raised by the
+constructor with the child's message; ``shutdown`` joins the process (terminate, then
+kill, if it does not stop).
+"""
 from __future__ import annotations
 
-from typing import Optional, Union
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+from concurrent.futures import Future
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, Optional, Union
 
 from pyengine.config import EngineConfig
-from pyengine.engine.core import EngineCoreProc
-from pyengine.engine.messages import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineDeadMessage
+from pyengine.engine.core import EngineCore, EngineCoreProc, run_engine_core
+from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+                                      EngineCoreShutdown, EngineDeadMessage, UtilityOutput, UtilityRequest,
+                                      decode, encode)
+from pyengine.exceptions import EngineDeadError
+
+logger = logging.getLogger("pyengine")
+
+ENV_MULTIPROCESSING = "VENGINE_ENABLE_MULTIPROCESSING"
+ENV_MP_METHOD = "VENGINE_MULTIPROC_METHOD"
+MP_METHODS = ("forkserver", "spawn")
+# transformers config modules of the supported families (pyengine/models/registry.py).
+PRELOAD_CONFIG_MODULES = ("transformers.models.llama.configuration_llama",
+                          "transformers.models.mistral.configuration_mistral",
+                          "transformers.models.qwen2.configuration_qwen2",
+                          "transformers.models.qwen3.configuration_qwen3")
+# Seconds a utility call waits for the engine core's answer.
+UTILITY_TIMEOUT_S = 60.0
+
+Output = Union[EngineCoreOutputs, EngineDeadMessage, None]
 
 
-class InprocClient:
-    def __init__(self, config: EngineConfig):
-        self.proc = EngineCoreProc(config)
+def multiprocessing_enabled(default: bool = True) -> bool:
+    """The ``VENGINE_ENABLE_MULTIPROCESSING`` switch; ``default`` when unset."""
+    v = os.environ.get(ENV_MULTIPROCESSING, "").strip().lower()
+    if not v:
+        return default
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENV_MULTIPROCESSING}={v!r}: use 1 (engine core in its own process) or 0 (a thread).")
 
-    @property
-    def engine_core(self):
-        return self.proc.engine_core
 
+def make_client(config: EngineConfig, multiprocess: Optional[bool] = None, wait: bool = True) -> "EngineCoreClient":
+    """The engine-core client for ``config``; ``multiprocess=None`` follows the environment
+    switch. With ``wait=False`` the engine process may still be loading: the caller does
+    its own set-up meanwhile, then calls ``wait_ready()``. Raises whatever the engine core
+    raised while starting (``ValueError`` for a bad model or configuration)."""
+    if multiprocess is None:
+        multiprocess = multiprocessing_enabled()
+    client = MPClient(config) if multiprocess else InprocClient(config)
+    if wait:
+        client.wait_ready()
+    return client
+
+
+class EngineCoreClient:
+    """What a front end may ask of the engine core. ``ready`` holds the core's first
+    report (its ``SchedulerStats``, KV-cache size included)."""
+
+    ready: EngineCoreReady
+
+    def __init__(self):
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._calls_lock = threading.Lock()
+
+    # -- to be provided ---------------------------------------------------------------
+    def wait_ready(self) -> None:
+        """Block until the engine core serves; raises its start-up error."""
+
+    def _send(self, msg) -> None:
+        raise NotImplementedError
+
+    def get_output(self, timeout: Optional[float] = None) -> Output:
+        """The next EngineCoreOutputs (or the EngineDeadMessage) from the core; None on
+        timeout or after ``wake_output_reader``. One reader thread only."""
+        raise NotImplementedError
+
+    def wake_output_reader(self) -> None:
+        raise NotImplementedError
+
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what outlives ``shutdown`` (after the output reader stopped)."""
+
+    # -- shared ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.proc.input_queue.put(request)
+        self._send(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self.proc.input_queue.put(EngineCoreAbort(list(request_ids)))
+            self._send(EngineCoreAbort(list(request_ids)))
 
-    def get_output(self, timeout: Optional[float] = None) -> Union[EngineCoreOutputs, EngineDeadMessage, None]:
-        """Blocks for the next outputs; None on timeout or after shutdown."""
-        import queue
+    def call_utility(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> Any:
+        """Run ``EngineCore.<method>(*args)`` between two engine steps and return its result.
+        Needs a thread reading ``get_output`` (AsyncLLM's output handler). Raises
+        ``EngineDeadError``, ``TimeoutError``, or ``RuntimeError`` with the core's error."""
+        fut: Future = Future()
+        with self._calls_lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = fut
         try:
-            return self.proc.output_queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
+            self._send(UtilityRequest(call_id, method, list(args)))
+            return fut.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"engine core utility call {method!r} got no answer within {timeout} s") from None
+        finally:
+            with self._calls_lock:
+                self._calls.pop(call_id, None)
+
+    def _take_utility(self, msg) -> bool:
+        """Resolve the waiting call if ``msg`` answers one."""
+        if not isinstance(msg, UtilityOutput):
+            return False
+        with self._calls_lock:
+            fut = self._calls.get(msg.call_id)
+        if fut is not None:
+            if msg.error is None:
+                fut.set_result(msg.result)
+            elif msg.error.startswith("ValueError: "):
+                fut.set_exception(ValueError(msg.error[len("ValueError: "):]))
+            else:
+                fut.set_exception(RuntimeError(msg.error))
+        return True
+
+    def _fail_calls(self, message: str) -> None:
+        with self._calls_lock:
+            calls = list(self._calls.values())
+        for fut in calls:
+            if not fut.done():
+                fut.set_exception(EngineDeadError(message))
+
+
+class InprocClient(EngineCoreClient):
+    """The busy loop on a native thread named ``EngineCore`` of this process."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__()
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.engine_core: Optional[EngineCore] = None  # in-process only: tests and benchmarks look inside
+        self._init_error: Optional[BaseException] = None
+        self._started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(config,), name="EngineCore", daemon=True)
+        self.thread.start()
+        self._started.wait()
+        if self._init_error is not None:
+            self.thread.join()
+            raise self._init_error
+
+    def _run(self, config: EngineConfig) -> None:
+        try:
+            core = EngineCore(config)
+            self.ready = EngineCoreReady(core.get_stats())
+        except BaseException as e:  # raised by the constructor, on the caller's thread
+            self._init_error = e
+            self._started.set()
+            return
+        self.engine_core = core
+        self._started.set()
+        EngineCoreProc(core, self.input_queue, self.output_queue).run_busy_loop()
+
+    def _send(self, msg) -> None:
+        self.input_queue.put(msg)
+
+    def get_output(self, timeout: Optional[float] = None) -> Output:
+        while True:
+            try:
+                msg = self.output_queue.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            if self._take_utility(msg):
+                continue
+            if isinstance(msg, EngineDeadMessage):
+                self._fail_calls(msg.message)
+            return msg
 
     def wake_output_reader(self) -> None:
-        self.proc.output_queue.put(None)
+        self.output_queue.put(None)
 
     def is_alive(self) -> bool:
-        return self.proc.thread.is_alive()
+        return self.thread.is_alive()
 
-    def shutdown(self) -> None:
-        self.proc.shutdown()
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.input_queue.put(EngineCoreShutdown())
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+        self._fail_calls("the engine was shut down")
+
+
+def _mp_context(config: EngineConfig):
+    method = os.environ.get(ENV_MP_METHOD, "forkserver").strip().lower()
+    if method not in MP_METHODS:
+        raise ValueError(f"{ENV_MP_METHOD}={method!r}: use one of {', '.join(MP_METHODS)}.")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # The server imports the engine and the config classes that unpickling an
+        # EngineConfig needs (importing one costs seconds: it pulls in much of
+        # transformers) once; each engine process is then a fork of it.
+        ctx.set_forkserver_preload(["pyengine.engine.core", type(config.hf_config).__module__,
+                                    *PRELOAD_CONFIG_MODULES])
+    if not hasattr(sys, "argv"):  # an embedded interpreter (the C ABI) may have none
+        sys.argv = [""]
+    return ctx
+
+
+def _exit_reason(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+class MPClient(EngineCoreClient):
+    """The busy loop in its own process (``core.run_engine_core``), over a duplex pipe."""
+
+    def __init__(self, config: EngineConfig, target=None):
+        super().__init__()
+        ctx = _mp_context(config)
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._send_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        self._dead: Optional[EngineDeadMessage] = None
+        self._closed = False
+        level = logging.getLogger("pyengine").getEffectiveLevel()
+        self.proc = ctx.Process(target=target or run_engine_core, args=(config, child_conn, level), name="EngineCore")
+        self.proc.start()
+        child_conn.close()
+
+    def wait_ready(self) -> None:
+        if hasattr(self, "ready"):
+            return
+        first = self._recv(None)
+        if not isinstance(first, EngineCoreReady):
+            self._stop_process(5.0)
+            self.close()
+            msg = first.message if isinstance(first, EngineDeadMessage) else f"unexpected first message {first!r}"
+            if isinstance(first, EngineDeadMessage) and first.error_type == "ValueError":
+                raise ValueError(msg)
+            raise RuntimeError(f"The engine core failed to start: {msg}")
+        self.ready = first
+        logger.info("Engine core running in process %d.", self.proc.pid)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid
+
+    def _send(self, msg) -> None:
+        data = encode(msg)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except (OSError, ValueError) as e:  # ValueError: the pipe was closed here
+            raise EngineDeadError(f"the engine core process is gone ({_exit_reason(self.proc.exitcode)})") from e
+
+    def _dead_message(self) -> EngineDeadMessage:
+        self.proc.join(0.5)
+        return EngineDeadMessage(f"the engine core process died unexpectedly ({_exit_reason(self.proc.exitcode)})",
+                                 "EngineDeadError")
+
+    def _recv(self, timeout: Optional[float]):
+        """One decoded message; None on timeout or wake-up; an EngineDeadMessage once the
+        process is gone and the pipe holds nothing more."""
+        conn = self._conn
+        if not conn.poll(0):
+            ready = mp_wait([conn, self.proc.sentinel, self._wake_r], timeout)
+            if not ready:
+                return None
+            if conn not in ready:
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 512)
+                    return None
+                if not conn.poll(0):  # the process ended and left nothing unread
+                    return self._dead_message()
+        try:
+            return decode(conn.recv_bytes())
+        except (EOFError, OSError):
+            return self._dead_message()
+
+    def get_output(self, timeout: Optional[float] = None) -> Output:
+        if self._dead is not None:
+            return self._dead
+        while True:
+            msg = self._recv(timeout)
+            if self._take_utility(msg):
+                continue
+            if isinstance(msg, EngineDeadMessage):
+                self._dead = msg
+                self._fail_calls(msg.message)
+            return msg
+
+    def wake_output_reader(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except OSError:
+            pass
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def _stop_process(self, timeout: float) -> None:
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            logger.warning("The engine core process did not stop in %.0f s; terminating it.", timeout)
+            self.proc.terminate()
+            self.proc.join(5.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Ask the engine process to stop, join it (terminate / kill past ``timeout``)."""
+        if self._closed:
+            return
+        try:
+            self._send(EngineCoreShutdown())
+        except EngineDeadError:
+            pass
+        self._stop_process(timeout)
+        self._fail_calls("the engine was shut down")
+        self.wake_output_reader()
+
+    def close(self) -> None:
+        """Release the pipe and wake-up fds (after the output reader stopped)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._conn.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            self.proc.close()
+        except ValueError:  # still running: shutdown was not called
+            pass

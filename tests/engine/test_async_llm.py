@@ -14,8 +14,10 @@ from pyengine.engine.llm_engine import LLMEngine
 from tests.helpers import hf_greedy, prompt_token_ids
 
 
-def make_engine(model_dir, **kw) -> AsyncLLM:
-    return AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), device="cpu", **kw))
+def make_engine(model_dir, multiprocess=None, **kw) -> AsyncLLM:
+    """multiprocess=None: the default engine core (see pyengine/engine/core_client.py);
+    tests that patch the engine's internals ask for the in-process one."""
+    return AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), device="cpu", **kw), multiprocess)
 
 
 def drain(collector, timeout=60):
@@ -236,18 +238,18 @@ def test_async_scheduling_switches(llama_dir, monkeypatch, caplog):
     assert not EngineArgs(model=str(llama_dir), device="cpu", async_scheduling=False).create_engine_config().async_scheduling
     monkeypatch.setenv("VENGINE_ASYNC_SCHED", "0")
     assert not EngineArgs(model=str(llama_dir), device="cpu").create_engine_config().async_scheduling
-    engine = make_engine(llama_dir)
+    engine = make_engine(llama_dir, multiprocess=False)  # its log lines land in caplog
     engine.shutdown()
     assert "Asynchronous scheduling is disabled" in caplog.text
     monkeypatch.delenv("VENGINE_ASYNC_SCHED")
-    engine = make_engine(llama_dir)
+    engine = make_engine(llama_dir, multiprocess=False)
     engine.shutdown()
     assert "Asynchronous scheduling is enabled" in caplog.text
 
 
 @pytest.mark.timeout(60)
 def test_engine_death_reaches_every_stream(llama_dir, prompts):
-    engine = make_engine(llama_dir, max_num_seqs=2)
+    engine = make_engine(llama_dir, multiprocess=False, max_num_seqs=2)  # the fault is patched in
     try:
         runner = engine.engine_core.engine_core.model_runner
         calls = {"n": 0}

@@ -10,12 +10,12 @@ MODEL_NAME = "tiny-llama"
 API_KEY = "test-key-123"
 
 
-def make_engine(model_dir, **kw):
+def make_engine(model_dir, multiprocess=None, **kw):
     from pyengine import AsyncLLM, EngineArgs
 
     args = dict(model=str(model_dir), device="cpu", max_model_len=512, num_gpu_blocks_override=2048)
     args.update(kw)
-    return AsyncLLM.from_engine_args(EngineArgs(**args))
+    return AsyncLLM.from_engine_args(EngineArgs(**args), multiprocess)
 
 
 @pytest.fixture(scope="session")

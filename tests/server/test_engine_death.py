@@ -15,7 +15,7 @@ from tests.server.http_util import get, post
 def test_engine_death_health_503_and_errors(llama_dir):
     from server import BackgroundServer, create_app
 
-    engine = make_engine(llama_dir)
+    engine = make_engine(llama_dir, multiprocess=False)  # the fault is patched into the runner
     srv = BackgroundServer(create_app(engine, SimpleNamespace(served_model_name=["m"])), port=0).start()
     try:
         assert get(srv.port, "/health")[0] == 200

@@ -1,0 +1,22 @@
+"""Engine-core process mains for tests of the multi-process client: importable by the
+engine process (they are passed to ``MPClient`` by reference), each patches one thing
+and then runs the real ``run_engine_core``."""
+from __future__ import annotations
+
+from pyengine.engine.core import run_engine_core
+
+
+def run_with_faulty_step(config, conn, log_level):
+    """The model runner raises from its sixth step on (a CUDA error, say)."""
+    from pyengine.worker.model_runner import ModelRunner
+
+    orig = ModelRunner.execute_model
+    calls = {"n": 0}
+
+    def boom(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise RuntimeError("injected failure in the engine process")
+        return orig(self, *a, **k)
+    ModelRunner.execute_model = boom
+    run_engine_core(config, conn, log_level)
