@@ -54,6 +54,9 @@ class EngineArgs:
     attention_backend: Optional[str] = None  # None: "triton" on CUDA, "torch" on CPU
     served_model_name: Optional[str] = None
     load_format: str = "auto"  # "dummy": random weights (benchmarks of a model shape)
+    # Streamed outputs (DELTA / CUMULATIVE) are sent every this many tokens of a request;
+    # its first token and its end go at once (vLLM's --stream-interval).
+    stream_interval: int = 1
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -83,6 +86,7 @@ class EngineConfig:
     enforce_eager: bool
     attention_backend: str
     load_format: str = "auto"
+    stream_interval: int = 1
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -101,7 +105,7 @@ class EngineConfig:
             raise ValueError(f"Unknown device {a.device!r}; valid devices: {', '.join(DEVICES)}.")
         if a.dtype not in DTYPES:
             raise ValueError(f"Unknown dtype {a.dtype!r}; valid dtypes: {', '.join(DTYPES)}.")
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "stream_interval"):
             if not isinstance(getattr(a, name), int) or getattr(a, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(a, name)!r}.")
         if a.num_gpu_blocks_override is not None and a.num_gpu_blocks_override < 1:
@@ -156,7 +160,7 @@ class EngineConfig:
             enable_chunked_prefill=a.enable_chunked_prefill,
             scheduling_policy=a.scheduling_policy, seed=a.seed, async_scheduling=async_sched,
             enforce_eager=a.enforce_eager or device.type != "cuda", attention_backend=backend,
-            load_format=a.load_format)
+            load_format=a.load_format, stream_interval=a.stream_interval)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shape (benchmarks).")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="Send streamed deltas every N tokens of a request; its first token and "
+                        "its end at once (default: %(default)s).")
     p.add_argument("--api-key", default=None,
                    help="Require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY, else none).")
     p.add_argument("--chat-template", default=None,
@@ -88,6 +93,7 @@ def engine_args_from(args: argparse.Namespace):
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy, seed=args.seed,
         async_scheduling=args.async_scheduling, enforce_eager=args.enforce_eager,
+        load_format=args.load_format, stream_interval=args.stream_interval,
         served_model_name=(args.served_model_name or [None])[0])
 
 

@@ -8,15 +8,12 @@ from typing import Any, Optional
 
 from pyengine.engine.detokenizer import IncrementalDetokenizer, decode_logprob_token
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pyengine.exceptions import EngineDeadError  # noqa: F401 - re-exported for old imports
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
 # Module aliases: enum member access is slow on Python 3.11 and these run per request per step.
 _CUMULATIVE, _DELTA, _FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core thread died; every pending and future request fails with this."""
 
 
 class RequestOutputCollector:
@@ -33,7 +30,11 @@ class RequestOutputCollector:
         self._aio_waiter = None  # (loop, asyncio.Event) of a waiting asyncio reader
         self.finished = False  # the final output has been taken
 
-    def put(self, output: RequestOutput | BaseException) -> None:
+    def put(self, output: RequestOutput | BaseException, wake_asyncio: bool = True):
+        """Hand ``output`` over (merging into an unread DELTA output). With
+        ``wake_asyncio=False`` a waiting asyncio reader is not woken but returned as a
+        ``(loop, event)`` pair, for ``wake_asyncio_readers`` to wake many with one
+        cross-thread call per event loop."""
         with self._cond:
             cur = self._output
             if cur is None or isinstance(output, BaseException) or isinstance(cur, BaseException):
@@ -44,12 +45,10 @@ class RequestOutputCollector:
                 self._output = output
             self._cond.notify_all()
             waiter, self._aio_waiter = self._aio_waiter, None
-        if waiter is not None:
-            loop, event = waiter
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the reader's event loop is gone; nobody to wake
-                pass
+        if waiter is None or not wake_asyncio:
+            return waiter
+        wake_asyncio_readers([waiter])
+        return None
 
     def _take(self) -> Optional[RequestOutput]:
         out, self._output = self._output, None
@@ -90,6 +89,24 @@ class RequestOutputCollector:
     def __iter__(self):
         while not self.finished:
             yield self.get()
+
+
+def _set_events(events) -> None:
+    for e in events:
+        e.set()
+
+
+def wake_asyncio_readers(waiters) -> None:
+    """Wake ``(loop, asyncio.Event)`` waiters: one ``call_soon_threadsafe`` per event loop
+    (each is a write to the loop's self-pipe), not one per request."""
+    by_loop: dict = {}
+    for loop, event in waiters:
+        by_loop.setdefault(loop, []).append(event)
+    for loop, events in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_events, events)
+        except RuntimeError:  # the reader's event loop is gone; nobody to wake
+            pass
 
 
 def _merge_delta(cur: RequestOutput, new: RequestOutput) -> None:
@@ -138,6 +155,7 @@ class _Child:
         self.stop_reason: Optional[int | str] = None
         self.sent_tokens = 0
         self.sent_logprobs = 0
+        self.emitted_tokens = 0  # output tokens when this child was last reported (stream_interval)
 
     def finish_deferred(self, stop_terminated: bool) -> None:
         ids = self.detok.output_token_ids
@@ -181,7 +199,17 @@ class _Parent:
     def finished(self) -> bool:
         return self.num_finished == len(self.children)
 
-    def make_output(self, changed: list[_Child]) -> Optional[RequestOutput]:
+    def make_output(self, changed: list[_Child], stream_interval: int = 1) -> Optional[RequestOutput]:
+        if stream_interval > 1 and self.kind != _FINAL_ONLY and not self.finished:
+            # Report a child only every stream_interval tokens, its first token at once.
+            due = [c for c in changed if c.emitted_tokens == 0 and c.detok.num_output_tokens > 0
+                   or c.detok.num_output_tokens - c.emitted_tokens >= stream_interval
+                   or c.finish_reason is not None]
+            if not due:
+                return None
+            for c in due:
+                c.emitted_tokens = c.detok.num_output_tokens
+            changed = due
         if self.kind == _FINAL_ONLY:
             if not self.finished:
                 return None
@@ -198,10 +226,13 @@ class _Parent:
 
 
 class OutputProcessor:
-    """Not thread-safe; the owner serializes calls (AsyncLLM holds a lock)."""
+    """Not thread-safe; the owner serializes calls (AsyncLLM holds a lock).
+    ``stream_interval``: streamed outputs every this many tokens of a request (its first
+    token and its end at once)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stream_interval: int = 1):
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.parents: dict[str, _Parent] = {}
         self.children: dict[str, _Child] = {}
 
@@ -266,7 +297,7 @@ class OutputProcessor:
         deliveries = []
         for rid, kids in changed.items():
             parent = self.parents[rid]
-            out = parent.make_output(kids)
+            out = parent.make_output(kids, self.stream_interval)
             if parent.finished:
                 del self.parents[rid]
             if out is not None:

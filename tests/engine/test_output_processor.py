@@ -420,3 +420,56 @@ def test_duplicate_request_id_rejected(tokenizer):
                        [EngineCoreRequest("req", ids, SamplingParams(), 16, 0.0)], None)
     assert not op.has_request("other")
     assert op.get_num_unfinished_requests() == 1
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])
+def test_stream_interval_coalesces_deltas(tokenizer, kind):
+    """stream_interval=3: the first token at once, then every third token, the end at once;
+    concatenated, the text and ids are the same as with stream_interval=1."""
+    toks = enc(tokenizer, " return the value of x and the rest of it all")[:8]
+    assert len(toks) == 8
+    got = {}
+    for interval in (1, 3):
+        op = OutputProcessor(tokenizer, stream_interval=interval)
+        coll, (core_id,) = add(op, tokenizer, "req", SamplingParams(max_tokens=8, output_kind=kind))
+        outs = []
+        for i, t in enumerate(toks):
+            fin = "length" if i == len(toks) - 1 else None
+            deliveries, _ = op.process_outputs([EngineCoreOutput(core_id, [t], finish_reason=fin)], float(i))
+            outs.append([o for _, o in deliveries])
+        got[interval] = outs
+    sizes = [len(d[0].outputs[0].token_ids) if d else 0 for d in got[3]]
+    if kind == DELTA:
+        assert sizes == [1, 0, 0, 3, 0, 0, 3, 1]
+        text = "".join(d[0].outputs[0].text for d in got[3] if d)
+        assert text == "".join(d[0].outputs[0].text for d in got[1]) == tokenizer.decode(toks)
+        assert [t for d in got[3] if d for t in d[0].outputs[0].token_ids] == toks
+    else:
+        assert sizes == [1, 0, 0, 4, 0, 0, 7, 8]
+        assert got[3][-1][0].outputs[0].text == got[1][-1][0].outputs[0].text == tokenizer.decode(toks)
+    assert [bool(d) for d in got[1]] == [True] * 8
+
+
+def test_asyncio_readers_woken_once_per_loop(monkeypatch):
+    """Many asyncio readers of one loop are woken with a single call_soon_threadsafe."""
+    from pyengine.engine.output_processor import wake_asyncio_readers
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = []
+        orig = loop.call_soon_threadsafe
+        monkeypatch.setattr(loop, "call_soon_threadsafe", lambda *a: (calls.append(a), orig(*a))[1])
+        cs = [RequestOutputCollector(f"r{i}", DELTA) for i in range(50)]
+        tasks = [asyncio.ensure_future(c.get_async()) for c in cs]
+        await asyncio.sleep(0.05)  # every reader waits
+
+        def produce():
+            waiters = [c.put(ro(str(i), [i], rid=c.request_id), wake_asyncio=False) for i, c in enumerate(cs)]
+            wake_asyncio_readers([w for w in waiters if w is not None])
+        t = threading.Thread(target=produce)
+        t.start()
+        outs = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        t.join()
+        assert [o.outputs[0].token_ids for o in outs] == [[i] for i in range(50)]
+        assert len(calls) == 1
+    asyncio.run(main())
