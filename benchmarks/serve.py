@@ -352,18 +352,23 @@ def find_py_spy(explicit: Optional[str] = None) -> Optional[str]:
 
 def parse_py_spy_raw(text: str, top: int = 12) -> dict:
     """py-spy's raw (collapsed-stack) output -> per (process, thread) sample counts, the
-    hottest leaf frames and the hottest functions anywhere on the stack."""
+    hottest leaf frames and the hottest functions anywhere on the stack. With
+    ``--subprocesses`` a stack starts with the chain of processes, the sampled one last:
+    the profiled process is "frontend", a process forked by multiprocessing (the engine
+    core) "engine", any other descendant "child"."""
     threads: dict[str, dict] = {}
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        proc = next((f for f in frames if f.startswith("process ")), "")
+        procs = [f for f in frames if f.startswith("process ")]
         thread = next((f for f in frames if f.startswith("thread ")), "thread ?")
         name = thread.split(": ", 1)[-1] if ": " in thread else thread
-        pid = re.match(r"process (\d+)", proc)
-        key = f"{pid.group(1) if pid else '?'}:{name}"
+        pid = re.match(r"process (\d+)", procs[-1]) if procs else None
+        role = "frontend" if len(procs) <= 1 else (
+            "engine" if "multiprocessing" in procs[-1] else "child")
+        key = f"{role}({pid.group(1) if pid else '?'}):{name}"
         code = [f for f in frames if not f.startswith(("process ", "thread "))]
         t = threads.setdefault(key, {"samples": 0, "leaf": {}, "inclusive": {}})
         n = int(count)
@@ -841,6 +846,8 @@ def suite(a) -> dict:
     hw = hardware_info(a.device)
     levels = [int(x) for x in a.concurrency.split(",")]
     results: dict = {}
+    payload = {"benchmark": "serve_suite", "command": " ".join(sys.argv), "hardware": hw, "args": vars(a),
+               "results": results}
     for core in a.cores.split(","):
         for fe in a.frontends.split(","):
             spec = _child_spec(a, fe, core, str(model_dir))
@@ -848,16 +855,18 @@ def suite(a) -> dict:
                 spec["profile"] = None
             print(f"=== {fe} / core={core}", flush=True)
             results.setdefault(core, {})[fe] = _run_child(spec, a.child_timeout)
+            _write_json(a.json_out, payload)  # after every child: a run cut short keeps what it did
     headers, rows = _ratio_table(results, levels)
-    table = md_table(headers, rows)
-    print("\n" + table)
-    payload = {"benchmark": "serve_suite", "command": " ".join(sys.argv), "hardware": hw, "args": vars(a),
-               "results": results, "table": table}
-    if a.json_out:
-        Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json_out).write_text(json.dumps(payload, indent=2, default=str) + "\n")
-        print(f"results written to {a.json_out}")
+    payload["table"] = md_table(headers, rows)
+    print("\n" + payload["table"])
+    _write_json(a.json_out, payload)
     return payload
+
+
+def _write_json(path: Optional[str], payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
 
 # ----------------------------------------------------------------------------------------

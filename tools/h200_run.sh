@@ -14,7 +14,7 @@
 # (e.g. `gpu_ops gpu_e2e latency gpu_idle attention` then the rest).
 set -u
 OUT=${OUT:-out}
-mkdir -p "$OUT"
+mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 LOG="$OUT/all.log"
 WANT=" ${*:-gpu_ops gpu_e2e throughput throughput_noasync latency gpu_idle async_sched attention} "
@@ -36,9 +36,9 @@ step 120 gpu_ops python3 -m pytest -q -m gpu tests/ops tests/attention tests/wor
 step 270 gpu_e2e python3 -m pytest -q -m gpu tests/test_llm.py tests/engine -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=100
 step 150 gpu_mp python3 -m pytest -q -m gpu tests/engine/test_core_client.py -p no:cacheprovider --tb=short -o faulthandler_timeout=100
 SERVE="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 256"
-step 240 serve_before bash -c "cd .bench_before && python3 $SERVE --cores inproc --frontends offline,asyncllm,http --concurrency 64,256 --json $OUT/serve_before.json"
-step 420 serve_mp python3 $SERVE --cores mp --json "$OUT/serve_mp.json"
-step 400 serve_inproc python3 $SERVE --cores inproc --frontends asyncllm,http,capi --json "$OUT/serve_inproc.json"
+step 230 serve_before bash -c "cd .bench_before && python3 $SERVE --cores inproc --frontends offline,asyncllm,http --concurrency 64,256 --json $OUT/serve_before.json"
+step 330 serve_mp python3 $SERVE --cores mp --json "$OUT/serve_mp.json"
+step 330 serve_inproc python3 $SERVE --cores inproc --frontends asyncllm,http,capi --json "$OUT/serve_inproc.json"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"
