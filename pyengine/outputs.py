@@ -1,11 +1,14 @@
-"""User-facing request outputs (mirrors vllm/outputs.py)."""
+"""User-facing request outputs (mirrors vllm/outputs.py).
+
+Slotted dataclasses: the output handler makes one ``RequestOutput`` per request per
+engine step, and objects without a ``__dict__`` are cheaper to make and to garbage-collect."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """Log probability of one token; ``rank`` is 1 for the most likely token."""
     logprob: float
@@ -17,7 +20,7 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One of the ``n`` completions of a request.
 
@@ -36,7 +39,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timestamps in seconds from ``time.monotonic()``."""
     arrival_time: float
@@ -45,7 +48,7 @@ class RequestMetrics:
     finished_time: Optional[float] = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The output of one request as seen by a reader at one point of its stream."""
     request_id: str

@@ -25,6 +25,7 @@ from pyengine.exceptions import EngineDeadError
 from pyengine.engine.processor import Processor
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
+from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 
 logger = logging.getLogger("pyengine")
 
@@ -56,6 +57,7 @@ class AsyncLLM:
             self.engine_core.close()
             raise
         self._stats = self.engine_core.ready.stats
+        freeze_gc_heap()
         self._output_thread = threading.Thread(target=self._output_handler_loop, name="OutputHandler", daemon=True)
         self._output_thread.start()
         # Join the engine threads before interpreter teardown (a daemon thread killed inside
@@ -187,6 +189,7 @@ class AsyncLLM:
         if threading.current_thread() is not self._output_thread:
             self._output_thread.join(timeout=10)
             self.engine_core.close()
+        unfreeze_gc_heap()
         if self.dead_error is None:
             self._fail(EngineDeadError("AsyncLLM was shut down."))
 

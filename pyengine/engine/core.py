@@ -182,6 +182,7 @@ def run_engine_core(config: EngineConfig, conn, log_level: int = logging.WARNING
     import threading
 
     from pyengine.engine.messages import EngineCoreReady, decode, encode
+    from pyengine.utils import freeze_gc_heap
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
     input_queue: "queue.Queue" = queue.Queue()
@@ -222,6 +223,7 @@ def run_engine_core(config: EngineConfig, conn, log_level: int = logging.WARNING
                                                  during_startup=True)))
         conn.close()
         _exit(1)
+    freeze_gc_heap()
     out_thread = threading.Thread(target=writer, name="EngineCoreOutput", daemon=True)
     out_thread.start()
     output_queue.put(EngineCoreReady(core.get_stats()))

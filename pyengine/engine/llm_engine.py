@@ -11,6 +11,7 @@ from pyengine.engine.output_processor import OutputProcessor
 from pyengine.engine.processor import Processor
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
+from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 
 
 class LLMEngine:
@@ -21,6 +22,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
         self._step = self.engine_core.step_fn()
+        freeze_gc_heap()
 
     def add_request(self, request_id: str, prompt, params: Optional[SamplingParams] = None,
                     priority: int = 0) -> None:
@@ -56,3 +58,4 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release the model, KV cache and CUDA graphs (device memory)."""
         self.engine_core.shutdown()
+        unfreeze_gc_heap()

@@ -33,7 +33,7 @@ class EngineCoreAbort:
     request_ids: list[str]
 
 
-@dataclass
+@dataclass(slots=True)
 class LogprobsEntry:
     """Logprobs of one generated token: token_ids[0] is the sampled token, then the top-k."""
     token_ids: list[int]
@@ -41,7 +41,7 @@ class LogprobsEntry:
     sampled_rank: int
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-from pyengine.engine.detokenizer import IncrementalDetokenizer, decode_logprob_token
+from pyengine.engine.detokenizer import decode_logprob_token, make_incremental_detokenizer
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pyengine.exceptions import EngineDeadError  # noqa: F401 - re-exported for old imports
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -146,7 +146,7 @@ class _Child:
         self.skip_special_tokens = params.skip_special_tokens
         self.include_stop = params.include_stop_str_in_output
         self.final_text: Optional[str] = None
-        self.detok = IncrementalDetokenizer(tokenizer if params.detokenize and not self.deferred else None,
+        self.detok = make_incremental_detokenizer(tokenizer if params.detokenize and not self.deferred else None,
                                             core_req.prompt_token_ids, params)
         self.want_logprobs = params.logprobs is not None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.want_logprobs else None
@@ -221,8 +221,10 @@ class _Parent:
                 return None
         else:
             outs = [c.completion(self.kind) for c in self.children]
+        m = self.metrics
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             RequestMetrics(**vars(self.metrics)), self.num_cached_tokens)
+                             RequestMetrics(m.arrival_time, m.first_token_time, m.last_token_time,
+                                            m.finished_time), self.num_cached_tokens)
 
 
 class OutputProcessor:

@@ -3,9 +3,19 @@ import random
 
 import pytest
 
+from pyengine.engine import detokenizer as detok_module
 from pyengine.engine.detokenizer import (IncrementalDetokenizer, check_stop_strings,
                                          check_stop_token, decode_logprob_token)
 from pyengine.sampling_params import SamplingParams
+
+
+@pytest.fixture(autouse=True, params=["window", "fast"])
+def detokenizer_class(request, monkeypatch):
+    """Every test runs against both implementations (the window-based one and the
+    DecodeStream one the output processor picks for fast tokenizers): same contract."""
+    cls = {"window": detok_module.IncrementalDetokenizer, "fast": detok_module.FastIncrementalDetokenizer}[request.param]
+    monkeypatch.setitem(globals(), "IncrementalDetokenizer", cls)
+    return cls
 
 TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
