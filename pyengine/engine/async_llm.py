@@ -18,7 +18,7 @@ import weakref
 from typing import AsyncGenerator, Callable, Iterable, Optional
 
 from pyengine.config import EngineArgs, EngineConfig
-from pyengine.engine.core_client import make_client
+from pyengine.engine.core_client import EngineCoreClient, make_client
 from pyengine.engine.messages import EngineDeadMessage, SchedulerStats
 from pyengine.engine.output_processor import OutputProcessor, RequestOutputCollector, wake_asyncio_readers
 from pyengine.exceptions import EngineDeadError
@@ -37,16 +37,19 @@ def load_tokenizer(config: EngineConfig):
 
 class AsyncLLM:
     """``multiprocess``: the engine core in its own process (True) or on a thread (False);
-    None follows ``VENGINE_ENABLE_MULTIPROCESSING`` (pyengine/engine/core_client.py)."""
+    None follows ``VENGINE_ENABLE_MULTIPROCESSING`` (pyengine/engine/core_client.py).
+    ``client``: serve through this engine-core client instead of starting one (an API
+    server of ``vengine serve --api-server-count N`` attaches to a shared engine process)."""
 
-    def __init__(self, config: EngineConfig, multiprocess: Optional[bool] = None):
+    def __init__(self, config: EngineConfig, multiprocess: Optional[bool] = None,
+                 client: Optional[EngineCoreClient] = None):
         self.config = config
         self._lock = threading.Lock()  # serializes OutputProcessor use across threads
         self._listeners: list[Callable[[list[str]], None]] = []
         self.dead_error: Optional[BaseException] = None
         self._shutdown = False
         # The engine process loads the model while this one loads the tokenizer.
-        self.engine_core = make_client(config, multiprocess, wait=False)
+        self.engine_core = client if client is not None else make_client(config, multiprocess, wait=False)
         try:
             self.tokenizer = load_tokenizer(config)
             self.processor = Processor(config, self.tokenizer)

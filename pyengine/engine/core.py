@@ -4,8 +4,11 @@ thread of the front end's process or a process of its own — is the client's ch
 (pyengine/engine/core_client.py)."""
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import queue
+import threading
 from collections import deque
 from typing import Optional, Union
 
@@ -168,70 +171,137 @@ _STOP_WRITER = object()
 _ORPHAN_GRACE_S = 30.0
 
 
-def run_engine_core(config: EngineConfig, conn, log_level: int = logging.WARNING) -> None:
-    """Main of the engine-core process started by ``core_client.MPClient``.
+class _FrontEndLinks:
+    """The engine process's side of its front-end connections (one per front-end process:
+    ``--api-server-count`` runs several). One reader thread per connection decodes its
+    inputs onto the busy loop's input queue; one writer thread encodes the loop's outputs
+    and routes them: request outputs to the front end that sent the request, utility
+    answers to the caller, everything else (ready, death) to all. A front end that goes
+    away has its requests aborted; when the last one is gone, the process shuts down."""
 
-    ``conn`` is a duplex ``multiprocessing`` connection to the front end carrying
-    ``messages.encode``d messages. A reader thread decodes inputs onto the busy loop's
-    input queue, a writer thread encodes its outputs; the loop runs here, on the main
-    thread. The first output is ``EngineCoreReady``, or an ``EngineDeadMessage`` with
-    ``during_startup`` if EngineCore could not be built. End of input (the front end
-    exited or was killed) shuts the process down. Exit status 0 after a requested
-    shutdown, 1 after a failure."""
-    import os
-    import threading
+    def __init__(self, conns: list, input_queue: "queue.Queue", serving):
+        self.conns = conns
+        self.input_queue = input_queue
+        self.serving = serving  # threading.Event: set once EngineCore is built
+        self.owner: dict[str, int] = {}  # request id -> front end (with several)
+        self.calls: dict[int, tuple[int, int]] = {}  # engine-side call id -> (front end, its call id)
+        self._call_ids = itertools.count()
+        self._open = len(conns)
+        self._lock = threading.Lock()
 
-    from pyengine.engine.messages import EngineCoreReady, decode, encode
-    from pyengine.utils import freeze_gc_heap
+    def start_readers(self) -> None:
+        for i in range(len(self.conns)):
+            threading.Thread(target=self._read, args=(i,), name=f"EngineCoreInput-{i}", daemon=True).start()
 
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
-    input_queue: "queue.Queue" = queue.Queue()
-    output_queue: "queue.Queue" = queue.Queue()
-    serving = threading.Event()
+    def _read(self, i: int) -> None:
+        from pyengine.engine.messages import decode
 
-    def reader() -> None:
+        conn, several = self.conns[i], len(self.conns) > 1
         while True:
             try:
                 msg = decode(conn.recv_bytes())
             except (EOFError, OSError):
-                logger.warning("The front end is gone; the engine core is shutting down.")
-                if not serving.is_set():  # still loading: nothing to finish, do not hold the device
-                    os._exit(1)
-                input_queue.put(EngineCoreShutdown())
-                threading.Timer(_ORPHAN_GRACE_S, os._exit, (1,)).start()
+                self._gone(i)
                 return
-            input_queue.put(msg)
+            if isinstance(msg, UtilityRequest):
+                with self._lock:
+                    call_id = next(self._call_ids)
+                    self.calls[call_id] = (i, msg.call_id)
+                msg.call_id = call_id
+            elif several and isinstance(msg, EngineCoreRequest):
+                self.owner[msg.request_id] = i
+            self.input_queue.put(msg)
             if isinstance(msg, EngineCoreShutdown):
                 return
+
+    def _gone(self, i: int) -> None:
+        with self._lock:
+            self._open -= 1
+            last = self._open == 0
+        if not last:  # the others keep going; its requests are dropped
+            logger.warning("Front end %d is gone; aborting its requests.", i)
+            self.input_queue.put(EngineCoreAbort([r for r, o in list(self.owner.items()) if o == i]))
+            return
+        logger.warning("The front end is gone; the engine core is shutting down.")
+        if not self.serving.is_set():  # still loading: nothing to finish, do not hold the device
+            os._exit(1)
+        self.input_queue.put(EngineCoreShutdown())
+        threading.Timer(_ORPHAN_GRACE_S, os._exit, (1,)).start()
+
+    def write(self, msg) -> None:
+        """Send one busy-loop output where it belongs (OSError: that front end is gone;
+        its reader sees it too)."""
+        from pyengine.engine.messages import encode
+
+        if isinstance(msg, UtilityOutput):
+            i, msg.call_id = self.calls.pop(msg.call_id, (0, msg.call_id))
+            self._send(i, encode(msg))
+        elif isinstance(msg, EngineCoreOutputs) and len(self.conns) > 1:
+            per: list[list] = [[] for _ in self.conns]
+            owner = self.owner
+            for o in msg.outputs:
+                per[owner.get(o.request_id, 0)].append(o)
+                if o.finish_reason is not None:
+                    owner.pop(o.request_id, None)
+            for i, outs in enumerate(per):  # every front end gets the step's stats
+                self._send(i, encode(EngineCoreOutputs(outs, msg.scheduler_stats, msg.timestamp)))
+        else:
+            data = encode(msg)
+            for i in range(len(self.conns)):
+                self._send(i, data)
+
+    def _send(self, i: int, data: bytes) -> None:
+        try:
+            self.conns[i].send_bytes(data)
+        except OSError:
+            pass
+
+
+def run_engine_core(config: EngineConfig, conns, log_level: int = logging.WARNING) -> None:
+    """Main of the engine-core process started by ``core_client.MPClient`` (or by
+    ``vengine serve --api-server-count N``).
+
+    ``conns``: a duplex ``multiprocessing`` connection to the front end, or a list of them
+    (one per front-end process), carrying ``messages.encode``d messages (see
+    ``_FrontEndLinks``). The busy loop runs here, on the main thread. The first output is
+    ``EngineCoreReady``, or an ``EngineDeadMessage`` with ``during_startup`` if EngineCore
+    could not be built. End of input from every front end (they exited or were killed)
+    shuts the process down. Exit status 0 after a requested shutdown, 1 after a failure."""
+    from pyengine.engine.messages import EngineCoreReady, encode
+    from pyengine.utils import freeze_gc_heap
+
+    conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
+    input_queue: "queue.Queue" = queue.Queue()
+    output_queue: "queue.Queue" = queue.Queue()
+    links = _FrontEndLinks(conns, input_queue, threading.Event())
 
     def writer() -> None:
         while True:
             msg = output_queue.get()
             if msg is _STOP_WRITER:
                 return
-            try:
-                conn.send_bytes(encode(msg))
-            except OSError:  # the front end is gone; the reader sees it too
-                return
+            links.write(msg)
 
-    threading.Thread(target=reader, name="EngineCoreInput", daemon=True).start()
+    links.start_readers()
     try:
         core = EngineCore(config)
-    except BaseException as e:  # reported to the front end, which raises it to the user
+    except BaseException as e:  # reported to the front ends, which raise it to the user
         logger.debug("EngineCore failed to start", exc_info=True)
-        conn.send_bytes(encode(EngineDeadMessage(str(e) or type(e).__name__, type(e).__name__,
-                                                 during_startup=True)))
-        conn.close()
+        links.write(EngineDeadMessage(str(e) or type(e).__name__, type(e).__name__, during_startup=True))
+        for c in conns:
+            c.close()
         _exit(1)
     freeze_gc_heap()
     out_thread = threading.Thread(target=writer, name="EngineCoreOutput", daemon=True)
     out_thread.start()
     output_queue.put(EngineCoreReady(core.get_stats()))
-    serving.set()
+    links.serving.set()
     ok = EngineCoreProc(core, input_queue, output_queue).run_busy_loop()
     output_queue.put(_STOP_WRITER)
     out_thread.join(10)
-    conn.close()
+    for c in conns:
+        c.close()
     _exit(0 if ok else 1)
 
 

@@ -254,21 +254,49 @@ def _exit_reason(code: Optional[int]) -> str:
     return f"exit status {code}"
 
 
-class MPClient(EngineCoreClient):
-    """The busy loop in its own process (``core.run_engine_core``), over a duplex pipe."""
+def start_engine_core_process(config: EngineConfig, num_front_ends: int):
+    """Start one engine-core process for ``num_front_ends`` front-end processes (each then
+    serves through ``MPClient.attach(conn)``). Returns ``(process, [conn, ...])``; the
+    caller owns the process: it watches its sentinel, and joins it once every front end has
+    closed its connection (which ends the engine process)."""
+    ctx = _mp_context(config)
+    pairs = [ctx.Pipe(duplex=True) for _ in range(num_front_ends)]
+    level = logging.getLogger("pyengine").getEffectiveLevel()
+    proc = ctx.Process(target=run_engine_core, args=(config, [b for _, b in pairs], level), name="EngineCore")
+    proc.start()
+    for _, b in pairs:
+        b.close()
+    return proc, [a for a, _ in pairs]
 
-    def __init__(self, config: EngineConfig, target=None):
+
+class MPClient(EngineCoreClient):
+    """The busy loop in its own process (``core.run_engine_core``), over a duplex pipe.
+
+    With ``conn`` (``attach``), the client joins an engine process that another process
+    started and watches (``vengine serve --api-server-count N``: one engine, N front
+    ends): it has no process handle, learns of the engine's death from the pipe's end, and
+    its ``shutdown`` only closes its own connection."""
+
+    def __init__(self, config: Optional[EngineConfig] = None, target=None, conn=None):
         super().__init__()
-        ctx = _mp_context(config)
-        self._conn, child_conn = ctx.Pipe(duplex=True)
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._dead: Optional[EngineDeadMessage] = None
         self._closed = False
+        if conn is not None:
+            self._conn, self.proc = conn, None
+            return
+        ctx = _mp_context(config)
+        self._conn, child_conn = ctx.Pipe(duplex=True)
         level = logging.getLogger("pyengine").getEffectiveLevel()
         self.proc = ctx.Process(target=target or run_engine_core, args=(config, child_conn, level), name="EngineCore")
         self.proc.start()
         child_conn.close()
+
+    @classmethod
+    def attach(cls, conn) -> "MPClient":
+        """A client on one connection of an engine process started elsewhere."""
+        return cls(conn=conn)
 
     def wait_ready(self) -> None:
         if hasattr(self, "ready"):
@@ -282,11 +310,17 @@ class MPClient(EngineCoreClient):
                 raise ValueError(msg)
             raise RuntimeError(f"The engine core failed to start: {msg}")
         self.ready = first
-        logger.info("Engine core running in process %d.", self.proc.pid)
+        logger.info("Engine core running in process %s.", self.pid)
 
     @property
     def pid(self) -> Optional[int]:
-        return self.proc.pid
+        return self.proc.pid if self.proc is not None else None
+
+    def _exit_reason(self) -> str:
+        if self.proc is None:
+            return "its connection closed"
+        self.proc.join(0.5)
+        return _exit_reason(self.proc.exitcode)
 
     def _send(self, msg) -> None:
         data = encode(msg)
@@ -294,11 +328,10 @@ class MPClient(EngineCoreClient):
             with self._send_lock:
                 self._conn.send_bytes(data)
         except (OSError, ValueError) as e:  # ValueError: the pipe was closed here
-            raise EngineDeadError(f"the engine core process is gone ({_exit_reason(self.proc.exitcode)})") from e
+            raise EngineDeadError(f"the engine core process is gone ({self._exit_reason()})") from e
 
     def _dead_message(self) -> EngineDeadMessage:
-        self.proc.join(0.5)
-        return EngineDeadMessage(f"the engine core process died unexpectedly ({_exit_reason(self.proc.exitcode)})",
+        return EngineDeadMessage(f"the engine core process died unexpectedly ({self._exit_reason()})",
                                  "EngineDeadError")
 
     def _recv(self, timeout: Optional[float]):
@@ -306,7 +339,8 @@ class MPClient(EngineCoreClient):
         process is gone and the pipe holds nothing more."""
         conn = self._conn
         if not conn.poll(0):
-            ready = mp_wait([conn, self.proc.sentinel, self._wake_r], timeout)
+            watch = [conn, self._wake_r] + ([self.proc.sentinel] if self.proc is not None else [])
+            ready = mp_wait(watch, timeout)
             if not ready:
                 return None
             if conn not in ready:
@@ -339,7 +373,7 @@ class MPClient(EngineCoreClient):
             pass
 
     def is_alive(self) -> bool:
-        return self.proc.is_alive()
+        return self._dead is None and (self.proc is None or self.proc.is_alive())
 
     def _stop_process(self, timeout: float) -> None:
         self.proc.join(timeout)
@@ -354,6 +388,10 @@ class MPClient(EngineCoreClient):
     def shutdown(self, timeout: float = 30.0) -> None:
         """Ask the engine process to stop, join it (terminate / kill past ``timeout``)."""
         if self._closed:
+            return
+        if self.proc is None:  # attached: the engine's owner stops it
+            self._fail_calls("the engine was shut down")
+            self.wake_output_reader()
             return
         try:
             self._send(EngineCoreShutdown())
@@ -374,7 +412,8 @@ class MPClient(EngineCoreClient):
                 os.close(fd)
             except OSError:
                 pass
-        try:
-            self.proc.close()
-        except ValueError:  # still running: shutdown was not called
-            pass
+        if self.proc is not None:
+            try:
+                self.proc.close()
+            except ValueError:  # still running: shutdown was not called
+                pass

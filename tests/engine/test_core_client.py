@@ -193,3 +193,38 @@ def test_100_start_stop_cycles_leak_nothing(llama_dir):
     assert len(pids) == 100 and all(gone(p) for p in pids)
     assert _children() == children
     assert len(os.listdir("/proc/self/fd")) <= fds + 2
+
+
+@pytest.mark.timeout(180)
+def test_one_engine_process_serves_several_front_ends(llama_dir, prompts):
+    """The shape of --api-server-count: one engine process, two front ends attached to it.
+    Each gets exactly its own requests' outputs (token-identical to a lone engine); a
+    utility call is answered to its caller; one front end leaving aborts only its
+    requests; the last one leaving ends the engine process."""
+    from pyengine.engine.core_client import MPClient, start_engine_core_process
+
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", num_gpu_blocks_override=256,
+                     max_model_len=256).create_engine_config()
+    proc, conns = start_engine_core_process(cfg, 2)
+    fronts = [AsyncLLM(cfg, client=MPClient.attach(c)) for c in conns]
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        cs = [fronts[i % 2].add_request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+        got = [[t for o in drain(c) for t in o.outputs[0].token_ids] for c in cs]
+        assert got == hf_greedy(llama_dir, prompts, 12, ignore_eos=True)
+        assert fronts[1].engine_core.call_utility("get_stats").num_running == 0
+        long = fronts[0].add_request("long", prompts[0], SamplingParams(max_tokens=5000, ignore_eos=True,
+                                                                        output_kind=RequestOutputKind.DELTA))
+        long.get(timeout=30)
+        fronts[1].shutdown()  # leaves: the engine goes on for the other front end
+        assert proc.is_alive()
+        after = drain(fronts[0].add_request("after", prompts[1], sp))
+        assert sum(len(o.outputs[0].token_ids) for o in after) == 12
+        fronts[0].abort("long")
+        assert drain(long)[-1].outputs[0].finish_reason == "abort"
+        wait_idle(fronts[0])
+    finally:
+        for f in fronts:
+            f.shutdown()
+    proc.join(20)
+    assert proc.exitcode == 0
