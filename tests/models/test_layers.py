@@ -7,7 +7,7 @@ import torch
 
 from pyengine.layers.activation import silu_and_mul
 from pyengine.layers.layernorm import RMSNorm, fused_add_rms_norm, rms_norm
-from pyengine.layers.linear import MergedLinear
+from pyengine.layers.linear import MergedColumnParallelLinear
 from pyengine.layers.rotary import RotaryEmbedding, apply_rotary, get_rope_params
 
 
@@ -70,7 +70,7 @@ def test_unsupported_rope_type():
 
 
 def test_merged_linear_shards():
-    lin = MergedLinear(3, [2, 4], (0, 1), bias=True)
+    lin = MergedColumnParallelLinear(3, [2, 4], bias=True)
     lin.weight.weight_loader(lin.weight, torch.ones(4, 3), 1)
     lin.weight.weight_loader(lin.weight, torch.zeros(2, 3), 0)
     assert torch.equal(lin.weight[:2], torch.zeros(2, 3)) and torch.equal(lin.weight[2:], torch.ones(4, 3))
