@@ -32,9 +32,17 @@ class Worker:
         self.init_method = init_method
         self.tp = None
         self.model_runner: Optional[ModelRunner] = None
+        self._threads_before: Optional[int] = None
 
     def init_device(self, peer_failure: Optional[Callable[[], Optional[str]]] = None) -> None:
-        """Join the process group (see ``init_distributed_environment``)."""
+        """Join the process group (see ``init_distributed_environment``). On CPU, the ranks
+        share the host's cores: each takes an equal part of torch's intra-op threads
+        (process-wide for rank 0's process), since oversubscribed ranks stall each other's
+        collectives."""
+        if self.config.device.type == "cpu":
+            self._threads_before = torch.get_num_threads()  # restored by shutdown
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            torch.set_num_threads(max(1, cores // self.world_size))
         self.tp = init_distributed_environment(self.rank, self.world_size, self.init_method, self.config.device,
                                                peer_failure=peer_failure)
 
@@ -59,6 +67,9 @@ class Worker:
         if self.tp is not None:
             self.tp.destroy()
             self.tp = None
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
 
 def _exit_when_parent_dies(conn) -> None:

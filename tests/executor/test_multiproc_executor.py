@@ -1,0 +1,138 @@
+"""Tensor parallelism end to end (pyengine/executor/multiproc_executor.py and the parallel
+layers): TP=2 over gloo, two processes, tiny fp32 models. Greedy tokens must equal TP=1
+and transformers with chunked prefill, preemption and async (and sync) scheduling; a
+dead worker ends every request with EngineDeadError; a dead rank 0 takes its worker down.
+
+Each TP=2 engine spawns a process (seconds on a small box), so the cases are few and
+each one covers several features."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pyengine import LLM, EngineDeadError, SamplingParams
+from tests.helpers import build_tiny_model, hf_greedy, prompt_token_ids
+
+MAX_TOKENS = 16
+# Small steps and a tiny KV cache: prompts are prefilled in chunks and requests preempted.
+STRESS = {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 8, "max_model_len": 128}
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return prompt_token_ids(tokenizer, 6, min_len=4, max_len=40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def kv1_dir(tmp_path_factory, tokenizer_dir):
+    # One KV head (< 2 ranks: replicated) and a vocabulary of 515 rows, which splits into
+    # 258 + 257 (the last rank's range padded).
+    return build_tiny_model(tmp_path_factory.mktemp("qwen3_kv1"), "qwen3", tokenizer_dir, seed=4,
+                            num_key_value_heads=1, vocab_size=515)
+
+
+def _greedy(model_dir, prompts, **kw):
+    llm = LLM(str(model_dir), device="cpu", **kw)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False),
+                            use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family,async_sched", [("llama", True), ("qwen2", True), ("qwen3", True),
+                                                ("qwen3_kv1", False)])
+def test_tp2_greedy_matches_tp1_and_transformers(family, async_sched, model_dirs, kv1_dir, prompts):
+    model_dir = kv1_dir if family == "qwen3_kv1" else model_dirs[family]
+    ref = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    tp1, _ = _greedy(model_dir, prompts, async_scheduling=async_sched, **STRESS)
+    tp2, stats = _greedy(model_dir, prompts, tensor_parallel_size=2, async_scheduling=async_sched, **STRESS)
+    assert tp2 == tp1 == ref
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_gpu_blocks  # no KV block leaked
+
+
+def _drain(collector, timeout: float):
+    deadline = time.monotonic() + timeout
+    while True:
+        out = collector.get(timeout=max(0.01, deadline - time.monotonic()))
+        if out.finished:
+            return out
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_ends_every_request_with_engine_dead_error(llama_dir, prompts):
+    from pyengine import AsyncLLM, EngineArgs
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(llama_dir), device="cpu", tensor_parallel_size=2))
+    try:
+        executor = engine.engine_core.engine_core.model_executor
+        worker = executor.workers[0].proc
+        sp = SamplingParams(temperature=0, max_tokens=100_000 // 200, ignore_eos=True)
+        cs = [engine.add_request(f"k{i}", p, sp) for i, p in enumerate(prompts)]
+        first = cs[0].get(timeout=60)  # the engine is stepping
+        assert not first.finished
+        t0 = time.monotonic()
+        os.kill(worker.pid, signal.SIGKILL)
+        for c in cs:
+            with pytest.raises(EngineDeadError, match="rank 1"):
+                _drain(c, timeout=5)
+        assert time.monotonic() - t0 < 5
+        assert engine.errored
+        with pytest.raises(EngineDeadError):
+            engine.add_request("late", prompts[0])
+    finally:
+        t0 = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - t0 < 10
+
+
+_RANK0 = textwrap.dedent("""
+    import sys, time
+    from pyengine import LLM, SamplingParams
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        print(llm.llm_engine.engine_core.model_executor.workers[0].proc.pid, flush=True)
+        time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_worker_exits_when_rank0_process_dies(llama_dir, tmp_path):
+    script = tmp_path / "rank0.py"
+    script.write_text(_RANK0)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, str(script), str(llama_dir)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        worker_pid = int(proc.stdout.readline())
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(worker_pid):
+            time.sleep(0.1)
+        assert not _alive(worker_pid), "the worker outlived rank 0"
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its dead parent's reaper) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
