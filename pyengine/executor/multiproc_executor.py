@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import threading
+import time
 import weakref
 from typing import Optional
 
@@ -37,12 +38,14 @@ logger = logging.getLogger("pyengine")
 # ranks on their hosts with the same init method).
 _HOST = "127.0.0.1"
 _JOIN_TIMEOUT_S = 10.0
+_POLL_S = 50e-6  # between looks at a step's completion event
 
 
 class _WorkerHandle:
     def __init__(self, rank: int, proc, conn):
         self.rank, self.proc, self.conn = rank, proc, conn
         self.error: Optional[tuple[str, str]] = None  # (exception type name, message) it reported
+        self._lock = threading.Lock()  # the engine and the monitor thread both ask
 
     def poll_messages(self) -> None:
         try:
@@ -55,22 +58,33 @@ class _WorkerHandle:
 
     def failure(self) -> Optional[str]:
         """A message if this worker died or reported an error, else None."""
-        self.poll_messages()
-        if self.error is not None:
-            return f"tensor-parallel worker rank {self.rank} failed: {self.error[1]}"
-        if not self.proc.is_alive():
-            return f"tensor-parallel worker rank {self.rank} died (exit code {self.proc.exitcode})"
-        return None
+        with self._lock:
+            # The sentinel (like the worker's sockets) closes as the process starts exiting,
+            # a moment before waitpid can reap it: a ready sentinel means dead.
+            dead = bool(multiprocessing.connection.wait([self.proc.sentinel], timeout=0))
+            if dead:
+                self.proc.join(1.0)  # reap it, for the exit code
+            self.poll_messages()
+            if self.error is not None:
+                return f"tensor-parallel worker rank {self.rank} failed: {self.error[1]}"
+            if dead:
+                return f"tensor-parallel worker rank {self.rank} died (exit code {self.proc.exitcode})"
+            return None
 
 
 class _CheckedOutput:
-    """An AsyncModelRunnerOutput whose ``get_output`` raises if a worker died meanwhile
-    (with NCCL, an aborted collective completes with garbage rather than an error)."""
+    """An AsyncModelRunnerOutput whose ``get_output`` raises if a worker died meanwhile:
+    it polls the copy's event instead of blocking on it (a step whose collective waits
+    for a dead rank may never finish), and checks again after (with NCCL, an aborted
+    collective completes with garbage rather than an error)."""
 
     def __init__(self, inner, executor: "MultiprocExecutor"):
         self._inner, self._executor = inner, executor
 
     def get_output(self):
+        while not self._inner.ready():
+            self._executor.check_alive()
+            time.sleep(_POLL_S)
         out = self._inner.get_output()
         self._executor.check_alive()
         return out

@@ -112,6 +112,10 @@ class AsyncModelRunnerOutput:
     def __init__(self, event, host_tokens: torch.Tensor, logprobs_fn, keepalive):
         self._event, self._host, self._logprobs_fn, self._keepalive = event, host_tokens, logprobs_fn, keepalive
 
+    def ready(self) -> bool:
+        """True once ``get_output`` would not wait."""
+        return self._event is None or self._event.query()
+
     def get_output(self) -> ModelRunnerOutput:
         if self._event is not None:
             self._event.synchronize()
