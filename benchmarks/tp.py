@@ -86,49 +86,56 @@ def main(argv: Optional[list[str]] = None) -> dict:
     common = ["--device", args.device] + (["--threads", str(args.threads)] if args.threads else []) + \
         (["--verbose"] if args.verbose else [])
     runs: dict = {"latency": {}, "throughput": {}}
-    for tp in sizes:
-        print(f"latency, {args.latency_shape}, TP={tp} ...", flush=True)
-        runs["latency"][tp] = _run("latency.py", common + [
-            "--shape", args.latency_shape, "--batch-sizes", "1", "--output-len", str(args.output_len),
-            "--iters", str(args.iters), "--tensor-parallel-size", str(tp)], args.timeout)
+    jobs = [("latency", args.latency_shape, tp, "latency.py", [
+        "--shape", args.latency_shape, "--batch-sizes", "1", "--output-len", str(args.output_len),
+        "--iters", str(args.iters)]) for tp in sizes]
+    extra = (["--num-requests", str(args.num_requests)] if args.num_requests else []) + \
+            (["--min-len", str(args.min_len)] if args.min_len else []) + \
+            (["--max-len", str(args.max_len)] if args.max_len else [])
     if not args.no_throughput:
-        for shape in args.throughput_shapes:
-            runs["throughput"][shape] = {}
-            for tp in sizes:
-                print(f"throughput, {shape}, TP={tp} ...", flush=True)
-                extra = (["--num-requests", str(args.num_requests)] if args.num_requests else []) + \
-                        (["--min-len", str(args.min_len)] if args.min_len else []) + \
-                        (["--max-len", str(args.max_len)] if args.max_len else [])
-                runs["throughput"][shape][tp] = _run("throughput.py", common + [
-                    "--shape", shape, "--tensor-parallel-size", str(tp)] + extra, args.timeout)
-
-    def tpot(tp):
-        res = runs["latency"][tp].get("results") or [{}]
-        return res[0].get("tpot_ms")
-
-    summary = {"tpot_ms": {tp: tpot(tp) for tp in sizes},
-               "tpot_ratio": _ratio(tpot(args.tp), tpot(1)), "tpot_target": TPOT_TARGET}
-    summary["tpot_target_met"] = summary["tpot_ratio"] is not None and summary["tpot_ratio"] <= TPOT_TARGET
-    summary["throughput_output_tok_s"] = {}
-    for shape, by_tp in runs["throughput"].items():
-        toks = {tp: (r.get("results") or {}).get("ours", {}).get("output_tok_s") for tp, r in by_tp.items()}
-        summary["throughput_output_tok_s"][shape] = {**toks, "ratio": _ratio(toks[args.tp], toks[1])}
+        jobs += [("throughput", shape, tp, "throughput.py", ["--shape", shape] + extra)
+                 for shape in args.throughput_shapes for tp in sizes]
+    summary: dict = {}
+    for kind, shape, tp, script, argv_ in jobs:
+        print(f"{kind}, {shape}, TP={tp} ...", flush=True)
+        runs[kind].setdefault(shape, {})[tp] = _run(script, common + argv_ + ["--tensor-parallel-size", str(tp)],
+                                                    args.timeout)
+        summary = _summary(runs, args.tp)
+        finish("tp", args, hw, cmd, summary=summary, runs=runs)  # after each run: a later hang loses nothing
 
     print()
     print(header_md(f"Tensor parallelism: TP={args.tp} vs TP=1", hw, cmd))
-    rows = [[f"TPOT batch 1, {args.latency_shape} (ms)", summary["tpot_ms"][1], summary["tpot_ms"][args.tp],
-             summary["tpot_ratio"]]]
-    for shape, t in summary["throughput_output_tok_s"].items():
-        rows.append([f"offline output tok/s, {shape}", t[1], t[args.tp], t["ratio"]])
+    rows = [[f"TPOT batch 1, {shape} (ms)", t.get(1), t.get(args.tp), t["ratio"]]
+            for shape, t in summary["tpot_ms"].items()]
+    rows += [[f"offline output tok/s, {shape}", t.get(1), t.get(args.tp), t["ratio"]]
+             for shape, t in summary["throughput_output_tok_s"].items()]
     print(md_table(["measure", "TP=1", f"TP={args.tp}", f"TP={args.tp} / TP=1"], rows))
     print(f"\nTPOT target TP={args.tp} <= {TPOT_TARGET} x TP=1: {'met' if summary['tpot_target_met'] else 'NOT met'}")
-    for kind in ("latency", "throughput"):
-        for key, r in runs[kind].items():
-            for sub in ([r] if kind == "latency" else r.values()):
-                if "error" in sub:
-                    print(f"error in a {kind} run ({key}): {sub['error']}\n{sub.get('stderr_tail', '')}",
+    for kind, by_shape in runs.items():
+        for shape, by_tp in by_shape.items():
+            for tp, r in by_tp.items():
+                if "error" in r:
+                    print(f"error in {kind} {shape} TP={tp}: {r['error']}\n{r.get('stderr_tail', '')}",
                           file=sys.stderr)
     return finish("tp", args, hw, cmd, summary=summary, runs=runs)
+
+
+def _summary(runs: dict, n: int) -> dict:
+    """TPOT (ms) and output tok/s per shape and tensor-parallel size, with TP=n / TP=1."""
+    def tpot(r):
+        return ((r.get("results") or [{}])[0]).get("tpot_ms")
+
+    def tok_s(r):
+        return (r.get("results") or {}).get("ours", {}).get("output_tok_s")
+
+    out: dict = {"tpot_ms": {}, "throughput_output_tok_s": {}, "tpot_target": TPOT_TARGET}
+    for key, kind, fn in (("tpot_ms", "latency", tpot), ("throughput_output_tok_s", "throughput", tok_s)):
+        for shape, by_tp in runs[kind].items():
+            vals = {tp: fn(r) for tp, r in by_tp.items()}
+            out[key][shape] = {**vals, "ratio": _ratio(vals.get(n), vals.get(1))}
+    ratios = [t["ratio"] for t in out["tpot_ms"].values()]
+    out["tpot_target_met"] = bool(ratios) and all(r is not None and r <= TPOT_TARGET for r in ratios)
+    return out
 
 
 if __name__ == "__main__":
