@@ -15,7 +15,8 @@ Three ways, for a decode step of batch 1 and of batch 256 (600-token contexts) a
   (pickle), plus ``pack``.
 
 Each figure is the median over ``--iters`` of (send, receive and decode, then a barrier)
-minus the median of a barrier alone, in microseconds.
+minus the median of a barrier alone, in microseconds; the methods take turns within
+each iteration.
 
     python benchmarks/tp_step_broadcast.py --json tp_step_broadcast.json
 """
@@ -126,12 +127,7 @@ def _rank_main(rank: int, init_method: str, iters: int, conn) -> None:
     for name, (reqs, new, ctx) in SCENARIOS.items():
         so, runner = make_step(reqs, new, ctx)
         step = pack(runner, so)
-        base = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            dist.barrier(group=group)
-            base.append(time.perf_counter() - t0)
-        row = {"barrier_us": 1e6 * statistics.median(base)}
+        row = {}
         if rank == 0:
             t = []
             for _ in range(iters):
@@ -139,17 +135,24 @@ def _rank_main(rank: int, init_method: str, iters: int, conn) -> None:
                 pack(runner, so)
                 t.append(time.perf_counter() - t0)
             row["pack_us"] = 1e6 * statistics.median(t)
-        for method in METHODS:
-            t = []
-            for _ in range(iters):
+        # Methods interleaved within each iteration, so load from other processes on the
+        # host falls on all of them alike; a few rounds first as warm-up.
+        times: dict = {m: [] for m in ("barrier",) + METHODS}
+        for it in range(iters + 5):
+            for method in times:
                 t0 = time.perf_counter()
-                if rank == 0:
-                    _send(method, group, so, step)
-                else:
-                    _recv(method, group)
+                if method != "barrier":
+                    if rank == 0:
+                        _send(method, group, so, step)
+                    else:
+                        _recv(method, group)
                 dist.barrier(group=group)
-                t.append(time.perf_counter() - t0)
-            row[f"{method}_us"] = 1e6 * statistics.median(t) - row["barrier_us"]
+                if it >= 5:
+                    times[method].append(time.perf_counter() - t0)
+        base = statistics.median(times.pop("barrier"))
+        row["barrier_us"] = 1e6 * base
+        for method, t in times.items():
+            row[f"{method}_us"] = 1e6 * (statistics.median(t) - base)
         results[name] = row
     dist.destroy_process_group()
     if rank == 0:
