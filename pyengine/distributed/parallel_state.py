@@ -7,8 +7,9 @@ Two torch.distributed groups over the same ranks:
   all-reduce after each row-parallel linear and the vocab-parallel embedding, the logits
   gather, the sampled-token broadcast); on CUDA these may be captured in CUDA graphs.
 * ``cpu_group``: gloo. Carries the step inputs rank 0 sends each step and start-up
-  agreements (KV cache size), so no host data goes through a GPU. On CPU it is the
-  device group itself.
+  agreements (KV cache size), so no host data goes through a GPU. Its operations never
+  time out: the other ranks wait in it for rank 0's next step however long the engine
+  idles (a dead peer still fails them at once: its sockets close).
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 logger = logging.getLogger("pyengine")
+
+# The other ranks' wait for rank 0's next step (an engine may idle for days).
+_IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
 def get_open_port(host: str = "127.0.0.1") -> int:
@@ -126,7 +130,7 @@ def init_distributed_environment(rank: int, world_size: int, init_method: str, d
     _rendezvous(lambda: dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
                                                 world_size=world_size, timeout=timeout), peer_failure)
     device_group = dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if cuda else device_group
+    cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     tp = GroupCoordinator(rank, world_size, device, device_group, cpu_group)
     # First collective outside any CUDA-graph capture, on the thread that will run the
     # model: NCCL creates its communicator here.

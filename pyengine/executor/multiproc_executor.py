@@ -26,6 +26,8 @@ import time
 import weakref
 from typing import Optional
 
+import torch.distributed
+
 from pyengine.config import EngineConfig
 from pyengine.core.sched.output import SchedulerOutput
 from pyengine.distributed import get_distributed_init_method, get_open_port
@@ -96,6 +98,9 @@ class MultiprocExecutor(Executor):
     worker's was one) naming the worker rank that failed to start."""
 
     def __init__(self, config: EngineConfig):
+        if torch.distributed.is_initialized():
+            raise RuntimeError("a torch.distributed process group already exists in this process; "
+                               "only one tensor-parallel engine can run per process")
         self.config = config
         self.world_size = config.tensor_parallel_size
         self.workers: list[_WorkerHandle] = []
