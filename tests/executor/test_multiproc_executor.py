@@ -115,6 +115,27 @@ def test_killed_worker_gpu(llama_dir, prompts):
     _kill_worker_and_check(llama_dir, prompts, "cuda", limit_s=10)
 
 
+@pytest.mark.timeout(120)
+def test_bad_checkpoint_raises_and_leaves_no_worker(llama_dir, tmp_path):
+    import multiprocessing
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    f = next(d.glob("*.safetensors"))
+    sd = load_file(str(f))
+    del sd["model.layers.1.mlp.down_proj.weight"]
+    save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        LLM(str(d), device="cpu", tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
+    # the process group is gone too: a next tensor-parallel engine starts
+    got, _ = _greedy(llama_dir, [[5, 6, 7]], tensor_parallel_size=2)
+    assert got[0]
+
+
 def _drain(collector, timeout: float):
     deadline = time.monotonic() + timeout
     while True:
