@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_tp2_gpu_bf16_matches_tp1(family, model_dirs, prompts):
 @needs_two_gpus
 @pytest.mark.timeout(180)
 def test_killed_worker_gpu(llama_dir, prompts):
-    _kill_worker_and_check(llama_dir, prompts, "cuda", limit_s=10)
+    _kill_worker_and_check(llama_dir, prompts, "cuda", True, limit_s=10)
 
 
 @pytest.mark.timeout(120)
@@ -145,24 +146,41 @@ def _drain(collector, timeout: float):
 
 
 @pytest.mark.timeout(120)
-def test_killed_worker_ends_every_request_with_engine_dead_error(llama_dir, prompts):
-    _kill_worker_and_check(llama_dir, prompts, "cpu", limit_s=5)
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["inproc_core", "mp_core"])
+def test_killed_worker_ends_every_request_with_engine_dead_error(llama_dir, prompts, multiprocess):
+    _kill_worker_and_check(llama_dir, prompts, "cpu", multiprocess, limit_s=5)
 
 
-def _kill_worker_and_check(llama_dir, prompts, device, limit_s):
+def _spawned_children(pid: int) -> list[int]:
+    """Processes that ``pid`` started with multiprocessing's spawn (the TP workers)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            stat, cmd = (d / "stat").read_text(), (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[1] == str(pid) and b"spawn_main" in cmd:
+            out.append(int(d.name))
+    return out
+
+
+def _kill_worker_and_check(llama_dir, prompts, device, multiprocess, limit_s):
     from pyengine import AsyncLLM, EngineArgs
 
     engine = AsyncLLM.from_engine_args(EngineArgs(model=str(llama_dir), device=device, tensor_parallel_size=2,
-                                                  max_num_seqs=16, gpu_memory_utilization=0.3))
+                                                  max_num_seqs=16, gpu_memory_utilization=0.3),
+                                       multiprocess=multiprocess)
     try:
-        executor = engine.engine_core.engine_core.model_executor
-        worker = executor.workers[0].proc
+        if multiprocess:  # rank 0 lives in the engine-core process
+            (worker_pid,) = _spawned_children(engine.engine_core.pid)
+        else:
+            worker_pid = engine.engine_core.engine_core.model_executor.workers[0].proc.pid
         sp = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
         cs = [engine.add_request(f"k{i}", p, sp) for i, p in enumerate(prompts)]
         first = cs[0].get(timeout=60)  # the engine is stepping
         assert not first.finished
         t0 = time.monotonic()
-        os.kill(worker.pid, signal.SIGKILL)
+        os.kill(worker_pid, signal.SIGKILL)
         for c in cs:
             with pytest.raises(EngineDeadError, match="rank 1"):
                 _drain(c, timeout=limit_s)
