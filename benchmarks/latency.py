@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks (one GPU each)")
     p.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--verbose", action="store_true", help="engine INFO logs")
@@ -61,7 +62,8 @@ def bench_shape(args, shape: str, seed_base: int = 0) -> list[dict]:
     llm = LLM(str(model_dir), load_format="dummy", dtype=resolve_dtype(args), device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=max(max(args.batch_sizes), 1),
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-              async_scheduling=False if args.no_async_scheduling else None)
+              async_scheduling=False if args.no_async_scheduling else None,
+              tensor_parallel_size=args.tensor_parallel_size)
     _sync(args.device)
     startup = time.perf_counter() - t0
     cfg = llm.llm_engine.config
@@ -110,7 +112,7 @@ def bench_shape(args, shape: str, seed_base: int = 0) -> list[dict]:
             "output_tok_s": batch * n / statistics.median(totals),
             "host_ms_per_step": sd["host_ms_per_step"], "startup_s": startup,
             "async_scheduling": cfg.async_scheduling, "enforce_eager": cfg.enforce_eager,
-            "dtype": str(cfg.dtype).replace("torch.", ""), "attention_backend": cfg.attention_backend,
+            "tensor_parallel_size": cfg.tensor_parallel_size, "dtype": str(cfg.dtype).replace("torch.", ""), "attention_backend": cfg.attention_backend,
             "tpot_ms_all_iters": [1e3 * t for t in tpots],
         })
     shutdown_llm(llm)
@@ -129,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     f"median of {args.iters}", hw, cmd))
     if rows:
         r0 = rows[0]
-        print(f"async scheduling {'on' if r0['async_scheduling'] else 'off'}, CUDA graphs "
+        print(f"tensor parallel {r0['tensor_parallel_size']}, async scheduling {'on' if r0['async_scheduling'] else 'off'}, CUDA graphs "
               f"{'off' if r0['enforce_eager'] else 'on'}, dtype {r0['dtype']}, attention {r0['attention_backend']}\n")
     print(md_table(["shape", "batch", "TPOT (ms)", "(total-prefill)/(N-1) (ms)", "prefill (s)", "total (s)",
                     "output tok/s", "host ms/step", "start-up (s)"],

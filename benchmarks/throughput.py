@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="default 0.9, or 0.5 with --peer (the peer needs the memory after ours is freed)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks (one GPU each)")
     p.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generate")
@@ -100,7 +101,8 @@ def run_ours(args, model_dir, prompts, max_tokens) -> dict:
     gmu = args.gpu_memory_utilization or (0.5 if args.peer else 0.9)
     kw = dict(load_format="dummy", dtype=dtype, device=args.device, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed,
-              async_scheduling=False if args.no_async_scheduling else None, gpu_memory_utilization=gmu)
+              async_scheduling=False if args.no_async_scheduling else None, gpu_memory_utilization=gmu,
+              tensor_parallel_size=args.tensor_parallel_size)
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     t0 = time.perf_counter()
@@ -136,6 +138,7 @@ def run_ours(args, model_dir, prompts, max_tokens) -> dict:
         "num_preemptions": after.num_preemptions - before.num_preemptions,
         "num_gpu_blocks": after.num_gpu_blocks, "requests_short": short,
         "async_scheduling": cfg.async_scheduling, "enforce_eager": cfg.enforce_eager,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
         "dtype": str(cfg.dtype).replace("torch.", ""), "gpu_memory_utilization": gmu,
         "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "attention_backend": cfg.attention_backend,

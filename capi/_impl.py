@@ -238,6 +238,10 @@ def _engine_args(p) -> EngineArgs:
         raise _Refused(f"vllm_model_params.kv_cache_memory_bytes must be >= 0, got {p.kv_cache_memory_bytes}")
     if p.kv_cache_memory_bytes > 0:
         kw["kv_cache_memory_bytes"] = int(p.kv_cache_memory_bytes)
+    if p.tensor_parallel_size < 0:
+        raise _Refused(f"vllm_model_params.tensor_parallel_size must be >= 0, got {p.tensor_parallel_size}")
+    if p.tensor_parallel_size > 0:
+        kw["tensor_parallel_size"] = int(p.tensor_parallel_size)
     return EngineArgs(**kw)
 
 

@@ -83,6 +83,9 @@ typedef struct vllm_model_params {
   int32_t device;                    /* 0: auto, 1: cpu, 2: cuda */
   double gpu_memory_utilization;     /* fraction in (0, 1]; 0: engine default */
   int64_t kv_cache_memory_bytes;     /* > 0: KV pool size in bytes; 0: unset */
+  /* ---- vengine additions (appended) ---- */
+  int32_t tensor_parallel_size;      /* ranks the model is sharded over (one process and,
+                                        on CUDA, one GPU each); 0: 1; < 0 is refused */
 } vllm_model_params;
 
 /* Custom logits processor (vllm.cpp layout). vengine does not run host code in

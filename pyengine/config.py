@@ -57,6 +57,7 @@ class EngineArgs:
     # Streamed outputs (DELTA / CUMULATIVE) are sent every this many tokens of a request;
     # its first token and its end go at once (vLLM's --stream-interval).
     stream_interval: int = 1
+    tensor_parallel_size: int = 1  # ranks (one process and, on CUDA, one GPU each)
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -87,6 +88,7 @@ class EngineConfig:
     attention_backend: str
     load_format: str = "auto"
     stream_interval: int = 1
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -117,6 +119,7 @@ class EngineConfig:
         device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
                               else "cpu")
         hf_config = AutoConfig.from_pretrained(model)
+        _check_tensor_parallel(a.tensor_parallel_size, hf_config, device)
         dtype = DTYPES[a.dtype]
         if dtype is None:
             # transformers 5 names it `dtype` (reading `torch_dtype` warns); 4.x `torch_dtype`.
@@ -160,7 +163,31 @@ class EngineConfig:
             enable_chunked_prefill=a.enable_chunked_prefill,
             scheduling_policy=a.scheduling_policy, seed=a.seed, async_scheduling=async_sched,
             enforce_eager=a.enforce_eager or device.type != "cuda", attention_backend=backend,
-            load_format=a.load_format, stream_interval=a.stream_interval)
+            load_format=a.load_format, stream_interval=a.stream_interval,
+            tensor_parallel_size=a.tensor_parallel_size)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _check_tensor_parallel(tp, hf_config, device: torch.device) -> None:
+    """Raises ValueError unless the model's heads and MLP split evenly over ``tp`` ranks
+    (KV heads may also be fewer than the ranks, a divisor of ``tp``: replicated) and, on
+    CUDA, there are ``tp`` GPUs."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
+    if tp == 1:
+        return
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ValueError(f"The model's num_attention_heads ({heads}) must be divisible by "
+                         f"tensor_parallel_size ({tp}).")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"The model's num_key_value_heads ({kv_heads}) must be divisible by "
+                         f"tensor_parallel_size ({tp}), or divide it.")
+    if hf_config.intermediate_size % tp:
+        raise ValueError(f"The model's intermediate_size ({hf_config.intermediate_size}) must be divisible by "
+                         f"tensor_parallel_size ({tp}).")
+    if device.type == "cuda" and tp > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible.")

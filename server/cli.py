@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="Shard the model over N ranks (one process and one GPU each; default: %(default)s).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
@@ -94,6 +96,7 @@ def engine_args_from(args: argparse.Namespace):
         scheduling_policy=args.scheduling_policy, seed=args.seed,
         async_scheduling=args.async_scheduling, enforce_eager=args.enforce_eager,
         load_format=args.load_format, stream_interval=args.stream_interval,
+        tensor_parallel_size=args.tensor_parallel_size,
         served_model_name=(args.served_model_name or [None])[0])
 
 

@@ -63,7 +63,8 @@ def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     bos, eos, pad = tok.convert_tokens_to_ids([BOS, EOS, PAD])
-    cfg = _config_for(family, len(tok), bos, eos, pad, **config_overrides)
+    vocab = config_overrides.pop("vocab_size", len(tok))  # larger than the tokenizer's: ids it never makes
+    cfg = _config_for(family, vocab, bos, eos, pad, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)

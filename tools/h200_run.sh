@@ -10,12 +10,16 @@
 #       async_sched attention serve_before serve_mp serve_inproc
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
-# (default: all). A device call is capped at 10 minutes: split the steps over two calls
+# (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast (tools/tp_h200x2.sh).
+# A device call is capped at 10 minutes: split the steps over two calls
 # (e.g. `gpu_ops gpu_e2e latency gpu_idle attention` then the rest).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
+# No NVLink multicast (NVLS) on these machines; NCCL's own warnings go to the logs.
+export NCCL_NVLS_ENABLE=0
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 LOG="$OUT/all.log"
 WANT=" ${*:-gpu_ops gpu_e2e throughput throughput_noasync latency gpu_idle async_sched attention} "
 step() {  # step SECONDS NAME CMD...
@@ -30,7 +34,7 @@ step() {  # step SECONDS NAME CMD...
   # a failing step's log comes back whole (8 files at most come back); the rest only as the tail above
   if [[ $rc != 0 ]]; then mv "$OUT/.$name.log" "$OUT/$name.log"; else rm -f "$OUT/.$name.log"; fi
 }
-nvidia-smi -L >> "$LOG" 2>&1
+{ nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"; } >> "$LOG" 2>&1
 # kernels first (fast, and a failure there explains any end-to-end failure), then token-exactness
 step 120 gpu_ops python3 -m pytest -q -m gpu tests/ops tests/attention tests/worker -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=100
 step 270 gpu_e2e python3 -m pytest -q -m gpu tests/test_llm.py tests/engine -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=100
@@ -47,3 +51,8 @@ step 120 gpu_idle python3 benchmarks/gpu_idle.py --json "$OUT/gpu_idle.json"
 step 120 gpu_idle_b256 python3 benchmarks/gpu_idle.py --batch 256 --json "$OUT/gpu_idle_b256.json"
 step 240 async_sched python3 benchmarks/async_sched.py --json "$OUT/async_sched.json"
 step 120 attention python3 benchmarks/attention_kernels.py --verbose --json "$OUT/attention.json"
+# tensor parallelism, 2 GPUs: TP GPU tests (fp32 vs transformers, bf16 vs TP=1, killed NCCL worker),
+# TPOT / throughput TP=2 vs TP=1 (each run its own process), how the step reaches the other ranks
+step 240 gpu_tp python3 -m pytest -q -m gpu tests/executor -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
+step 300 tp python3 benchmarks/tp.py --timeout 120 --json "$OUT/tp.json"
+step 45 tp_step_broadcast python3 benchmarks/tp_step_broadcast.py --json "$OUT/tp_step_broadcast.json"

@@ -18,24 +18,30 @@ from pyengine.core.sched.scheduler import Scheduler
 from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
                                       EngineCoreShutdown, EngineDeadMessage, SchedulerStats, UtilityOutput,
                                       UtilityRequest)
+from pyengine.executor import Executor
 from pyengine.request import Request, RequestStatus
-from pyengine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pyengine")
 
 
 class EngineCore:
-    """Owns the scheduler and the model runner. Not thread-safe: one thread drives it."""
+    """Owns the scheduler and the model executor (one model runner, or tensor-parallel
+    ranks). Not thread-safe: one thread drives it."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_runner = ModelRunner(config)
-        num_blocks = self.model_runner.initialize_kv_cache()
-        capacity = (num_blocks - 1) * config.block_size
-        if capacity < config.max_model_len:
-            raise ValueError(f"The KV cache holds {capacity} tokens ({num_blocks - 1} blocks of "
-                             f"{config.block_size}), fewer than max_model_len={config.max_model_len}; "
-                             f"raise the KV cache size or lower max_model_len.")
+        self.model_executor = Executor.get_class(config)(config)
+        self.model_runner = self.model_executor.driver_runner  # rank 0's, in this process
+        try:
+            num_blocks = self.model_executor.initialize_kv_cache()
+            capacity = (num_blocks - 1) * config.block_size
+            if capacity < config.max_model_len:
+                raise ValueError(f"The KV cache holds {capacity} tokens ({num_blocks - 1} blocks of "
+                                 f"{config.block_size}), fewer than max_model_len={config.max_model_len}; "
+                                 f"raise the KV cache size or lower max_model_len.")
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
         self.scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(config, num_blocks)
         # (scheduler output, pending runner output), oldest first.
         self.batch_queue: deque = deque()
@@ -59,7 +65,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return self.scheduler.take_pending_outputs()
-        return self.scheduler.update_from_output(so, self.model_runner.execute_model(so))
+        return self.scheduler.update_from_output(so, self.model_executor.execute_model(so))
 
     def step_with_batch_queue(self) -> Optional[EngineCoreOutputs]:
         """Async scheduling: launch batch N+1 before consuming batch N's sampled tokens.
@@ -69,7 +75,7 @@ class EngineCore:
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
             if not so.is_empty:
-                self.batch_queue.append((so, self.model_runner.execute_model(so, non_blocking=True)))
+                self.batch_queue.append((so, self.model_executor.execute_model(so, non_blocking=True)))
                 if len(self.batch_queue) < self.batch_queue_size:
                     return self.scheduler.take_pending_outputs()
         if not self.batch_queue:
@@ -80,7 +86,7 @@ class EngineCore:
     def shutdown(self) -> None:
         """Release device memory (model, KV cache, graphs); no more steps after this."""
         self.batch_queue.clear()
-        self.model_runner.release()
+        self.model_executor.shutdown()
 
     def step_fn(self):
         return self.step_with_batch_queue if self.config.async_scheduling else self.step

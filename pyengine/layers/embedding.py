@@ -1,45 +1,88 @@
-"""Token embedding and LM head (mirrors
-vllm/model_executor/layers/vocab_parallel_embedding.py, single-rank)."""
+"""Token embedding and LM head, vocab-parallel (mirrors
+vllm/model_executor/layers/vocab_parallel_embedding.py).
+
+The vocabulary is split into ``tp`` equal ranges of ``ceil(vocab / tp)`` rows (the last
+one padded with zero rows). ``tp_group`` is a ``pyengine.distributed.GroupCoordinator``
+or None (one rank: plain ``F.embedding`` / ``F.linear``, nothing else).
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyengine.layers.linear import default_weight_loader
+from pyengine.layers.linear import _check_shape, narrow_weight
 
 
-class VocabEmbedding(nn.Module):
-    """weight: [vocab_size, hidden]. forward(input_ids int64 [T]) -> [T, hidden] (weight dtype)."""
+class VocabParallelEmbedding(nn.Module):
+    """weight: [ceil(vocab / tp), hidden], this rank's vocabulary range
+    [vocab_start_index, vocab_end_index). ``forward(input_ids int64 [T]) -> [T, hidden]``
+    (weight dtype): each rank looks up the ids in its range, zeros for the rest, and one
+    all-reduce sums the ranks' rows. ``weight``: share this parameter instead of creating
+    one (tied LM head)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None,
+                 weight: Optional[nn.Parameter] = None):
         super().__init__()
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.__dict__["tp_group"] = tp_group  # not a module; shared by every layer
+        self.tp_size = tp_group.world_size if tp_group is not None else 1
+        rank = tp_group.rank if tp_group is not None else 0
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start_index = min(rank * self.num_embeddings_per_partition, num_embeddings)
+        self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
+        if weight is None:
+            weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+                                  requires_grad=False)
+            weight.weight_loader = self.weight_loader
+        self.weight = weight
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
+        """Rows [vocab_start_index, vocab_end_index) of the checkpoint's [vocab, hidden];
+        padding rows zeroed. Raises ValueError on a shape mismatch."""
+        _check_shape(loaded, (self.num_embeddings, self.embedding_dim))
+        n = self.vocab_end_index - self.vocab_start_index
+        param.data[:n].copy_(narrow_weight(loaded, 0, self.vocab_start_index, n))
+        param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local = (input_ids - self.vocab_start_index).masked_fill_(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp_group.all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start_index}, "
+                f"{self.vocab_end_index}), tp_size={self.tp_size}")
 
 
-class LMHead(nn.Module):
-    """Projects hidden states to vocabulary logits.
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to vocabulary logits; each rank computes the logits of its
+    vocabulary range and rank 0 gathers them.
 
-    With ``tie_to`` (a VocabEmbedding) the weight *is* the embedding's parameter
-    (``tie_word_embeddings``), so the checkpoint's ``lm_head.weight`` is neither needed nor read.
-    ``forward(hidden [N, hidden]) -> logits float32 [N, vocab]``.
+    With ``tie_to`` (a VocabParallelEmbedding) the weight *is* the embedding's parameter
+    (``tie_word_embeddings``), so the checkpoint's ``lm_head.weight`` is neither needed nor
+    read. ``forward(hidden [N, hidden]) -> float32 logits [N, vocab]`` on rank 0, None on
+    the other ranks (which must call it too: the gather is a collective).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabEmbedding | None = None):
-        super().__init__()
-        self.vocab_size = vocab_size
+    def __init__(self, num_embeddings: int, embedding_dim: int, tie_to: Optional[VocabParallelEmbedding] = None,
+                 tp_group=None):
+        super().__init__(num_embeddings, embedding_dim, tp_group,
+                         weight=tie_to.weight if tie_to is not None else None)
         self.tied = tie_to is not None
-        if tie_to is not None:
-            self.weight = tie_to.weight
-        else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-            self.weight.weight_loader = default_weight_loader
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+    def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            # Gathered in the model dtype (half the bytes of float32), padding rows cut.
+            logits = self.tp_group.gather(logits, dst=0, dim=-1)
+            if logits is None:
+                return None
+            logits = logits[:, :self.num_embeddings]
+        return logits.float()

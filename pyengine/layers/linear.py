@@ -1,101 +1,218 @@
-"""Linear layers that hold fused weights (mirrors vllm/model_executor/layers/linear.py,
-single-rank for now).
+"""Linear layers, tensor-parallel (mirrors vllm/model_executor/layers/linear.py).
 
-Every parameter carries a ``weight_loader(param, loaded, shard_id=None)`` used by
-``pyengine.models.loader``; fused layers copy each checkpoint shard (q/k/v, gate/up) into
-its slice of the output dim. Weights are created uninitialized (``torch.empty``) on the
-current default device/dtype: the loader fills them.
+* ``ColumnParallelLinear``: the output dim is split over the ranks; each rank computes
+  its slice (no communication). ``MergedColumnParallelLinear`` (gate/up) and
+  ``QKVParallelLinear`` (q/k/v) fuse several such projections of one input, each part
+  split on its own, so every rank holds [part0 slice | part1 slice | ...].
+* ``RowParallelLinear``: the input dim is split (its input is a column-parallel output);
+  each rank's partial product is summed over the ranks by one all-reduce, then the bias
+  is added once.
+
+``tp_group`` is a ``pyengine.distributed.GroupCoordinator`` or None (one rank). With one
+rank every layer is exactly one ``F.linear`` — no extra op or launch.
+
+Every parameter carries ``weight_loader(param, loaded, shard_id=None)``, used by
+``pyengine.models.loader``. ``loaded`` is the *whole* checkpoint tensor: a torch tensor,
+or a safetensors slice (``safe_open(...).get_slice(name)``), in which case only this
+rank's part is read from the file. Fused layers take each checkpoint part (q/k/v,
+gate/up) by shard id, or an already fused tensor with ``shard_id=None``. Shape mismatches
+raise ValueError. Weights are created uninitialized on the current default device/dtype.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+# ---- checkpoint tensors (torch tensors or safetensors slices) ---------------------------
+def weight_shape(loaded) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor or safetensors slice."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def narrow_weight(loaded, dim: int, start: int, size: int) -> torch.Tensor:
+    """``loaded[..., start:start+size, ...]`` along ``dim`` as a tensor; from a safetensors
+    slice only that part is read."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    return loaded[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def full_weight(loaded) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def _check_shape(loaded, expected: Sequence[int], what: str = "") -> None:
+    got = weight_shape(loaded)
+    if got != tuple(expected):
+        raise ValueError(f"shape mismatch{what}: expected {tuple(expected)} in the checkpoint, got {got}")
+
+
+def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
     """Copy a whole checkpoint tensor into ``param`` (dtype/device converted).
     Raises ValueError on a shape mismatch."""
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    _check_shape(loaded, param.shape)
+    param.data.copy_(full_weight(loaded))
 
 
-def _param(*shape: int) -> nn.Parameter:
+def divide(n: int, d: int, what: str = "size") -> int:
+    if n % d:
+        raise ValueError(f"{what} {n} is not divisible by tensor_parallel_size {d}")
+    return n // d
+
+
+def _param(*shape: int, loader=default_weight_loader) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    p.weight_loader = default_weight_loader
+    p.weight_loader = loader
     return p
 
 
-class Linear(nn.Module):
-    """y = x @ W^T (+ b). weight: [out_features, in_features]; bias: [out_features] or None."""
+class LinearBase(nn.Module):
+    """y = x @ W^T (+ b) on this rank's shard. ``tp_rank`` / ``tp_size`` from ``tp_group``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, tp_group=None):
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = _param(out_features, in_features)
-        self.bias = _param(out_features) if bias else None
+        self.input_size = input_size
+        self.output_size = output_size
+        # Kept out of the module tree: it is not a module, and shared by every layer.
+        self.__dict__["tp_group"] = tp_group
+        self.tp_rank = tp_group.rank if tp_group is not None else 0
+        self.tp_size = tp_group.world_size if tp_group is not None else 1
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+                f"tp_size={self.tp_size}")
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dim split: weight [output_size / tp, input_size], bias [output_size / tp].
+    ``forward(x [T, input_size]) -> [T, output_size / tp]`` (this rank's slice, not gathered)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_group=None,
+                 output_size_per_partition: Optional[int] = None):
+        super().__init__(input_size, output_size, tp_group)
+        self.output_size_per_partition = (output_size_per_partition if output_size_per_partition is not None
+                                          else divide(output_size, self.tp_size, "output size"))
+        self.weight = _param(self.output_size_per_partition, input_size, loader=self.weight_loader)
+        self.bias = _param(self.output_size_per_partition, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
+        full = (self.output_size,) + tuple(param.shape[1:])
+        _check_shape(loaded, full)
+        n = self.output_size_per_partition
+        param.data.copy_(narrow_weight(loaded, 0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused along the output dim
+    (gate/up: ``output_sizes=[I, I]``, shard ids 0, 1). Each part is split over the ranks,
+    so a rank holds [part 0 slice | part 1 slice | ...]. ``param.shard_ids`` lets the
+    loader name parts the checkpoint lacked."""
 
-class MergedLinear(Linear):
-    """Several projections of the same input fused along the output dim.
-
-    ``output_sizes`` lists each part's width; ``shard_ids`` names them (e.g. ``("q", "k",
-    "v")`` or ``(0, 1)``). ``weight_loader(param, loaded, shard_id)`` writes the checkpoint
-    tensor of that part into its row slice; ``param.loaded_shards`` (a set) records which
-    parts arrived, so the loader can name missing ones.
-    """
-
-    def __init__(self, in_features: int, output_sizes: Sequence[int], shard_ids: Sequence,
-                 bias: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias)
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False, tp_group=None,
+                 shard_ids: Optional[Sequence] = None):
         self.output_sizes = list(output_sizes)
-        self.shard_ids = list(shard_ids)
-        offsets, off = {}, 0
-        for sid, size in zip(self.shard_ids, self.output_sizes):
-            offsets[sid] = (off, size)
+        self.shard_ids = list(shard_ids) if shard_ids is not None else list(range(len(output_sizes)))
+        rank, tp = (tp_group.rank, tp_group.world_size) if tp_group is not None else (0, 1)
+        slices = self._part_slices(rank, tp)
+        super().__init__(input_size, sum(output_sizes), bias, tp_group, sum(n for _, n in slices))
+        # shard id -> (row offset in the checkpoint part, row offset in this rank's weight, rows)
+        self._parts: dict = {}
+        off = 0
+        for sid, (src, size) in zip(self.shard_ids, slices):
+            self._parts[sid] = (src, off, size)
             off += size
-        self._offsets = offsets
         for p in (self.weight, self.bias):
             if p is not None:
-                p.weight_loader = self._shard_loader
                 p.shard_ids = tuple(self.shard_ids)
 
-    def _shard_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:  # an already fused checkpoint tensor
-            default_weight_loader(param, loaded)
+    def _part_slices(self, rank: int, tp: int) -> list[tuple[int, int]]:
+        """(row offset in the checkpoint part, rows) of rank ``rank``'s slice of each part."""
+        out = []
+        for size in self.output_sizes:
+            n = divide(size, tp, "output size")
+            out.append((rank * n, n))
+        return out
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
+        if shard_id is None:  # an already fused checkpoint tensor: load it part by part
+            _check_shape(loaded, (self.output_size,) + tuple(param.shape[1:]))
+            start = 0
+            for sid, size in zip(self.shard_ids, self.output_sizes):
+                src, dst, n = self._parts[sid]
+                param.data.narrow(0, dst, n).copy_(narrow_weight(loaded, 0, start + src, n))
+                start += size
             return
-        if shard_id not in self._offsets:
+        if shard_id not in self._parts:
             raise ValueError(f"unknown shard id {shard_id!r}; expected one of {self.shard_ids}")
-        off, size = self._offsets[shard_id]
-        dst = param.data.narrow(0, off, size)
-        if tuple(dst.shape) != tuple(loaded.shape):
-            raise ValueError(f"shape mismatch for shard {shard_id!r}: expected {tuple(dst.shape)}, "
-                             f"checkpoint has {tuple(loaded.shape)}")
-        dst.copy_(loaded)
+        size = self.output_sizes[self.shard_ids.index(shard_id)]
+        _check_shape(loaded, (size,) + tuple(param.shape[1:]), f" for shard {shard_id!r}")
+        src, dst, n = self._parts[shard_id]
+        param.data.narrow(0, dst, n).copy_(narrow_weight(loaded, 0, src, n))
 
 
-class QKVLinear(MergedLinear):
-    """Fused q/k/v projection: output = cat(q [H*D], k [Hkv*D], v [Hkv*D]).
-    Shard ids ``"q"``, ``"k"``, ``"v"``."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Fused q/k/v projection with heads split over the ranks: a rank holds
+    ``num_heads = total_num_heads / tp`` query heads and ``num_kv_heads`` KV heads —
+    ``total_num_kv_heads / tp`` of them, or, when there are fewer KV heads than ranks,
+    one KV head replicated on ``tp / total_num_kv_heads`` ranks (the one its query heads
+    use). Output = cat(q [num_heads*D], k [num_kv_heads*D], v [num_kv_heads*D]);
+    shard ids ``"q"``, ``"k"``, ``"v"``."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False):
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], ("q", "k", "v"), bias)
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: Optional[int] = None, bias: bool = False, tp_group=None):
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        tp = tp_group.world_size if tp_group is not None else 1
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
+        if tp >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp, total_num_kv_heads, "num_key_value_heads: tensor_parallel_size")
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp, "num_key_value_heads")
+            self.num_kv_head_replicas = 1
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        # Checkpoint part sizes are the full ones; _part_slices picks this rank's heads.
+        super().__init__(hidden_size, [total_num_heads * head_size, total_num_kv_heads * head_size,
+                                       total_num_kv_heads * head_size], bias, tp_group, shard_ids=("q", "k", "v"))
+
+    def _part_slices(self, rank: int, tp: int) -> list[tuple[int, int]]:
+        kv_shard = rank // self.num_kv_head_replicas
+        return [(rank * self.q_size, self.q_size), (kv_shard * self.kv_size, self.kv_size),
+                (kv_shard * self.kv_size, self.kv_size)]
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[T, q+2kv] -> (q [T, H*D], k [T, Hkv*D], v [T, Hkv*D]) views."""
+        """[T, q+2kv] -> (q [T, num_heads*D], k [T, num_kv_heads*D], v [T, num_kv_heads*D]) views."""
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
+class RowParallelLinear(LinearBase):
+    """Input dim split: weight [output_size, input_size / tp], bias [output_size] (whole).
+    ``forward(x [T, input_size / tp]) -> [T, output_size]``, summed over the ranks (one
+    all-reduce) when tp > 1, bias added once after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_group=None):
+        super().__init__(input_size, output_size, tp_group)
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
+        self.weight = _param(output_size, self.input_size_per_partition, loader=self.weight_loader)
+        self.bias = _param(output_size) if bias else None
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
+        _check_shape(loaded, (self.output_size, self.input_size))
+        n = self.input_size_per_partition
+        param.data.copy_(narrow_weight(loaded, 1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp_group.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -18,9 +18,9 @@ from torch import nn
 
 from pyengine.attention.backend import AttentionBackend, AttentionMetadata
 from pyengine.layers.activation import SiluAndMul
-from pyengine.layers.embedding import LMHead, VocabEmbedding
+from pyengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pyengine.layers.layernorm import RMSNorm
-from pyengine.layers.linear import Linear, MergedLinear, QKVLinear
+from pyengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pyengine.layers.rotary import RotaryEmbedding, get_rope_params
 
 logger = logging.getLogger("pyengine")
@@ -35,19 +35,24 @@ def config_head_dim(hf_config) -> int:
 class DecoderAttention(nn.Module):
     """qkv_proj -> (optional per-head q/k RMSNorm) -> RoPE -> backend attention -> o_proj.
 
-    ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) is a plain attribute set by
-    ``bind_kv_caches``; None until then.
+    With tensor parallelism a rank holds ``num_heads`` query heads and ``num_kv_heads``
+    KV heads (see QKVParallelLinear); o_proj sums the ranks' outputs.
+    ``kv_cache`` ([2, num_blocks, block_size, num_kv_heads, D]) is a plain attribute set
+    by ``bind_kv_caches``; None until then.
     """
 
     def __init__(self, hf_config, attn_backend: AttentionBackend, rotary: RotaryEmbedding,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_group=None):
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        total_heads = hf_config.num_attention_heads
         self.head_dim = config_head_dim(hf_config)
-        self.qkv_proj = QKVLinear(hf_config.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hf_config.hidden_size, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, total_heads,
+                                          getattr(hf_config, "num_key_value_heads", None) or total_heads,
+                                          bias=qkv_bias, tp_group=tp_group)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
+                                        tp_group=tp_group)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -76,12 +81,13 @@ class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate/up fused into ``gate_up_proj`` (shards 0, 1)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 hidden_act: str = "silu"):
+                 hidden_act: str = "silu", tp_group=None):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"Unsupported hidden_act {hidden_act!r}; only 'silu' is supported.")
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, (0, 1), bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                                       tp_group=tp_group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_group=tp_group)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,12 +95,12 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm):
+    def __init__(self, hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm, tp_group=None):
         super().__init__()
-        self.self_attn = DecoderAttention(hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm)
+        self.self_attn = DecoderAttention(hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm, tp_group)
         self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
                             bias=bool(getattr(hf_config, "mlp_bias", False)),
-                            hidden_act=getattr(hf_config, "hidden_act", "silu"))
+                            hidden_act=getattr(hf_config, "hidden_act", "silu"), tp_group=tp_group)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -111,14 +117,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, hf_config, attn_backend, qkv_bias, o_bias, qk_norm):
+    def __init__(self, hf_config, attn_backend, qkv_bias, o_bias, qk_norm, tp_group=None):
         super().__init__()
         head_dim = config_head_dim(hf_config)
         self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings,
                                           get_rope_params(hf_config))
-        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, attn_backend, self.rotary_emb, qkv_bias, o_bias, qk_norm)
+            DecoderLayer(hf_config, attn_backend, self.rotary_emb, qkv_bias, o_bias, qk_norm, tp_group)
             for _ in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -134,11 +140,14 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral causal LM.
 
-    ``Model(hf_config, attn_backend)``; ``forward(input_ids int64 [T], positions int64 [T],
-    attn_metadata) -> hidden [T, hidden_size]`` (model dtype);
-    ``compute_logits(hidden [N, hidden_size]) -> float32 [N, vocab_size]``;
-    ``bind_kv_caches(list of [2, num_blocks, block_size, Hkv, D], one per layer)``.
-    Parameters are created uninitialized: use ``pyengine.models.loader.load_model``.
+    ``Model(hf_config, attn_backend, tp_group=None)``; ``forward(input_ids int64 [T],
+    positions int64 [T], attn_metadata) -> hidden [T, hidden_size]`` (model dtype);
+    ``compute_logits(hidden [N, hidden_size]) -> float32 [N, vocab_size]`` (on tensor-parallel
+    rank 0; None on the other ranks, which must call it too);
+    ``bind_kv_caches(list of [2, num_blocks, block_size, Hkv, D], one per layer)``, Hkv this
+    rank's KV heads. ``tp_group``: a ``pyengine.distributed.GroupCoordinator`` (tensor
+    parallelism) or None. Parameters are created uninitialized: use
+    ``pyengine.models.loader.load_model``.
     """
 
     # checkpoint module name -> (fused module name, shard id)
@@ -158,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
     def o_bias(self, hf_config) -> bool:
         return bool(getattr(hf_config, "attention_bias", False))
 
-    def __init__(self, hf_config, attn_backend: AttentionBackend):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, tp_group=None):
         super().__init__()
         self.config = hf_config
         if getattr(hf_config, "sliding_window", None):
@@ -166,16 +175,16 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("sliding_window=%s in the config is not applied; attention is full-context.",
                            hf_config.sliding_window)
         self.model = DecoderModel(hf_config, attn_backend, self.qkv_bias(hf_config),
-                                  self.o_bias(hf_config), self.qk_norm)
+                                  self.o_bias(hf_config), self.qk_norm, tp_group)
         tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size,
-                              tie_to=self.model.embed_tokens if tie else None)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                      tie_to=self.model.embed_tokens if tie else None, tp_group=tp_group)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         return self.lm_head(hidden)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:

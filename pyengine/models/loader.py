@@ -6,6 +6,9 @@ Checkpoint tensors are mapped onto the model's parameters: names of packed modul
 slice; ``lm_head.weight`` is skipped when embeddings are tied; names the model has no
 parameter for (e.g. ``rotary_emb.inv_freq``) are ignored. Any parameter (or fused shard)
 left unfilled is an error naming it.
+
+Checkpoint tensors reach the parameters' ``weight_loader`` as safetensors slices, so a
+tensor-parallel rank reads only its own part of each tensor from the file.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from pyengine.layers.linear import default_weight_loader
 from pyengine.models.registry import get_model_cls
 
 logger = logging.getLogger("pyengine")
@@ -47,14 +51,16 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) for every tensor of every checkpoint file."""
+def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
+    """Yield (name, safetensors slice) for every tensor of every checkpoint file. A slice
+    reads from the file only what is indexed (``s[:]`` = the whole tensor; see
+    ``pyengine.layers.linear.narrow_weight``); it is valid until the next item."""
     from safetensors import safe_open
 
     for f in safetensors_files(model_dir):
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():
-                yield name, fh.get_tensor(name)
+                yield name, fh.get_slice(name)
 
 
 @contextlib.contextmanager
@@ -68,7 +74,8 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -> None:
-    """Copy checkpoint ``weights`` (iterable of (name, tensor)) into ``model``.
+    """Copy checkpoint ``weights`` (iterable of (name, tensor or safetensors slice)) into
+    ``model``; each parameter's ``weight_loader`` takes its tensor-parallel part.
 
     Raises ValueError naming any parameter or fused shard the checkpoint did not provide,
     or on a shape mismatch.
@@ -90,13 +97,10 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
         if param is None:
             logger.debug("ignoring checkpoint tensor %s", name)
             continue
-        loader = getattr(param, "weight_loader", None)
+        loader = getattr(param, "weight_loader", default_weight_loader)
         try:
             if shard is None:
-                if loader is None:
-                    param.data.copy_(tensor)
-                else:
-                    loader(param, tensor)
+                loader(param, tensor)
             else:
                 loader(param, tensor, shard)
         except ValueError as e:
@@ -119,10 +123,11 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing)}")
 
 
-def load_model(config, attn_backend) -> nn.Module:
-    """Build ``get_model_cls(config.hf_config)(config.hf_config, attn_backend)`` on
-    ``config.device`` in ``config.dtype`` and load every safetensors file of
-    ``config.model`` into it. Returns the model in eval mode.
+def load_model(config, attn_backend, tp_group=None) -> nn.Module:
+    """Build ``get_model_cls(config.hf_config)(config.hf_config, attn_backend, tp_group)``
+    on ``config.device`` in ``config.dtype`` and load every safetensors file of
+    ``config.model`` into it (this rank's shard of each tensor when ``tp_group``, a
+    ``pyengine.distributed.GroupCoordinator``, is given). Returns the model in eval mode.
 
     Raises ValueError (unsupported architecture, missing weights, shape mismatch),
     FileNotFoundError (no weights).
@@ -130,7 +135,7 @@ def load_model(config, attn_backend) -> nn.Module:
     hf_config = config.hf_config
     model_cls = get_model_cls(hf_config)
     with _default_dtype(config.dtype), torch.device(config.device):
-        model = model_cls(hf_config, attn_backend)
+        model = model_cls(hf_config, attn_backend, tp_group=tp_group)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     with torch.no_grad():
         if getattr(config, "load_format", "auto") == "dummy":

@@ -43,15 +43,18 @@ class ModelDims:
     vocab_size: int
 
 
-def model_dims(hf_config) -> ModelDims:
+def model_dims(hf_config, tp_size: int = 1) -> ModelDims:
     """head_dim is the config's ``head_dim`` when set, else hidden_size // num_heads;
-    num_kv_heads defaults to num_heads."""
+    num_kv_heads defaults to num_heads. With ``tp_size`` > 1 the head counts are one
+    tensor-parallel rank's: num_heads / tp_size, and num_kv_heads / tp_size or 1 when
+    there are fewer KV heads than ranks (replicated; see QKVParallelLinear)."""
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     return ModelDims(
         num_layers=hf_config.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        num_heads=num_heads // tp_size,
+        num_kv_heads=max(1, num_kv_heads // tp_size),
         head_dim=int(head_dim),
         hidden_size=hf_config.hidden_size,
         vocab_size=hf_config.vocab_size,

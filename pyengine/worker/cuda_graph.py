@@ -29,8 +29,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model, attn_backend, max_num_seqs: int, max_blocks_per_req: int,
-                 max_model_len: int, device: torch.device):
+                 max_model_len: int, device: torch.device, capture_error_mode: str = "global"):
         self.model = model
+        self.capture_error_mode = capture_error_mode  # torch.cuda.graph's
         self.attn_backend = attn_backend
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
@@ -70,7 +71,7 @@ class CUDAGraphRunner:
             self.model(self.input_ids[:bs], self.positions[:bs], meta)  # warm-up (triton autotune/compile)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, capture_error_mode=self.capture_error_mode):
                 self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
             self.graphs[bs] = g
         torch.cuda.synchronize()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -33,6 +33,72 @@ def _align(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+class StepShape(NamedTuple):
+    """Sizes of one packed step (see ``ModelRunner._pack_inputs``); every buffer offset
+    follows from them. T tokens, R requests, P placeholder rows, S rows to sample."""
+    T: int
+    R: int
+    P: int
+    S: int
+    max_blocks: int
+    max_query_len: int
+    max_seq_len: int
+
+    HEADER_LEN = 8  # [kind, T, R, P, S, max_blocks, max_query_len, max_seq_len]
+
+    # int64 offsets (elements): ids 0, positions t2, slots 2*t2, placeholders o_ph, rows o_rows
+    @property
+    def t2(self) -> int:
+        return _align(self.T, 2)
+
+    @property
+    def p2(self) -> int:
+        return _align(self.P, 2)
+
+    @property
+    def o_ph(self) -> int:
+        return 3 * self.t2
+
+    @property
+    def o_rows(self) -> int:
+        return 3 * self.t2 + 2 * self.p2
+
+    @property
+    def n64(self) -> int:
+        return self.o_rows + self.S
+
+    # int32 offsets: query_start_loc 0, seq_lens o_seq, block table o_bt
+    @property
+    def o_seq(self) -> int:
+        return _align(self.R + 1, 4)
+
+    @property
+    def o_bt(self) -> int:
+        return self.o_seq + _align(self.R, 4)
+
+    @property
+    def n32(self) -> int:
+        return self.o_bt + self.R * self.max_blocks
+
+    def header(self) -> list[int]:
+        return [1, *self]
+
+    @staticmethod
+    def stop_header() -> list[int]:
+        return [0] * StepShape.HEADER_LEN
+
+    @staticmethod
+    def from_header(h: list[int]) -> Optional["StepShape"]:
+        """None for the stop header."""
+        return StepShape(*h[1:]) if h[0] == 1 else None
+
+
+class PackedStep(NamedTuple):
+    shape: StepShape
+    buf64: np.ndarray  # int64 [shape.n64]
+    buf32: np.ndarray  # int32 [shape.n32]
+
+
 @dataclass
 class ModelRunnerOutput:
     """Host-side results, one entry per sampled row (rows with ScheduledRequest.sample)."""
@@ -46,6 +112,10 @@ class AsyncModelRunnerOutput:
     def __init__(self, event, host_tokens: torch.Tensor, logprobs_fn, keepalive):
         self._event, self._host, self._logprobs_fn, self._keepalive = event, host_tokens, logprobs_fn, keepalive
 
+    def ready(self) -> bool:
+        """True once ``get_output`` would not wait."""
+        return self._event is None or self._event.query()
+
     def get_output(self) -> ModelRunnerOutput:
         if self._event is not None:
             self._event.synchronize()
@@ -55,10 +125,16 @@ class AsyncModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    """``ModelRunner(config, tp_group=None)``: one rank's model, KV cache and step logic.
+    With ``tp_group`` (a ``pyengine.distributed.GroupCoordinator``) rank 0's
+    ``execute_model`` sends each step's inputs to the other ranks, whose
+    ``execute_follower_step`` runs the same forward; only rank 0 samples."""
+
+    def __init__(self, config: EngineConfig, tp_group=None):
         self.config = config
         self.device = config.device
-        self.dims = model_dims(config.hf_config)
+        self.tp = tp_group
+        self.dims = model_dims(config.hf_config, tp_group.world_size if tp_group is not None else 1)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         d = self.dims
@@ -66,7 +142,7 @@ class ModelRunner:
         self.attn_backend = backend_cls(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim ** -0.5,
                                         config.block_size, config.dtype, config.device)
         t0 = time.perf_counter()
-        self.model = load_model(config, self.attn_backend)
+        self.model = load_model(config, self.attn_backend, tp_group)
         logger.info("Loaded %s in %.2f s", config.model, time.perf_counter() - t0)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
@@ -167,9 +243,11 @@ class ModelRunner:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def initialize_kv_cache(self) -> int:
-        """Allocate the paged KV cache; returns the number of blocks (block 0 = null block)."""
-        n = self.determine_num_blocks()
+    def initialize_kv_cache(self, num_blocks: Optional[int] = None) -> int:
+        """Allocate the paged KV cache of ``num_blocks`` blocks (None: ``determine_num_blocks()``),
+        warm up kernels, capture CUDA graphs; returns the number of blocks (block 0 = null
+        block). Tensor-parallel ranks call it together (the warm-ups run collectives)."""
+        n = num_blocks if num_blocks is not None else self.determine_num_blocks()
         d = self.dims
         self.kv_caches = [torch.zeros(2, n, self.block_size, d.num_kv_heads, d.head_dim,
                                       dtype=self.config.dtype, device=self.device) for _ in range(d.num_layers)]
@@ -181,19 +259,30 @@ class ModelRunner:
             logger.info("Warmed up prefill kernels in %.2f s", self._warm_up_kernels())
         if self._is_cuda and not self.config.enforce_eager and self.config.attention_backend == "triton":
             from pyengine.worker.cuda_graph import CUDAGraphRunner
+            # Another thread (NCCL's watchdog) may query events while a rank captures.
+            mode = "global" if self.tp is None else "thread_local"
             self.graph_runner = CUDAGraphRunner(self.model, self.attn_backend, self.config.max_num_seqs,
-                                                self.max_blocks_per_req, self.config.max_model_len, self.device)
+                                                self.max_blocks_per_req, self.config.max_model_len, self.device,
+                                                capture_error_mode=mode)
             self.graph_capture_time_s = self.graph_runner.capture()
         return n
 
     # ---- one step ------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput):
-        """Build the step's inputs. All integer inputs go to the device in two copies: one
-        int64 buffer [input ids | positions | slot mapping | placeholder rows | their source
-        rows] and one int32 buffer [query_start_loc | seq_lens | block table]; the tensors the
-        model sees are views of those. Every view starts on a 16-byte boundary: triton
-        specialises kernels on pointer alignment, so an odd offset would compile (and, cold,
-        stall a step for) another variant of each kernel."""
+        """Build the step's inputs (see ``_pack_inputs``); with tensor parallelism also send
+        them to the other ranks first. Returns (input ids [T], positions [T],
+        AttentionMetadata, rows to sample from [S] or None when every row samples)."""
+        step = self._pack_inputs(so)
+        if self.tp is not None:
+            self._broadcast_step(step)
+        return self._step_tensors(step)
+
+    def _pack_inputs(self, so: SchedulerOutput) -> "PackedStep":
+        """All integer inputs of the step in one int64 buffer [input ids | positions | slot
+        mapping | placeholder rows | their source rows | rows to sample] and one int32
+        buffer [query_start_loc | seq_lens | block table], host side. Every region starts
+        on a 16-byte boundary: triton specialises kernels on pointer alignment, so an odd
+        offset would compile (and, cold, stall a step for) another variant of each kernel."""
         sched = so.scheduled
         T, R, bs = so.total_num_scheduled_tokens, len(sched), self.block_size
         toks: list[int] = []
@@ -201,10 +290,9 @@ class ModelRunner:
         starts = np.empty(R, dtype=np.int64)
         ns = np.empty(R, dtype=np.int64)
         max_blocks = max(len(s.block_ids) for s in sched)
-        o_seq = _align(R + 1, 4)  # int32 offsets, in elements
-        o_bt = o_seq + _align(R, 4)
-        buf32 = np.zeros(o_bt + R * max_blocks, dtype=np.int32)
-        block_table = buf32[o_bt:].reshape(R, max_blocks)
+        shape = StepShape(T, R, 0, 0, max_blocks, 0, 0)
+        buf32 = np.zeros(shape.n32, dtype=np.int32)
+        block_table = buf32[shape.o_bt:].reshape(R, max_blocks)
         for i, s in enumerate(sched):
             start, n = s.num_computed_tokens, s.num_new_tokens
             starts[i], ns[i] = start, n
@@ -222,32 +310,79 @@ class ModelRunner:
             block_table[i, :len(s.block_ids)] = s.block_ids
         qsl = buf32[:R + 1]
         np.cumsum(ns, out=qsl[1:])
-        seq_lens = buf32[o_seq:o_seq + R]
+        seq_lens = buf32[shape.o_seq:shape.o_seq + R]
         seq_lens[:] = starts + ns
-        P = len(ph_rows)
-        t2, p2 = _align(T, 2), _align(P, 2)  # int64 offsets: positions t2, slots 2*t2, placeholders 3*t2
-        buf64 = np.empty(3 * t2 + p2 + P, dtype=np.int64)
+        rows = [int(qsl[i + 1]) - 1 for i, s in enumerate(sched) if s.sample]
+        shape = StepShape(T, R, len(ph_rows), len(rows), max_blocks, int(ns.max()), int(seq_lens.max()))
+        t2 = shape.t2
+        buf64 = np.empty(shape.n64, dtype=np.int64)
         buf64[:T] = toks
         req_of_tok = np.repeat(np.arange(R), ns)
         positions = buf64[t2:t2 + T]
         positions[:] = starts[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
         buf64[2 * t2:2 * t2 + T] = block_table[req_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
-        buf64[3 * t2:3 * t2 + P] = ph_rows
-        buf64[3 * t2 + p2:] = ph_src
-        dev = self.device
-        d64 = torch.from_numpy(buf64).to(dev, non_blocking=True)
-        d32 = torch.from_numpy(buf32).to(dev, non_blocking=True)
+        o = shape.o_ph
+        buf64[o:o + shape.P] = ph_rows
+        buf64[o + shape.p2:o + shape.p2 + shape.P] = ph_src
+        buf64[shape.o_rows:] = rows
+        return PackedStep(shape, buf64, buf32)
+
+    def _step_tensors(self, step: "PackedStep"):
+        """Copy a packed step to the device (two copies) and fill the placeholder rows from
+        the previous step's sampled ids. Returns (ids, positions, meta, sample rows or None)."""
+        sh, dev = step.shape, self.device
+        T, R, P, S, t2 = sh.T, sh.R, sh.P, sh.S, sh.t2
+        d64 = torch.from_numpy(step.buf64).to(dev, non_blocking=True)
+        d32 = torch.from_numpy(step.buf32).to(dev, non_blocking=True)
         ids_t = d64[:T]
         if P:
-            ids_t[d64[3 * t2:3 * t2 + P]] = self._prev_sampled[d64[3 * t2 + p2:]]
-        host32 = torch.from_numpy(buf32)
+            o = sh.o_ph
+            ids_t[d64[o:o + P]] = self._prev_sampled[d64[o + sh.p2:o + sh.p2 + P]]
+        host32 = torch.from_numpy(step.buf32)
         meta = AttentionMetadata(
-            num_actual_tokens=T, num_reqs=R,
-            max_query_len=int(ns.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc=d32[:R + 1], seq_lens=d32[o_seq:o_seq + R],
-            block_table=d32[o_bt:].view(R, max_blocks), slot_mapping=d64[2 * t2:2 * t2 + T],
-            query_start_loc_cpu=host32[:R + 1], seq_lens_cpu=host32[o_seq:o_seq + R])
-        return ids_t, d64[t2:t2 + T], meta, qsl, ph_rows
+            num_actual_tokens=T, num_reqs=R, max_query_len=sh.max_query_len, max_seq_len=sh.max_seq_len,
+            query_start_loc=d32[:R + 1], seq_lens=d32[sh.o_seq:sh.o_seq + R],
+            block_table=d32[sh.o_bt:].view(R, sh.max_blocks), slot_mapping=d64[2 * t2:2 * t2 + T],
+            query_start_loc_cpu=host32[:R + 1], seq_lens_cpu=host32[sh.o_seq:sh.o_seq + R])
+        rows_t = d64[sh.o_rows:sh.o_rows + S] if S and S != T else None
+        return ids_t, d64[t2:t2 + T], meta, rows_t
+
+    # ---- tensor parallelism: rank 0 sends each step, the other ranks follow ------------
+    def _broadcast_step(self, step: "PackedStep") -> None:
+        """Rank 0: a fixed-size header (the step's shape) then the two buffers as one byte
+        payload, over the cpu group."""
+        self.tp.broadcast_cpu(torch.tensor(step.shape.header(), dtype=torch.int64))
+        payload = np.concatenate([step.buf64.view(np.uint8), step.buf32.view(np.uint8)])
+        self.tp.broadcast_cpu(torch.from_numpy(payload))
+
+    def broadcast_stop(self) -> None:
+        """Rank 0: tell the other ranks' ``execute_follower_step`` loops to return False."""
+        self.tp.broadcast_cpu(torch.tensor(StepShape.stop_header(), dtype=torch.int64))
+
+    @torch.inference_mode()
+    def execute_follower_step(self) -> bool:
+        """Ranks > 0: receive rank 0's next step and run the same forward (and the logits
+        gather, and with async scheduling take the sampled ids rank 0 broadcasts). Returns
+        False when rank 0 sent stop."""
+        head = self.tp.broadcast_cpu(torch.empty(StepShape.HEADER_LEN, dtype=torch.int64))
+        shape = StepShape.from_header(head.tolist())
+        if shape is None:
+            return False
+        payload = self.tp.broadcast_cpu(torch.empty(shape.n64 * 8 + shape.n32 * 4, dtype=torch.uint8)).numpy()
+        step = PackedStep(shape, payload[:shape.n64 * 8].view(np.int64), payload[shape.n64 * 8:].view(np.int32))
+        ids, pos, meta, rows_t = self._step_tensors(step)
+        hidden = self._forward(ids, pos, meta)
+        if shape.S:
+            self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])  # the gather
+            if self.config.async_scheduling:  # the next step may feed these ids (placeholders)
+                self._prev_sampled = self.tp.broadcast(torch.empty(shape.S, dtype=torch.int64, device=self.device))
+        return True
+
+    def _forward(self, ids, pos, meta) -> torch.Tensor:
+        if (self.graph_runner is not None and meta.max_query_len == 1
+                and meta.num_reqs <= self.graph_runner.max_batch_size):
+            return self.graph_runner.run(ids, pos, meta)
+        return self.model(ids, pos, meta)
 
     def _sampling_metadata(self, sampled, ph_flags) -> SamplingMetadata:
         params = [s.request.sampling_params for s in sampled]
@@ -293,18 +428,11 @@ class ModelRunner:
         self._rewind_generators(so.discarded_draw_req_ids)
         # All host-side preparation (inputs and sampling metadata) comes before the first
         # kernel of the step, so the step reaches the GPU as one burst of launches.
-        ids, pos, meta, qsl, ph_rows = self._prepare_inputs(so)
+        ids, pos, meta, rows_t = self._prepare_inputs(so)
         sampled = [s for s in so.scheduled if s.sample]
-        idx = [int(qsl[i + 1]) - 1 for i, s in enumerate(so.scheduled) if s.sample]
         ph_flags = [s.placeholder_input for s in sampled]
         meta_s = self._sampling_metadata(sampled, ph_flags) if sampled else None
-        rows_t = (torch.tensor(idx, dtype=torch.int64).to(self.device, non_blocking=True)
-                  if sampled and len(idx) != meta.num_actual_tokens else None)
-        if (self.graph_runner is not None and meta.max_query_len == 1
-                and meta.num_reqs <= self.graph_runner.max_batch_size):
-            hidden = self.graph_runner.run(ids, pos, meta)
-        else:
-            hidden = self.model(ids, pos, meta)
+        hidden = self._forward(ids, pos, meta)
         if not sampled:
             return ModelRunnerOutput([], None) if not non_blocking else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None)
         if rows_t is not None:  # only the last row of each sampling request
@@ -319,6 +447,8 @@ class ModelRunner:
                 torch.ones(len(rows), dtype=meta_s.output_token_counts.dtype, device=self.device), accumulate=True)
         out = self.sampler(logits, meta_s)
         tokens = out.sampled_token_ids
+        if self.tp is not None and self.config.async_scheduling:
+            self.tp.broadcast(tokens)  # the other ranks feed placeholders from them too
         self._prev_sampled = tokens
         self._prev_rows = {s.request.request_id: i for i, s in enumerate(sampled)}
         k_per_row = [s.request.sampling_params.logprobs for s in sampled]

@@ -124,3 +124,23 @@ def test_gpu_idle_window_between_first_and_last_marker():
     assert gpu_idle.clip_to_markers(ops, markers[:1]) == (ops, None)
     top = gpu_idle.top_gaps(ops, markers, k=2)
     assert [(g["gap_us"], g["markers_before"]) for g in top] == [(50, 0), (4, 1)]
+
+
+def test_tp_smoke(tmp_path):
+    from benchmarks import tp
+
+    out = tmp_path / "tp.json"
+    res = tp.main(["--device", "cpu", "--latency-shape", "tiny", "--no-throughput", "--output-len", "4",
+                   "--iters", "1", "--json", str(out)])
+    t = res["summary"]["tpot_ms"]["tiny"]
+    assert t[1] > 0 and t[2] > 0 and t["ratio"] == t[2] / t[1]
+    assert res["runs"]["latency"]["tiny"][2]["results"][0]["tensor_parallel_size"] == 2
+    assert json.loads(out.read_text())["summary"]["tpot_ms"]["tiny"]["2"] == t[2]
+
+
+def test_tp_step_broadcast_smoke(tmp_path):
+    from benchmarks import tp_step_broadcast
+
+    res = tp_step_broadcast.main(["--iters", "2", "--json", str(tmp_path / "b.json")])
+    assert set(res["results"]) == set(tp_step_broadcast.SCENARIOS)
+    assert all(r["pack_us"] > 0 and "packed_us" in r and "cbor2_total_us" in r for r in res["results"].values())

@@ -78,6 +78,7 @@ static vllm_engine* load_engine(void) {
   mp.model_path = g_model;
   mp.max_num_seqs = 16;
   mp.kv_cache_memory_bytes = 16 << 20;
+  if (getenv("CAPI_TEST_TP")) mp.tensor_parallel_size = atoi(getenv("CAPI_TEST_TP"));
   vllm_engine* e = NULL;
   vllm_status st = p_vllm_engine_load(&mp, &e);
   if (st != VLLM_OK) {
@@ -407,6 +408,13 @@ static void case_bad_args(int argc, char** argv) {
   mp.device = 7;
   EXPECT_ST(p_vllm_engine_load(&mp, &e), VLLM_ERR_INVALID_ARGUMENT);
   mp.device = 0;
+  mp.tensor_parallel_size = -1;
+  EXPECT_ST(p_vllm_engine_load(&mp, &e), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "tensor_parallel_size") != NULL, "names the field");
+  mp.tensor_parallel_size = 3; /* the model's 4 heads do not split over 3 ranks */
+  EXPECT_ST(p_vllm_engine_load(&mp, &e), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "tensor_parallel_size") != NULL, "names the field");
+  mp.tensor_parallel_size = 0;
 
   e = load_engine();
   vllm_sampling_params sp = greedy(4);

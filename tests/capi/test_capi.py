@@ -42,7 +42,7 @@ MODEL_FIELDS = ["model_path", "tokenizer_config_path", "block_size", "num_blocks
                 "max_num_seqs", "tool_parser", "reasoning_parser", "speculative_config",
                 "enable_prefix_caching", "max_num_batched_tokens", "scheduling_policy",
                 "kv_transfer_config", "enable_jump_forward", "device", "gpu_memory_utilization",
-                "kv_cache_memory_bytes"]
+                "kv_cache_memory_bytes", "tensor_parallel_size"]
 SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "has_seed",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                    "ignore_eos", "stop", "n_stop", "structured_json", "structured_regex",
@@ -187,9 +187,11 @@ def test_header_declares_every_export():
 # ---------------------------------------------------------------------------
 # behaviour (real engine, tiny CPU model)
 
-@pytest.mark.parametrize("mode", ["local", "global"])
-def test_complete_and_stream_match_python_api(capi_test_bin, capi_lib, llama_dir, reference, mode):
-    out = _check(_run(capi_test_bin, capi_lib, "basic", llama_dir, MAX_TOKENS, *PROMPTS, mode=mode))
+@pytest.mark.parametrize("mode, tp", [("local", 1), ("global", 1), ("local", 2)])
+def test_complete_and_stream_match_python_api(capi_test_bin, capi_lib, llama_dir, reference, mode, tp):
+    # tp=2: vllm_model_params.tensor_parallel_size; the embedded Python spawns the worker rank
+    out = _check(_run(capi_test_bin, capi_lib, "basic", llama_dir, MAX_TOKENS, *PROMPTS, mode=mode,
+                      env={"CAPI_TEST_TP": str(tp)}))
     texts = [_unescape(line[5:]) for line in out.splitlines() if line.startswith("TEXT ")]
     # C strings cannot carry NUL: the C ABI delivers U+FFFD for it
     assert texts == [reference[i][0].replace("\0", "\ufffd") for i in range(len(PROMPTS))]

@@ -7,7 +7,7 @@ import torch
 
 from pyengine.layers.activation import silu_and_mul
 from pyengine.layers.layernorm import RMSNorm, fused_add_rms_norm, rms_norm
-from pyengine.layers.linear import MergedLinear
+from pyengine.layers.linear import MergedColumnParallelLinear
 from pyengine.layers.rotary import RotaryEmbedding, apply_rotary, get_rope_params
 
 
@@ -70,9 +70,102 @@ def test_unsupported_rope_type():
 
 
 def test_merged_linear_shards():
-    lin = MergedLinear(3, [2, 4], (0, 1), bias=True)
+    lin = MergedColumnParallelLinear(3, [2, 4], bias=True)
     lin.weight.weight_loader(lin.weight, torch.ones(4, 3), 1)
     lin.weight.weight_loader(lin.weight, torch.zeros(2, 3), 0)
     assert torch.equal(lin.weight[:2], torch.zeros(2, 3)) and torch.equal(lin.weight[2:], torch.ones(4, 3))
     with pytest.raises(ValueError, match="shape mismatch"):
         lin.weight.weight_loader(lin.weight, torch.zeros(3, 3), 0)
+
+
+# ---- tensor-parallel layers: each rank's shard, loaded from a safetensors slice ---------
+def _ranks(tp):
+    from pyengine.distributed import GroupCoordinator
+    # Loading reads only rank and world size; no process group is needed to check shards.
+    return [GroupCoordinator(r, tp, torch.device("cpu"), None, None) for r in range(tp)]
+
+
+def _slices(tmp_path, tensors: dict):
+    """safetensors slices of ``tensors`` (what the model loader hands the weight loaders)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    f = tmp_path / "w.safetensors"
+    save_file(tensors, str(f))
+    fh = safe_open(str(f), framework="pt")
+    return {k: fh.get_slice(k) for k in tensors}
+
+
+@pytest.mark.parametrize("tp, kv_heads", [(2, 2), (2, 1), (4, 2)])
+def test_qkv_parallel_shards_heads(tmp_path, tp, kv_heads):
+    """Each rank holds its query heads and the KV heads they use (replicated when there are
+    fewer KV heads than ranks); the ranks' outputs are the full projection's head slices."""
+    from pyengine.layers.linear import QKVParallelLinear
+    H, D, hidden = 4, 3, 5
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(rows, hidden, generator=g) for n, rows in (("q", H * D), ("k", kv_heads * D),
+                                                                       ("v", kv_heads * D))}
+    bias = {f"{n}b": torch.randn(w.shape[0], generator=g) for n, w in full.items()}
+    src = _slices(tmp_path, {**full, **bias})
+    x = torch.randn(2, hidden, generator=g)
+    ref = {n: x @ w.T + bias[f"{n}b"] for n, w in full.items()}
+    for group in _ranks(tp):
+        lin = QKVParallelLinear(hidden, D, H, kv_heads, bias=True, tp_group=group)
+        for n in "qkv":
+            lin.weight.weight_loader(lin.weight, src[n], n)
+            lin.bias.weight_loader(lin.bias, src[f"{n}b"], n)
+        q, k, v = lin.split(lin(x))
+        heads_q = H // tp
+        kv_head = group.rank * kv_heads // tp  # the KV head of this rank's first query head
+        assert lin.num_heads == heads_q and lin.num_kv_heads == max(1, kv_heads // tp)
+        torch.testing.assert_close(q, ref["q"][:, group.rank * heads_q * D:(group.rank + 1) * heads_q * D])
+        kv = slice(kv_head * D, (kv_head + lin.num_kv_heads) * D)
+        torch.testing.assert_close(k, ref["k"][:, kv])
+        torch.testing.assert_close(v, ref["v"][:, kv])
+
+
+def test_mlp_and_embedding_shards_sum_to_the_full_layer(tmp_path):
+    """gate_up column slices, down partial sums and vocab ranges (with padding) over 2 ranks
+    reassemble the single-rank results."""
+    from pyengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from pyengine.layers.linear import RowParallelLinear
+    hidden, inter, vocab, tp = 6, 8, 11, 2
+    g = torch.Generator().manual_seed(1)
+    w = {"gate": torch.randn(inter, hidden, generator=g), "up": torch.randn(inter, hidden, generator=g),
+         "down": torch.randn(hidden, inter, generator=g), "emb": torch.randn(vocab, hidden, generator=g)}
+    src = _slices(tmp_path, w)
+    x = torch.randn(3, hidden, generator=g)
+    ids = torch.tensor([0, 5, 6, 10])
+    act = torch.nn.functional.silu(x @ w["gate"].T) * (x @ w["up"].T)
+    down_sum, emb_sum, logits = 0, 0, []
+    for group in _ranks(tp):
+        gu = MergedColumnParallelLinear(hidden, [inter, inter], tp_group=group)
+        gu.weight.weight_loader(gu.weight, src["gate"], 0)
+        gu.weight.weight_loader(gu.weight, src["up"], 1)
+        part = silu_and_mul(gu(x))
+        torch.testing.assert_close(part, act[:, group.rank * inter // tp:(group.rank + 1) * inter // tp])
+        down = RowParallelLinear(inter, hidden, tp_group=group)
+        down.weight.weight_loader(down.weight, src["down"])
+        down_sum = down_sum + torch.nn.functional.linear(part, down.weight)  # before the all-reduce
+        emb = VocabParallelEmbedding(vocab, hidden, tp_group=group)
+        emb.weight.weight_loader(emb.weight, src["emb"])
+        assert emb.weight.shape == (6, hidden)  # ceil(11 / 2) rows, the last rank's one padded
+        inside = (ids >= emb.vocab_start_index) & (ids < emb.vocab_end_index)
+        local = torch.nn.functional.embedding((ids - emb.vocab_start_index).clamp(0, 5), emb.weight)
+        emb_sum = emb_sum + local * inside.unsqueeze(-1)
+        head = ParallelLMHead(vocab, hidden, tie_to=emb, tp_group=group)
+        assert head.weight is emb.weight
+        logits.append(x @ head.weight.T)
+    torch.testing.assert_close(down_sum, act @ w["down"].T)
+    torch.testing.assert_close(emb_sum, w["emb"][ids])
+    torch.testing.assert_close(torch.cat(logits, -1)[:, :vocab], x @ w["emb"].T)
+    assert torch.equal(torch.cat(logits, -1)[:, vocab:], torch.zeros(3, 1))  # padding row is zero
+
+
+def test_parallel_loader_rejects_wrong_checkpoint_shape():
+    from pyengine.layers.linear import RowParallelLinear
+    group = _ranks(2)[1]
+    with pytest.raises(ValueError, match="shape mismatch"):
+        RowParallelLinear(8, 4, tp_group=group).weight.weight_loader(
+            RowParallelLinear(8, 4, tp_group=group).weight, torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="not divisible by tensor_parallel_size 2"):
+        RowParallelLinear(7, 4, tp_group=group)

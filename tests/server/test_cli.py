@@ -28,15 +28,17 @@ def test_help_lists_vllm_flags():
     for flag in ("--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
                  "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy",
-                 "--no-async-scheduling", "--api-key", "--dtype", "--device", "--max-concurrent-streams"):
+                 "--no-async-scheduling", "--api-key", "--dtype", "--device", "--max-concurrent-streams",
+                 "--tensor-parallel-size"):
         assert flag in out.stdout, flag
 
 
-def test_serve_subprocess(llama_dir):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_serve_subprocess(llama_dir, tp):
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", str(llama_dir), "--port", "0", "--device", "cpu",
          "--served-model-name", "cli-model", "--max-model-len", "256", "--num-gpu-blocks-override", "256",
-         "--max-concurrent-streams", "8", "--disable-access-log"],
+         "--max-concurrent-streams", "8", "--disable-access-log", "--tensor-parallel-size", str(tp)],
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         port, lines, deadline = None, [], time.time() + 120

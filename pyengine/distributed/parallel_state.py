@@ -1,0 +1,167 @@
+"""Tensor-parallel process group (mirrors vllm/distributed/parallel_state.py, without its
+module-global groups: a ``GroupCoordinator`` is passed to whatever needs it).
+
+Two torch.distributed groups over the same ranks:
+
+* ``device_group``: NCCL on CUDA, gloo on CPU. Carries the model's collectives (the
+  all-reduce after each row-parallel linear and the vocab-parallel embedding, the logits
+  gather, the sampled-token broadcast); on CUDA these may be captured in CUDA graphs.
+* ``cpu_group``: gloo. Carries the step inputs rank 0 sends each step and start-up
+  agreements (KV cache size), so no host data goes through a GPU. Its operations never
+  time out: the other ranks wait in it for rank 0's next step however long the engine
+  idles (a dead peer still fails them at once: its sockets close).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("pyengine")
+
+# The other ranks' wait for rank 0's next step (an engine may idle for days).
+_IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+def get_open_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def get_distributed_init_method(host: str, port: int) -> str:
+    """``tcp://host:port``; torch.distributed's TCP rendezvous (rank 0 hosts the store)."""
+    return f"tcp://{host}:{port}"
+
+
+class GroupCoordinator:
+    """One tensor-parallel group as seen by one rank.
+
+    ``rank`` / ``world_size``: this process's rank and the group size. The collectives
+    below run on every rank of the group in the same order (as all torch.distributed
+    collectives must). ``device``: where this rank's model lives.
+    """
+
+    def __init__(self, rank: int, world_size: int, device: torch.device,
+                 device_group: dist.ProcessGroup, cpu_group: dist.ProcessGroup):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.device_group = device_group
+        self.cpu_group = cpu_group
+        self.is_first_rank = rank == 0
+
+    # ---- model collectives (device group) -------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place; returns ``x``. CUDA-graph capturable (NCCL)."""
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
+        """Concatenate every rank's ``x`` (same shape on all ranks) along ``dim`` on rank
+        ``dst``, rank order; returns the result on ``dst`` and None elsewhere."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
+        dist.gather(x, parts, dst=dst, group=self.device_group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` into every rank's ``x`` (in place); returns ``x``."""
+        dist.broadcast(x, src=src, group=self.device_group)
+        return x
+
+    # ---- host data (cpu group) ------------------------------------------------------
+    def broadcast_cpu(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``broadcast`` of a CPU tensor over the gloo group."""
+        dist.broadcast(x, src=src, group=self.cpu_group)
+        return x
+
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest ``value`` over the group (a host int)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.cpu_group)
+
+    def destroy(self) -> None:
+        """Tear down the process groups (also after a peer died: then it only frees them)."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # a broken group may refuse a clean teardown
+                logger.debug("destroy_process_group: %s", e)
+
+    def abort(self) -> None:
+        """Abort the groups' communicators so a collective blocked on a dead peer returns
+        (NCCL kernels otherwise wait forever; gloo raises on its own)."""
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+            _abort_process_group()
+        except Exception as e:
+            logger.debug("abort process group: %s", e)
+
+
+def init_distributed_environment(rank: int, world_size: int, init_method: str, device: torch.device,
+                                 timeout_s: float = 600.0,
+                                 peer_failure: Optional[Callable[[], Optional[str]]] = None) -> GroupCoordinator:
+    """Join the group (blocks until all ``world_size`` ranks have joined) and return this
+    rank's ``GroupCoordinator``. NCCL when ``device`` is CUDA (one GPU per rank, set as
+    this thread's current device), gloo otherwise.
+
+    ``peer_failure``: polled while waiting for the other ranks; when it returns a message
+    (a rank's process died before joining) this raises RuntimeError with it instead of
+    waiting out ``timeout_s``. Raises RuntimeError if a process group already exists in
+    this process (one tensor-parallel engine per process)."""
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process; "
+                           "only one tensor-parallel engine can run per process")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _rendezvous(lambda: dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                                                world_size=world_size, timeout=timeout), peer_failure)
+    device_group = dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    tp = GroupCoordinator(rank, world_size, device, device_group, cpu_group)
+    # First collective outside any CUDA-graph capture, on the thread that will run the
+    # model: NCCL creates its communicator here.
+    tp.all_reduce(torch.zeros(1, device=device))
+    if cuda:
+        torch.cuda.synchronize(device)
+    return tp
+
+
+def _rendezvous(init: Callable[[], None], peer_failure: Optional[Callable[[], Optional[str]]]) -> None:
+    """Run ``init`` (which blocks until every rank joined); with ``peer_failure``, on a
+    helper thread, polling ``peer_failure`` meanwhile. A rank that died before joining
+    would otherwise keep ``init`` waiting until its timeout; then the helper thread is
+    left to time out on its own."""
+    if peer_failure is None:
+        init()
+        return
+    err: list[BaseException] = []
+
+    def run():
+        try:
+            init()
+        except BaseException as e:  # re-raised on the calling thread
+            err.append(e)
+
+    t = threading.Thread(target=run, name="tp-rendezvous", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.05)
+        msg = peer_failure()
+        if msg is not None and t.is_alive():
+            raise RuntimeError(msg)
+    if err:
+        raise err[0]

@@ -1,0 +1,38 @@
+"""The executor interface the engine core drives (mirrors vllm/v1/executor/abstract.py)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pyengine.config import EngineConfig
+from pyengine.core.sched.output import SchedulerOutput
+
+
+class Executor(ABC):
+    """Owns the model runner(s) of one engine. ``Executor.get_class(config)(config)`` loads
+    the model; ``initialize_kv_cache()`` sizes and allocates the KV cache (returns the
+    number of blocks); ``execute_model(so, non_blocking)`` runs one step and returns what
+    ``ModelRunner.execute_model`` returns (rank 0's sampled tokens); ``shutdown()`` frees
+    everything. ``driver_runner``: the ModelRunner in this process (rank 0)."""
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type["Executor"]:
+        """UniProcExecutor for one rank, MultiprocExecutor for tensor parallelism."""
+        if config.tensor_parallel_size > 1:
+            from pyengine.executor.multiproc_executor import MultiprocExecutor
+            return MultiprocExecutor
+        from pyengine.executor.uniproc_executor import UniProcExecutor
+        return UniProcExecutor
+
+    driver_runner = None
+
+    @abstractmethod
+    def initialize_kv_cache(self) -> int:
+        ...
+
+    @abstractmethod
+    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False):
+        ...
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        ...

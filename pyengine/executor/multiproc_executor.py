@@ -1,0 +1,211 @@
+"""Tensor parallelism over processes (mirrors vllm/v1/executor/multiproc_executor.py).
+
+Rank 0 runs in this process (the engine core's), next to the scheduler; ranks 1..N-1
+are spawned worker processes (``pyengine.worker.worker.worker_main``). All ranks join one
+torch.distributed group through a ``tcp://`` rendezvous on a port picked at run time.
+Each step rank 0 sends the step's packed inputs to the other ranks over the gloo group,
+every rank runs the same forward (NCCL / gloo all-reduces inside), rank 0 gathers the
+logits and samples, and, with async scheduling, broadcasts the sampled ids (the next step
+may feed them from the device).
+
+Failure handling: a monitor thread watches the worker processes. When one dies outside
+shutdown, the executor is marked failed, and on CUDA the NCCL communicators are aborted
+so that a collective waiting for the dead rank returns (gloo raises by itself); the step
+in progress and every later one raise RuntimeError naming the rank, which the engine
+core turns into EngineDeadError for every request. Workers exit when this process dies
+(their pipe to it closes) or when a collective fails.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import multiprocessing.connection
+import threading
+import time
+import weakref
+from typing import Optional
+
+import torch.distributed
+
+from pyengine.config import EngineConfig
+from pyengine.core.sched.output import SchedulerOutput
+from pyengine.distributed import get_distributed_init_method, get_open_port
+from pyengine.executor.abstract import Executor
+from pyengine.worker.worker import Worker, worker_main
+
+logger = logging.getLogger("pyengine")
+
+# Workers and rank 0 rendezvous here; one host for now (multi-node would start the other
+# ranks on their hosts with the same init method).
+_HOST = "127.0.0.1"
+_JOIN_TIMEOUT_S = 10.0
+_POLL_S = 50e-6  # between looks at a step's completion event
+
+
+class _WorkerHandle:
+    def __init__(self, rank: int, proc, conn):
+        self.rank, self.proc, self.conn = rank, proc, conn
+        self.error: Optional[tuple[str, str]] = None  # (exception type name, message) it reported
+        self._lock = threading.Lock()  # the engine and the monitor thread both ask
+
+    def poll_messages(self) -> None:
+        try:
+            while self.conn.poll():
+                msg = self.conn.recv()
+                if msg[0] == "error":
+                    self.error = (msg[1], msg[2])
+        except (EOFError, OSError):
+            pass
+
+    def failure(self) -> Optional[str]:
+        """A message if this worker died or reported an error, else None."""
+        with self._lock:
+            # The sentinel (like the worker's sockets) closes as the process starts exiting,
+            # a moment before waitpid can reap it: a ready sentinel means dead.
+            dead = bool(multiprocessing.connection.wait([self.proc.sentinel], timeout=0))
+            if dead:
+                self.proc.join(1.0)  # reap it, for the exit code
+            self.poll_messages()
+            if self.error is not None:
+                return f"tensor-parallel worker rank {self.rank} failed: {self.error[1]}"
+            if dead:
+                return f"tensor-parallel worker rank {self.rank} died (exit code {self.proc.exitcode})"
+            return None
+
+
+class _CheckedOutput:
+    """An AsyncModelRunnerOutput whose ``get_output`` raises if a worker died meanwhile:
+    it polls the copy's event instead of blocking on it (a step whose collective waits
+    for a dead rank may never finish), and checks again after (with NCCL, an aborted
+    collective completes with garbage rather than an error)."""
+
+    def __init__(self, inner, executor: "MultiprocExecutor"):
+        self._inner, self._executor = inner, executor
+
+    def get_output(self):
+        while not self._inner.ready():
+            self._executor.check_alive()
+            time.sleep(_POLL_S)
+        out = self._inner.get_output()
+        self._executor.check_alive()
+        return out
+
+
+class MultiprocExecutor(Executor):
+    """``config.tensor_parallel_size`` ranks: rank 0 here, the others spawned. Raises
+    whatever loading the model raises on rank 0, or RuntimeError (ValueError when the
+    worker's was one) naming the worker rank that failed to start."""
+
+    def __init__(self, config: EngineConfig):
+        if torch.distributed.is_initialized():
+            raise RuntimeError("a torch.distributed process group already exists in this process; "
+                               "only one tensor-parallel engine can run per process")
+        self.config = config
+        self.world_size = config.tensor_parallel_size
+        self.workers: list[_WorkerHandle] = []
+        self.failure: Optional[str] = None
+        self._ready = False
+        self._closed = False
+        self._stop_r, self._stop_w = multiprocessing.Pipe(duplex=False)
+        self.driver = Worker(config, 0, self.world_size,
+                             get_distributed_init_method(_HOST, get_open_port(_HOST)))
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().shutdown())
+        try:
+            ctx = multiprocessing.get_context("spawn")
+            for rank in range(1, self.world_size):
+                parent_conn, child_conn = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=worker_main, name=f"vengine-tp-rank{rank}", daemon=True,
+                                   args=(config, rank, self.world_size, self.driver.init_method, child_conn))
+                proc.start()
+                child_conn.close()
+                self.workers.append(_WorkerHandle(rank, proc, parent_conn))
+            self.driver.init_device(peer_failure=self._worker_failure)
+            self._monitor = threading.Thread(target=self._monitor_workers, name="tp-monitor", daemon=True)
+            self._monitor.start()
+            self.driver.load_model()
+        except BaseException as e:
+            self._raise_start_failure(e)
+        self.driver_runner = self.driver.model_runner
+
+    def _raise_start_failure(self, e: BaseException):
+        """Shut everything down; raise the worker's error when one failed (the error rank 0
+        saw is then only the broken collective), else ``e``."""
+        msg = self._worker_failure(wait_s=2.0)
+        self.shutdown()
+        if msg is None:
+            raise e
+        failed = next((w for w in self.workers if w.error is not None), None)
+        raise (ValueError if failed is not None and failed.error[0] == "ValueError" else RuntimeError)(msg) from e
+
+    def _worker_failure(self, wait_s: float = 0.0) -> Optional[str]:
+        """The first worker failure message, waiting up to ``wait_s`` for a dying worker's
+        report (a broken collective on rank 0 may come before the worker's message)."""
+        if wait_s > 0 and self.workers:
+            multiprocessing.connection.wait([w.proc.sentinel for w in self.workers], timeout=wait_s)
+        for w in self.workers:
+            msg = w.failure()
+            if msg is not None:
+                return msg
+        return None
+
+    def _monitor_workers(self) -> None:
+        sentinels = {w.proc.sentinel: w for w in self.workers}
+        ready = multiprocessing.connection.wait(list(sentinels) + [self._stop_r])
+        if self._closed or self._stop_r in ready:
+            return
+        self.failure = self._worker_failure(wait_s=0.5) or "a tensor-parallel worker died"
+        logger.error("%s; the engine stops", self.failure)
+        if self.config.device.type == "cuda":
+            self.driver.tp.abort()  # unblock rank 0 if it waits in a collective on the dead rank
+
+    def check_alive(self) -> None:
+        """Raises RuntimeError if a worker died."""
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+
+    def initialize_kv_cache(self) -> int:
+        try:
+            n = self.driver.initialize_kv_cache()
+        except BaseException as e:
+            self._raise_start_failure(e)
+        self._ready = True
+        return n
+
+    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False):
+        self.check_alive()
+        try:
+            out = self.driver_runner.execute_model(so, non_blocking)
+        except Exception as e:
+            msg = self.failure or self._worker_failure(wait_s=1.0)
+            if msg is None:
+                raise
+            raise RuntimeError(msg) from e
+        if not non_blocking:
+            self.check_alive()
+            return out
+        return _CheckedOutput(out, self)
+
+    def shutdown(self) -> None:
+        """Stop the workers (rank 0 sends stop; stragglers are terminated), free rank 0's
+        model and the process group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_w.close()
+        if self._ready and self.failure is None and self.driver.tp is not None:
+            try:
+                self.driver.model_runner.broadcast_stop()
+            except Exception as e:
+                logger.debug("stop broadcast: %s", e)
+        for w in self.workers:
+            w.proc.join(_JOIN_TIMEOUT_S if self._ready else 0.0)
+            if w.proc.is_alive():
+                w.proc.terminate()
+                w.proc.join(2.0)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(2.0)
+            w.conn.close()
+        self.driver.shutdown()
