@@ -18,7 +18,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 # No NVLink multicast (NVLS) on these machines; NCCL's own warnings go to the logs.
-export NCCL_NVLS_ENABLE=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 LOG="$OUT/all.log"
 WANT=" ${*:-gpu_ops gpu_e2e throughput throughput_noasync latency gpu_idle async_sched attention} "
