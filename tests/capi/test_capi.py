@@ -304,3 +304,14 @@ def test_engine_death_fails_requests(capi_test_bin, capi_lib, llama_dir, tmp_pat
     out = _check(_run(capi_test_bin, capi_lib, "engine_dies", llama_dir, PROMPTS[0],
                       env={"PYTHONPATH": str(tmp_path)}, timeout=120))
     assert "injected engine failure" in out
+
+
+@pytest.mark.parametrize("multiprocess", ["0", "1"])
+def test_in_process_and_engine_process_cores_give_the_same_text(capi_test_bin, capi_lib, llama_dir, reference,
+                                                                multiprocess):
+    # "1": the embedded interpreter starts the engine process itself, with a PATH on which
+    # no python3 holds torch (the executable must come from the library, not the host)
+    out = _check(_run(capi_test_bin, capi_lib, "basic", llama_dir, MAX_TOKENS, *PROMPTS, mode="global",
+                      env={"VENGINE_ENABLE_MULTIPROCESSING": multiprocess, "PATH": "/usr/bin:/bin"}))
+    texts = [_unescape(line[5:]) for line in out.splitlines() if line.startswith("TEXT ")]
+    assert texts == [reference[i][0].replace("\0", "\ufffd") for i in range(len(PROMPTS))]
