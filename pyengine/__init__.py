@@ -21,9 +21,12 @@ def __getattr__(name):
     if name == "AsyncLLM":
         from pyengine.engine.async_llm import AsyncLLM
         return AsyncLLM
+    if name in ("MPClient", "start_engine_core_process"):  # several front ends, one engine process
+        from pyengine.engine import core_client
+        return getattr(core_client, name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "EngineArgs", "EngineConfig",
+__all__ = ["LLM", "AsyncLLM", "MPClient", "start_engine_core_process", "SamplingParams", "RequestOutputKind", "EngineArgs", "EngineConfig",
            "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineDeadError",
            "RequestOutputCollector", "SchedulerStats", "__version__"]

@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .app import DEFAULT_MAX_BODY_BYTES
 from .wsgi import DEFAULT_MAX_CONCURRENT_STREAMS
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Connection cap: most connections served at once (default: %(default)s).")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="Larger request bodies get 413 (default: %(default)s).")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="Front-end (API server) processes sharing one engine process and the port, "
+                        "as vllm serve's flag (default: %(default)s).")
     p.add_argument("--disable-access-log", action="store_true", help="Do not log each HTTP request.")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -78,6 +81,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.api_key = os.environ.get("VLLM_API_KEY") or None
     if args.max_concurrent_streams < 1:
         build_parser().error("--max-concurrent-streams must be >= 1")
+    if args.api_server_count < 1:
+        build_parser().error("--api-server-count must be >= 1")
     return args
 
 
@@ -103,37 +108,52 @@ def engine_args_from(args: argparse.Namespace):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import gevent
-
+    if args.api_server_count > 1:
+        from .api_server import serve_api_servers
+        return serve_api_servers(args)
     from pyengine import AsyncLLM
-
-    from .app import create_app
-    from .wsgi import make_server
 
     try:
         engine = AsyncLLM.from_engine_args(engine_args_from(args))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: the engine process failed to start
         what = args.model or "the built-in default model"
         print(f"vengine serve: cannot load {what}: {e}", file=sys.stderr)
         return 2
     try:
-        app = create_app(engine, args)
-        server = make_server(app, args.host, args.port, args.max_concurrent_streams,
-                             access_log=not args.disable_access_log)
-        try:
-            server.start()
-        except OSError as e:
-            print(f"vengine serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-            return 2
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            gevent.signal_handler(sig, lambda: gevent.spawn(server.stop, 5.0))
-        names = ", ".join(app.extensions["vengine"].cfg.served_model_names)
-        logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", names, args.host, server.server_port)
-        print(f"vengine: serving {names} on http://{args.host}:{server.server_port}", flush=True)
-        server.serve_forever()
-        app.extensions["vengine"].close()
+        return serve_engine(args, engine)
     finally:
         engine.shutdown()
+
+
+def serve_engine(args, engine, listener=None, on_ready: Optional[Callable[[str], None]] = None) -> int:
+    """Serve ``engine`` (an AsyncLLM) over HTTP on this thread until SIGINT/SIGTERM;
+    returns the exit status. ``listener``: an already bound and listening socket to accept
+    on instead of ``args.host``/``args.port`` (``--api-server-count``: shared by the API
+    servers). ``on_ready(url)`` replaces the "serving on" line."""
+    import gevent
+
+    from .app import create_app
+    from .wsgi import make_server
+
+    app = create_app(engine, args)
+    server = make_server(app, args.host, args.port, args.max_concurrent_streams,
+                         access_log=not args.disable_access_log, listener=listener)
+    try:
+        server.start()
+    except OSError as e:
+        print(f"vengine serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        gevent.signal_handler(sig, lambda: gevent.spawn(server.stop, 5.0))
+    names = ", ".join(app.extensions["vengine"].cfg.served_model_names)
+    url = f"http://{args.host}:{server.server_port}"
+    logger.info("Serving %s on %s (OpenAI API under /v1)", names, url)
+    if on_ready is None:
+        print(f"vengine: serving {names} on {url}", flush=True)
+    else:
+        on_ready(url)
+    server.serve_forever()
+    app.extensions["vengine"].close()
     return 0
 
 

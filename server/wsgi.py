@@ -13,6 +13,7 @@ import threading
 from typing import Optional
 
 import gevent
+import gevent.socket
 from gevent.pool import Pool
 from gevent.pywsgi import WSGIHandler, WSGIServer
 
@@ -42,12 +43,16 @@ class VEngineHandler(WSGIHandler):
 
 def make_server(app, host: str = "127.0.0.1", port: int = 8000,
                 max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
-                access_log: bool = True) -> WSGIServer:
+                access_log: bool = True, listener=None) -> WSGIServer:
     """Build (not start) the gevent WSGI server for ``app``. Must be started on the thread
-    whose hub will run it."""
+    whose hub will run it. ``listener``: a bound, listening socket to accept on instead of
+    ``(host, port)``."""
     log = "default" if access_log else None
-    return WSGIServer((host, port), app, spawn=Pool(max_concurrent_streams), handler_class=VEngineHandler,
-                      log=log, error_log="default", backlog=_BACKLOG)
+    if listener is not None and not isinstance(listener, gevent.socket.socket):
+        # a stdlib socket (inherited from the supervisor): accept through the hub
+        listener = gevent.socket.socket(listener.family, listener.type, fileno=listener.detach())
+    return WSGIServer(listener if listener is not None else (host, port), app, spawn=Pool(max_concurrent_streams), handler_class=VEngineHandler,
+                      log=log, error_log="default", backlog=None if listener is not None else _BACKLOG)
 
 
 class BackgroundServer:

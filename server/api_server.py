@@ -1,0 +1,163 @@
+"""``vengine serve --api-server-count N``: N front-end (API server) processes over one
+engine-core process, as vLLM's flag of the same name.
+
+One front-end process carries the HTTP handling, the SSE encoding and the output
+processing (detokenization) of every stream on one GIL; past some load that process, not
+the engine, is the limit (docs/benchmarks.md). With N API servers:
+
+- this process binds the listening socket, starts the engine-core process with one pipe
+  per API server (``pyengine.engine.core_client.start_engine_core_process``), then starts
+  the N API servers (``spawn``); each gets the listening socket and one pipe, serves
+  through ``AsyncLLM(config, client=MPClient.attach(conn))`` and accepts connections on
+  the shared socket (the kernel hands each connection to one of them);
+- it then supervises: SIGTERM/SIGINT is passed on to the API servers (each drains as a
+  lone server does, ``--shutdown-timeout``), and the engine process ends once the last
+  API server has closed its pipe; if the engine or any API server dies, the others are
+  stopped and the exit status is non-zero;
+- each API server watches this process and stops if it disappears, so no process is left
+  behind.
+
+Each API server's ``/metrics`` counts the requests it served; the engine's own figures
+(running, waiting, KV cache) are the same in all of them.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import wait as mp_wait
+
+logger = logging.getLogger("vengine.server")
+
+_STOP_GRACE_S = 30.0  # after SIGTERM to the API servers, before they are killed
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit (hard) when the supervising process is gone: an API server never outlives it."""
+    def run():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+
+
+def run_api_server(args, conn, listener: socket.socket, index: int, status, parent_pid: int) -> None:
+    """Main of one API server process: an AsyncLLM attached to the shared engine process,
+    the app, and the gevent server on the shared listening socket. Reports "ready" (or
+    the start-up error) on ``status``."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s [api server {index}]: %(message)s")
+    _watch_parent(parent_pid)
+    from pyengine import AsyncLLM, MPClient
+
+    from .cli import engine_args_from, serve_engine
+
+    try:
+        config = engine_args_from(args).create_engine_config()
+        engine = AsyncLLM(config, client=MPClient.attach(conn))
+    except Exception as e:  # noqa: BLE001 - reported by the supervisor
+        status.put((index, f"{type(e).__name__}: {e}"))
+        sys.exit(2)
+    try:
+        code = serve_engine(args, engine, listener=listener, on_ready=lambda url: status.put((index, "ready")))
+    finally:
+        engine.shutdown()
+    sys.exit(code)
+
+
+def serve_api_servers(args) -> int:
+    """The supervisor of ``--api-server-count N`` (N >= 2). Returns the exit status."""
+    from pyengine import start_engine_core_process
+
+    from .cli import engine_args_from
+
+    n = args.api_server_count
+    try:
+        config = engine_args_from(args).create_engine_config()
+    except ValueError as e:
+        print(f"vengine serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        listener = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"vengine serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    port = listener.getsockname()[1]
+    engine, conns = start_engine_core_process(config, n)
+    ctx = multiprocessing.get_context("spawn")
+    status = ctx.SimpleQueue()
+    servers = [ctx.Process(target=run_api_server, args=(args, conns[i], listener, i, status, os.getpid()),
+                           name=f"APIServer-{i}") for i in range(n)]
+    for p in servers:
+        p.start()
+    for c in conns:  # the API servers hold them now: the engine sees their end when they exit
+        c.close()
+    listener.close()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    code = _await_ready(status, servers, engine, n, stop)
+    if code == 0:
+        print(f"vengine: serving {', '.join(args.served_model_name or [config.served_model_name])} "
+              f"on http://{args.host}:{port} ({n} API servers)", flush=True)
+        code = _supervise(servers, engine, stop)
+    _stop_all(servers, engine)
+    return code
+
+
+def _await_ready(status, servers, engine, n: int, stop: threading.Event) -> int:
+    ready = 0
+    while ready < n:
+        if stop.is_set():
+            return 1
+        if not status.empty():
+            index, what = status.get()
+            if what != "ready":
+                print(f"vengine serve: API server {index} failed to start: {what}", file=sys.stderr)
+                return 2
+            ready += 1
+            continue
+        if any(p.exitcode is not None for p in servers) or engine.exitcode is not None:
+            print("vengine serve: a process exited during start-up (see the log above)", file=sys.stderr)
+            return 2
+        time.sleep(0.05)
+    return 0
+
+
+def _supervise(servers, engine, stop: threading.Event) -> int:
+    sentinels = {p.sentinel: p for p in servers}
+    sentinels[engine.sentinel] = engine
+    while not stop.is_set():
+        done = mp_wait(list(sentinels), timeout=0.5)
+        if done:
+            gone = sentinels[done[0]]
+            logger.error("%s exited (status %s); stopping the server.", gone.name, gone.exitcode)
+            return 1
+    return 0
+
+
+def _stop_all(servers, engine) -> None:
+    """SIGTERM to every API server (each drains), then the engine ends with the last pipe."""
+    for p in servers:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for p in servers + [engine]:
+        p.join(max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)

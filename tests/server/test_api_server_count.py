@@ -1,0 +1,110 @@
+"""``vengine serve --api-server-count 2``: two API server processes over one engine
+process serve the same greedy completions as one; SIGTERM stops every process; a dead
+engine process stops the server with a non-zero status."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import hf_greedy, prompt_token_ids
+from tests.server.http_util import get, post
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            f = stat.rsplit(")", 1)[1].split()
+            if f[0] != "Z":
+                kids.setdefault(int(f[1]), []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
+    return out
+
+
+def _engine_text(tokenizer, prompt, ids) -> str:
+    """The text the engine gives for greedy ``ids`` after ``prompt`` (its detokenizer)."""
+    from pyengine import SamplingParams
+    from pyengine.engine.detokenizer import make_incremental_detokenizer
+
+    d = make_incremental_detokenizer(tokenizer, prompt, SamplingParams())
+    d.update(ids, stop_terminated=False)
+    return d.get_next_output_text(finished=True, delta=False)
+
+
+def _start(model_dir, *extra):
+    cmd = [sys.executable, "-m", "server", str(model_dir), "--port", "0", "--device", "cpu",
+           "--api-server-count", "2", "--num-gpu-blocks-override", "512", "--max-model-len", "256",
+           "--disable-access-log", *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "vengine: serving" in line:
+            return proc, int(line.rsplit(":", 1)[1].split()[0].strip("/")), lines
+    proc.kill()
+    raise AssertionError("server did not start:\n" + "".join(lines[-40:]))
+
+
+@pytest.mark.timeout(400)
+def test_two_api_servers_serve_and_stop(llama_dir, tokenizer):
+    proc, port, _ = _start(llama_dir)
+    try:
+        procs = _descendants(proc.pid)
+        assert len(procs) >= 3  # two API servers and the engine (and the forkserver)
+        assert get(port, "/health")[0] == 200
+        prompts = prompt_token_ids(tokenizer, 6, min_len=4, max_len=30, seed=31)
+        texts = []
+        for p in prompts:  # several connections: the kernel spreads them over both servers
+            status, _, raw = post(port, "/v1/completions", {"prompt": p, "max_tokens": 16, "temperature": 0,
+                                                            "ignore_eos": True})
+            assert status == 200
+            texts.append(json.loads(raw)["choices"][0]["text"])
+        assert texts == [_engine_text(tokenizer, p, ids)
+                         for p, ids in zip(prompts, hf_greedy(llama_dir, prompts, 16, ignore_eos=True))]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        deadline = time.monotonic() + 20
+        while any(Path(f"/proc/{p}").exists() and "\nState:\tZ" not in Path(f"/proc/{p}/status").read_text()
+                  for p in procs if Path(f"/proc/{p}/status").exists()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [p for p in procs if Path(f"/proc/{p}/status").exists()
+                and "\nState:\tZ" not in Path(f"/proc/{p}/status").read_text()]
+        assert not left, f"processes left behind: {left}"
+    finally:
+        proc.kill()
+
+
+@pytest.mark.timeout(400)
+def test_engine_death_stops_every_api_server(llama_dir):
+    proc, port, _ = _start(llama_dir)
+    try:
+        engine = [p for p in _descendants(proc.pid)
+                  if "forkserver" in Path(f"/proc/{p}/cmdline").read_text() and _descendants(p) == set()]
+        assert engine, "no engine process found"
+        for p in engine:
+            os.kill(p, signal.SIGKILL)
+        assert proc.wait(60) != 0
+    finally:
+        proc.kill()
