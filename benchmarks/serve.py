@@ -6,6 +6,7 @@
 * ``asyncllm`` — ``AsyncLLM.generate`` asyncio streams in one process;
 * ``http``     — ``vengine serve`` streaming ``/v1/completions`` to clients spread over
   ``--http-clients`` other processes (one Python client cannot parse 50k SSE events/s);
+  ``http-xN`` the same with ``--api-server-count N``;
 * ``capi``     — ``vllm_request_submit`` streams from a C host (``libvengine.so``),
 
 each in its own process, for each engine core (``--cores inproc,mp``: the engine loop on a
@@ -354,8 +355,9 @@ def parse_py_spy_raw(text: str, top: int = 12) -> dict:
     """py-spy's raw (collapsed-stack) output -> per (process, thread) sample counts, the
     hottest leaf frames and the hottest functions anywhere on the stack. With
     ``--subprocesses`` a stack starts with the chain of processes, the sampled one last:
-    the profiled process is "frontend", a process forked by multiprocessing (the engine
-    core) "engine", any other descendant "child"."""
+    the profiled process is "frontend", a process of multiprocessing's forkserver (the
+    engine core) "engine", a spawned one (an API server of ``--api-server-count``) "api",
+    any other descendant "child"."""
     threads: dict[str, dict] = {}
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
@@ -366,8 +368,8 @@ def parse_py_spy_raw(text: str, top: int = 12) -> dict:
         thread = next((f for f in frames if f.startswith("thread ")), "thread ?")
         name = thread.split(": ", 1)[-1] if ": " in thread else thread
         pid = re.match(r"process (\d+)", procs[-1]) if procs else None
-        role = "frontend" if len(procs) <= 1 else (
-            "engine" if "multiprocessing" in procs[-1] else "child")
+        role = ("frontend" if len(procs) <= 1 else "engine" if "forkserver" in procs[-1]
+                else "api" if "spawn_main" in procs[-1] else "child")
         key = f"{role}({pid.group(1) if pid else '?'}):{name}"
         code = [f for f in frames if not f.startswith(("process ", "thread "))]
         t = threads.setdefault(key, {"samples": 0, "leaf": {}, "inclusive": {}})
@@ -517,6 +519,7 @@ def child_asyncllm(spec: dict) -> dict:
 
 def _serve_cmd(spec: dict) -> list[str]:
     args = [spec["model"], "--port", "0", "--device", spec["device"], "--dtype", spec["dtype"],
+            "--api-server-count", str(spec.get("api_server_count", 1)),
             "--max-num-seqs", str(spec["max_num_seqs"]), "--seed", str(spec["seed"]),
             "--disable-access-log", "--log-level", "warning"]
     if spec.get("max_model_len"):
@@ -740,6 +743,9 @@ CHILDREN = {"offline": child_offline, "asyncllm": child_asyncllm, "http": child_
 
 def child_main(name: str) -> int:
     spec = json.loads(sys.stdin.read())
+    if name.startswith("http-x"):  # http-xN: --api-server-count N
+        spec["api_server_count"] = int(name[len("http-x"):])
+        name = "http"
     if spec["core"] == "mp":
         os.environ[CORE_ENV] = "1"
     elif spec["core"] == "inproc":
@@ -851,7 +857,7 @@ def suite(a) -> dict:
     for core in a.cores.split(","):
         for fe in a.frontends.split(","):
             spec = _child_spec(a, fe, core, str(model_dir))
-            if fe not in ("asyncllm", "http"):
+            if fe not in ("asyncllm", "http") and not fe.startswith("http-x"):
                 spec["profile"] = None
             print(f"=== {fe} / core={core}", flush=True)
             results.setdefault(core, {})[fe] = _run_child(spec, a.child_timeout)
@@ -908,7 +914,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf: all at once.")
     p.add_argument("--max-concurrency", type=int, default=None)
     # internal
-    p.add_argument("--child", choices=FRONTENDS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--http-client", action="store_true", help=argparse.SUPPRESS)
     return p
 
