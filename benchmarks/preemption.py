@@ -77,6 +77,7 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
     reqs: dict[str, object] = {}
     arrived: dict[str, int] = {}
     first_token: dict[str, int] = {}
+    finished: dict[str, int] = {}
     tokens: dict[str, int] = {}
 
     def add(rid: str, prompt, n: int, step: int) -> None:
@@ -100,6 +101,8 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
                 if n and out.request_id not in first_token:
                     first_token[out.request_id] = step
                 tokens[out.request_id] += n
+                if out.finished:
+                    finished[out.request_id] = step
             step += 1
             if step > args.max_steps:
                 raise RuntimeError(f"not finished after {args.max_steps} steps")
@@ -113,6 +116,7 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
     short = [r for r in reqs if r.startswith("short")]
     long_ = [r for r in reqs if r.startswith("long")]
     wait = [first_token[r] - arrived[r] for r in short]
+    e2e = [finished[r] - arrived[r] for r in short]
     return {
         "async_scheduling": "on" if async_on else "off",
         "steps": step, "elapsed_s": elapsed,
@@ -120,7 +124,7 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
         "short_preemptions": _summary([reqs[r].num_preemptions for r in short]),
         "long_preemptions": _summary([reqs[r].num_preemptions for r in long_]),
         "short_ttft_steps": {"median": statistics.median(wait) if wait else float("nan"), "max": max(wait, default=0)},
-        "short_e2e_steps_max": max((first_token[r] - arrived[r] + args.short_tokens for r in short), default=0),
+        "short_e2e_steps": {"median": statistics.median(e2e) if e2e else float("nan"), "max": max(e2e, default=0)},
     }
 
 
@@ -139,9 +143,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     f"{args.num_blocks} KV blocks of {args.block_size}, {args.policy}", hw, cmd))
     rows = [[m, r["preemptions_total"], r["short_preemptions"]["mean"], r["short_preemptions"]["max"],
              r["long_preemptions"]["mean"], r["long_preemptions"]["max"], r["short_ttft_steps"]["median"],
-             r["short_ttft_steps"]["max"], r["steps"]] for m, r in results.items()]
+             r["short_ttft_steps"]["max"], r["short_e2e_steps"]["median"], r["short_e2e_steps"]["max"], r["steps"],
+             r["elapsed_s"]] for m, r in results.items()]
     print(md_table(["async", "preemptions", "short: mean / req", "short: max", "long: mean / req", "long: max",
-                    "short TTFT p50 (steps)", "short TTFT max (steps)", "steps to finish"], rows))
+                    "short TTFT p50 (steps)", "short TTFT max", "short e2e p50 (steps)", "short e2e max",
+                    "steps to finish", "time (s)"], rows))
     print()
     return finish("preemption", args, hw, cmd, shape=args.shape, results=results)
 

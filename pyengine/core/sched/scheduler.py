@@ -22,6 +22,11 @@ from pyengine.request import Request, RequestStatus
 _RUNNING = RequestStatus.RUNNING
 # _try_admit's answers when a waiting request is not admitted.
 _NO_BUDGET, _NO_ROOM = -1, 0
+# How many steps ahead a re-admitted request's reserve looks (see _readmission_reserve):
+# one with more tokens to go may be preempted again after that much progress, so its
+# preemptions stay under 1 + its remaining tokens / this; a request with a huge max_tokens
+# (the room-left default) does not wait for the whole running set to drain.
+READMISSION_HORIZON_STEPS = 256
 
 
 class Scheduler:
@@ -138,16 +143,19 @@ class Scheduler:
     def _readmission_reserve(self, req: Request, num_tokens_admitted: int) -> int:
         """KV blocks that must stay free after re-admitting the preempted request ``req``
         (``num_tokens_admitted`` of its tokens get blocks now), so that it is not the next
-        victim again (recompute thrash): its own growth up to its final length, plus the
-        growth, over the steps ``req`` still needs, of every running request that would be
-        preempted after it (all of them under fcfs, whose victim is the latest admitted;
-        the more urgent ones under priority). A first admission keeps no reserve (vLLM's
-        optimistic admission); without pressure nothing is ever preempted, so this costs
-        nothing."""
+        victim again (recompute thrash): its own growth over the steps it still needs
+        (its remaining tokens plus its prefill chunks, at most READMISSION_HORIZON_STEPS),
+        plus the growth over those steps of every running request that would be preempted
+        after it (all of them under fcfs, whose victim is the latest admitted; the more
+        urgent ones under priority), each capped at its final length. A first admission
+        keeps no reserve (vLLM's optimistic admission); without KV pressure nothing is
+        preempted, so this costs nothing."""
         bs = self.kv_cache_manager.block_size
         kv = self.kv_cache_manager
-        steps = (req.max_tokens - req.num_output_tokens) + cdiv(req.num_tokens, self.max_num_batched_tokens)
-        need = cdiv(self._final_len(req), bs) - cdiv(num_tokens_admitted, bs)
+        steps = min((req.max_tokens - req.num_output_tokens) + cdiv(req.num_tokens, self.max_num_batched_tokens),
+                    READMISSION_HORIZON_STEPS)
+        own_target = min(req.num_tokens + steps, self._final_len(req))
+        need = max(cdiv(own_target, bs) - cdiv(num_tokens_admitted, bs), 0)
         for r in self.running:
             if self.policy == "priority" and not r < req:
                 continue  # less urgent than req: preempted before it

@@ -626,6 +626,24 @@ def test_preempted_request_waits_for_room_to_finish():
     assert_no_leak(sched)
 
 
+def test_readmission_reserve_looks_a_bounded_number_of_steps_ahead():
+    # The reserve covers the steps the preempted request still needs, at most
+    # READMISSION_HORIZON_STEPS (256): a huge max_tokens must not make it wait for the whole
+    # running set to reach its final length.
+    from pyengine.core.sched.scheduler import READMISSION_HORIZON_STEPS
+
+    assert READMISSION_HORIZON_STEPS == 256
+    sched = make_sched(num_blocks=1000, max_model_len=2000)
+    sched.add_request(make_req("a", 4, max_tokens=1500))
+    step(sched)  # a: 5 tokens in 2 blocks
+    long_q = make_req("q", 8, max_tokens=1500)
+    # own: 8 + 256 tokens -> 66 blocks, 2 held after admission; a: 5 + 256 -> 66 blocks, 2 held
+    assert sched._readmission_reserve(long_q, 8) == 64 + 64
+    short_q = make_req("s", 8, max_tokens=10)
+    # 10 tokens + 1 prefill step: own 8 + 11 capped at its final 18 -> 5 blocks; a 5 + 11 -> 4
+    assert sched._readmission_reserve(short_q, 8) == (5 - 2) + (4 - 2)
+
+
 def test_unknown_policy_rejected():
     with pytest.raises(ValueError) as ei:
         make_sched(scheduling_policy="lifo")
