@@ -635,13 +635,13 @@ def test_readmission_reserve_looks_a_bounded_number_of_steps_ahead():
     assert READMISSION_HORIZON_STEPS == 256
     sched = make_sched(num_blocks=1000, max_model_len=2000)
     sched.add_request(make_req("a", 4, max_tokens=1500))
-    step(sched)  # a: 5 tokens in 2 blocks
+    step(sched)  # a: 5 tokens, 4 of them computed in 1 block
     long_q = make_req("q", 8, max_tokens=1500)
-    # own: 8 + 256 tokens -> 66 blocks, 2 held after admission; a: 5 + 256 -> 66 blocks, 2 held
-    assert sched._readmission_reserve(long_q, 8) == 64 + 64
+    # own: 8 + 256 tokens -> 66 blocks, 2 held after admission; a: 5 + 256 -> 66 blocks, 1 held
+    assert sched._readmission_reserve(long_q, 8) == (66 - 2) + (66 - 1)
     short_q = make_req("s", 8, max_tokens=10)
     # 10 tokens + 1 prefill step: own 8 + 11 capped at its final 18 -> 5 blocks; a 5 + 11 -> 4
-    assert sched._readmission_reserve(short_q, 8) == (5 - 2) + (4 - 2)
+    assert sched._readmission_reserve(short_q, 8) == (5 - 2) + (4 - 1)
 
 
 def test_unknown_policy_rejected():
