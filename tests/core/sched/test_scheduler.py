@@ -154,6 +154,20 @@ class Driver:
         raise AssertionError("did not finish")
 
 
+def record_discarded_draws(sched):
+    """From now on, each SchedulerOutput's ``discarded_draw_req_ids`` is appended to the
+    returned list (what the runner is told to rewind)."""
+    seen = []
+    orig = sched.schedule
+
+    def spy():
+        so = orig()
+        seen.append(so.discarded_draw_req_ids)
+        return so
+    sched.schedule = spy
+    return seen
+
+
 def expected_tokens(prompt_len, n):
     return [1000 + prompt_len + k for k in range(n)]
 
@@ -516,14 +530,7 @@ def test_async_priority_preemption_drops_the_victims_in_flight_token():
     assert out1.outputs == [] and low.output_token_ids == []
     d = Driver(sched, depth=2)
     d.q.append((so2, runner_output(so2)))
-    seen = []
-    orig = sched.schedule
-
-    def spy():
-        so = orig()
-        seen.append(so.discarded_draw_req_ids)
-        return so
-    sched.schedule = spy
+    seen = record_discarded_draws(sched)
     d.run()
     assert seen[0] == {"low"} and not any(seen[1:])
     assert low.output_token_ids == expected_tokens(4, 10)
@@ -891,14 +898,7 @@ def test_async_dropped_draw_reported_to_the_runner_once():
     so1 = sched.schedule()
     so2 = sched.schedule()  # b preempted while so1 (which samples for b) is in flight
     sched.update_from_output(so1, runner_output(so1))
-    seen = []
-    orig = sched.schedule
-
-    def spy():
-        so = orig()
-        seen.append(so.discarded_draw_req_ids)
-        return so
-    sched.schedule = spy
+    seen = record_discarded_draws(sched)
     d = Driver(sched, depth=2)
     d.q.append((so2, runner_output(so2)))
     d.run()
