@@ -530,9 +530,9 @@ static void case_exit_inflight(int argc, char** argv) {
   for (int i = 0; i < 6; i++) {
     rec_init(&rs[i]);
     if (i == 0) rs[i].sleep_first_ms = 300; /* one is inside a callback at exit */
-    submit(e, argv[0], 2000, &rs[i]);
+    submit(e, argv[0], 0, &rs[i]); /* 0: up to the model length (a long generation) */
   }
-  vllm_sampling_params sp = greedy(2000);
+  vllm_sampling_params sp = greedy(0);
   (void)sp;
   while (atomic_load(&rs[1].ncalls) < 2) sleep_s(0.001);
   printf("EXITING\n");
