@@ -80,8 +80,12 @@ def test_outputs_text_and_finish_reasons(llama_dir, tokenizer, prompts, referenc
     for out, ref, p in zip(outs, references["llama"], prompts):
         c = out.outputs[0]
         assert out.finished and out.prompt_token_ids == p
-        # A trailing incomplete UTF-8 sequence (random weights) is never emitted.
-        assert c.text == tokenizer.decode(ref, skip_special_tokens=True).rstrip("\ufffd")
+        # A trailing incomplete UTF-8 sequence (random weights) is never emitted, and bytes
+        # of the prompt's last, incomplete character count as output (echo leaves them out).
+        whole = tokenizer.decode(p + ref, skip_special_tokens=True)
+        prompt_text = tokenizer.decode(p, skip_special_tokens=True).rstrip("\ufffd")
+        assert whole.startswith(prompt_text)
+        assert c.text == whole[len(prompt_text):].rstrip("\ufffd")
         assert c.finish_reason == ("stop" if ref[-1] == eos else "length")
         assert c.stop_reason is None
 
