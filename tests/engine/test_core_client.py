@@ -143,7 +143,7 @@ def test_front_end_killed_engine_process_exits(llama_dir, tmp_path):
         if __name__ == "__main__":
             e = AsyncLLM.from_engine_args(EngineArgs(model={str(llama_dir)!r}, device="cpu",
                                                      num_gpu_blocks_override=256), multiprocess=True)
-            e.add_request("busy", [5, 6, 7], SamplingParams(max_tokens=100000, ignore_eos=True))
+            e.add_request("busy", [5, 6, 7], SamplingParams(max_tokens=None, ignore_eos=True))
             print(e.engine_core.pid, flush=True)
             time.sleep(120)
     """))
