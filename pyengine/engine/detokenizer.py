@@ -329,8 +329,13 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         ctx = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
-        if ctx:
-            self._stream.step(self._backend, ctx)  # the prompt's own text is not output
+        emitted = (self._stream.step(self._backend, ctx) or "") if ctx else ""
+        # The prompt's own text is not output. A tail that ends inside a character stays
+        # pending in the stream, complete text before it included, and comes out with the
+        # output token that completes the character: the first deltas drop that complete
+        # text (the base class's rule: only the incomplete character counts as output).
+        prompt_text = self._prefix_text or ""
+        self._skip = len(prompt_text) - len(emitted) if prompt_text.startswith(emitted) else 0
         self._ids = []
 
     @staticmethod
@@ -344,7 +349,11 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         return True
 
     def _decode_next(self) -> str:
-        return self._stream.step(self._backend, self._ids.pop()) or ""
+        text = self._stream.step(self._backend, self._ids.pop()) or ""
+        if self._skip and text:
+            cut = min(self._skip, len(text))
+            text, self._skip = text[cut:], self._skip - cut
+        return text
 
 
 def make_incremental_detokenizer(tokenizer, prompt_token_ids: Sequence[int],
