@@ -3,8 +3,9 @@ import logging as _logging
 
 from pyengine.config import EngineArgs, EngineConfig
 from pyengine.engine.messages import SchedulerStats
+from pyengine.engine.detokenizer import prompt_text_for_echo
 from pyengine.engine.output_processor import RequestOutputCollector
-from pyengine.exceptions import EngineDeadError
+from pyengine.exceptions import EngineDeadError, VLLMValidationError
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,4 +30,4 @@ def __getattr__(name):
 
 __all__ = ["LLM", "AsyncLLM", "MPClient", "start_engine_core_process", "SamplingParams", "RequestOutputKind", "EngineArgs", "EngineConfig",
            "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineDeadError",
-           "RequestOutputCollector", "SchedulerStats", "__version__"]
+           "RequestOutputCollector", "SchedulerStats", "VLLMValidationError", "prompt_text_for_echo", "__version__"]

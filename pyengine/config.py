@@ -30,6 +30,31 @@ def env_async_scheduling_allowed() -> bool:
     return os.environ.get("VENGINE_ASYNC_SCHED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def env_allow_long_max_model_len() -> bool:
+    """``VENGINE_ALLOW_LONG_MAX_MODEL_LEN=1`` lets ``max_model_len`` exceed the model's
+    context length (vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``): RoPE then extrapolates
+    past the positions the model was trained on, and its outputs there may be wrong."""
+    return os.environ.get("VENGINE_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def derive_max_model_len(hf_config) -> tuple[int, str]:
+    """The model's context length and where it comes from (for messages):
+    ``max_position_embeddings`` (2048 if the config has none), times the RoPE scaling
+    factor for a ``linear`` rope type (whose ``max_position_embeddings`` is the length
+    before scaling). A ``llama3`` config already states the scaled length. Mirrors
+    vllm/config's ``_get_and_verify_max_len``."""
+    from pyengine.layers.rotary import get_rope_params
+
+    mpe = getattr(hf_config, "max_position_embeddings", None)
+    if mpe is None:
+        return 2048, "the default 2048 (config.json has no max_position_embeddings)"
+    rope = get_rope_params(hf_config)
+    if rope["rope_type"] == "linear" and float(rope.get("factor", 1.0)) > 1.0:
+        factor = float(rope["factor"])
+        return int(mpe * factor), f"max_position_embeddings={mpe} x linear RoPE scaling factor {factor:g}"
+    return int(mpe), f"max_position_embeddings={mpe}"
+
+
 @dataclass
 class EngineArgs:
     """Engine arguments with vLLM's names. ``EngineArgs.create_engine_config()`` validates
@@ -129,10 +154,22 @@ class EngineConfig:
             dtype = cfg_dtype if cfg_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
             if device.type == "cpu" and dtype == torch.float16:
                 dtype = torch.float32  # fp16 matmuls on CPU are slow and imprecise
-        derived_len = getattr(hf_config, "max_position_embeddings", 2048)
+        derived_len, source = derive_max_model_len(hf_config)
         max_model_len = a.max_model_len or derived_len
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
+        if max_model_len > derived_len:
+            if not env_allow_long_max_model_len():
+                # Positions past the model's length used to crash the first long sequence
+                # (IndexError in the rotary cache) and kill the engine for every request.
+                raise ValueError(
+                    f"max_model_len={max_model_len} is larger than the model's context length "
+                    f"{derived_len} ({source} in {model}/config.json). Lower max_model_len, or set "
+                    f"VENGINE_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway (RoPE then extrapolates "
+                    f"past position {derived_len} and outputs there may be wrong).")
+            logger.warning("max_model_len=%d is larger than the model's context length %d (%s); allowed by "
+                           "VENGINE_ALLOW_LONG_MAX_MODEL_LEN. Outputs past it may be wrong.",
+                           max_model_len, derived_len, source)
         max_num_batched_tokens = a.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 8192 if a.enable_chunked_prefill else max(max_model_len, 8192)

@@ -98,11 +98,23 @@ class SamplingParams:
     def sampling_type_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def max_tokens_is_default(self) -> bool:
+        """True when ``max_tokens`` was not given and still holds the default (16): the
+        engine then lowers it to the room the prompt leaves, whereas a given value that
+        does not fit is an error (see ``Processor.process``)."""
+        return not getattr(self, "_max_tokens_given", True) and self.max_tokens == _DEFAULT_MAX_TOKENS
+
     def clone(self, **changes) -> "SamplingParams":
-        return dataclasses.replace(self, **changes)
+        new = dataclasses.replace(self, **changes)
+        if "max_tokens" not in changes:
+            new._max_tokens_given = getattr(self, "_max_tokens_given", True)
+        return new
 
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.name != "all_stop_token_ids"}
+_DEFAULT_MAX_TOKENS = SamplingParams.max_tokens
+_MAX_TOKENS_POS = [f.name for f in dataclasses.fields(SamplingParams)].index("max_tokens")
 _dataclass_init = SamplingParams.__init__
 
 
@@ -112,6 +124,7 @@ def _checked_init(self, *args, **kwargs):
         raise ValueError(f"Unknown SamplingParams field(s): {', '.join(unknown)}. "
                          f"Valid fields: {', '.join(sorted(_FIELDS))}.")
     _dataclass_init(self, *args, **kwargs)
+    self._max_tokens_given = "max_tokens" in kwargs or len(args) > _MAX_TOKENS_POS
 
 
 SamplingParams.__init__ = _checked_init

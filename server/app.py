@@ -46,6 +46,9 @@ _UNION_HINTS = {
 }
 
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+# max_tokens not given on /v1/completions: SamplingParams' default (16, as OpenAI's), which
+# the engine caps at the room the prompt leaves; chat's absent max_tokens is None (the room).
+_ENGINE_DEFAULT = object()
 
 
 class APIError(Exception):
@@ -191,12 +194,6 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
         raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, your "
                             f"prompt has {longest} tokens; it must be shorter than that to leave room "
                             f"for at least one generated token.", "prompt" if hasattr(req, "prompt") else "messages")
-    if max_tokens is not None and max_len and longest + max_tokens > max_len:
-        raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you "
-                            f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} "
-                            f"in the completion). Please reduce the prompt or max_tokens.", "max_tokens")
-    if max_tokens is None and max_len:
-        max_tokens = max_len - longest
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported.", "logit_bias")
     n = 1 if req.n is None else req.n
@@ -204,8 +201,9 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
         raise APIError(400, "best_of is not supported (it must equal n).", "best_of")
     if req.priority not in (None, 0) and st.cfg.scheduling_policy != "priority":
         raise APIError(400, "priority is only supported with --scheduling-policy priority.", "priority")
-    kw = dict(n=n, max_tokens=max_tokens, logprobs=logprobs,
-              output_kind=RequestOutputKind.DELTA)
+    kw = dict(n=n, logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
+    if max_tokens is not _ENGINE_DEFAULT:  # else the engine's default, capped at the room left
+        kw["max_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                  "min_tokens", "include_stop_str_in_output", "skip_special_tokens"):
@@ -295,6 +293,9 @@ class _Formatter:
             yield (self.token_str(tid, sampled), _lp(sampled.logprob) if sampled is not None else None, top)
 
     def completion_logprobs(self, ch: _Choice, token_ids, logprobs, start_offset: int):
+        """The completions ``logprobs`` object of these tokens; ``text_offset`` counts the
+        tokens' own text from ``start_offset``, so it does not depend on how much text a
+        stream has released yet (stop-string hold-back). Sets ``ch.offset`` to the end."""
         toks, vals, tops, offs = [], [], [], []
         off = start_offset
         for s, v, top in self._entries(token_ids, logprobs):
@@ -303,6 +304,7 @@ class _Formatter:
             tops.append(dict(top) if self.num_top else None)
             offs.append(off)
             off += len(s)
+        ch.offset = off
         return {"tokens": toks, "token_logprobs": vals, "top_logprobs": tops, "text_offset": offs}
 
     def chat_logprobs(self, token_ids, logprobs):
@@ -340,6 +342,9 @@ class _Job:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(len(prompts) * self.n)]
+        if echo_texts is not None:  # text offsets count the echoed prompt
+            for idx, ch in enumerate(self.choices):
+                ch.offset = len(echo_texts[idx // self.n])
         self.prompt_tokens = sum(len(ids) for _, ids in prompts)
         self.timers = [RequestTimer(st.metrics) for _ in prompts]
         self.group: Optional[RequestGroup] = None
@@ -351,9 +356,9 @@ class _Job:
         try:
             for i, (_, ids) in enumerate(self.prompts):
                 self.group.add(f"{self.id}-{i}", ids, self.sp, self.priority)
-        except ValueError as e:
+        except ValueError as e:  # the engine's input processing refused it
             self.close()
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), getattr(e, "parameter", None)) from None
         except Exception as e:
             self.close()
             if is_engine_dead(e, st.engine):
@@ -467,7 +472,6 @@ class _Job:
                         lp = {"content": self.fmt.chat_logprobs(token_ids, lps)}
                     else:
                         lp = self.fmt.completion_logprobs(ch, token_ids, lps, ch.offset)
-                ch.offset += len(text)
                 if self.chat:
                     c = {"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp,
                          "finish_reason": finish}
@@ -606,12 +610,13 @@ def create_app(engine, args=None) -> Flask:
         prompts = _completion_prompts(st, req)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs).", "echo")
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        max_tokens = _ENGINE_DEFAULT if req.max_tokens is None else req.max_tokens
         sp = _sampling_params(st, req, max_tokens, req.logprobs, [len(ids) for _, ids in prompts],
                               bool(req.stream))
         echo = None
         if req.echo:
-            echo = [text if text is not None else st.tokenizer.decode(ids) for text, ids in prompts]
+            from pyengine import prompt_text_for_echo
+            echo = [text if text is not None else prompt_text_for_echo(st.tokenizer, ids) for text, ids in prompts]
         so = req.stream_options
         job = _Job(st, chat=False, model=model, prompts=prompts, sp=sp, priority=req.priority or 0,
                    want_logprobs=req.logprobs is not None, num_top=req.logprobs, echo_texts=echo,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import build_tiny_model, build_tokenizer
+from tests.helpers import (build_scripted_model, build_scripted_tokenizer, build_tiny_model, build_tokenizer,
+                           scripted_script)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,3 +53,22 @@ def qwen3_dir(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def model_dirs(llama_dir, qwen2_dir, qwen3_dir):
     return {"llama": llama_dir, "qwen2": qwen2_dir, "qwen3": qwen3_dir}
+
+
+@pytest.fixture(scope="session")
+def scripted_tokenizer_dir(tmp_path_factory):
+    return build_scripted_tokenizer(tmp_path_factory.mktemp("scripted_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def scripted_tokenizer(scripted_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(scripted_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def scripted_dir(tmp_path_factory, scripted_tokenizer_dir, scripted_tokenizer):
+    """The scripted model (tests.helpers.build_scripted_model) with scripted_script's table."""
+    return build_scripted_model(tmp_path_factory.mktemp("scripted"), scripted_tokenizer_dir,
+                                scripted_script(scripted_tokenizer))

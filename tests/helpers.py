@@ -83,6 +83,102 @@ def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
     return out
 
 
+# The scripted model's tokenizer: byte-level BPE over the 256 byte symbols, with the merges
+# below so that "DEF" and "HI" are single tokens (as in issue 17's stop-string case).
+SCRIPTED_MERGES = [("D", "E"), ("DE", "F"), ("H", "I")]
+
+
+def build_scripted_tokenizer(out_dir) -> Path:
+    """A byte-level BPE tokenizer with no learned merges but ``SCRIPTED_MERGES``: every
+    other character is one token per UTF-8 byte (so an emoji is 4 tokens), ``"DEF"`` and
+    ``"HI"`` are one token each. Specials ``<s>``, ``</s>``, ``<pad>`` are ids 0-2 and the
+    chat template is the benchmarks' one. Returns ``out_dir``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.common import _CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for a, b in SCRIPTED_MERGES:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(SCRIPTED_MERGES)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   chat_template=_CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return out
+
+
+EMOJI = "\U0001F600"  # 4 UTF-8 bytes, 4 tokens of the scripted tokenizer
+
+
+def scripted_script(tok) -> dict[int, int]:
+    """The scripted model's next-token table (token ids of the scripted tokenizer ``tok``):
+    a prompt ending in ``"A"`` gets ``DEF``, ``G``, ``HI``, EOS (issue 17's stop-string
+    offsets); one ending in the first two bytes of ``EMOJI`` gets its last two bytes,
+    ``"!"``, EOS (a character spanning the prompt/completion boundary)."""
+    def one(text):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+    e = tok.encode(EMOJI, add_special_tokens=False)
+    assert len(e) == 4
+    eos = tok.eos_token_id
+    return {one("A"): one("DEF"), one("DEF"): one("G"), one("G"): one("HI"), one("HI"): eos,
+            e[1]: e[2], e[2]: e[3], e[3]: one("!"), one("!"): eos}
+
+
+def build_scripted_model(out_dir, tokenizer_dir, script: dict[int, int], logit_gap: float = 16.0) -> Path:
+    """A Llama checkpoint whose greedy next token after token ``t`` is ``script[t]``,
+    whatever came before, so a prompt ending in a script key yields a fixed token sequence
+    (deterministic text tests: stop strings, offsets, UTF-8 boundaries).
+
+    How: one decoder layer whose ``o_proj`` and ``down_proj`` are zero adds nothing to the
+    residual, so the final hidden state of a position is its token's embedding, RMS-normed.
+    Script keys get orthogonal one-hot embeddings (at most ``hidden_size`` = 64 keys), other
+    tokens zero; the LM head row of ``script[t]`` reads ``t``'s direction, so that token
+    leads by ``logit_gap``. transformers' own model gives the same tokens (it is a real
+    checkpoint). Returns ``out_dir``."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    bos, eos, pad = tok.convert_tokens_to_ids([BOS, EOS, PAD])
+    hidden = 64
+    if len(script) > hidden:
+        raise ValueError(f"at most {hidden} script entries, got {len(script)}")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=1024,
+                      rms_norm_eps=1e-6, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        head = model.lm_head.weight
+        emb.zero_()
+        head.zero_()
+        model.model.norm.weight.fill_(1.0)
+        scale = logit_gap / hidden ** 0.5  # the normed hidden state is sqrt(hidden) on its axis
+        for k, (t, nxt) in enumerate(script.items()):
+            emb[t, k] = 1.0
+            head[nxt, k] = scale
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+                                               do_sample=False)
+    out = Path(out_dir)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
 def load_hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -133,6 +229,17 @@ def hf_greedy(model_dir, prompts_token_ids: list[list[int]], max_new_tokens: int
                         break
             results.append(new)
     return results
+
+
+def expected_text(tokenizer, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
+    """The text the engine reports for ``output_ids`` generated after ``prompt_ids``
+    (special tokens skipped): the text of prompt + output past the prompt's own text,
+    where the bytes of the prompt's last character, if incomplete, count as output; a
+    trailing incomplete character is not emitted."""
+    whole = tokenizer.decode(list(prompt_ids) + list(output_ids), skip_special_tokens=True)
+    prompt_text = tokenizer.decode(list(prompt_ids), skip_special_tokens=True).rstrip("\ufffd")
+    assert whole.startswith(prompt_text)
+    return whole[len(prompt_text):].rstrip("\ufffd")
 
 
 def prompt_token_ids(tokenizer, n: int, min_len: int = 4, max_len: int = 32,

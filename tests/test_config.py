@@ -62,3 +62,42 @@ def test_tensor_parallel_split_rules(heads, kv, inter, tp, match):
     else:
         with pytest.raises(ValueError, match=match):
             _check_tensor_parallel(tp, cfg, torch.device("cpu"))
+
+
+def rope_scaled_copy(src, dst, **rope):
+    """The model in ``src`` with ``rope_parameters`` updated by ``rope``, saved to ``dst``."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["rope_parameters"].update(rope)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_max_model_len_past_the_models_length_refused(llama_dir, monkeypatch):
+    # Issue 17: --max-model-len 2048 on a model with max_position_embeddings 1024 started,
+    # and the first sequence past position 1024 killed the engine.
+    monkeypatch.delenv("VENGINE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ValueError) as ei:
+        EngineArgs(model=str(llama_dir), device="cpu", max_model_len=2048).create_engine_config()
+    msg = str(ei.value)
+    assert "max_model_len=2048" in msg and "max_position_embeddings=1024" in msg
+    assert "VENGINE_ALLOW_LONG_MAX_MODEL_LEN=1" in msg
+    assert EngineArgs(model=str(llama_dir), device="cpu", max_model_len=1024).create_engine_config().max_model_len == 1024
+
+
+def test_long_max_model_len_allowed_by_the_override(llama_dir, monkeypatch, caplog):
+    monkeypatch.setenv("VENGINE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=2048).create_engine_config()
+    assert cfg.max_model_len == 2048
+    assert "VENGINE_ALLOW_LONG_MAX_MODEL_LEN" in caplog.text
+
+
+def test_linear_rope_scaling_extends_the_models_length(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("VENGINE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    d = rope_scaled_copy(llama_dir, tmp_path / "linear", rope_type="linear", factor=2.0)
+    assert EngineArgs(model=str(d), device="cpu").create_engine_config().max_model_len == 2048
+    with pytest.raises(ValueError, match="linear RoPE scaling factor 2"):
+        EngineArgs(model=str(d), device="cpu", max_model_len=2049).create_engine_config()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pyengine import LLM, SamplingParams
-from tests.helpers import hf_greedy, hf_logits, prompt_token_ids
+from tests.helpers import expected_text, hf_greedy, hf_logits, prompt_token_ids
 
 MAX_TOKENS = 24
 FAMILIES = ["llama", "qwen2", "qwen3"]
@@ -80,8 +80,9 @@ def test_outputs_text_and_finish_reasons(llama_dir, tokenizer, prompts, referenc
     for out, ref, p in zip(outs, references["llama"], prompts):
         c = out.outputs[0]
         assert out.finished and out.prompt_token_ids == p
-        # A trailing incomplete UTF-8 sequence (random weights) is never emitted.
-        assert c.text == tokenizer.decode(ref, skip_special_tokens=True).rstrip("\ufffd")
+        # A trailing incomplete UTF-8 sequence (random weights) is never emitted, and bytes
+        # of the prompt's last, incomplete character count as output (echo leaves them out).
+        assert c.text == expected_text(tokenizer, p, ref)
         assert c.finish_reason == ("stop" if ref[-1] == eos else "length")
         assert c.stop_reason is None
 
@@ -243,3 +244,44 @@ def test_shutdown_releases_model_and_kv_cache(llama_dir, prompts):
     runner = llm.llm_engine.engine_core.model_runner
     llm.shutdown()
     assert runner.model is None and runner.kv_caches == [] and runner.graph_runner is None
+
+
+@pytest.mark.parametrize("case", ["override", "linear_rope"])
+def test_positions_past_max_position_embeddings(llama_dir, tmp_path, monkeypatch, tokenizer, case):
+    # Sequences past max_position_embeddings (1024) either through the explicit override or
+    # a linear-RoPE-scaled model: no IndexError in the rotary cache, and greedy tokens equal
+    # transformers' (which computes RoPE on the fly at any position).
+    from tests.test_config import rope_scaled_copy
+
+    model = llama_dir
+    if case == "override":
+        monkeypatch.setenv("VENGINE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    else:
+        model = rope_scaled_copy(llama_dir, tmp_path / "linear", rope_type="linear", factor=2.0)
+    prompt = prompt_token_ids(tokenizer, 1, min_len=1030, max_len=1030, seed=11)[0]
+    llm = LLM(str(model), device="cpu", max_model_len=1040, num_gpu_blocks_override=70)
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert out.outputs[0].token_ids == hf_greedy(model, [prompt], 4, ignore_eos=True)[0]
+
+
+def test_scripted_model_emits_its_script(scripted_dir, scripted_tokenizer):
+    # The fixture the text-edge tests rely on: the script, token for token, as transformers.
+    from tests.helpers import EMOJI
+
+    tok = scripted_tokenizer
+    a = tok.encode("xyA", add_special_tokens=False)
+    e = tok.encode("ok" + EMOJI, add_special_tokens=False)[:-2]
+    llm = LLM(str(scripted_dir), device="cpu", max_model_len=64)
+    try:
+        outs = llm.generate([a, e], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    ids = [o.outputs[0].token_ids for o in outs]
+    assert [tok.decode([t]) for t in ids[0]] == ["DEF", "G", "HI", "</s>"]
+    assert tok.decode(e + ids[1], skip_special_tokens=True) == "ok" + EMOJI + "!"
+    assert ids == hf_greedy(scripted_dir, [a, e], 8)
+    assert [o.outputs[0].text for o in outs] == ["DEFGHI", EMOJI + "!"]

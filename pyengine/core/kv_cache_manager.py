@@ -57,6 +57,20 @@ class KVCacheManager:
         self.prefix_cache_stats.hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
 
+    def num_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now."""
+        return len(self.req_to_block_ids.get(request_id, ()))
+
+    def num_blocks_to_take(self, request: Request, num_new_tokens: int,
+                           new_computed_blocks: list[KVCacheBlock] = ()) -> int:
+        """How many blocks ``allocate_slots`` with these arguments would take out of the
+        free pool: new blocks, plus prefix-hit blocks that sit in the free queue (they
+        stop being free once touched)."""
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        need = (cdiv(num_computed + num_new_tokens, self.block_size) - self.num_blocks(request.request_id)
+                - len(new_computed_blocks))
+        return max(need, 0) + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
         """Reserve blocks so that num_computed + len(new_computed)*bs + num_new_tokens
@@ -74,9 +88,7 @@ class KVCacheManager:
             if self.enable_caching:
                 self._cache_full_blocks(request, min(total, request.num_tokens) // self.block_size)
             return True
-        # Prefix-hit blocks that sit in the free queue stop being free once touched.
-        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if need > self.block_pool.get_num_free_blocks() - evictable_hits:
+        if self.num_blocks_to_take(request, num_new_tokens, new_computed_blocks) > self.block_pool.get_num_free_blocks():
             return False
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)

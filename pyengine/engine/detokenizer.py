@@ -11,7 +11,10 @@ path): the text of the token window ``[prefix_offset, end)`` minus the text of
 not end in U+FFFD, so a character whose UTF-8 bytes span several byte-level BPE tokens
 comes out whole, once its last byte arrived. The window starts with the last few prompt
 tokens so that the first output token decodes with its context (e.g. SentencePiece's
-leading space).
+leading space). A character whose bytes begin in the prompt and end in the output counts
+as output: it comes out whole in the first delta (as with vLLM's incremental
+detokenizer, which starts from the prompt's tail), and ``prompt_text_for_echo`` leaves it
+out of the prompt's text.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ __all__ = [
     "IncrementalDetokenizer",
     "FastIncrementalDetokenizer",
     "make_incremental_detokenizer",
+    "prompt_text_for_echo",
+    "decode_output",
     "decode_logprob_token",
     "check_stop_strings",
     "check_stop_token",
@@ -48,6 +53,33 @@ def _make_decoder(tokenizer, skip_special_tokens: bool):
             return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                                     clean_up_tokenization_spaces=False)
     return decode
+
+
+def prompt_text_for_echo(tokenizer, prompt_token_ids: Sequence[int]) -> str:
+    """Text of a token-id prompt, as echoed in front of its completion (``echo``):
+    ``tokenizer.decode`` without the U+FFFD of a trailing incomplete UTF-8 character,
+    whose bytes the completion's first delta completes (see ``IncrementalDetokenizer``),
+    so that echo + completion text is the text of all the tokens, each character once."""
+    return tokenizer.decode(list(prompt_token_ids)).rstrip(_REPLACEMENT_CHAR)
+
+
+def _prompt_context(decode, prompt_token_ids: Sequence[int]) -> tuple[list[int], str]:
+    """The prompt's last tokens that start the decoding window, and their text without a
+    trailing incomplete character (whose bytes then count as output)."""
+    ctx = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
+    return ctx, decode(ctx).rstrip(_REPLACEMENT_CHAR) if ctx else ""
+
+
+def decode_output(tokenizer, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                  skip_special_tokens: bool = True) -> str:
+    """All of an output's text at once, as ``IncrementalDetokenizer``'s deltas would
+    give it (same prompt context, no trailing incomplete character); for outputs that
+    need no incremental text."""
+    decode = _make_decoder(tokenizer, skip_special_tokens)
+    ctx, prefix = _prompt_context(decode, prompt_token_ids)
+    full = decode(ctx + list(output_token_ids))
+    text = full[len(prefix):] if full.startswith(prefix) else decode(list(output_token_ids))
+    return text.rstrip(_REPLACEMENT_CHAR)
 
 
 def decode_logprob_token(tokenizer, token_id: int) -> str:
@@ -158,18 +190,16 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.output_token_ids: list[int] = []
         self._last_output_text_offset = 0
-        if tokenizer is not None:
-            self._decode = _make_decoder(tokenizer, params.skip_special_tokens)
-            ctx = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
-        else:
-            self._decode = None
-            ctx = []
         # Decoding window: ids[prefix_offset:read_offset] were already emitted (context);
-        # ids[read_offset:] are pending.
+        # ids[read_offset:] are pending. _prefix_text caches decode(ids[prefix:read]); at
+        # first the prompt's tail, whose trailing incomplete character (U+FFFD) counts as
+        # not yet emitted: it comes out whole with the output token that completes it.
+        self._decode = _make_decoder(tokenizer, params.skip_special_tokens) if tokenizer is not None else None
+        ctx, prefix_text = _prompt_context(self._decode, prompt_token_ids) if tokenizer is not None else ([], "")
         self._ids: list[int] = ctx
         self._prefix_offset = 0
         self._read_offset = len(ctx)
-        self._prefix_text: Optional[str] = None  # cache of decode(ids[prefix:read])
+        self._prefix_text: Optional[str] = prefix_text
 
     @property
     def num_output_tokens(self) -> int:
@@ -299,8 +329,13 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         ctx = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
-        if ctx:
-            self._stream.step(self._backend, ctx)  # the prompt's own text is not output
+        emitted = (self._stream.step(self._backend, ctx) or "") if ctx else ""
+        # The prompt's own text is not output. A tail that ends inside a character stays
+        # pending in the stream, complete text before it included, and comes out with the
+        # output token that completes the character: the first deltas drop that complete
+        # text (the base class's rule: only the incomplete character counts as output).
+        prompt_text = self._prefix_text or ""
+        self._skip = len(prompt_text) - len(emitted) if prompt_text.startswith(emitted) else 0
         self._ids = []
 
     @staticmethod
@@ -314,7 +349,11 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         return True
 
     def _decode_next(self) -> str:
-        return self._stream.step(self._backend, self._ids.pop()) or ""
+        text = self._stream.step(self._backend, self._ids.pop()) or ""
+        if self._skip and text:
+            cut = min(self._skip, len(text))
+            text, self._skip = text[cut:], self._skip - cut
+        return text
 
 
 def make_incremental_detokenizer(tokenizer, prompt_token_ids: Sequence[int],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-from pyengine.engine.detokenizer import decode_logprob_token, make_incremental_detokenizer
+from pyengine.engine.detokenizer import decode_logprob_token, decode_output, make_incremental_detokenizer
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pyengine.exceptions import EngineDeadError  # noqa: F401 - re-exported for old imports
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -146,6 +146,7 @@ class _Child:
         self.skip_special_tokens = params.skip_special_tokens
         self.include_stop = params.include_stop_str_in_output
         self.final_text: Optional[str] = None
+        self.prompt_token_ids = core_req.prompt_token_ids
         self.detok = make_incremental_detokenizer(tokenizer if params.detokenize and not self.deferred else None,
                                             core_req.prompt_token_ids, params)
         self.want_logprobs = params.logprobs is not None
@@ -161,8 +162,7 @@ class _Child:
         ids = self.detok.output_token_ids
         if stop_terminated and not self.include_stop:
             ids = ids[:-1]
-        # Like the incremental path, never end on an incomplete UTF-8 sequence.
-        self.final_text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens).rstrip("\ufffd")
+        self.final_text = decode_output(self.tokenizer, self.prompt_token_ids, ids, self.skip_special_tokens)
 
     def completion(self, kind: RequestOutputKind) -> CompletionOutput:
         delta = kind == _DELTA

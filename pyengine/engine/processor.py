@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from pyengine.config import EngineConfig
 from pyengine.engine.messages import EngineCoreRequest
+from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import SamplingParams
 
 PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
@@ -68,6 +69,24 @@ class Processor:
             return None, list(prompt)
         raise ValueError(f"A prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
 
+    def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The request's token limit. Not given (``None``, or the default 16 left as is):
+        capped at the room the prompt leaves. Given and larger than that room: refused
+        (as vLLM's OpenAI server does), with the numbers the user needs."""
+        max_len = self.config.max_model_len
+        room = max_len - num_prompt_tokens
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens_is_default:
+            return min(params.max_tokens, room)
+        if params.max_tokens > room:
+            raise VLLMValidationError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
+                f"max_tokens.", parameter="max_tokens", value=params.max_tokens)
+        return params.max_tokens
+
     def process(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams],
                 priority: int = 0, arrival_time: Optional[float] = None
                 ) -> tuple[Optional[str], list[int], SamplingParams, list[EngineCoreRequest]]:
@@ -93,8 +112,7 @@ class Processor:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         params = params.clone(all_stop_token_ids=stop_ids)
-        room = max_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = self._resolve_max_tokens(len(ids), params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_reqs = []
         for i in range(params.n):

@@ -88,19 +88,33 @@ class RotaryEmbedding(nn.Module):
 
     cos/sin are computed in float32 then cast to ``dtype`` (HF casts them to the activation
     dtype the same way). ``forward(positions [T], q [T,H,D], k [T,Hkv,D]) -> (q, k)``.
-    Positions >= max_position_embeddings are out of range (index error on CPU).
+    Positions past the cache are out of range (index error on CPU): the loader extends it
+    to ``max_model_len`` (``extend_to``).
     """
 
     def __init__(self, head_dim: int, max_position_embeddings: int, rope_params: dict,
                  dtype: torch.dtype | None = None):
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = compute_inv_freq(head_dim, rope_params, max_position_embeddings)
-        t = torch.arange(max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-        self.register_buffer("cos_sin_cache", cache.to(dtype or torch.get_default_dtype()),
+        self._inv_freq = compute_inv_freq(head_dim, rope_params, max_position_embeddings)
+        # device None: the current default device (the loader builds models under one)
+        self.register_buffer("cos_sin_cache", self._cache(max_position_embeddings, None,
+                                                          dtype or torch.get_default_dtype()),
                              persistent=False)
+
+    def _cache(self, num_positions: int, device, dtype) -> torch.Tensor:
+        inv_freq = self._inv_freq if device is None else self._inv_freq.to(device)
+        freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32, device=device), inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+    def extend_to(self, num_positions: int) -> None:
+        """Grow the cache to cover positions ``< num_positions`` (the engine's
+        ``max_model_len``, which may exceed ``max_position_embeddings`` under linear RoPE
+        scaling or ``VENGINE_ALLOW_LONG_MAX_MODEL_LEN``); the same values as computed on
+        the fly by transformers."""
+        cache = self.cos_sin_cache
+        if num_positions > cache.shape[0]:
+            self.cos_sin_cache = self._cache(num_positions, cache.device, cache.dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return apply_rotary(q, k, positions, self.cos_sin_cache)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pyengine.layers.linear import default_weight_loader
+from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.registry import get_model_cls
 
 logger = logging.getLogger("pyengine")
@@ -136,6 +137,9 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
     model_cls = get_model_cls(hf_config)
     with _default_dtype(config.dtype), torch.device(config.device):
         model = model_cls(hf_config, attn_backend, tp_group=tp_group)
+    for m in model.modules():  # positions up to max_model_len (see EngineConfig.max_model_len)
+        if isinstance(m, RotaryEmbedding):
+            m.extend_to(config.max_model_len)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     with torch.no_grad():
         if getattr(config, "load_format", "auto") == "dummy":

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import async_sched, common, gpu_idle, latency, throughput
+from benchmarks import async_sched, common, gpu_idle, latency, preemption, throughput
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +144,12 @@ def test_tp_step_broadcast_smoke(tmp_path):
     res = tp_step_broadcast.main(["--iters", "2", "--json", str(tmp_path / "b.json")])
     assert set(res["results"]) == set(tp_step_broadcast.SCENARIOS)
     assert all(r["pack_us"] > 0 and "packed_us" in r and "cbor2_total_us" in r for r in res["results"].values())
+
+
+def test_preemption_smoke(tiny_dir, tmp_path):
+    args, out = _cpu(tiny_dir, tmp_path, "preemption")
+    res = preemption.main(args + ["--modes", "on", "--num-long", "2", "--long-tokens", "40", "--num-short", "4",
+                                  "--short-tokens", "8", "--num-blocks", "6"])
+    r = res["results"]["on"]
+    assert r["preemptions_total"] > 0 and r["short_preemptions"]["max"] <= 1
+    assert json.loads(out.read_text())["results"]["on"]["steps"] == r["steps"]

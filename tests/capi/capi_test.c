@@ -456,6 +456,20 @@ static void case_bad_args(int argc, char** argv) {
   sp = greedy(4);
   EXPECT_ST(p_vllm_complete(e, "", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
   EXPECT_ST(p_vllm_complete(e, "\xff\xfe", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  /* max_tokens > 0 is given: one that does not fit the model (1024) is refused with the
+   * numbers; <= 0 takes the room the prompt leaves (issue 17) */
+  static int32_t longp[1020], outp[8];
+  int32_t n_out = 0;
+  for (int i = 0; i < 1020; i++) longp[i] = 5;
+  sp = greedy(16);
+  EXPECT_ST(p_vllm_complete_tokens(e, longp, 1020, &sp, outp, 8, &n_out, &c), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "1036 tokens (1020 in the prompt, 16 in the completion)") != NULL,
+        "names the lengths");
+  sp = greedy(0);
+  CHECK(p_vllm_complete_tokens(e, longp, 1020, &sp, outp, 8, &n_out, &c) == VLLM_OK && n_out == 4,
+        "max_tokens <= 0: the room left (n_out %d)", n_out);
+  p_vllm_completion_free(&c);
+  sp = greedy(4);
   /* still usable after all that */
   vllm_status st = p_vllm_complete(e, "hello", &sp, &c);
   CHECK(st == VLLM_OK, "usable after errors");
@@ -516,9 +530,9 @@ static void case_exit_inflight(int argc, char** argv) {
   for (int i = 0; i < 6; i++) {
     rec_init(&rs[i]);
     if (i == 0) rs[i].sleep_first_ms = 300; /* one is inside a callback at exit */
-    submit(e, argv[0], 2000, &rs[i]);
+    submit(e, argv[0], 0, &rs[i]); /* 0: up to the model length (a long generation) */
   }
-  vllm_sampling_params sp = greedy(2000);
+  vllm_sampling_params sp = greedy(0);
   (void)sp;
   while (atomic_load(&rs[1].ncalls) < 2) sleep_s(0.001);
   printf("EXITING\n");

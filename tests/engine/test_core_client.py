@@ -143,7 +143,7 @@ def test_front_end_killed_engine_process_exits(llama_dir, tmp_path):
         if __name__ == "__main__":
             e = AsyncLLM.from_engine_args(EngineArgs(model={str(llama_dir)!r}, device="cpu",
                                                      num_gpu_blocks_override=256), multiprocess=True)
-            e.add_request("busy", [5, 6, 7], SamplingParams(max_tokens=100000, ignore_eos=True))
+            e.add_request("busy", [5, 6, 7], SamplingParams(max_tokens=None, ignore_eos=True))
             print(e.engine_core.pid, flush=True)
             time.sleep(120)
     """))
@@ -204,7 +204,7 @@ def test_one_engine_process_serves_several_front_ends(llama_dir, prompts):
     from pyengine.engine.core_client import MPClient, start_engine_core_process
 
     cfg = EngineArgs(model=str(llama_dir), device="cpu", num_gpu_blocks_override=256,
-                     max_model_len=256).create_engine_config()
+                     max_model_len=1024).create_engine_config()
     proc, conns = start_engine_core_process(cfg, 2)
     fronts = [AsyncLLM(cfg, client=MPClient.attach(c)) for c in conns]
     try:
@@ -213,7 +213,7 @@ def test_one_engine_process_serves_several_front_ends(llama_dir, prompts):
         got = [[t for o in drain(c) for t in o.outputs[0].token_ids] for c in cs]
         assert got == hf_greedy(llama_dir, prompts, 12, ignore_eos=True)
         assert fronts[1].engine_core.call_utility("get_stats").num_running == 0
-        long = fronts[0].add_request("long", prompts[0], SamplingParams(max_tokens=5000, ignore_eos=True,
+        long = fronts[0].add_request("long", prompts[0], SamplingParams(max_tokens=None, ignore_eos=True,
                                                                         output_kind=RequestOutputKind.DELTA))
         long.get(timeout=30)
         fronts[1].shutdown()  # leaves: the engine goes on for the other front end

@@ -5,7 +5,8 @@ import pytest
 
 from pyengine.engine import detokenizer as detok_module
 from pyengine.engine.detokenizer import (IncrementalDetokenizer, check_stop_strings,
-                                         check_stop_token, decode_logprob_token)
+                                         check_stop_token, decode_logprob_token, decode_output,
+                                         prompt_text_for_echo)
 from pyengine.sampling_params import SamplingParams
 
 
@@ -114,6 +115,43 @@ def test_prompt_context_and_special_tokens(bpe_tokenizer):
     d, deltas, _ = stream(tok, prompt, out, SamplingParams(skip_special_tokens=False))
     assert d.output_text == "hi <|im_end|> there<|endoftext|>"
     assert "".join(deltas) == d.output_text
+
+
+@pytest.mark.parametrize("split", [3, 4, 5])
+def test_character_spanning_prompt_and_output_in_first_delta(scripted_tokenizer, split):
+    # Issue 17: a token-id prompt ending in the first bytes of an emoji, the output
+    # starting with the rest: the emoji was lost (in no delta, not in echo + text).
+    from tests.helpers import EMOJI
+
+    tok = scripted_tokenizer
+    ids = enc(tok, "ok" + EMOJI + "!")  # o, k, 4 emoji bytes, !
+    prompt, out = ids[:split], ids[split:]
+    d, deltas, _ = stream(tok, prompt, out, SamplingParams())
+    assert "".join(deltas) == d.output_text == EMOJI + "!"
+    assert next(x for x in deltas if x).startswith(EMOJI)
+    assert prompt_text_for_echo(tok, prompt) == "ok"
+    assert decode_output(tok, prompt, out) == EMOJI + "!"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_echo_plus_output_is_the_whole_text_at_any_split(bpe_tokenizer, text):
+    tok = bpe_tokenizer
+    ids = enc(tok, "User: " + text)
+    for k in range(1, len(ids)):
+        _, deltas, _ = stream(tok, ids[:k], ids[k:], SamplingParams())
+        assert prompt_text_for_echo(tok, ids[:k]) + "".join(deltas) == tok.decode(ids), k
+        assert decode_output(tok, ids[:k], ids[k:]) == "".join(deltas), k
+
+
+def test_incomplete_prompt_tail_never_completed(scripted_tokenizer):
+    # Bytes that never form a character still come out once (as U+FFFD), with the output.
+    from tests.helpers import EMOJI
+
+    tok = scripted_tokenizer
+    prompt = enc(tok, "ok" + EMOJI)[:3]
+    out = enc(tok, "!")
+    _, deltas, _ = stream(tok, prompt, out, SamplingParams())
+    assert prompt_text_for_echo(tok, prompt) + "".join(deltas) == tok.decode(prompt + out) == "ok\ufffd!"
 
 
 def test_stop_token_not_detokenized(bpe_tokenizer):

@@ -30,10 +30,45 @@ def test_user_params_not_mutated(processor):
 def test_max_tokens_resolution(processor):
     _, _, _, reqs = processor.process("d", [5] * 10, SamplingParams(max_tokens=None))
     assert reqs[0].max_tokens == 64 - 10
-    _, _, _, reqs = processor.process("e", [5] * 10, SamplingParams(max_tokens=500))
-    assert reqs[0].max_tokens == 64 - 10
     _, _, _, reqs = processor.process("f", [5] * 10, SamplingParams(max_tokens=3))
     assert reqs[0].max_tokens == 3
+    _, _, _, reqs = processor.process("e", [5] * 10, SamplingParams(max_tokens=54))
+    assert reqs[0].max_tokens == 54
+
+
+def test_default_max_tokens_capped_at_the_room_left(processor):
+    # Issue 17: a 63-token prompt in a 64-token model with max_tokens not given gets the
+    # default 16 lowered to the 1 token left, not an error.
+    _, _, _, reqs = processor.process("g1", [5] * 63, SamplingParams())
+    assert reqs[0].max_tokens == 1
+    _, _, _, reqs = processor.process("g2", [5] * 40, SamplingParams(temperature=0.5))
+    assert reqs[0].max_tokens == 16
+    # also through clone() (LLM.generate clones the user's params) and with n > 1
+    _, _, _, reqs = processor.process("g3", [5] * 60, SamplingParams(n=2, seed=1).clone(seed=3))
+    assert [r.max_tokens for r in reqs] == [4, 4]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=16), SamplingParams(max_tokens=500),
+                                    SamplingParams().clone(max_tokens=16)])
+def test_explicit_max_tokens_that_does_not_fit_refused(processor, params):
+    from pyengine import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as ei:
+        processor.process("h1", [5] * 63, params)
+    n = params.max_tokens
+    assert str(ei.value).startswith(f"This model's maximum context length is 64 tokens. However, you requested "
+                                    f"{63 + n} tokens (63 in the prompt, {n} in the completion).")
+    assert ei.value.parameter == "max_tokens" and ei.value.value == n
+
+
+def test_max_tokens_default_flag():
+    assert SamplingParams().max_tokens_is_default
+    assert SamplingParams(temperature=0).clone(seed=4).max_tokens_is_default
+    assert not SamplingParams(max_tokens=16).max_tokens_is_default
+    assert not SamplingParams().clone(max_tokens=16).max_tokens_is_default
+    sp = SamplingParams()
+    sp.max_tokens = 100  # set after construction: given
+    assert not sp.max_tokens_is_default
 
 
 def test_n_fans_out_with_distinct_seeds(processor):

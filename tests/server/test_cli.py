@@ -78,3 +78,14 @@ def test_default_model_when_missing():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "built-in default model" in out.stderr
+
+
+def test_max_model_len_past_the_models_length_is_a_clear_error(llama_dir):
+    # Issue 17: --max-model-len 2048 on a model whose max_position_embeddings is 1024 started,
+    # and the first sequence past position 1024 killed the engine.
+    env = {k: v for k, v in _env().items() if k != "VENGINE_ALLOW_LONG_MAX_MODEL_LEN"}
+    out = subprocess.run([sys.executable, "-m", "server", str(llama_dir), "--port", "0", "--device", "cpu",
+                          "--max-model-len", "2048"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "max_model_len=2048" in out.stderr and "max_position_embeddings=1024" in out.stderr
+    assert "VENGINE_ALLOW_LONG_MAX_MODEL_LEN=1" in out.stderr

@@ -12,7 +12,7 @@ import time
 from typing import Iterable, Optional
 
 from pyengine.config import EngineConfig
-from pyengine.core.kv_cache_manager import KVCacheManager
+from pyengine.core.kv_cache_manager import KVCacheManager, cdiv
 from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
 from pyengine.core.sched.request_queue import create_request_queue
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
@@ -20,6 +20,13 @@ from pyengine.request import Request, RequestStatus
 
 # Module aliases: enum member access is slow on Python 3.11 and these sit in per-request loops.
 _RUNNING = RequestStatus.RUNNING
+# _try_admit's answers when a waiting request is not admitted.
+_NO_BUDGET, _NO_ROOM = -1, 0
+# How many steps ahead a re-admitted request's reserve looks (see _readmission_reserve):
+# one with more tokens to go may be preempted again after that much progress, so its
+# preemptions stay under 1 + its remaining tokens / this; a request with a huge max_tokens
+# (the room-left default) does not wait for the whole running set to drain.
+READMISSION_HORIZON_STEPS = 256
 
 
 class Scheduler:
@@ -99,6 +106,89 @@ class Scheduler:
             return max(self.running)
         return self.running[-1]
 
+    def _try_admit(self, req: Request, budget: int) -> int:
+        """Admit the waiting request ``req`` for up to ``budget`` tokens of its prefill.
+
+        Returns the number of tokens scheduled, ``_NO_BUDGET`` (chunked prefill is off and
+        the prompt does not fit the budget) or ``_NO_ROOM`` (no free seat, not enough free
+        KV blocks, or, for a request that was preempted before, not enough to keep the
+        re-admission reserve free; see ``_readmission_reserve``)."""
+        if len(self.running) >= self.max_num_seqs:
+            return _NO_ROOM
+        kv = self.kv_cache_manager
+        hit_blocks, num_hit = [], 0
+        if req.num_computed_tokens == 0:
+            hit_blocks, num_hit = kv.get_computed_blocks(req)
+        n = req.num_tokens - num_hit
+        if not self.config.enable_chunked_prefill and n > budget:
+            return _NO_BUDGET
+        n = min(n, budget)
+        if req.num_preemptions and self.running:
+            take = kv.num_blocks_to_take(req, n, hit_blocks)
+            if take + self._readmission_reserve(req, num_hit + n) > kv.block_pool.get_num_free_blocks():
+                return _NO_ROOM
+        if not kv.allocate_slots(req, n, hit_blocks):
+            return _NO_ROOM
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.num_computed_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return n
+
+    def _final_len(self, req: Request) -> int:
+        """The request's length once it generated all its max_tokens."""
+        return min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+
+    def _readmission_reserve(self, req: Request, num_tokens_admitted: int) -> int:
+        """KV blocks that must stay free after re-admitting the preempted request ``req``
+        (``num_tokens_admitted`` of its tokens get blocks now), so that it is not the next
+        victim again (recompute thrash): its own growth over the steps it still needs
+        (its remaining tokens plus its prefill chunks, at most READMISSION_HORIZON_STEPS),
+        plus the growth over those steps of every running request that would be preempted
+        after it (all of them under fcfs, whose victim is the latest admitted; the more
+        urgent ones under priority), each capped at its final length. A first admission
+        keeps no reserve (vLLM's optimistic admission); without KV pressure nothing is
+        preempted, so this costs nothing."""
+        bs = self.kv_cache_manager.block_size
+        kv = self.kv_cache_manager
+        steps = min((req.max_tokens - req.num_output_tokens) + cdiv(req.num_tokens, self.max_num_batched_tokens),
+                    READMISSION_HORIZON_STEPS)
+        own_target = min(req.num_tokens + steps, self._final_len(req))
+        need = max(cdiv(own_target, bs) - cdiv(num_tokens_admitted, bs), 0)
+        for r in self.running:
+            if self.policy == "priority" and not r < req:
+                continue  # less urgent than req: preempted before it
+            target = min(r.num_tokens + r.num_output_placeholders + steps, self._final_len(r))
+            need += max(cdiv(target, bs) - kv.num_blocks(r.request_id), 0)
+        return need
+
+    def _priority_victim(self, req: Request, budget: int) -> Optional[Request]:
+        """Under the priority policy, the running request to preempt so that the waiting
+        ``req`` can be admitted: the least urgent one, if ``req`` is strictly more urgent
+        (lower priority value) and preempting every strictly less urgent running request
+        would free enough seats and KV blocks. None otherwise."""
+        if self.policy != "priority" or not self.running:
+            return None
+        victim = max(self.running)
+        if victim.priority <= req.priority:
+            return None
+        kv = self.kv_cache_manager
+        lower = [r for r in self.running if r.priority > req.priority]
+        freeable = sum(kv.num_blocks(r.request_id) for r in lower)
+        n = min(req.num_tokens, budget)
+        reserve = self._readmission_reserve(req, n) if req.num_preemptions and len(lower) < len(self.running) else 0
+        if kv.num_blocks_to_take(req, n) + reserve > kv.block_pool.get_num_free_blocks() + freeable:
+            return None
+        return victim
+
+    def _unschedule(self, req: Request, scheduled: list[ScheduledRequest]) -> int:
+        """Take ``req`` out of this step's batch if it is in it; returns its tokens."""
+        for j, s in enumerate(scheduled):
+            if s.request is req:
+                return scheduled.pop(j).num_new_tokens
+        return 0
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv_cache_manager.free(req)
@@ -128,10 +218,7 @@ class Scheduler:
                 if self.running.index(victim) < i:
                     # Already scheduled this step (priority policy): take that back too.
                     i -= 1
-                    for j, s in enumerate(scheduled):
-                        if s.request is victim:
-                            budget += scheduled.pop(j).num_new_tokens
-                            break
+                    budget += self._unschedule(victim, scheduled)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -143,24 +230,23 @@ class Scheduler:
             i += 1
 
         num_prefill = 0
-        if not preempted:
-            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        if not preempted:  # a step that preempted for KV admits nothing (as vLLM)
+            while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
-                hit_blocks, num_hit = [], 0
-                if req.num_computed_tokens == 0:
-                    hit_blocks, num_hit = kv.get_computed_blocks(req)
-                n = req.num_tokens - num_hit
-                if not self.config.enable_chunked_prefill and n > budget:
+                n = self._try_admit(req, budget)
+                if n == _NO_BUDGET:
                     break
-                n = min(n, budget)
-                if not kv.allocate_slots(req, n, hit_blocks):
-                    break
+                if n == _NO_ROOM:
+                    victim = self._priority_victim(req, budget)
+                    if victim is None:
+                        break
+                    # A strictly more urgent request is waiting and the running set is full
+                    # (seats or KV): make room by preempting the least urgent running one.
+                    budget += self._unschedule(victim, scheduled)
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    continue
                 self.waiting.pop()
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                req.num_computed_tokens = num_hit
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
                 scheduled.append(self._scheduled(req, n))
                 budget -= n
                 num_prefill += 1

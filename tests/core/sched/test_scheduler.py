@@ -154,6 +154,20 @@ class Driver:
         raise AssertionError("did not finish")
 
 
+def record_discarded_draws(sched):
+    """From now on, each SchedulerOutput's ``discarded_draw_req_ids`` is appended to the
+    returned list (what the runner is told to rewind)."""
+    seen = []
+    orig = sched.schedule
+
+    def spy():
+        so = orig()
+        seen.append(so.discarded_draw_req_ids)
+        return so
+    sched.schedule = spy
+    return seen
+
+
 def expected_tokens(prompt_len, n):
     return [1000 + prompt_len + k for k in range(n)]
 
@@ -443,6 +457,200 @@ def test_priority_victim_already_scheduled_this_step_is_taken_back():
     assert_no_leak(sched)
 
 
+# ---- priority preemption of a waiting request (seat cap, KV) ----------------------------
+
+def first_token_step(d, rid, max_steps=50):
+    """Drive ``d`` until ``rid`` has a token; returns how many driver steps that took."""
+    for k in range(1, max_steps + 1):
+        d.step()
+        if d.tokens[rid]:
+            return k
+    raise AssertionError(f"{rid} got no token in {max_steps} steps")
+
+
+@pytest.mark.parametrize("cls,depth", [(Scheduler, 1), (AsyncScheduler, 2)])
+def test_priority_waiting_request_preempts_at_the_seat_cap(cls, depth):
+    # Issue 17: --max-num-seqs 2, two long priority-10 requests running, a priority-0 one
+    # arrives. It must not wait for a low one to finish (was: 0 preemptions, TTFT = the rest
+    # of a 1000-token request).
+    sched = make_sched(cls=cls, max_num_seqs=2, scheduling_policy="priority")
+    lows = [make_req(f"low{i}", 6, max_tokens=40, priority=10, arrival=float(i)) for i in range(2)]
+    for r in lows:
+        sched.add_request(r)
+    d = Driver(sched, depth=depth)
+    for _ in range(4):
+        d.step()
+    urgent = make_req("urgent", 5, max_tokens=4, priority=0, arrival=9.0)
+    sched.add_request(urgent)
+    assert first_token_step(d, "urgent") <= depth
+    # the victim: the lowest priority, latest arrival; the other low one kept running
+    assert lows[1].num_preemptions == 1 and lows[0].num_preemptions == 0
+    assert urgent.num_preemptions == 0
+    d.run()
+    assert d.tokens["urgent"] == expected_tokens(5, 4)
+    for r in lows:  # the preempted stream is unchanged (tokens kept, recomputed)
+        assert d.tokens[r.request_id] == expected_tokens(6, 40)
+    assert sched.num_preemptions == 1
+    assert_no_leak(sched)
+
+
+@pytest.mark.parametrize("cls,depth", [(Scheduler, 1), (AsyncScheduler, 2)])
+def test_priority_waiting_request_preempts_when_kv_is_full(cls, depth):
+    # Free seats, but every KV block is held by less urgent requests.
+    sched = make_sched(cls=cls, num_blocks=9, scheduling_policy="priority", enable_prefix_caching=False)
+    lows = [make_req(f"low{i}", 12, max_tokens=12, priority=5, arrival=float(i)) for i in range(2)]
+    for r in lows:
+        sched.add_request(r)
+    d = Driver(sched, depth=depth)
+    while sched.kv_cache_manager.block_pool.get_num_free_blocks():
+        d.step()
+    assert not any(r.num_preemptions for r in lows)
+    urgent = make_req("urgent", 7, max_tokens=3, priority=1, arrival=5.0)
+    sched.add_request(urgent)
+    assert first_token_step(d, "urgent") <= depth
+    assert lows[1].num_preemptions >= 1 and urgent.num_preemptions == 0
+    d.run()
+    assert d.tokens["urgent"] == expected_tokens(7, 3)
+    for r in lows:
+        assert d.tokens[r.request_id] == expected_tokens(12, 12)
+    assert_no_leak(sched)
+
+
+def test_async_priority_preemption_drops_the_victims_in_flight_token():
+    # The victim's token of the batch in flight when it was preempted is dropped and its
+    # draw reported to the runner (to rewind a seeded generator), as for a KV preemption.
+    sched = make_sched(cls=AsyncScheduler, max_num_seqs=1, scheduling_policy="priority")
+    low = make_req("low", 4, max_tokens=10, priority=3, arrival=0.0)
+    sched.add_request(low)
+    so1 = sched.schedule()
+    sched.add_request(make_req("urgent", 4, max_tokens=2, priority=0, arrival=1.0))
+    so2 = sched.schedule()  # so1 (which samples for low) is still in flight
+    assert so2.preempted_req_ids == ["low"] and sched_of(so2) == [("urgent", 4)]
+    out1 = sched.update_from_output(so1, runner_output(so1))
+    assert out1.outputs == [] and low.output_token_ids == []
+    d = Driver(sched, depth=2)
+    d.q.append((so2, runner_output(so2)))
+    seen = record_discarded_draws(sched)
+    d.run()
+    assert seen[0] == {"low"} and not any(seen[1:])
+    assert low.output_token_ids == expected_tokens(4, 10)
+    assert_no_leak(sched)
+
+
+def test_equal_priority_waiting_request_does_not_preempt():
+    sched = make_sched(max_num_seqs=1, scheduling_policy="priority")
+    a = make_req("a", 4, max_tokens=5, priority=2, arrival=0.0)
+    sched.add_request(a)
+    step(sched)
+    sched.add_request(make_req("b", 4, max_tokens=2, priority=2, arrival=1.0))
+    sched.add_request(make_req("c", 4, max_tokens=2, priority=7, arrival=2.0))
+    d = Driver(sched)
+    d.run()
+    assert sched.num_preemptions == 0
+    assert d.tokens["a"][-1:] == expected_tokens(4, 5)[-1:]
+    assert_no_leak(sched)
+
+
+def test_fcfs_never_preempts_for_a_waiting_request():
+    sched = make_sched(max_num_seqs=1)
+    sched.add_request(make_req("a", 4, max_tokens=5, priority=9, arrival=0.0))
+    step(sched)
+    sched.add_request(make_req("b", 4, max_tokens=2, priority=0, arrival=1.0))
+    Driver(sched).run()
+    assert sched.num_preemptions == 0
+    assert_no_leak(sched)
+
+
+def test_priority_preemption_skipped_when_it_cannot_make_room():
+    # 6 usable blocks: a more urgent request (priority 0) holds 4, a less urgent one 2. A
+    # priority-1 request needing 4 blocks could not fit even if the priority-5 one left,
+    # so nobody is preempted for it.
+    sched = make_sched(num_blocks=7, scheduling_policy="priority", enable_prefix_caching=False)
+    top = make_req("top", 15, max_tokens=2, priority=0, arrival=0.0)
+    low = make_req("low", 7, max_tokens=2, priority=5, arrival=1.0)
+    sched.add_request(top)
+    sched.add_request(low)
+    step(sched)
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    sched.add_request(make_req("mid", 16, max_tokens=2, priority=1, arrival=2.0))
+    so = sched.schedule()
+    assert so.preempted_req_ids == [] and low.num_preemptions == 0
+    d = Driver(sched)
+    d.collect(sched.update_from_output(so, runner_output(so)))
+    d.run()
+    assert sched.num_preemptions == 0
+    assert_no_leak(sched)
+
+
+# ---- no recompute thrash under KV pressure ------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("cls,depth", [(Scheduler, 1), (AsyncScheduler, 2)])
+def test_kv_pressure_preempts_each_request_at_most_once(policy, cls, depth):
+    # Issue 17's workload scaled to blocks of 4: 6 long requests need 84 of the 47 usable
+    # blocks, and short ones arrive every 3 steps. Short requests were preempted and
+    # recomputed 4-7 times each; a preempted request now comes back only when it can finish.
+    sched = make_sched(cls=cls, num_blocks=48, scheduling_policy=policy, max_num_batched_tokens=64,
+                       max_model_len=128)
+    longs = [make_req(f"long{i}", 4, max_tokens=50, arrival=float(i)) for i in range(6)]
+    shorts = [make_req(f"short{i}", 4, max_tokens=8, arrival=10.0 + i) for i in range(20)]
+    for r in longs:
+        sched.add_request(r)
+    pending = list(shorts)
+    d = Driver(sched, depth=depth)
+
+    def on_step(i):
+        if pending and i % 3 == 0:
+            sched.add_request(pending.pop(0))
+
+    d.run(on_step=on_step)
+    assert not pending
+    assert sched.num_preemptions > 0  # the workload does press on the KV cache
+    assert max(r.num_preemptions for r in longs + shorts) <= 1
+    for r in longs + shorts:
+        assert d.tokens[r.request_id] == expected_tokens(4, r.max_tokens)
+    assert_no_leak(sched)
+
+
+def test_preempted_request_waits_for_room_to_finish():
+    # 5 usable blocks of 4. Right after b's preemption 3 blocks are free, enough for its 5
+    # tokens (2 blocks); but a, running, will need 2 more blocks within the 4 steps b still
+    # needs, so taking them back at once would only make b the next victim again.
+    sched = make_sched(num_blocks=6, enable_prefix_caching=False)
+    a, b = make_req("a", 8, max_tokens=10), make_req("b", 4, max_tokens=4)
+    sched.add_request(a)
+    sched.add_request(b)
+    d = Driver(sched)
+    d.step()
+    sched._preempt(b)  # as a KV preemption would
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 3
+    so = sched.schedule()
+    assert sched_of(so) == [("a", 1)]  # b stays out
+    d.collect(sched.update_from_output(so, runner_output(so)))
+    d.run()
+    assert b.num_preemptions == 1 and a.num_preemptions == 0
+    assert d.tokens["a"] == expected_tokens(8, 10) and d.tokens["b"] == expected_tokens(4, 4)
+    assert_no_leak(sched)
+
+
+def test_readmission_reserve_looks_a_bounded_number_of_steps_ahead():
+    # The reserve covers the steps the preempted request still needs, at most
+    # READMISSION_HORIZON_STEPS (256): a huge max_tokens must not make it wait for the whole
+    # running set to reach its final length.
+    from pyengine.core.sched.scheduler import READMISSION_HORIZON_STEPS
+
+    assert READMISSION_HORIZON_STEPS == 256
+    sched = make_sched(num_blocks=1000, max_model_len=2000)
+    sched.add_request(make_req("a", 4, max_tokens=1500))
+    step(sched)  # a: 5 tokens, 4 of them computed in 1 block
+    long_q = make_req("q", 8, max_tokens=1500)
+    # own: 8 + 256 tokens -> 66 blocks, 2 held after admission; a: 5 + 256 -> 66 blocks, 1 held
+    assert sched._readmission_reserve(long_q, 8) == (66 - 2) + (66 - 1)
+    short_q = make_req("s", 8, max_tokens=10)
+    # 10 tokens + 1 prefill step: own 8 + 11 capped at its final 18 -> 5 blocks; a 5 + 11 -> 4
+    assert sched._readmission_reserve(short_q, 8) == (5 - 2) + (4 - 1)
+
+
 def test_unknown_policy_rejected():
     with pytest.raises(ValueError) as ei:
         make_sched(scheduling_policy="lifo")
@@ -690,14 +898,7 @@ def test_async_dropped_draw_reported_to_the_runner_once():
     so1 = sched.schedule()
     so2 = sched.schedule()  # b preempted while so1 (which samples for b) is in flight
     sched.update_from_output(so1, runner_output(so1))
-    seen = []
-    orig = sched.schedule
-
-    def spy():
-        so = orig()
-        seen.append(so.discarded_draw_req_ids)
-        return so
-    sched.schedule = spy
+    seen = record_discarded_draws(sched)
     d = Driver(sched, depth=2)
     d.q.append((so2, runner_output(so2)))
     d.run()
