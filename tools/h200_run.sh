@@ -7,7 +7,7 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
 # STEP: gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
-#       async_sched attention serve_before serve_mp serve_inproc
+#       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
 # (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast (tools/tp_h200x2.sh).
@@ -43,6 +43,11 @@ SERVE="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 256"
 step 230 serve_before bash -c "cd .bench_before && python3 $SERVE --cores inproc --frontends offline,asyncllm,http --concurrency 64,256 --json $OUT/serve_before.json"
 step 330 serve_mp python3 $SERVE --cores mp --json "$OUT/serve_mp.json"
 step 330 serve_inproc python3 $SERVE --cores inproc --frontends asyncllm,http,capi --json "$OUT/serve_inproc.json"
+# the final serving run: every front end on the engine process (with profiles), the thread core
+# for the default decision, then a quick GPU correctness pass (one config per family + MP identity)
+step 330 serve_final_mp python3 $SERVE --cores mp --frontends offline,asyncllm,http,http-x4,capi --json "$OUT/serve_mp.json"
+step 150 serve_final_inproc python3 $SERVE --cores inproc --frontends asyncllm,http --concurrency 64,256 --profile 0 --json "$OUT/serve_inproc.json"
+step 120 gpu_quick python3 -m pytest -q -m gpu tests/test_llm.py tests/engine/test_core_client.py -k "default or identical" -p no:cacheprovider --tb=short -o faulthandler_timeout=100
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"
