@@ -857,7 +857,7 @@ def suite(a) -> dict:
     for core in a.cores.split(","):
         for fe in a.frontends.split(","):
             spec = _child_spec(a, fe, core, str(model_dir))
-            if fe not in ("asyncllm", "http") and not fe.startswith("http-x"):
+            if fe not in ("asyncllm", "http"):  # the profiled front ends
                 spec["profile"] = None
             print(f"=== {fe} / core={core}", flush=True)
             results.setdefault(core, {})[fe] = _run_child(spec, a.child_timeout)
