@@ -203,6 +203,23 @@ def test_bad_prompts_rejected_and_engine_keeps_serving(llama_dir, prompts, refer
     assert [o.outputs[0].token_ids for o in outs] == references["llama"][:2]
 
 
+def test_out_of_range_sampling_values_never_reach_the_engine(llama_dir, prompts, references):
+    # issue 12: a seed past 64 bits raised inside the engine step; NaN temperature ran
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=128)
+    for bad in ({"seed": 2 ** 64}, {"temperature": float("nan")}, {"n": 10 ** 20}, {"top_p": float("inf")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4, **bad), use_tqdm=False)
+    _assert_no_leak(llm)
+    outs = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == references["llama"][:2]
+    # the ends of the seed range run (torch's generator takes the whole int64 range)
+    from pyengine.sampling_params import INT64_MAX, INT64_MIN
+    outs = llm.generate(prompts[:2], [SamplingParams(seed=INT64_MAX, n=2, max_tokens=4, ignore_eos=True),
+                                      SamplingParams(seed=INT64_MIN, max_tokens=4, ignore_eos=True)], use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [4, 4, 4]
+    _assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),

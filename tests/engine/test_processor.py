@@ -78,6 +78,21 @@ def test_n_fans_out_with_distinct_seeds(processor):
     assert all(r.sampling_params.n == 1 for r in reqs)
 
 
+def test_child_seeds_wrap_inside_the_seed_range(processor):
+    from pyengine.sampling_params import INT64_MAX, INT64_MIN
+    _, _, _, reqs = processor.process("s", [5], SamplingParams(n=3, seed=INT64_MAX - 1, temperature=1.0))
+    assert [r.sampling_params.seed for r in reqs] == [INT64_MAX - 1, INT64_MAX, INT64_MIN]
+
+
+def test_text_encoding_outside_the_model_vocabulary_is_refused(llama_dir, tokenizer):
+    # a tokenizer larger than the model: refused at the door, not an IndexError in the model
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=64).create_engine_config()
+    small = Processor(cfg.replace(hf_config=type(cfg.hf_config)(**dict(cfg.hf_config.to_dict(), vocab_size=3))),
+                      tokenizer)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        small.process("v", "def f(x): return x", None)
+
+
 @pytest.mark.parametrize("prompt, params, priority, match", [
     ("", None, 0, "empty"),
     ([5] * 64, None, 0, "too long"),
@@ -87,6 +102,8 @@ def test_n_fans_out_with_distinct_seeds(processor):
     ("x", {"max_tokens": 3}, 0, "SamplingParams"),
     ("x", SamplingParams(stop_token_ids=[10**6]), 0, "stop_token_ids"),
     ("x", None, "high", "priority"),
+    ("x", None, 2 ** 63, "priority must be an integer in"),
+    ("x", None, True, "priority"),
 ])
 def test_rejections(processor, prompt, params, priority, match):
     with pytest.raises(ValueError, match=match):
