@@ -214,10 +214,12 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
         _check_token_ids(st, req.stop_token_ids, "stop_token_ids")
     try:
         return SamplingParams(**kw)
-    except ValueError as e:
+    except ValueError as e:  # the engine's one answer, with the field it names
         msg = str(e)
-        param = next((k for k in kw if msg.startswith(k)), None)
-        raise APIError(400, msg, param) from None
+        param = msg.split(" ", 1)[0]
+        if param == "logprobs" and hasattr(req, "top_logprobs"):
+            param = "top_logprobs"  # chat's name for the count
+        raise APIError(400, msg, param if param in kw or param == "top_logprobs" else None) from None
 
 
 def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:

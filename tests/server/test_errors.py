@@ -60,6 +60,24 @@ CASES = [
     ("stream_options_without_stream", C, c(stream_options={"include_usage": True}), {}, 400, "stream_options"),
     ("priority_on_fcfs", C, c(priority=5), {}, 400, "priority"),
     ("logit_bias", C, c(logit_bias={"5": 1.0}), {}, 400, "logit_bias"),
+    # issue 12 kind 1 / issue 16 kind 3: range-checked at the door, one message per field
+    ("seed_past_64_bits", C, c(seed=2 ** 64), {}, 400, "seed"),
+    ("seed_past_64_bits_chat", CH, ch(seed=2 ** 64), {}, 400, "seed"),
+    ("seed_below_int64", C, c(seed=-2 ** 63 - 1), {}, 400, "seed"),
+    ("n_huge", C, c(n=10 ** 20, temperature=1), {}, 400, "n"),
+    ("n_over_limit_chat", CH, ch(n=129, temperature=1), {}, 400, "n"),
+    ("temperature_nan", C, c(temperature=float("nan")), {}, 400, "temperature"),
+    ("temperature_inf_chat", CH, ch(temperature=float("inf")), {}, 400, "temperature"),
+    ("top_p_nan", C, c(top_p=float("nan")), {}, 400, "top_p"),
+    ("min_p_inf", CH, ch(min_p=float("inf")), {}, 400, "min_p"),
+    ("presence_neg_inf", C, c(presence_penalty=float("-inf")), {}, 400, "presence_penalty"),
+    ("frequency_nan", CH, ch(frequency_penalty=float("nan")), {}, 400, "frequency_penalty"),
+    ("repetition_inf", C, c(repetition_penalty=float("inf")), {}, 400, "repetition_penalty"),
+    ("top_k_past_64_bits", C, c(top_k=2 ** 64), {}, 400, "top_k"),
+    ("top_logprobs_over_limit", CH, ch(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs"),
+    ("too_many_stop_strings", C, c(stop=["x"] * 65), {}, 400, "stop"),
+    ("stop_string_too_long", CH, ch(stop="y" * 1025), {}, 400, "stop"),
+    ("min_tokens_past_64_bits", CH, ch(min_tokens=2 ** 64), {}, 400, "min_tokens"),
     # bad JSON, content type, empty
     ("bad_json", C, b'{"prompt": "x",', {}, 400, None),
     ("empty_body", C, b"", {}, 400, None),
@@ -105,6 +123,15 @@ def test_bad_input(server, case, stream):
     good = OK_CH if path == CH else OK_C
     status, _, data = post(server.port, path, good)
     assert status == 200, data
+
+
+def test_nan_message_is_the_engines(server):
+    # the same words as the Python API and the C ABI (issue 16 kind 3)
+    from pyengine import SamplingParams
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(temperature=float("nan"))
+    status, _, data = post(server.port, C, c(temperature=float("nan")))
+    assert status == 400 and json.loads(data)["error"]["message"] == str(ei.value)
 
 
 def test_unknown_route_and_method(server):
