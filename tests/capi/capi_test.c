@@ -8,6 +8,7 @@
  * otherwise.
  */
 #include <dlfcn.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -469,6 +470,43 @@ static void case_bad_args(int argc, char** argv) {
   CHECK(p_vllm_complete_tokens(e, longp, 1020, &sp, outp, 8, &n_out, &c) == VLLM_OK && n_out == 4,
         "max_tokens <= 0: the room left (n_out %d)", n_out);
   p_vllm_completion_free(&c);
+  /* NaN / Infinity and values past 64 bits: refused with the engine's own message */
+  sp = greedy(4);
+  sp.temperature = NAN;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("NAN_MESSAGE", p_vllm_last_error());
+  sp = greedy(4);
+  sp.top_p = INFINITY;
+  EXPECT_ST(p_vllm_complete_stream(e, "x", &sp, rec_cb, NULL), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "top_p") != NULL, "names top_p");
+  sp = greedy(4);
+  sp.repetition_penalty = NAN;
+  EXPECT_ST(p_vllm_request_submit(e, "x", &sp, rec_cb, NULL, &q), VLLM_ERR_INVALID_ARGUMENT);
+  sp = greedy(4);
+  sp.presence_penalty = -INFINITY;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_chat(e, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"temperature\":NaN}", &js),
+            VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("CHAT_NAN_MESSAGE", p_vllm_last_error());
+  EXPECT_ST(p_vllm_chat(e, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                           "\"seed\":18446744073709551616}", &js),
+            VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "seed") != NULL, "names seed");
+  EXPECT_ST(p_vllm_chat_stream(e, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                                  "\"top_p\":Infinity}", rec_cb, NULL),
+            VLLM_ERR_INVALID_ARGUMENT);
+  /* every uint64_t seed is valid (read as the int64 with the same bits) */
+  sp = greedy(4);
+  sp.temperature = 1.0f;
+  sp.has_seed = 1;
+  sp.seed = UINT64_MAX;
+  vllm_status st_seed = p_vllm_complete(e, "hello", &sp, &c);
+  CHECK(st_seed == VLLM_OK, "seed UINT64_MAX status %d", st_seed);
+  if (st_seed == VLLM_OK) p_vllm_completion_free(&c);
+  sp.seed = (uint64_t)1 << 63;
+  st_seed = p_vllm_complete(e, "hello", &sp, &c);
+  CHECK(st_seed == VLLM_OK, "seed 2^63 status %d", st_seed);
+  if (st_seed == VLLM_OK) p_vllm_completion_free(&c);
   sp = greedy(4);
   /* still usable after all that */
   vllm_status st = p_vllm_complete(e, "hello", &sp, &c);

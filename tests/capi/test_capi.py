@@ -217,8 +217,14 @@ def test_callbacks_cancel_wait_free_and_slow(capi_test_bin, capi_lib, llama_dir)
 def test_bad_arguments_return_status_and_message(capi_test_bin, capi_lib, llama_dir):
     out = _check(_run(capi_test_bin, capi_lib, "bad_args", llama_dir))
     errs = [line for line in out.splitlines() if line.startswith("ERR ")]
-    assert len(errs) >= 29
+    assert len(errs) >= 36
     assert all(" :: " in e and e.split(" :: ", 1)[1].strip() for e in errs)
+    # NaN is refused with the words the Python API and HTTP use (issue 16 kind 3)
+    from pyengine import SamplingParams
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(temperature=float("nan"))
+    assert _unescape(re.search(r"^NAN_MESSAGE (.*)$", out, re.M).group(1)) == str(ei.value)
+    assert _unescape(re.search(r"^CHAT_NAN_MESSAGE (.*)$", out, re.M).group(1)) == str(ei.value)
 
 
 def test_chat_matches_python_api_with_template(capi_test_bin, capi_lib, llama_dir, reference):
