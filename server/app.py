@@ -174,7 +174,7 @@ def _completion_prompts(st: ServerState, req: CompletionRequest) -> list[tuple[O
                 raise APIError(400, "prompt must not be empty.", "prompt")
             ids = st.tokenizer(item).input_ids
             if not ids:
-                raise APIError(400, "prompt must not be empty.", "prompt")
+                raise APIError(400, "The prompt encodes to no tokens.", "prompt")
             out.append((item, ids))
         else:
             if not item:

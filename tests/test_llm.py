@@ -250,6 +250,11 @@ def test_bad_engine_args(llama_dir, kwargs, match):
         LLM(str(llama_dir), device=kwargs.pop("device", "cpu"), **kwargs)
 
 
+def test_model_without_tokenizer_is_refused(no_tokenizer_dir):
+    with pytest.raises(ValueError, match="cannot encode text"):
+        LLM(str(no_tokenizer_dir), device="cpu")
+
+
 def test_missing_model_dir(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(tmp_path / "nope"), device="cpu")

@@ -30,9 +30,36 @@ from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 logger = logging.getLogger("pyengine")
 
 
+_TOKENIZER_PROBE = "Hello, world! 123"
+
+
 def load_tokenizer(config: EngineConfig):
+    """The model's tokenizer, checked to encode text into the model's vocabulary.
+
+    Raises ValueError when it cannot be loaded or cannot encode text: e.g. a model
+    directory without tokenizer files, where transformers can build a tokenizer with an
+    empty vocabulary that turns every prompt into no tokens."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(config.tokenizer)
+    try:
+        tok = AutoTokenizer.from_pretrained(config.tokenizer)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"Cannot load a tokenizer from {config.tokenizer}: {e}") from e
+    try:
+        ids = tok.encode(_TOKENIZER_PROBE, add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 - any failure here means the tokenizer is unusable
+        raise ValueError(f"The tokenizer loaded from {config.tokenizer} cannot encode text: "
+                         f"{type(e).__name__}: {e}") from e
+    vocab = config.hf_config.vocab_size
+    if not ids:
+        raise ValueError(
+            f"The tokenizer loaded from {config.tokenizer} cannot encode text ({_TOKENIZER_PROBE!r} gives "
+            f"no tokens): the directory has no usable tokenizer files (tokenizer.json, tokenizer.model, "
+            f"vocab.json + merges.txt). Add them, or name a tokenizer directory (--tokenizer).")
+    if max(ids) >= vocab:
+        raise ValueError(f"The tokenizer loaded from {config.tokenizer} does not match the model: it encodes "
+                         f"{_TOKENIZER_PROBE!r} to token id {max(ids)}, outside the model's vocabulary "
+                         f"(size {vocab}).")
+    return tok
 
 
 class AsyncLLM:

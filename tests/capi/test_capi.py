@@ -286,6 +286,11 @@ def test_broken_python_environment_fails_load(capi_test_bin, capi_lib, llama_dir
     assert "LOAD 3" in out
 
 
+def test_model_without_tokenizer_fails_load(capi_test_bin, capi_lib, no_tokenizer_dir):
+    out = _check(_run(capi_test_bin, capi_lib, "load_fails", no_tokenizer_dir, timeout=120))
+    assert "LOAD 2" in out and "cannot encode text" in out  # VLLM_ERR_MODEL_LOAD
+
+
 _DIE_AFTER_STEPS = """
 import sys
 sys.path.insert(0, {root!r})

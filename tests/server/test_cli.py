@@ -69,6 +69,13 @@ def test_bad_model_dir_is_a_clear_error(tmp_path):
     assert "cannot load" in out.stderr and "nope" in out.stderr
 
 
+def test_model_without_tokenizer_exits_with_the_reason(no_tokenizer_dir):
+    out = subprocess.run([sys.executable, "-m", "server", str(no_tokenizer_dir), "--port", "0", "--device", "cpu"],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "cannot load" in out.stderr and "cannot encode text" in out.stderr
+
+
 def test_default_model_when_missing():
     from pyengine.config import DEFAULT_MODEL_DIR
 
