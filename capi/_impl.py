@@ -139,8 +139,11 @@ class _Bridge:
         plen = len(out.prompt_token_ids) if out.prompt_token_ids is not None else -1
         if out.finished:
             del self.live[rid]
-        batch.append((ent.req, c.text.encode("utf-8", "replace"), c.token_ids, out.finished, OK,
-                      plen, c.finish_reason, None))
+        # finish_reason "error": this request failed inside the engine (the others go on)
+        failed = c.finish_reason == "error"
+        batch.append((ent.req, c.text.encode("utf-8", "replace"), c.token_ids, out.finished,
+                      RUNTIME if failed else OK, plen, c.finish_reason,
+                      f"the request failed inside the engine: {c.error}" if failed else None))
 
     # -- host threads ---------------------------------------------------------
     def submit(self, req, num: int, prompt, params: SamplingParams, priority: int) -> None:

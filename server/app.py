@@ -57,6 +57,14 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+class RequestFailed(Exception):
+    """One engine request ended with finish_reason "error" (it failed inside the engine;
+    the others go on): HTTP 500, or an error event then [DONE] once streaming began."""
+
+    def __init__(self, error: Optional[str]):
+        super().__init__(f"The request failed inside the engine: {error or 'unknown error'}")
+
+
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
                       "param": param, "code": status}}
@@ -407,6 +415,10 @@ class _Job:
                 ntok = len(o.token_ids)
                 ch.num_tokens += ntok
                 newest = max(newest, ntok)
+                if o.finish_reason == "error":
+                    self._recorded.add(i)
+                    m.finished("error")
+                    raise RequestFailed(o.error)  # the job's close() aborts its other requests
                 if o.finish_reason is not None:
                     ch.finish_reason = o.finish_reason
                     ch.stop_reason = o.stop_reason
@@ -489,6 +501,8 @@ class _Job:
                 yield _sse(dict(head, choices=[], usage=_usage(self.prompt_tokens, self.completion_tokens())))
         except ClientDisconnected:
             return
+        except RequestFailed as e:
+            yield _sse(error_body(500, str(e)))
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             if is_engine_dead(e, self.st.engine):
                 status, msg = 503, f"The engine is dead: {e}"
@@ -515,6 +529,8 @@ def _run_job(job: _Job, stream: bool) -> Response:
         return _json_response(job.run_to_end())
     except ClientDisconnected:
         return Response(status=499)
+    except RequestFailed as e:
+        return error_response(500, str(e))
     except Exception as e:
         if is_engine_dead(e, job.st.engine):
             return error_response(503, f"The engine is dead: {e}")

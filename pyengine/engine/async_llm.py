@@ -107,6 +107,14 @@ class AsyncLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    async def check_health(self) -> None:
+        """vLLM's health probe: returns when the engine can serve; raises EngineDeadError
+        (with the reason) once the engine died or was shut down."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._shutdown or not self.engine_core.is_alive():
+            raise EngineDeadError("The engine core is not running.")
+
     # ---- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, sampling_params: Optional[SamplingParams] = None,
                     priority: int = 0) -> RequestOutputCollector:

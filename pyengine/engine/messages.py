@@ -49,6 +49,7 @@ class EngineCoreOutput:
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
+    error: Optional[str] = None  # with finish_reason "error": what failed, for the front ends
 
     @property
     def finished(self) -> bool:

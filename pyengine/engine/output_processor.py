@@ -124,6 +124,7 @@ def _merge_delta(cur: RequestOutput, new: RequestOutput) -> None:
         old.cumulative_logprob = c.cumulative_logprob
         old.finish_reason = c.finish_reason
         old.stop_reason = c.stop_reason
+        old.error = c.error
     cur.outputs.sort(key=lambda c: c.index)
     cur.finished = new.finished
     cur.metrics = new.metrics
@@ -154,6 +155,7 @@ class _Child:
         self.cumulative_logprob: Optional[float] = 0.0 if self.want_logprobs else None
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[int | str] = None
+        self.error: Optional[str] = None
         self.sent_tokens = 0
         self.sent_logprobs = 0
         self.emitted_tokens = 0  # output tokens when this child was last reported (stream_interval)
@@ -178,7 +180,7 @@ class _Child:
             ids = list(ids)
             lps = list(lps) if lps is not None else None
         return CompletionOutput(self.index, text, ids, self.cumulative_logprob, lps,
-                                self.finish_reason, self.stop_reason)
+                                self.finish_reason, self.stop_reason, self.error)
 
 
 class _Parent:
@@ -288,6 +290,7 @@ class OutputProcessor:
                     to_abort.append(eco.request_id)
             elif eco.finished:
                 child.finish_reason, child.stop_reason = eco.finish_reason, eco.stop_reason
+                child.error = eco.error
             if child.finish_reason is not None:
                 if child.deferred:
                     child.finish_deferred(eco.finish_reason == "stop")

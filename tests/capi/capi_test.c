@@ -655,6 +655,44 @@ static void case_engine_dies(int argc, char** argv) {
   p_vllm_engine_free(e);
 }
 
+/* one request fails inside the engine (the test injects the failure for requests with
+ * min_tokens == 7): only it ends, with VLLM_ERR_RUNTIME and a message; the others and
+ * the engine go on */
+static void case_request_fails(int argc, char** argv) {
+  (void)argc;
+  vllm_engine* e = load_engine();
+  rec r;
+  rec_init(&r);
+  vllm_request* q = submit(e, argv[0], 64, &r);
+  vllm_sampling_params sp = greedy(8);
+  sp.min_tokens = 7;
+  vllm_completion c;
+  vllm_status st = p_vllm_complete(e, "hello", &sp, &c);
+  printf("COMPLETE_STATUS %d\n", st);
+  print_escaped("COMPLETE_ERROR", p_vllm_last_error());
+  CHECK(st == VLLM_ERR_RUNTIME, "complete status %d", st);
+  if (st == VLLM_OK) p_vllm_completion_free(&c);
+  rec r2;
+  rec_init(&r2);
+  vllm_request* q2 = NULL;
+  st = p_vllm_request_submit(e, "hello", &sp, rec_cb, &r2, &q2);
+  CHECK(st == VLLM_OK && q2, "submit status %d", st);
+  st = p_vllm_request_wait(q2);
+  CHECK(st == VLLM_ERR_RUNTIME, "wait status %d", st);
+  CHECK(p_vllm_request_error(q2)[0] != '\0', "request error set");
+  CHECK(r2.nfinal == 1 && r2.after_final == 0, "finals %d", r2.nfinal);
+  p_vllm_request_free(q2);
+  st = p_vllm_request_wait(q);
+  CHECK(st == VLLM_OK, "other request status %d", st);
+  CHECK(r.nfinal == 1 && r.len > 0, "other request text");
+  p_vllm_request_free(q);
+  sp = greedy(4);
+  st = p_vllm_complete(e, "hello", &sp, &c);
+  CHECK(st == VLLM_OK, "engine still serves: %d", st);
+  if (st == VLLM_OK) p_vllm_completion_free(&c);
+  p_vllm_engine_free(e);
+}
+
 int main(int argc, char** argv) {
   if (argc < 5) {
     fprintf(stderr, "usage: %s LIB local|global CASE MODEL [ARGS...]\n", argv[0]);
@@ -688,6 +726,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(c, "fork")) case_fork(n, a);
   else if (!strcmp(c, "load_fails")) case_load_fails(n, a);
   else if (!strcmp(c, "engine_dies")) case_engine_dies(n, a);
+  else if (!strcmp(c, "request_fails")) case_request_fails(n, a);
   else {
     printf("FAIL unknown case %s\n", c);
     return 2;

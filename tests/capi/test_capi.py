@@ -326,3 +326,24 @@ def test_in_process_and_engine_process_cores_give_the_same_text(capi_test_bin, c
                       env={"VENGINE_ENABLE_MULTIPROCESSING": multiprocess, "PATH": "/usr/bin:/bin"}))
     texts = [_unescape(line[5:]) for line in out.splitlines() if line.startswith("TEXT ")]
     assert texts == [reference[i][0].replace("\0", "\ufffd") for i in range(len(PROMPTS))]
+
+
+_FAIL_MIN_TOKENS_7 = """
+import sys
+sys.path.insert(0, {root!r})
+import pyengine.engine.core as _core
+_Request = _core.Request
+def _make(request_id, prompt_token_ids, sampling_params, *a, **k):
+    if sampling_params.min_tokens == 7:
+        raise OverflowError("injected: Overflow when unpacking long long")
+    return _Request(request_id, prompt_token_ids, sampling_params, *a, **k)
+_core.Request = _make
+"""
+
+
+def test_one_failing_request_ends_only_itself(capi_test_bin, capi_lib, llama_dir, tmp_path):
+    # issue 12: vLLM's per-request error path, seen from C
+    (tmp_path / "sitecustomize.py").write_text(_FAIL_MIN_TOKENS_7.format(root=str(ROOT)))
+    out = _check(_run(capi_test_bin, capi_lib, "request_fails", llama_dir, PROMPTS[0],
+                      env={"PYTHONPATH": str(tmp_path)}, timeout=120))
+    assert "COMPLETE_STATUS 3" in out and "failed inside the engine" in out and "OverflowError: injected" in out

@@ -260,6 +260,36 @@ def test_async_scheduling_switches(llama_dir, monkeypatch, caplog):
     assert "Asynchronous scheduling is enabled" in caplog.text
 
 
+@pytest.mark.timeout(120)
+def test_one_failing_request_does_not_take_the_engine_down(llama_dir, prompts, monkeypatch):
+    # issue 12: an exception while adding one request killed the engine for everyone
+    import pyengine.engine.core as core_mod
+    real = core_mod.Request
+
+    def make(request_id, prompt_token_ids, *a, **k):
+        if list(prompt_token_ids) == prompts[1]:
+            raise OverflowError("injected: Overflow when unpacking long long")
+        return real(request_id, prompt_token_ids, *a, **k)
+    monkeypatch.setattr(core_mod, "Request", make)
+    engine = make_engine(llama_dir)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        good = engine.add_request("good", prompts[0], sp)
+        first = good.get(timeout=30)
+        bad = engine.add_request("bad", prompts[1], sp)
+        last = drain(bad)[-1]
+        assert last.finished and last.outputs[0].finish_reason == "error"
+        assert "OverflowError: injected" in last.outputs[0].error
+        outs = [first] + drain(good)
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == 40
+        assert outs[-1].outputs[0].finish_reason == "length"
+        assert not engine.errored
+        asyncio.run(engine.check_health())
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.timeout(60)
 def test_engine_death_reaches_every_stream(llama_dir, prompts):
     engine = make_engine(llama_dir, multiprocess=False, max_num_seqs=2)  # the fault is patched in
@@ -283,6 +313,8 @@ def test_engine_death_reaches_every_stream(llama_dir, prompts):
                 drain(c, timeout=5)
         assert time.monotonic() - t0 < 5
         assert engine.errored
+        with pytest.raises(EngineDeadError, match="injected failure"):
+            asyncio.run(engine.check_health())
         with pytest.raises(EngineDeadError):
             engine.add_request("late", prompts[0])
         assert seen  # listeners were told so gevent/C readers wake up

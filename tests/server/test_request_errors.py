@@ -1,0 +1,67 @@
+"""One request that fails inside the engine (vLLM's per-request error path): HTTP 500,
+or, once its stream began, an error event then [DONE]; the other streams go on and the
+server stays healthy."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+from tests.server.http_util import collect_stream, completion_text, get, post
+
+# Prompts (token ids) that the injected failures below pick out.
+FAIL_AT_ADD = [7, 7, 7, 7, 13]
+FAIL_WHILE_RUNNING = [7, 7, 7, 7, 14]
+
+
+@pytest.fixture
+def failing_engine(server, engine, monkeypatch):
+    import pyengine.engine.core as core_mod
+    real_request = core_mod.Request
+
+    def make(request_id, prompt_token_ids, *a, **k):
+        if list(prompt_token_ids) == FAIL_AT_ADD:
+            raise OverflowError("injected: Overflow when unpacking long long")
+        return real_request(request_id, prompt_token_ids, *a, **k)
+    monkeypatch.setattr(core_mod, "Request", make)
+    kv = engine.engine_core.engine_core.scheduler.kv_cache_manager
+    real_alloc = kv.allocate_slots
+
+    def allocate(req, *a, **k):
+        if req.prompt_token_ids == FAIL_WHILE_RUNNING and req.num_output_tokens >= 4:
+            raise RuntimeError("injected: block table corrupted")
+        return real_alloc(req, *a, **k)
+    monkeypatch.setattr(kv, "allocate_slots", allocate)
+    yield server
+
+
+@pytest.mark.timeout(120)
+def test_failing_request_gets_500_others_go_on(failing_engine):
+    port = failing_engine.port
+    long = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": 60, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=collect_stream(port, "/v1/completions", long)))
+    t.start()
+    status, _, body = post(port, "/v1/completions", {"model": MODEL_NAME, "prompt": FAIL_AT_ADD, "max_tokens": 5})
+    assert status == 500, body
+    err = json.loads(body)["error"]
+    assert err["code"] == 500 and "failed inside the engine" in err["message"] and "OverflowError" in err["message"]
+    # streamed: some text, then an error event and [DONE]
+    status, events, _ = collect_stream(port, "/v1/completions", {
+        "model": MODEL_NAME, "prompt": FAIL_WHILE_RUNNING, "max_tokens": 30, "ignore_eos": True, "stream": True})
+    assert status == 200 and events[-1][1] == "[DONE]"
+    assert "injected: block table corrupted" in events[-2][1]["error"]["message"]
+    assert events[-2][1]["error"]["code"] == 500
+    assert all("error" not in e for _, e in events[:-2])
+    t.join(120)
+    status, events, _ = result["r"]
+    assert status == 200 and events[-1][1] == "[DONE]"
+    finals = [c for _, e in events[:-1] for c in e["choices"] if c.get("finish_reason")]
+    assert [c["finish_reason"] for c in finals] == ["length"] and completion_text(events)[0]
+    assert get(port, "/health")[0] == 200
+    status, _, body = post(port, "/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 3,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200, body
