@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 import weakref
 from typing import AsyncGenerator, Callable, Iterable, Optional
 
@@ -134,10 +135,15 @@ class AsyncLLM:
         return collector
 
     def abort(self, request_id: str | Iterable[str]) -> None:
-        """Idempotent; unknown or finished ids are ignored. The stream ends with finish_reason 'abort'."""
+        """Idempotent; unknown or finished ids are ignored. The stream ends at once with
+        finish_reason 'abort' and the id can be used again right away (as in vLLM, it is
+        freed in the output processor; the engine core's abort follows)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
-            core_ids = [c for rid in ids for c in self.output_processor.core_ids(rid)]
+            core_ids, deliveries = self.output_processor.abort_requests(ids, time.monotonic())
+        for collector, ro in deliveries:
+            collector.put(ro)
+        self._notify([ro.request_id for _, ro in deliveries])
         self.engine_core.abort_requests(core_ids)
 
     async def generate(self, prompt, sampling_params: Optional[SamplingParams], request_id: str,

@@ -262,6 +262,34 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [c.core_id for c in parent.children if c.finish_reason is None] if parent else []
 
+    def abort_requests(self, request_ids, timestamp: float
+                       ) -> tuple[list[str], list[tuple[Any, RequestOutput]]]:
+        """Finish these requests here and now (vLLM frees the id in its output
+        processor at abort time): each unfinished completion ends with finish_reason
+        "abort", the request id is free again at once, and the engine core's own abort
+        outputs, arriving later, are ignored. Unknown or finished ids are skipped.
+        Returns (core request ids to abort in the engine core, [(collector, final
+        RequestOutput)])."""
+        core_ids: list[str] = []
+        deliveries = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            changed = [c for c in parent.children if c.finish_reason is None]
+            for child in changed:
+                core_ids.append(child.core_id)
+                del self.children[child.core_id]
+                child.finish_reason = "abort"
+                if child.deferred:
+                    child.finish_deferred(False)
+                parent.num_finished += 1
+            parent.metrics.finished_time = timestamp
+            out = parent.make_output(changed)
+            if out is not None:
+                deliveries.append((parent.collector, out))
+        return core_ids, deliveries
+
     def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float
                         ) -> tuple[list[tuple[Any, RequestOutput]], list[str]]:
         """Returns ([(collector, RequestOutput)] in arrival order of outputs, core request

@@ -3,6 +3,7 @@
 ValueError there and nothing reaches the engine."""
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Optional
 
@@ -47,6 +48,9 @@ def child_seed(seed: Optional[int], index: int) -> Optional[int]:
 
 class Processor:
     def __init__(self, config: EngineConfig, tokenizer):
+        # Suffix that makes every engine-core request id unique (as vLLM does): an aborted
+        # request's id is free again at once while its core request may still be in flight.
+        self._counter = itertools.count()
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = config.hf_config.vocab_size
@@ -129,9 +133,10 @@ class Processor:
         params = params.clone(all_stop_token_ids=stop_ids)
         max_tokens = self._resolve_max_tokens(len(ids), params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        suffix = f"-{next(self._counter)}"
         core_reqs = []
         for i in range(params.n):
             child = params if params.n == 1 else params.clone(n=1, seed=child_seed(params.seed, i))
-            core_reqs.append(EngineCoreRequest(child_request_id(request_id, i, params.n), ids, child,
+            core_reqs.append(EngineCoreRequest(child_request_id(request_id, i, params.n) + suffix, ids, child,
                                                max_tokens, arrival, priority))
         return text, ids, params, core_reqs

@@ -206,7 +206,7 @@ def test_preemption_victim_and_exactness(llama_dir, prompts, policy, expected_vi
             assert (r.priority, r.arrival_time) == max((x.priority, x.arrival_time) for x in running)
         else:  # the most recently admitted
             assert r is running[-1]
-        victims.append(r.request_id)
+        victims.append(r.request_id.rsplit("-", 1)[0])  # core ids carry a unique suffix
         orig(r)
     sched._preempt = record
     p = [x[:20] + x[:20] for x in prompts[:3]]  # 40-token prompts: 3 blocks each
@@ -319,5 +319,39 @@ def test_engine_death_reaches_every_stream(llama_dir, prompts):
             engine.add_request("late", prompts[0])
         assert seen  # listeners were told so gevent/C readers wake up
         listener_remove()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_aborted_id_is_free_at_once(llama_dir, prompts):
+    # issue 12 kind 2: add_request("x") right after abort("x") raised "already in use"
+    engine = make_engine(llama_dir)
+
+    def tokens(outs):
+        return [t for o in outs for t in o.outputs[0].token_ids]
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        ref = tokens(drain(engine.add_request("ref", prompts[1], sp.clone(max_tokens=5))))
+        for n in (1, 2):
+            old = engine.add_request("x", prompts[0], sp.clone(n=n, temperature=1.0 if n > 1 else 0.0))
+            assert not old.get(timeout=30).finished
+            engine.abort("x")
+            new = engine.add_request("x", prompts[1], sp.clone(max_tokens=5))  # no "already in use"
+            last = drain(old)[-1]
+            assert last.finished and {c.finish_reason for c in last.outputs} == {"abort"}
+            outs = drain(new)
+            # the old request's late outputs never reach the new stream
+            assert tokens(outs) == ref and outs[-1].outputs[0].finish_reason == "length"
+
+        # a consumer that closes its generator frees the id too
+        async def early_exit():
+            gen = engine.generate(prompts[0], sp, "y")
+            async for _ in gen:
+                break
+            await gen.aclose()
+            return engine.add_request("y", prompts[1], sp.clone(max_tokens=5))
+        assert tokens(drain(asyncio.run(early_exit()))) == ref
+        wait_idle(engine)
     finally:
         engine.shutdown()

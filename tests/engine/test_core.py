@@ -23,13 +23,13 @@ def reference(llama_dir, prompts):
     return hf_greedy(llama_dir, prompts, MAX_TOKENS)
 
 
-def _fail_request_class(monkeypatch, bad_id):
+def _fail_request_class(monkeypatch, bad_prompt):
     real = core_mod.Request
 
-    def make(request_id, *a, **k):
-        if request_id == bad_id:
+    def make(request_id, prompt_token_ids, *a, **k):
+        if list(prompt_token_ids) == bad_prompt:
             raise OverflowError("injected: cannot build this request")
-        return real(request_id, *a, **k)
+        return real(request_id, prompt_token_ids, *a, **k)
     monkeypatch.setattr(core_mod, "Request", make)
 
 
@@ -39,15 +39,15 @@ def test_one_failing_request_ends_only_itself(llama_dir, prompts, reference, mon
                                               async_scheduling):
     llm = LLM(str(llama_dir), device="cpu", async_scheduling=async_scheduling)
     core = llm.llm_engine.engine_core
-    bad_id = "1"  # LLM numbers its requests 0, 1, 2, ... in this LLM's first generate()
+    bad = 1  # the prompt whose request fails
     if where == "add":
-        _fail_request_class(monkeypatch, bad_id)
+        _fail_request_class(monkeypatch, prompts[bad])
     else:
         kv = core.scheduler.kv_cache_manager
         real = kv.allocate_slots
 
         def allocate(req, *a, **k):
-            if req.request_id == bad_id and req.num_output_tokens >= 3:
+            if req.prompt_token_ids == prompts[bad] and req.num_output_tokens >= 3:
                 raise RuntimeError("injected: block table corrupted")
             return real(req, *a, **k)
         monkeypatch.setattr(kv, "allocate_slots", allocate)
@@ -55,7 +55,7 @@ def test_one_failing_request_ends_only_itself(llama_dir, prompts, reference, mon
                         use_tqdm=False)
     for i, out in enumerate(outs):
         c = out.outputs[0]
-        if str(i) == bad_id:
+        if i == bad:
             assert out.finished and c.finish_reason == "error"
             assert ("OverflowError: injected" if where == "add" else "RuntimeError: injected") in c.error
             assert c.token_ids == reference[i][:len(c.token_ids)] and len(c.token_ids) < MAX_TOKENS

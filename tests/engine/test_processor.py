@@ -73,9 +73,17 @@ def test_max_tokens_default_flag():
 
 def test_n_fans_out_with_distinct_seeds(processor):
     _, _, _, reqs = processor.process("g", [5, 6], SamplingParams(n=3, seed=10, temperature=1.0))
-    assert [r.request_id for r in reqs] == ["0_g", "1_g", "2_g"]
+    assert [r.request_id.rsplit("-", 1)[0] for r in reqs] == ["0_g", "1_g", "2_g"]
+    assert len({r.request_id.rsplit("-", 1)[1] for r in reqs}) == 1
     assert [r.sampling_params.seed for r in reqs] == [10, 11, 12]
     assert all(r.sampling_params.n == 1 for r in reqs)
+
+
+def test_core_request_ids_unique_per_request(processor):
+    # an aborted id may be reused at once while its core request is still in flight
+    a = processor.process("same", [5], None)[3][0].request_id
+    b = processor.process("same", [5], None)[3][0].request_id
+    assert a != b and a.startswith("same-") and b.startswith("same-")
 
 
 def test_child_seeds_wrap_inside_the_seed_range(processor):
