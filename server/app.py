@@ -19,7 +19,7 @@ from flask import Flask, Response, request
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
-from .bridge import ClientDisconnected, GeventBridge, RequestGroup, is_engine_dead
+from .bridge import ClientDisconnected, GeventBridge, RequestGroup, ServerShuttingDown, is_engine_dead
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -131,6 +131,22 @@ class ServerState:
         self.bridge = GeventBridge(engine)
         self.metrics = ServerMetrics(engine, cfg.served_model_names[0])
         self.created = int(time.time())
+        # Shutdown drain (hub thread only): requests in flight, and whether new ones are
+        # refused (draining) or the in-flight ones were cut (cut_message).
+        self.jobs: set = set()
+        self.draining = False
+        self.cut_message: Optional[str] = None
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503); the ones in flight go on."""
+        self.draining = True
+
+    def cut_jobs(self, message: str) -> None:
+        """End every request still in flight: its engine requests are aborted, a stream
+        gets an error event then [DONE], a plain request a 503."""
+        self.cut_message = message
+        for job in list(self.jobs):
+            job.cut(message)
 
     def close(self) -> None:
         self.bridge.close()
@@ -362,7 +378,10 @@ class _Job:
 
     def start(self, sock) -> None:
         st = self.st
+        if st.cut_message is not None:
+            raise APIError(503, st.cut_message)
         self.group = RequestGroup(st.bridge, st.engine, sock)
+        st.jobs.add(self)
         try:
             for i, (_, ids) in enumerate(self.prompts):
                 self.group.add(f"{self.id}-{i}", ids, self.sp, self.priority)
@@ -375,7 +394,12 @@ class _Job:
                 raise APIError(503, f"The engine is dead: {e}") from None
             raise
 
+    def cut(self, message: str) -> None:
+        if self.group is not None:
+            self.group.cancel(message)
+
     def close(self) -> None:
+        self.st.jobs.discard(self)
         if self.group is not None:
             self.group.close()
             # requests whose end the handler never saw (client gone, engine dead)
@@ -503,6 +527,8 @@ class _Job:
             return
         except RequestFailed as e:
             yield _sse(error_body(500, str(e)))
+        except ServerShuttingDown as e:
+            yield _sse(error_body(503, str(e)))
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             if is_engine_dead(e, self.st.engine):
                 status, msg = 503, f"The engine is dead: {e}"
@@ -511,6 +537,17 @@ class _Job:
                 status, msg = 500, f"Internal error while streaming: {type(e).__name__}: {e}"
             yield _sse(error_body(status, msg))
         yield _SSE_DONE
+
+
+def _authorized(header: str, keys: list[str]) -> bool:
+    """``Authorization: Bearer KEY``; the scheme is case-insensitive (RFC 9110), the key
+    compared in constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip().encode()
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(token, k.encode())
+    return ok and scheme.lower() == "bearer"
 
 
 def _check_stream_options(req) -> None:
@@ -531,6 +568,8 @@ def _run_job(job: _Job, stream: bool) -> Response:
         return Response(status=499)
     except RequestFailed as e:
         return error_response(500, str(e))
+    except ServerShuttingDown as e:
+        return error_response(503, str(e))
     except Exception as e:
         if is_engine_dead(e, job.st.engine):
             return error_response(503, f"The engine is dead: {e}")
@@ -590,10 +629,13 @@ def create_app(engine, args=None) -> Flask:
 
     @app.before_request
     def _auth():
-        if cfg.api_keys and request.path.startswith("/v1"):
-            got = request.headers.get("Authorization", "")
-            if not any(hmac.compare_digest(got.encode(), f"Bearer {k}".encode()) for k in cfg.api_keys):
-                return error_response(401, "Invalid or missing API key.")
+        if st.draining and request.path != "/metrics":
+            resp = error_response(503, "The server is shutting down.")
+            resp.headers["Connection"] = "close"
+            return resp
+        if cfg.api_keys and request.path.startswith("/v1") and not _authorized(
+                request.headers.get("Authorization", ""), cfg.api_keys):
+            return error_response(401, "Invalid or missing API key.")
         return None
 
     @app.get("/health")

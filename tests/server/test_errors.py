@@ -145,6 +145,11 @@ def test_api_key(keyed_server):
     _check_envelope(*post(port, C, OK_C, {"Authorization": "Bearer wrong"}), 401)
     _check_envelope(*get(port, "/v1/models"), 401)
     assert post(port, C, OK_C, {"Authorization": f"Bearer {API_KEY}"})[0] == 200
+    # the scheme is case-insensitive (RFC 9110); the key is not
+    for header in (f"bearer {API_KEY}", f"BEARER {API_KEY}", f"  Bearer   {API_KEY} "):
+        assert post(port, C, OK_C, {"Authorization": header})[0] == 200, header
+    for header in (f"Bearer {API_KEY.upper()}", f"Basic {API_KEY}", API_KEY, f"Bearer{API_KEY}", "Bearer"):
+        _check_envelope(*post(port, C, OK_C, {"Authorization": header}), 401)
     assert get(port, "/v1/models", {"Authorization": f"Bearer {API_KEY}"})[0] == 200
     # health and metrics stay open
     assert get(port, "/health")[0] == 200
