@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="A prefill takes at most this many tokens per step, so concurrent long prompts "
+                        "share the token budget (default: %(default)s, no cap).")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
                    help="Force async scheduling on (default: on where compatible).")
@@ -105,6 +108,7 @@ def engine_args_from(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, seed=args.seed,
         async_scheduling=args.async_scheduling, enforce_eager=args.enforce_eager,
         load_format=args.load_format, stream_interval=args.stream_interval,

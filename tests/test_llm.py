@@ -16,6 +16,7 @@ CONFIGS = {
     "chunked_prefill": {"max_num_batched_tokens": 16},
     "preemption": {"num_gpu_blocks_override": 8, "max_model_len": 128, "max_num_batched_tokens": 64},
     "sync_scheduling": {"async_scheduling": False},
+    "long_prefill_threshold": {"long_prefill_token_threshold": 7},
 }
 
 
@@ -184,6 +185,26 @@ def test_n_completions(llama_dir, prompts):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 8 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    _assert_no_leak(llm)
+
+
+def test_reset_prefix_cache(llama_dir):
+    # issue 12 kind 4: vLLM's LLM.reset_prefix_cache(), False while blocks are in use
+    llm = LLM(str(llama_dir), device="cpu", block_size=4)
+    text = "def add(a, b):\n    return a + b\n" * 3
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    first = llm.generate(text, sp, use_tqdm=False)[0]
+    assert llm.generate(text, sp, use_tqdm=False)[0].num_cached_tokens > 0
+    engine = llm.llm_engine
+    engine.add_request("busy", text, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert llm.reset_prefix_cache() is False  # a request holds blocks: nothing changes
+    engine.abort_request(["busy"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache() is True
+    again = llm.generate(text, sp, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
     _assert_no_leak(llm)
 
 

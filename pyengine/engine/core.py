@@ -61,6 +61,11 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: forget every cached prefix. Returns False, and
+        changes nothing, while requests hold KV blocks."""
+        return self.scheduler.reset_prefix_cache()
+
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)
 

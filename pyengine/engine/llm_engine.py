@@ -54,6 +54,10 @@ class LLMEngine:
             self.engine_core.abort_requests(to_abort)
         return [ro for _, ro in deliveries]
 
+    def reset_prefix_cache(self) -> bool:
+        """False (nothing changed) while requests hold KV blocks."""
+        return self.engine_core.reset_prefix_cache()
+
     def get_stats(self):
         return self.engine_core.scheduler.make_stats()
 

@@ -29,8 +29,18 @@ def test_help_lists_vllm_flags():
                  "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
                  "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy",
                  "--no-async-scheduling", "--api-key", "--dtype", "--device", "--max-concurrent-streams",
-                 "--tensor-parallel-size"):
+                 "--tensor-parallel-size", "--shutdown-timeout", "--long-prefill-token-threshold"):
         assert flag in out.stdout, flag
+
+
+def test_flags_reach_the_engine_args():
+    from server.cli import engine_args_from, parse_args
+
+    args = parse_args(["serve", "m", "--long-prefill-token-threshold", "32", "--shutdown-timeout", "7.5"])
+    assert engine_args_from(args).long_prefill_token_threshold == 32 and args.shutdown_timeout == 7.5
+    for bad in (["--shutdown-timeout", "-1"], ["--shutdown-timeout", "nan"]):
+        with pytest.raises(SystemExit):
+            parse_args(["m", *bad])
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -38,6 +38,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.policy = config.scheduling_policy
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting = create_request_queue(self.policy)
@@ -101,6 +102,10 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def has_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs)
 
@@ -148,6 +153,9 @@ class Scheduler:
         if req.num_computed_tokens == 0:
             hit_blocks, num_hit = kv.get_computed_blocks(req)
         n = req.num_tokens - num_hit
+        thr = self.long_prefill_token_threshold
+        if 0 < thr < n:
+            n = thr  # a long prefill advances by at most thr tokens a step
         if not self.config.enable_chunked_prefill and n > budget:
             return _NO_BUDGET
         n = min(n, budget)
@@ -233,12 +241,16 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         kv = self.kv_cache_manager
+        thr = self.long_prefill_token_threshold
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             try:
-                n = min(self._num_tokens_to_feed(req), budget)
+                n = self._num_tokens_to_feed(req)
+                if 0 < thr < n:
+                    n = thr  # a long prefill advances by at most thr tokens a step
+                n = min(n, budget)
                 if n <= 0 or not self._can_schedule_running(req):
                     i += 1
                     continue

@@ -211,6 +211,25 @@ def test_chunked_prefill_samples_only_on_last_chunk():
     assert_no_leak(sched)
 
 
+@pytest.mark.parametrize("cls,depth", [(Scheduler, 1), (AsyncScheduler, 2)])
+def test_long_prefill_token_threshold_shares_the_budget(cls, depth):
+    # vLLM's long_prefill_token_threshold: a prefill advances by at most that many tokens
+    # a step, so concurrent long prompts move together and a short one is not starved
+    sched = make_sched(cls=cls, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    for rid, plen in (("a", 40), ("b", 40), ("c", 5)):
+        sched.add_request(make_req(rid, plen, max_tokens=3))
+    so = sched.schedule()
+    assert sched_of(so) == [("a", 8), ("b", 8), ("c", 5)]
+    sched.update_from_output(so, runner_output(so))
+    so = sched.schedule()
+    assert [(rid, n) for rid, n in sched_of(so) if rid != "c"] == [("a", 8), ("b", 8)]
+    sched.update_from_output(so, runner_output(so))
+    d = Driver(sched, depth=depth)
+    d.run()
+    assert_no_leak(sched)
+    assert d.tokens["a"][-2:] == expected_tokens(40, 3)[-2:]  # decodes unaffected (1 token < threshold)
+
+
 def test_no_chunked_prefill_waits_for_budget():
     sched = make_sched(max_num_batched_tokens=16, enable_chunked_prefill=False)
     sched.add_request(make_req("a", 10, max_tokens=2))
