@@ -15,13 +15,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from tests.server.conftest import MODEL_NAME, make_engine  # noqa: E402
-from tests.server.http_util import get, post  # noqa: E402
+from tests.server.conftest import MODEL_NAME, make_engine
+from tests.server.http_util import get, post
 
 EXAMPLES = int(os.environ.get("VENGINE_FUZZ_EXAMPLES", "150"))
 C, CH = "/v1/completions", "/v1/chat/completions"
