@@ -6,10 +6,12 @@ for engine output on gevent Events woken through ``server.bridge``.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,7 +37,8 @@ FALLBACK_CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
+                413: "RequestTooLargeError",
                 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
 
@@ -96,6 +99,7 @@ class ServerConfig:
     max_model_len: int = 0
     vocab_size: Optional[int] = None
     scheduling_policy: str = "fcfs"
+    dev_mode: bool = False  # vLLM's VLLM_SERVER_DEV_MODE: development endpoints (/reset_prefix_cache)
 
     @classmethod
     def from_args(cls, engine, args) -> "ServerConfig":
@@ -118,7 +122,8 @@ class ServerConfig:
                    model_path=str(getattr(ecfg, "model", "")),
                    max_model_len=int(getattr(ecfg, "max_model_len", 0) or 0),
                    vocab_size=getattr(hf, "vocab_size", None),
-                   scheduling_policy=getattr(ecfg, "scheduling_policy", "fcfs"))
+                   scheduling_policy=getattr(ecfg, "scheduling_policy", "fcfs"),
+                   dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes"))
 
 
 class ServerState:
@@ -652,6 +657,15 @@ def create_app(engine, args=None) -> Flask:
     def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
         return Response(st.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+    if cfg.dev_mode:
+        @app.post("/reset_prefix_cache")
+        def reset_prefix_cache():
+            # vLLM's dev endpoint (VLLM_SERVER_DEV_MODE=1): 200 when reset, 409 while
+            # requests hold KV blocks
+            if st.bridge.run_blocking(asyncio.run, engine.reset_prefix_cache()):
+                return _json_response({"success": True})
+            return error_response(409, "The prefix cache cannot be reset while requests hold KV blocks.")
 
     @app.get("/v1/models")
     def models():

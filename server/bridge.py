@@ -72,8 +72,14 @@ class GeventBridge:
         """``engine.add_request`` on a gevent threadpool thread: it takes the engine's
         output-processor lock, which the output thread holds while it processes a whole
         step; the calling greenlet waits cooperatively, the hub keeps serving."""
-        return gevent.get_hub().threadpool.apply(
-            self._engine.add_request, (request_id, prompt, sampling_params), {"priority": priority})
+        return self.run_blocking(self._engine.add_request, request_id, prompt, sampling_params, priority=priority)
+
+    @staticmethod
+    def run_blocking(fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on a gevent threadpool thread (a call that may block on
+        a native lock or wait for the engine core); the calling greenlet waits
+        cooperatively, the hub keeps serving."""
+        return gevent.get_hub().threadpool.apply(fn, args, kwargs)
 
     def abort(self, request_ids: list) -> None:
         """Fire-and-forget ``engine.abort`` through one native thread (callable from the

@@ -11,6 +11,7 @@ and utility calls are messages.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import threading
@@ -115,6 +116,15 @@ class AsyncLLM:
             raise self.dead_error
         if self._shutdown or not self.engine_core.is_alive():
             raise EngineDeadError("The engine core is not running.")
+
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's ``AsyncLLM.reset_prefix_cache``: forget every cached prefix, on the
+        engine-core side between two steps. Returns False, and changes nothing, while
+        requests hold KV blocks. Raises EngineDeadError once the engine died."""
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        loop = asyncio.get_running_loop()
+        return bool(await loop.run_in_executor(None, self.engine_core.call_utility, "reset_prefix_cache"))
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, sampling_params: Optional[SamplingParams] = None,

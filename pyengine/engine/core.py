@@ -103,7 +103,7 @@ class EngineCore:
         return self.step_with_batch_queue if self.config.async_scheduling else self.step
 
     # ---- utility calls (front ends reach the scheduler only through these) ----------
-    UTILITY_METHODS = frozenset({"get_stats"})
+    UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache"})
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

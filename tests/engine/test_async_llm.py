@@ -271,7 +271,7 @@ def test_one_failing_request_does_not_take_the_engine_down(llama_dir, prompts, m
             raise OverflowError("injected: Overflow when unpacking long long")
         return real(request_id, prompt_token_ids, *a, **k)
     monkeypatch.setattr(core_mod, "Request", make)
-    engine = make_engine(llama_dir)
+    engine = make_engine(llama_dir, multiprocess=False)  # the fault is patched into this process
     try:
         sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         good = engine.add_request("good", prompts[0], sp)
@@ -355,3 +355,28 @@ def test_aborted_id_is_free_at_once(llama_dir, prompts):
         wait_idle(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_reset_prefix_cache_runs_on_the_engine_core(llama_dir, tokenizer, multiprocess):
+    # issue 12 kind 4: vLLM's AsyncLLM.reset_prefix_cache(), through the client's utility call
+    engine = make_engine(llama_dir, multiprocess=multiprocess, block_size=4)
+    try:
+        prompt = prompt_token_ids(tokenizer, 1, 40, 40, seed=17)[0]
+        sp = SamplingParams(temperature=0, max_tokens=4)
+        first = drain(engine.add_request("a", prompt, sp))[-1]
+        assert drain(engine.add_request("b", prompt, sp))[-1].num_cached_tokens > 0
+        busy = engine.add_request("busy", prompt, SamplingParams(max_tokens=500, ignore_eos=True,
+                                                                 output_kind=RequestOutputKind.DELTA))
+        busy.get(timeout=30)
+        assert asyncio.run(engine.reset_prefix_cache()) is False  # blocks in use: nothing changes
+        engine.abort("busy")
+        wait_idle(engine)
+        assert asyncio.run(engine.reset_prefix_cache()) is True
+        again = drain(engine.add_request("c", prompt, sp))[-1]
+        assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(engine.reset_prefix_cache())

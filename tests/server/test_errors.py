@@ -199,3 +199,29 @@ def test_unknown_fields_ignored_and_logged(server, caplog):
     caplog.clear()
     assert post(server.port, C, OK_C)[0] == 200
     assert "ignored" not in caplog.text
+
+
+def test_reset_prefix_cache_dev_endpoint(engine, server, monkeypatch):
+    # vLLM's dev endpoint, only with VLLM_SERVER_DEV_MODE=1: 200 when reset, 409 while busy
+    from types import SimpleNamespace
+
+    from server import BackgroundServer, create_app
+    from tests.server.http_util import SSEStream, wait_until
+    assert post(server.port, "/reset_prefix_cache", b"")[0] == 404
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    srv = BackgroundServer(create_app(engine, SimpleNamespace(served_model_name=[MODEL_NAME])), port=0).start()
+    try:
+        def idle():
+            s = engine.get_stats()
+            return s.num_running == s.num_waiting == 0 and s.num_free_blocks == s.num_gpu_blocks
+        assert wait_until(idle, 30)
+        status, _, body = post(srv.port, "/reset_prefix_cache", b"")
+        assert status == 200 and json.loads(body) == {"success": True}
+        stream = SSEStream(srv.port, C, c(max_tokens=400, ignore_eos=True, stream=True))
+        next(stream.events())
+        _check_envelope(*post(srv.port, "/reset_prefix_cache", b""), 409)
+        stream.close()
+        assert wait_until(idle, 30)
+        assert post(srv.port, "/reset_prefix_cache", b"")[0] == 200
+    finally:
+        srv.stop()

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.conftest import MODEL_NAME, make_engine
 from tests.server.http_util import collect_stream, completion_text, get, post
 
 # Prompts (token ids) that the injected failures below pick out.
@@ -17,7 +18,9 @@ FAIL_WHILE_RUNNING = [7, 7, 7, 7, 14]
 
 
 @pytest.fixture
-def failing_engine(server, engine, monkeypatch):
+def failing_engine(llama_dir, monkeypatch):
+    from server import BackgroundServer, create_app
+
     import pyengine.engine.core as core_mod
     real_request = core_mod.Request
 
@@ -26,6 +29,7 @@ def failing_engine(server, engine, monkeypatch):
             raise OverflowError("injected: Overflow when unpacking long long")
         return real_request(request_id, prompt_token_ids, *a, **k)
     monkeypatch.setattr(core_mod, "Request", make)
+    engine = make_engine(llama_dir, multiprocess=False)  # the faults are patched into this process
     kv = engine.engine_core.engine_core.scheduler.kv_cache_manager
     real_alloc = kv.allocate_slots
 
@@ -34,7 +38,10 @@ def failing_engine(server, engine, monkeypatch):
             raise RuntimeError("injected: block table corrupted")
         return real_alloc(req, *a, **k)
     monkeypatch.setattr(kv, "allocate_slots", allocate)
-    yield server
+    srv = BackgroundServer(create_app(engine, SimpleNamespace(served_model_name=[MODEL_NAME])), port=0).start()
+    yield srv
+    srv.stop()
+    engine.shutdown()
 
 
 @pytest.mark.timeout(120)

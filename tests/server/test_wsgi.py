@@ -50,7 +50,7 @@ def _refused(port) -> bool:
 
 @pytest.fixture(scope="module")
 def slow_engine(llama_dir):
-    eng = make_engine(llama_dir)
+    eng = make_engine(llama_dir, multiprocess=False)  # the slow step is patched into this process
     _slow_steps(eng)
     yield eng
     eng.shutdown()
