@@ -11,7 +11,7 @@ import pytest
 
 from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
 from pyengine.engine.llm_engine import LLMEngine
-from tests.helpers import hf_greedy, prompt_token_ids
+from tests.helpers import fail_request_add, hf_greedy, prompt_token_ids
 
 
 def make_engine(model_dir, multiprocess=None, **kw) -> AsyncLLM:
@@ -263,14 +263,7 @@ def test_async_scheduling_switches(llama_dir, monkeypatch, caplog):
 @pytest.mark.timeout(120)
 def test_one_failing_request_does_not_take_the_engine_down(llama_dir, prompts, monkeypatch):
     # issue 12: an exception while adding one request killed the engine for everyone
-    import pyengine.engine.core as core_mod
-    real = core_mod.Request
-
-    def make(request_id, prompt_token_ids, *a, **k):
-        if list(prompt_token_ids) == prompts[1]:
-            raise OverflowError("injected: Overflow when unpacking long long")
-        return real(request_id, prompt_token_ids, *a, **k)
-    monkeypatch.setattr(core_mod, "Request", make)
+    fail_request_add(monkeypatch, prompts[1])
     engine = make_engine(llama_dir, multiprocess=False)  # the fault is patched into this process
     try:
         sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import pyengine.engine.core as core_mod
 from pyengine import LLM, SamplingParams
-from tests.helpers import hf_greedy, prompt_token_ids
+from tests.helpers import fail_request_add, fail_request_allocation, hf_greedy, prompt_token_ids
 
 MAX_TOKENS = 12
 
@@ -23,16 +22,6 @@ def reference(llama_dir, prompts):
     return hf_greedy(llama_dir, prompts, MAX_TOKENS)
 
 
-def _fail_request_class(monkeypatch, bad_prompt):
-    real = core_mod.Request
-
-    def make(request_id, prompt_token_ids, *a, **k):
-        if list(prompt_token_ids) == bad_prompt:
-            raise OverflowError("injected: cannot build this request")
-        return real(request_id, prompt_token_ids, *a, **k)
-    monkeypatch.setattr(core_mod, "Request", make)
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("where", ["add", "schedule"])
 def test_one_failing_request_ends_only_itself(llama_dir, prompts, reference, monkeypatch, where,
@@ -41,16 +30,9 @@ def test_one_failing_request_ends_only_itself(llama_dir, prompts, reference, mon
     core = llm.llm_engine.engine_core
     bad = 1  # the prompt whose request fails
     if where == "add":
-        _fail_request_class(monkeypatch, prompts[bad])
+        fail_request_add(monkeypatch, prompts[bad])
     else:
-        kv = core.scheduler.kv_cache_manager
-        real = kv.allocate_slots
-
-        def allocate(req, *a, **k):
-            if req.prompt_token_ids == prompts[bad] and req.num_output_tokens >= 3:
-                raise RuntimeError("injected: block table corrupted")
-            return real(req, *a, **k)
-        monkeypatch.setattr(kv, "allocate_slots", allocate)
+        fail_request_allocation(monkeypatch, core, prompts[bad], after_tokens=3)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     for i, out in enumerate(outs):

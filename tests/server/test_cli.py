@@ -3,16 +3,14 @@ clear error without a usable model."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.server.http_util import get, post
+from tests.server.http_util import get, post, spawn_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,22 +43,10 @@ def test_flags_reach_the_engine_args():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_serve_subprocess(llama_dir, tp):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", str(llama_dir), "--port", "0", "--device", "cpu",
-         "--served-model-name", "cli-model", "--max-model-len", "256", "--num-gpu-blocks-override", "256",
-         "--max-concurrent-streams", "8", "--disable-access-log", "--tensor-parallel-size", str(tp)],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, port = spawn_server(llama_dir, "cli-model", "--max-model-len", "256", "--num-gpu-blocks-override", "256",
+                              "--max-concurrent-streams", "8", "--disable-access-log",
+                              "--tensor-parallel-size", str(tp), env=_env(), cwd=REPO)
     try:
-        port, lines, deadline = None, [], time.time() + 120
-        while time.time() < deadline and port is None:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            lines.append(line)
-            m = re.search(r"serving cli-model on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-        assert port, "".join(lines)
         assert get(port, "/health")[0] == 200
         status, _, body = post(port, "/v1/completions", {"model": "cli-model", "prompt": "hi", "max_tokens": 3})
         assert status == 200, body

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers import fail_request_add, fail_request_allocation
 from tests.server.conftest import MODEL_NAME, make_engine
 from tests.server.http_util import collect_stream, completion_text, get, post
 
@@ -21,23 +22,9 @@ FAIL_WHILE_RUNNING = [7, 7, 7, 7, 14]
 def failing_engine(llama_dir, monkeypatch):
     from server import BackgroundServer, create_app
 
-    import pyengine.engine.core as core_mod
-    real_request = core_mod.Request
-
-    def make(request_id, prompt_token_ids, *a, **k):
-        if list(prompt_token_ids) == FAIL_AT_ADD:
-            raise OverflowError("injected: Overflow when unpacking long long")
-        return real_request(request_id, prompt_token_ids, *a, **k)
-    monkeypatch.setattr(core_mod, "Request", make)
+    fail_request_add(monkeypatch, FAIL_AT_ADD)
     engine = make_engine(llama_dir, multiprocess=False)  # the faults are patched into this process
-    kv = engine.engine_core.engine_core.scheduler.kv_cache_manager
-    real_alloc = kv.allocate_slots
-
-    def allocate(req, *a, **k):
-        if req.prompt_token_ids == FAIL_WHILE_RUNNING and req.num_output_tokens >= 4:
-            raise RuntimeError("injected: block table corrupted")
-        return real_alloc(req, *a, **k)
-    monkeypatch.setattr(kv, "allocate_slots", allocate)
+    fail_request_allocation(monkeypatch, engine.engine_core.engine_core, FAIL_WHILE_RUNNING, after_tokens=4)
     srv = BackgroundServer(create_app(engine, SimpleNamespace(served_model_name=[MODEL_NAME])), port=0).start()
     yield srv
     srv.stop()

@@ -8,8 +8,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.server.conftest import MODEL_NAME, make_engine
-from tests.server.http_util import SSEStream, collect_stream, post
+from tests.server.http_util import SSEStream, spawn_server
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_DELAY_S = 0.02  # a slow engine step, so that a long stream is surely in flight
@@ -163,22 +161,9 @@ def test_sigterm_drains_then_exits_zero(llama_dir, tmp_path):
     # issue 12 kind 3: every stream was cut after 1 s with no terminal event and no [DONE]
     (tmp_path / "sitecustomize.py").write_text(_SLOW_SITE.format(root=str(REPO), delay=STEP_DELAY_S))
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", str(llama_dir), "--port", "0", "--device", "cpu",
-         "--served-model-name", MODEL_NAME, "--max-model-len", "512", "--num-gpu-blocks-override", "256",
-         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--disable-access-log"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, port = spawn_server(llama_dir, MODEL_NAME, "--max-model-len", "512", "--num-gpu-blocks-override", "256",
+                              "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--disable-access-log", env=env, cwd=REPO)
     try:
-        port, lines, deadline = None, [], time.time() + 120
-        while time.time() < deadline and port is None:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            lines.append(line)
-            m = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-        assert port, "".join(lines)
         results, started = {}, {"long": threading.Event(), "short": threading.Event()}
 
         def run(name, body):
