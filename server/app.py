@@ -633,7 +633,7 @@ def create_app(engine, args=None) -> Flask:
         return error_response(500, f"Internal server error: {type(e).__name__}")
 
     @app.before_request
-    def _auth():
+    def _gate():  # shutdown drain, then the API key
         if st.draining and request.path != "/metrics":
             resp = error_response(503, "The server is shutting down.")
             resp.headers["Connection"] = "close"
