@@ -30,6 +30,7 @@ logger = logging.getLogger("vengine.server")
 VERSION = "0.1.0"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 SOCKET_ENVIRON_KEY = "vengine.socket"
+_COUNTED_ENVIRON_KEY = "vengine.counted"
 
 # Used when neither the tokenizer nor --chat-template provides a chat template.
 FALLBACK_CHAT_TEMPLATE = (
@@ -136,8 +137,11 @@ class ServerState:
         self.bridge = GeventBridge(engine)
         self.metrics = ServerMetrics(engine, cfg.served_model_names[0])
         self.created = int(time.time())
-        # Shutdown drain (hub thread only): requests in flight, and whether new ones are
-        # refused (draining) or the in-flight ones were cut (cut_message).
+        # Shutdown drain (hub thread only): HTTP requests being served (admission and
+        # tokenization included, until the response is closed), the generations among them
+        # (jobs), and whether new requests are refused (draining) or the generations in
+        # flight were cut (cut_message).
+        self.active_requests = 0
         self.jobs: set = set()
         self.draining = False
         self.cut_message: Optional[str] = None
@@ -641,7 +645,19 @@ def create_app(engine, args=None) -> Flask:
         if cfg.api_keys and request.path.startswith("/v1") and not _authorized(
                 request.headers.get("Authorization", ""), cfg.api_keys):
             return error_response(401, "Invalid or missing API key.")
+        st.active_requests += 1
+        request.environ[_COUNTED_ENVIRON_KEY] = True
         return None
+
+    @app.after_request
+    def _count_until_closed(resp: Response):
+        # A streamed response is still being served after the view returned: the request
+        # counts (for the shutdown drain) until the server closes the response.
+        if request.environ.pop(_COUNTED_ENVIRON_KEY, False):
+            def release() -> None:
+                st.active_requests -= 1
+            resp.call_on_close(release)
+        return resp
 
     @app.get("/health")
     def health():

@@ -77,9 +77,9 @@ def make_server(app, host: str = "127.0.0.1", port: int = 8000,
                       log=log, error_log="default", backlog=None if listener is not None else _BACKLOG)
 
 
-def _wait_jobs(state, timeout: float) -> None:
+def _wait_idle(state, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while state.jobs and time.monotonic() < deadline:
+    while state.active_requests and time.monotonic() < deadline:
         gevent.sleep(_POLL_S)
 
 
@@ -98,12 +98,12 @@ def graceful_shutdown(server: WSGIServer, app, timeout: float = DEFAULT_SHUTDOWN
     server.close()
     if state is not None:
         state.begin_shutdown()
-        _wait_jobs(state, timeout)
-        if state.jobs:
+        _wait_idle(state, timeout)
+        if state.active_requests:
             logger.warning("Shutdown: %d request(s) still running after %.1f s; cutting them",
-                           len(state.jobs), timeout)
+                           state.active_requests, timeout)
         state.cut_jobs("The server is shutting down; the request was cut before it finished.")
-        _wait_jobs(state, _CUT_GRACE_S)
+        _wait_idle(state, _CUT_GRACE_S)
     if server.pool is not None:
         server.pool.kill(block=True, timeout=1)
 
