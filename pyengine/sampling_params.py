@@ -8,6 +8,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pyengine.exceptions import VLLMValidationError
+
 
 class RequestOutputKind(enum.IntEnum):
     """How a stream reports text: the whole text so far, only the new part, or once at the end."""
@@ -41,7 +43,7 @@ def _check_int(name: str, v, lo: int, hi: int, what: str = "") -> int:
     """``int(v)``, or ValueError naming the field unless v is an integer in [lo, hi]."""
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
         what = what or f"an integer in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {what}, got {v!r}.")
+        raise VLLMValidationError(f"{name} must be {what}, got {v!r}.", parameter=name, value=v)
     return int(v)
 
 
@@ -54,7 +56,8 @@ def _check_float(name: str, v, lo: float, hi: float, lo_open: bool) -> float:
         ok = (lo < v if lo_open else lo <= v) and v <= hi
     if not ok:
         rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi != math.inf else (f"> {lo:g}" if lo_open else f">= {lo:g}")
-        raise ValueError(f"{name} must be a finite number {'in ' if hi != math.inf else ''}{rng}, got {v!r}.")
+        raise VLLMValidationError(f"{name} must be a finite number {'in ' if hi != math.inf else ''}{rng}, "
+                                  f"got {v!r}.", parameter=name, value=v)
     return v
 
 
@@ -63,7 +66,8 @@ class SamplingParams:
     """Sampling parameters for one request; defaults as vLLM's.
 
     Raises:
-        ValueError: on any out-of-range value or unknown field name (see ``_verify``).
+        ValueError: on any out-of-range value (``VLLMValidationError`` whose ``parameter``
+            names the field) or unknown field name (see ``_verify``).
     """
     n: int = 1
     presence_penalty: float = 0.0
@@ -92,10 +96,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
-            raise ValueError("stop must be a string or a list of strings.")
+            raise VLLMValidationError("stop must be a string or a list of strings.", parameter="stop")
         self.stop = list(self.stop or [])
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set)):
-            raise ValueError("stop_token_ids must be a list of integers.")
+            raise VLLMValidationError("stop_token_ids must be a list of integers.", parameter="stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -115,26 +119,30 @@ class SamplingParams:
         for name, lo, hi, lo_open in _FLOAT_FIELDS:
             setattr(self, name, _check_float(name, getattr(self, name), lo, hi, lo_open))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                             f"got {self.min_tokens}.")
+            raise VLLMValidationError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                                      f"got {self.min_tokens}.", parameter="min_tokens", value=self.min_tokens)
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop must list at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}.")
+            raise VLLMValidationError(f"stop must list at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}.",
+                                      parameter="stop")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings.")
+            raise VLLMValidationError("stop must be a non-empty string or a list of non-empty strings.",
+                                      parameter="stop")
         longest = max((len(s) for s in self.stop), default=0)
         if longest > MAX_STOP_STRING_LEN:
-            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_LEN} characters long, "
-                             f"got one of {longest}.")
+            raise VLLMValidationError(f"stop strings must be at most {MAX_STOP_STRING_LEN} characters long, "
+                                      f"got one of {longest}.", parameter="stop")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids must list at most {MAX_STOP_TOKEN_IDS} ids, "
-                             f"got {len(self.stop_token_ids)}.")
+            raise VLLMValidationError(f"stop_token_ids must list at most {MAX_STOP_TOKEN_IDS} ids, "
+                                      f"got {len(self.stop_token_ids)}.", parameter="stop_token_ids")
         self.stop_token_ids = [_check_int("stop_token_ids", t, 0, INT64_MAX, "a list of non-negative integers")
                                for t in self.stop_token_ids]
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}.")
+                raise VLLMValidationError(f"{name} must be a boolean, got {getattr(self, name)!r}.",
+                                          parameter=name, value=getattr(self, name))
         if self.n > 1 and self.sampling_type_greedy:
-            raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.")
+            raise VLLMValidationError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.",
+                                      parameter="n", value=self.n)
 
     @property
     def sampling_type_greedy(self) -> bool:

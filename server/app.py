@@ -247,12 +247,11 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
         _check_token_ids(st, req.stop_token_ids, "stop_token_ids")
     try:
         return SamplingParams(**kw)
-    except ValueError as e:  # the engine's one answer, with the field it names
-        msg = str(e)
-        param = msg.split(" ", 1)[0]
+    except ValueError as e:  # the engine's one answer (VLLMValidationError names the field)
+        param = getattr(e, "parameter", None)
         if param == "logprobs" and hasattr(req, "top_logprobs"):
             param = "top_logprobs"  # chat's name for the count
-        raise APIError(400, msg, param if param in kw or param == "top_logprobs" else None) from None
+        raise APIError(400, str(e), param) from None
 
 
 def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:

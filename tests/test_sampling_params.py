@@ -75,3 +75,14 @@ def test_numbers_are_normalized_to_builtin_types():
 def test_clone_revalidates():
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=1).clone(seed=2 ** 63)
+
+
+def test_refusals_name_the_field():
+    # vLLM's VLLMValidationError: front ends report ``parameter`` (HTTP: the error's param)
+    from pyengine import VLLMValidationError
+    for kwargs, field in (({"temperature": math.nan}, "temperature"), ({"seed": 2 ** 64}, "seed"),
+                          ({"stop": ["x"] * 65}, "stop"), ({"n": 2, "temperature": 0}, "n"),
+                          ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"ignore_eos": 1}, "ignore_eos")):
+        with pytest.raises(VLLMValidationError) as ei:
+            SamplingParams(**kwargs)
+        assert ei.value.parameter == field

@@ -118,7 +118,8 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         if not isinstance(priority, int) or isinstance(priority, bool) or not INT64_MIN <= priority <= INT64_MAX:
-            raise ValueError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got {priority!r}.")
+            raise VLLMValidationError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got {priority!r}.",
+                                      parameter="priority", value=priority)
         text, ids = self.tokenize(prompt)
         max_len = self.config.max_model_len
         if len(ids) >= max_len:
