@@ -44,7 +44,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "openai>=1.0", "requests", "triton; platform_system=='Linux'"],
+        "test": ["pytest", "pytest-timeout", "openai>=1.0", "requests", "hypothesis", "triton; platform_system=='Linux'"],
     },
     entry_points={"console_scripts": ["vengine=server.cli:main"]},
 )

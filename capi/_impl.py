@@ -139,8 +139,11 @@ class _Bridge:
         plen = len(out.prompt_token_ids) if out.prompt_token_ids is not None else -1
         if out.finished:
             del self.live[rid]
-        batch.append((ent.req, c.text.encode("utf-8", "replace"), c.token_ids, out.finished, OK,
-                      plen, c.finish_reason, None))
+        # finish_reason "error": this request failed inside the engine (the others go on)
+        failed = c.finish_reason == "error"
+        batch.append((ent.req, c.text.encode("utf-8", "replace"), c.token_ids, out.finished,
+                      RUNTIME if failed else OK, plen, c.finish_reason,
+                      f"the request failed inside the engine: {c.error}" if failed else None))
 
     # -- host threads ---------------------------------------------------------
     def submit(self, req, num: int, prompt, params: SamplingParams, priority: int) -> None:
@@ -273,16 +276,22 @@ def _sampling(sp) -> tuple[SamplingParams, int]:
         params = SamplingParams(
             temperature=float(sp.temperature), top_p=float(sp.top_p), top_k=int(sp.top_k),
             min_p=float(sp.min_p), max_tokens=int(sp.max_tokens) if sp.max_tokens > 0 else None,
-            seed=int(sp.seed) if sp.has_seed else None,
+            seed=_seed_bits(int(sp.seed)) if sp.has_seed else None,
             presence_penalty=float(sp.presence_penalty), frequency_penalty=float(sp.frequency_penalty),
             repetition_penalty=float(sp.repetition_penalty), min_tokens=int(sp.min_tokens),
             ignore_eos=bool(sp.ignore_eos), stop=_strings(sp.stop, sp.n_stop, "stop"),
             output_kind=RequestOutputKind.DELTA)
     except _Refused:
         raise
-    except ValueError as e:
-        raise _Refused(f"vllm_sampling_params: {e}") from None
+    except ValueError as e:  # the engine's message, word for word (as HTTP and Python get it)
+        raise _Refused(str(e)) from None
     return params, int(sp.priority)
+
+
+def _seed_bits(seed: int) -> int:
+    """The C field is uint64_t (vllm.cpp's layout); the engine's seed range is int64
+    (vLLM's). Every uint64 value is valid: it is read as the int64 with the same bits."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def _bridge(eng_id: int) -> _Bridge:

@@ -53,7 +53,8 @@ def _content_text(content: Any, i: int) -> str:
 
 def parse_chat_request(raw: str, tokenizer, sampling_params_cls, output_kind):
     """Returns ``(prompt_token_ids, sampling_params, priority, flags)``; flags bit 0:
-    ``stream_options.include_usage``. Raises ``ChatRequestError``."""
+    ``stream_options.include_usage``. Raises ``ChatRequestError``, or SamplingParams'
+    ``ValueError`` unchanged (its message is the one every front end gives)."""
     try:
         body = json.loads(raw)
     except ValueError as e:
@@ -109,7 +110,9 @@ def parse_chat_request(raw: str, tokenizer, sampling_params_cls, output_kind):
             sp_kwargs[name] = body[name]
     try:
         params = sampling_params_cls(**sp_kwargs)
-    except (ValueError, TypeError) as e:
+    except ValueError:
+        raise  # the engine's own message, unprefixed (as HTTP and Python get it)
+    except TypeError as e:
         raise ChatRequestError(str(e)) from None
     priority = body.get("priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):

@@ -97,12 +97,14 @@ typedef void (*vllm_logits_processor)(const int32_t* token_ids, int32_t n_token_
  * Fill with vllm_sampling_params_default() (or vllm_sampling_params_init());
  * a zero-filled struct is not valid (repetition_penalty must be > 0). */
 typedef struct vllm_sampling_params {
-  float temperature;        /* 0: greedy */
+  /* Every float must be finite (NaN / Infinity: VLLM_ERR_INVALID_ARGUMENT). */
+  float temperature;        /* >= 0; 0: greedy */
   float top_p;              /* (0, 1] */
   int32_t top_k;            /* 0 or -1: all tokens */
   float min_p;              /* [0, 1] */
   int32_t max_tokens;       /* <= 0: up to the model length */
-  uint64_t seed;            /* used when has_seed != 0 */
+  uint64_t seed;            /* used when has_seed != 0; any value: read as the int64_t
+                               with the same bits (the engine's seed range is int64) */
   int32_t has_seed;
   float presence_penalty;
   float frequency_penalty;

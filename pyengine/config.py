@@ -72,6 +72,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's fairness knob: a prefill takes at most this many tokens per step (0: no cap),
+    # so concurrent long prompts advance together and decodes keep their share.
+    long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     seed: int = 0
     async_scheduling: Optional[bool] = None  # None: on where compatible
@@ -114,6 +117,7 @@ class EngineConfig:
     load_format: str = "auto"
     stream_interval: int = 1
     tensor_parallel_size: int = 1
+    long_prefill_token_threshold: int = 0  # tokens; 0: no cap
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -177,6 +181,12 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}.")
         if not a.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError("max_num_batched_tokens must be >= max_model_len when chunked prefill is off.")
+        thr = a.long_prefill_token_threshold
+        if isinstance(thr, bool) or not isinstance(thr, int) or thr < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: no cap), got {thr!r}.")
+        if thr and not a.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold splits prefills into chunks: it needs chunked prefill "
+                             "(enable_chunked_prefill=True).")
         async_sched = a.async_scheduling
         if async_sched is None:
             async_sched = env_async_scheduling_allowed()
@@ -201,7 +211,7 @@ class EngineConfig:
             scheduling_policy=a.scheduling_policy, seed=a.seed, async_scheduling=async_sched,
             enforce_eager=a.enforce_eager or device.type != "cuda", attention_backend=backend,
             load_format=a.load_format, stream_interval=a.stream_interval,
-            tensor_parallel_size=a.tensor_parallel_size)
+            tensor_parallel_size=a.tensor_parallel_size, long_prefill_token_threshold=thr)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -83,6 +83,12 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``), e.g. to measure
+        without cache hits. Returns False, and changes nothing, while requests hold KV
+        blocks (never the case between two ``generate`` calls)."""
+        return self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Release the engine's device memory (model, KV cache, CUDA graphs); the LLM is
         unusable afterwards. Lets a second engine (or another library) use the GPU in the

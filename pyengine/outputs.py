@@ -24,8 +24,10 @@ SampleLogprobs = list[dict[int, Logprob]]
 class CompletionOutput:
     """One of the ``n`` completions of a request.
 
-    ``finish_reason`` is None while running, else ``"stop"``, ``"length"`` or ``"abort"``;
-    ``stop_reason`` is the stop string or stop token id that ended it (None for EOS).
+    ``finish_reason`` is None while running, else ``"stop"``, ``"length"``, ``"abort"`` or
+    ``"error"`` (this request failed inside the engine; the others went on: vLLM's
+    per-request error path); ``stop_reason`` is the stop string or stop token id that ended
+    it (None for EOS); ``error`` says what failed when ``finish_reason`` is ``"error"``.
     """
     index: int
     text: str
@@ -34,6 +36,7 @@ class CompletionOutput:
     logprobs: Optional[SampleLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
+    error: Optional[str] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -16,6 +16,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # this request failed inside the engine core; the others go on
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -30,7 +31,8 @@ class RequestStatus(enum.IntEnum):
 _FINISHED_MIN = int(RequestStatus.FINISHED_STOPPED)
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop",
                    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort"}
+                   RequestStatus.FINISHED_ABORTED: "abort",
+                   RequestStatus.FINISHED_ERROR: "error"}
 
 
 class Request:

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
+
+from pyengine.exceptions import VLLMValidationError
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -16,13 +20,54 @@ class RequestOutputKind(enum.IntEnum):
 
 _GREEDY_EPS = 1e-5
 
+# Documented request limits (server/README.md, docs/capi.md), the same on every front end.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_N = 128  # OpenAI's documented maximum for n
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs maximum, vLLM's default max_logprobs
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 1024  # characters
+MAX_STOP_TOKEN_IDS = 1024
+
+# (name, min, max) of the integer fields; None allowed for those in _OPTIONAL.
+_INT_FIELDS = (("n", 1, MAX_N), ("top_k", 0, INT64_MAX), ("seed", INT64_MIN, INT64_MAX),
+               ("max_tokens", 1, INT64_MAX), ("min_tokens", 0, INT64_MAX), ("logprobs", 0, MAX_LOGPROBS))
+_OPTIONAL = {"seed", "max_tokens", "logprobs"}
+_INT_WHAT = {"top_k": f"0 or -1 (disabled), or an integer in [1, {INT64_MAX}]"}
+# (name, min, max, min excluded) of the float fields: all must also be finite.
+_FLOAT_FIELDS = (("presence_penalty", -2.0, 2.0, False), ("frequency_penalty", -2.0, 2.0, False),
+                 ("repetition_penalty", 0.0, math.inf, True), ("temperature", 0.0, math.inf, False),
+                 ("top_p", 0.0, 1.0, True), ("min_p", 0.0, 1.0, False))
+
+
+def _check_int(name: str, v, lo: int, hi: int, what: str = "") -> int:
+    """``int(v)``, or ValueError naming the field unless v is an integer in [lo, hi]."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
+        what = what or f"an integer in [{lo}, {hi}]"
+        raise VLLMValidationError(f"{name} must be {what}, got {v!r}.", parameter=name, value=v)
+    return int(v)
+
+
+def _check_float(name: str, v, lo: float, hi: float, lo_open: bool) -> float:
+    """``float(v)``, or ValueError naming the field unless v is a finite real number in
+    the range (NaN and +-Infinity are refused, with the same message on every front end)."""
+    ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
+    if ok:
+        v = float(v)
+        ok = (lo < v if lo_open else lo <= v) and v <= hi
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi != math.inf else (f"> {lo:g}" if lo_open else f">= {lo:g}")
+        raise VLLMValidationError(f"{name} must be a finite number {'in ' if hi != math.inf else ''}{rng}, "
+                                  f"got {v!r}.", parameter=name, value=v)
+    return v
+
 
 @dataclass
 class SamplingParams:
     """Sampling parameters for one request; defaults as vLLM's.
 
     Raises:
-        ValueError: on any out-of-range value or unknown field name (see ``_verify``).
+        ValueError: on any out-of-range value (``VLLMValidationError`` whose ``parameter``
+            names the field) or unknown field name (see ``_verify``).
     """
     n: int = 1
     presence_penalty: float = 0.0
@@ -50,7 +95,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise VLLMValidationError("stop must be a string or a list of strings.", parameter="stop")
         self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set)):
+            raise VLLMValidationError("stop_token_ids must be a list of integers.", parameter="stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -59,40 +108,41 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        def bad(msg: str):
-            raise ValueError(msg)
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not self.repetition_penalty > 0.0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        if self.temperature < 0.0:
-            bad(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k!r}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad(f"max_tokens must be at least 1, got {self.max_tokens!r}.")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}.")
+        """Every field checked once, here, for every front end (Python, HTTP, C): integers
+        are integers that fit in 64 bits, floats are finite, and each lies in its range.
+        Normalizes numeric fields to built-in int / float."""
+        for name, lo, hi in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name in _OPTIONAL:
+                continue
+            setattr(self, name, _check_int(name, v, lo, hi, _INT_WHAT.get(name, "")))
+        for name, lo, hi, lo_open in _FLOAT_FIELDS:
+            setattr(self, name, _check_float(name, getattr(self, name), lo, hi, lo_open))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}.")
+            raise VLLMValidationError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                                      f"got {self.min_tokens}.", parameter="min_tokens", value=self.min_tokens)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise VLLMValidationError(f"stop must list at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}.",
+                                      parameter="stop")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop must be a non-empty string or a list of non-empty strings.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be a list of non-negative integers.")
+            raise VLLMValidationError("stop must be a non-empty string or a list of non-empty strings.",
+                                      parameter="stop")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_LEN:
+            raise VLLMValidationError(f"stop strings must be at most {MAX_STOP_STRING_LEN} characters long, "
+                                      f"got one of {longest}.", parameter="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise VLLMValidationError(f"stop_token_ids must list at most {MAX_STOP_TOKEN_IDS} ids, "
+                                      f"got {len(self.stop_token_ids)}.", parameter="stop_token_ids")
+        self.stop_token_ids = [_check_int("stop_token_ids", t, 0, INT64_MAX, "a list of non-negative integers")
+                               for t in self.stop_token_ids]
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise VLLMValidationError(f"{name} must be a boolean, got {getattr(self, name)!r}.",
+                                          parameter=name, value=getattr(self, name))
         if self.n > 1 and self.sampling_type_greedy:
-            bad(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.")
+            raise VLLMValidationError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.",
+                                      parameter="n", value=self.n)
 
     @property
     def sampling_type_greedy(self) -> bool:

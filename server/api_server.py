@@ -34,7 +34,7 @@ from multiprocessing.connection import wait as mp_wait
 
 logger = logging.getLogger("vengine.server")
 
-_STOP_GRACE_S = 30.0  # after SIGTERM to the API servers, before they are killed
+_STOP_GRACE_S = 30.0  # after SIGTERM and each API server's drain (--shutdown-timeout), before a kill
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -115,7 +115,7 @@ def serve_api_servers(args) -> int:
         print(f"vengine: serving {', '.join(args.served_model_name or [config.served_model_name])} "
               f"on http://{args.host}:{port} ({n} API servers)", flush=True)
         code = _supervise(servers, engine, stop)
-    _stop_all(servers, engine)
+    _stop_all(servers, engine, args.shutdown_timeout + _STOP_GRACE_S)
     return code
 
 
@@ -150,12 +150,13 @@ def _supervise(servers, engine, stop: threading.Event) -> int:
     return 0
 
 
-def _stop_all(servers, engine) -> None:
-    """SIGTERM to every API server (each drains), then the engine ends with the last pipe."""
+def _stop_all(servers, engine, grace: float) -> None:
+    """SIGTERM to every API server (each drains), then the engine ends with the last pipe;
+    what still runs ``grace`` seconds later is killed."""
     for p in servers:
         if p.is_alive():
             p.terminate()
-    deadline = time.monotonic() + _STOP_GRACE_S
+    deadline = time.monotonic() + grace
     for p in servers + [engine]:
         p.join(max(0.1, deadline - time.monotonic()))
         if p.is_alive():

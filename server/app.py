@@ -6,10 +6,12 @@ for engine output on gevent Events woken through ``server.bridge``.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from flask import Flask, Response, request
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
-from .bridge import ClientDisconnected, GeventBridge, RequestGroup, is_engine_dead
+from .bridge import ClientDisconnected, GeventBridge, RequestGroup, ServerShuttingDown, is_engine_dead
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -28,6 +30,7 @@ logger = logging.getLogger("vengine.server")
 VERSION = "0.1.0"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 SOCKET_ENVIRON_KEY = "vengine.socket"
+_COUNTED_ENVIRON_KEY = "vengine.counted"
 
 # Used when neither the tokenizer nor --chat-template provides a chat template.
 FALLBACK_CHAT_TEMPLATE = (
@@ -35,7 +38,8 @@ FALLBACK_CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
+                413: "RequestTooLargeError",
                 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
 
@@ -55,6 +59,14 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+
+
+class RequestFailed(Exception):
+    """One engine request ended with finish_reason "error" (it failed inside the engine;
+    the others go on): HTTP 500, or an error event then [DONE] once streaming began."""
+
+    def __init__(self, error: Optional[str]):
+        super().__init__(f"The request failed inside the engine: {error or 'unknown error'}")
 
 
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
@@ -88,6 +100,7 @@ class ServerConfig:
     max_model_len: int = 0
     vocab_size: Optional[int] = None
     scheduling_policy: str = "fcfs"
+    dev_mode: bool = False  # vLLM's VLLM_SERVER_DEV_MODE: development endpoints (/reset_prefix_cache)
 
     @classmethod
     def from_args(cls, engine, args) -> "ServerConfig":
@@ -110,7 +123,8 @@ class ServerConfig:
                    model_path=str(getattr(ecfg, "model", "")),
                    max_model_len=int(getattr(ecfg, "max_model_len", 0) or 0),
                    vocab_size=getattr(hf, "vocab_size", None),
-                   scheduling_policy=getattr(ecfg, "scheduling_policy", "fcfs"))
+                   scheduling_policy=getattr(ecfg, "scheduling_policy", "fcfs"),
+                   dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes"))
 
 
 class ServerState:
@@ -123,6 +137,25 @@ class ServerState:
         self.bridge = GeventBridge(engine)
         self.metrics = ServerMetrics(engine, cfg.served_model_names[0])
         self.created = int(time.time())
+        # Shutdown drain (hub thread only): HTTP requests being served (admission and
+        # tokenization included, until the response is closed), the generations among them
+        # (jobs), and whether new requests are refused (draining) or the generations in
+        # flight were cut (cut_message).
+        self.active_requests = 0
+        self.jobs: set = set()
+        self.draining = False
+        self.cut_message: Optional[str] = None
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503); the ones in flight go on."""
+        self.draining = True
+
+    def cut_jobs(self, message: str) -> None:
+        """End every request still in flight: its engine requests are aborted, a stream
+        gets an error event then [DONE], a plain request a 503."""
+        self.cut_message = message
+        for job in list(self.jobs):
+            job.cut(message)
 
     def close(self) -> None:
         self.bridge.close()
@@ -174,7 +207,7 @@ def _completion_prompts(st: ServerState, req: CompletionRequest) -> list[tuple[O
                 raise APIError(400, "prompt must not be empty.", "prompt")
             ids = st.tokenizer(item).input_ids
             if not ids:
-                raise APIError(400, "prompt must not be empty.", "prompt")
+                raise APIError(400, "The prompt encodes to no tokens.", "prompt")
             out.append((item, ids))
         else:
             if not item:
@@ -214,10 +247,11 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
         _check_token_ids(st, req.stop_token_ids, "stop_token_ids")
     try:
         return SamplingParams(**kw)
-    except ValueError as e:
-        msg = str(e)
-        param = next((k for k in kw if msg.startswith(k)), None)
-        raise APIError(400, msg, param) from None
+    except ValueError as e:  # the engine's one answer (VLLMValidationError names the field)
+        param = getattr(e, "parameter", None)
+        if param == "logprobs" and hasattr(req, "top_logprobs"):
+            param = "top_logprobs"  # chat's name for the count
+        raise APIError(400, str(e), param) from None
 
 
 def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -352,7 +386,10 @@ class _Job:
 
     def start(self, sock) -> None:
         st = self.st
+        if st.cut_message is not None:
+            raise APIError(503, st.cut_message)
         self.group = RequestGroup(st.bridge, st.engine, sock)
+        st.jobs.add(self)
         try:
             for i, (_, ids) in enumerate(self.prompts):
                 self.group.add(f"{self.id}-{i}", ids, self.sp, self.priority)
@@ -365,7 +402,12 @@ class _Job:
                 raise APIError(503, f"The engine is dead: {e}") from None
             raise
 
+    def cut(self, message: str) -> None:
+        if self.group is not None:
+            self.group.cancel(message)
+
     def close(self) -> None:
+        self.st.jobs.discard(self)
         if self.group is not None:
             self.group.close()
             # requests whose end the handler never saw (client gone, engine dead)
@@ -405,6 +447,10 @@ class _Job:
                 ntok = len(o.token_ids)
                 ch.num_tokens += ntok
                 newest = max(newest, ntok)
+                if o.finish_reason == "error":
+                    self._recorded.add(i)
+                    m.finished("error")
+                    raise RequestFailed(o.error)  # the job's close() aborts its other requests
                 if o.finish_reason is not None:
                     ch.finish_reason = o.finish_reason
                     ch.stop_reason = o.stop_reason
@@ -487,6 +533,10 @@ class _Job:
                 yield _sse(dict(head, choices=[], usage=_usage(self.prompt_tokens, self.completion_tokens())))
         except ClientDisconnected:
             return
+        except RequestFailed as e:
+            yield _sse(error_body(500, str(e)))
+        except ServerShuttingDown as e:
+            yield _sse(error_body(503, str(e)))
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             if is_engine_dead(e, self.st.engine):
                 status, msg = 503, f"The engine is dead: {e}"
@@ -495,6 +545,17 @@ class _Job:
                 status, msg = 500, f"Internal error while streaming: {type(e).__name__}: {e}"
             yield _sse(error_body(status, msg))
         yield _SSE_DONE
+
+
+def _authorized(header: str, keys: list[str]) -> bool:
+    """``Authorization: Bearer KEY``; the scheme is case-insensitive (RFC 9110), the key
+    compared in constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip().encode()
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(token, k.encode())
+    return ok and scheme.lower() == "bearer"
 
 
 def _check_stream_options(req) -> None:
@@ -513,6 +574,10 @@ def _run_job(job: _Job, stream: bool) -> Response:
         return _json_response(job.run_to_end())
     except ClientDisconnected:
         return Response(status=499)
+    except RequestFailed as e:
+        return error_response(500, str(e))
+    except ServerShuttingDown as e:
+        return error_response(503, str(e))
     except Exception as e:
         if is_engine_dead(e, job.st.engine):
             return error_response(503, f"The engine is dead: {e}")
@@ -571,12 +636,27 @@ def create_app(engine, args=None) -> Flask:
         return error_response(500, f"Internal server error: {type(e).__name__}")
 
     @app.before_request
-    def _auth():
-        if cfg.api_keys and request.path.startswith("/v1"):
-            got = request.headers.get("Authorization", "")
-            if not any(hmac.compare_digest(got.encode(), f"Bearer {k}".encode()) for k in cfg.api_keys):
-                return error_response(401, "Invalid or missing API key.")
+    def _gate():  # shutdown drain, then the API key
+        if st.draining and request.path != "/metrics":
+            resp = error_response(503, "The server is shutting down.")
+            resp.headers["Connection"] = "close"
+            return resp
+        if cfg.api_keys and request.path.startswith("/v1") and not _authorized(
+                request.headers.get("Authorization", ""), cfg.api_keys):
+            return error_response(401, "Invalid or missing API key.")
+        st.active_requests += 1
+        request.environ[_COUNTED_ENVIRON_KEY] = True
         return None
+
+    @app.after_request
+    def _count_until_closed(resp: Response):
+        # A streamed response is still being served after the view returned: the request
+        # counts (for the shutdown drain) until the server closes the response.
+        if request.environ.pop(_COUNTED_ENVIRON_KEY, False):
+            def release() -> None:
+                st.active_requests -= 1
+            resp.call_on_close(release)
+        return resp
 
     @app.get("/health")
     def health():
@@ -592,6 +672,15 @@ def create_app(engine, args=None) -> Flask:
     def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
         return Response(st.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+    if cfg.dev_mode:
+        @app.post("/reset_prefix_cache")
+        def reset_prefix_cache():
+            # vLLM's dev endpoint (VLLM_SERVER_DEV_MODE=1): 200 when reset, 409 while
+            # requests hold KV blocks
+            if st.bridge.run_blocking(asyncio.run, engine.reset_prefix_cache()):
+                return _json_response({"success": True})
+            return error_response(409, "The prefix cache cannot be reset while requests hold KV blocks.")
 
     @app.get("/v1/models")
     def models():

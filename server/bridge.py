@@ -40,6 +40,10 @@ class EngineDead(RuntimeError):
     """The engine died and will not produce more output (the server-side view)."""
 
 
+class ServerShuttingDown(Exception):
+    """The server's shutdown drain ran out (``--shutdown-timeout``): this request was cut."""
+
+
 def is_engine_dead(exc: BaseException, engine=None) -> bool:
     """True for pyengine's ``EngineDeadError`` (matched by name, so the server does not
     depend on where the engine defines it), ``EngineDead``, or any error of a dead engine."""
@@ -68,8 +72,14 @@ class GeventBridge:
         """``engine.add_request`` on a gevent threadpool thread: it takes the engine's
         output-processor lock, which the output thread holds while it processes a whole
         step; the calling greenlet waits cooperatively, the hub keeps serving."""
-        return gevent.get_hub().threadpool.apply(
-            self._engine.add_request, (request_id, prompt, sampling_params), {"priority": priority})
+        return self.run_blocking(self._engine.add_request, request_id, prompt, sampling_params, priority=priority)
+
+    @staticmethod
+    def run_blocking(fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on a gevent threadpool thread (a call that may block on
+        a native lock or wait for the engine core); the calling greenlet waits
+        cooperatively, the hub keeps serving."""
+        return gevent.get_hub().threadpool.apply(fn, args, kwargs)
 
     def abort(self, request_ids: list) -> None:
         """Fire-and-forget ``engine.abort`` through one native thread (callable from the
@@ -209,6 +219,7 @@ class RequestGroup:
         self.request_ids: list[str] = []
         self.collectors: list = []
         self.disconnected = False
+        self.cancelled: Optional[str] = None  # why the server cut this request (shutdown)
         self._done: set[int] = set()
         self._aborted: set[str] = set()
         self._watch: Optional[_SocketWatch] = None
@@ -222,6 +233,13 @@ class RequestGroup:
         self.abort_unfinished()
         self.event.set()
 
+    def cancel(self, message: str) -> None:
+        """End this request's generation on the server's behalf (hub thread): its engine
+        requests are aborted and its reader raises ``ServerShuttingDown(message)``."""
+        self.cancelled = message
+        self.abort_unfinished()
+        self.event.set()
+
     def add(self, request_id: str, prompt, sampling_params, priority: int = 0):
         """``engine.add_request``; raises its ValueError / EngineDeadError unchanged."""
         self.bridge.register(request_id, self.event)
@@ -232,20 +250,23 @@ class RequestGroup:
             raise
         self.request_ids.append(request_id)
         self.collectors.append(collector)
-        if self.disconnected:  # the client left while we were admitting
+        if self.disconnected or self.cancelled:  # the client left / shutdown came while admitting
             self.abort_unfinished()
         return collector
 
     def outputs(self) -> Iterator[tuple[int, object]]:
         """Yield ``(index, RequestOutput)`` as outputs arrive until all requests finished.
 
-        Raises ``ClientDisconnected`` when the client left, and the engine's
-        ``EngineDeadError`` when the engine died.
+        Raises ``ClientDisconnected`` when the client left, ``ServerShuttingDown`` when
+        the server cut it (shutdown), and the engine's ``EngineDeadError`` when the engine
+        died.
         """
         collectors, done, event = self.collectors, self._done, self.event
         while len(done) < len(collectors):
             if self.disconnected:
                 raise ClientDisconnected()
+            if self.cancelled:
+                raise ServerShuttingDown(self.cancelled)
             got = False
             for i, col in enumerate(collectors):
                 if i in done:
@@ -259,6 +280,8 @@ class RequestGroup:
                 yield i, out
                 if self.disconnected:
                     raise ClientDisconnected()
+                if self.cancelled:
+                    raise ServerShuttingDown(self.cancelled)
             if not got and len(done) < len(collectors):
                 # No switch happened since the get_nowait calls above, so a fill after
                 # them is followed by a listener call that sets the event after clear().

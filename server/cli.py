@@ -13,7 +13,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from .app import DEFAULT_MAX_BODY_BYTES
-from .wsgi import DEFAULT_MAX_CONCURRENT_STREAMS
+from .wsgi import DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_SHUTDOWN_TIMEOUT
 
 logger = logging.getLogger("vengine.server")
 
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="A prefill takes at most this many tokens per step, so concurrent long prompts "
+                        "share the token budget (default: %(default)s, no cap).")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
                    help="Force async scheduling on (default: on where compatible).")
@@ -65,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-server-count", type=int, default=1,
                    help="Front-end (API server) processes sharing one engine process and the port, "
                         "as vllm serve's flag (default: %(default)s).")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help="On SIGTERM/SIGINT: seconds that requests in flight get to finish before they are "
+                        "cut (a stream then ends with an error event and [DONE]); new connections are "
+                        "refused at once (default: %(default)s, cut at once, as vLLM). A second signal "
+                        "cuts at once.")
     p.add_argument("--disable-access-log", action="store_true", help="Do not log each HTTP request.")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -83,6 +91,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         build_parser().error("--max-concurrent-streams must be >= 1")
     if args.api_server_count < 1:
         build_parser().error("--api-server-count must be >= 1")
+    if not args.shutdown_timeout >= 0:  # also NaN
+        build_parser().error("--shutdown-timeout must be >= 0")
     return args
 
 
@@ -98,6 +108,7 @@ def engine_args_from(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, seed=args.seed,
         async_scheduling=args.async_scheduling, enforce_eager=args.enforce_eager,
         load_format=args.load_format, stream_interval=args.stream_interval,
@@ -126,33 +137,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def serve_engine(args, engine, listener=None, on_ready: Optional[Callable[[str], None]] = None) -> int:
-    """Serve ``engine`` (an AsyncLLM) over HTTP on this thread until SIGINT/SIGTERM;
-    returns the exit status. ``listener``: an already bound and listening socket to accept
-    on instead of ``args.host``/``args.port`` (``--api-server-count``: shared by the API
+    """Serve ``engine`` (an AsyncLLM) over HTTP on this thread until SIGINT/SIGTERM and the
+    drain that follows (``--shutdown-timeout``, ``server.wsgi.graceful_shutdown``); returns
+    the exit status. ``listener``: an already bound and listening socket to accept on
+    instead of ``args.host``/``args.port`` (``--api-server-count``: shared by the API
     servers). ``on_ready(url)`` replaces the "serving on" line."""
     import gevent
 
     from .app import create_app
-    from .wsgi import make_server
+    from .wsgi import make_server, serve_until_shutdown
 
     app = create_app(engine, args)
     server = make_server(app, args.host, args.port, args.max_concurrent_streams,
                          access_log=not args.disable_access_log, listener=listener)
+    names = ", ".join(app.extensions["vengine"].cfg.served_model_names)
+
+    def install(trigger) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            gevent.signal_handler(sig, trigger)
+        url = f"http://{args.host}:{server.server_port}"
+        logger.info("Serving %s on %s (OpenAI API under /v1)", names, url)
+        if on_ready is None:
+            print(f"vengine: serving {names} on {url}", flush=True)
+        else:
+            on_ready(url)
     try:
-        server.start()
+        serve_until_shutdown(server, app, args.shutdown_timeout, install)
     except OSError as e:
         print(f"vengine serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        gevent.signal_handler(sig, lambda: gevent.spawn(server.stop, 5.0))
-    names = ", ".join(app.extensions["vengine"].cfg.served_model_names)
-    url = f"http://{args.host}:{server.server_port}"
-    logger.info("Serving %s on %s (OpenAI API under /v1)", names, url)
-    if on_ready is None:
-        print(f"vengine: serving {names} on {url}", flush=True)
-    else:
-        on_ready(url)
-    server.serve_forever()
+    logger.info("Shut down.")
     app.extensions["vengine"].close()
     return 0
 

@@ -72,3 +72,17 @@ def scripted_dir(tmp_path_factory, scripted_tokenizer_dir, scripted_tokenizer):
     """The scripted model (tests.helpers.build_scripted_model) with scripted_script's table."""
     return build_scripted_model(tmp_path_factory.mktemp("scripted"), scripted_tokenizer_dir,
                                 scripted_script(scripted_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def no_tokenizer_dir(tmp_path_factory, qwen2_dir):
+    """qwen2's config and weights without any tokenizer file: transformers then builds a
+    Qwen2Tokenizer with an empty vocabulary that encodes every text to no tokens."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("no_tokenizer")
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(qwen2_dir / name, out / name)
+    for f in qwen2_dir.glob("*.safetensors*"):
+        shutil.copy(f, out / f.name)
+    return out

@@ -292,3 +292,32 @@ def new_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_head
     """One zeroed [2, num_blocks, block_size, Hkv, D] cache per layer."""
     return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
             for _ in range(num_layers)]
+
+
+# ---- fault injection for the per-request error path (issue 12) -----------------------
+
+def fail_request_add(monkeypatch, bad_prompt, message="injected: Overflow when unpacking long long"):
+    """Make the engine core's ``Request(...)`` raise OverflowError(message) for the prompt
+    ``bad_prompt`` (token ids), as a request the core cannot admit. In-process cores only."""
+    import pyengine.engine.core as core_mod
+    real = core_mod.Request
+
+    def make(request_id, prompt_token_ids, *a, **k):
+        if list(prompt_token_ids) == list(bad_prompt):
+            raise OverflowError(message)
+        return real(request_id, prompt_token_ids, *a, **k)
+    monkeypatch.setattr(core_mod, "Request", make)
+
+
+def fail_request_allocation(monkeypatch, engine_core, bad_prompt, after_tokens,
+                            message="injected: block table corrupted"):
+    """Make KV slot allocation raise RuntimeError(message) for the prompt ``bad_prompt``
+    once it generated ``after_tokens`` tokens (a request failing while it runs)."""
+    kv = engine_core.scheduler.kv_cache_manager
+    real = kv.allocate_slots
+
+    def allocate(req, *a, **k):
+        if req.prompt_token_ids == list(bad_prompt) and req.num_output_tokens >= after_tokens:
+            raise RuntimeError(message)
+        return real(req, *a, **k)
+    monkeypatch.setattr(kv, "allocate_slots", allocate)

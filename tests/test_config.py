@@ -13,6 +13,7 @@ def test_defaults(llama_dir):
     assert cfg.async_scheduling and cfg.enable_prefix_caching and cfg.enable_chunked_prefill
     assert cfg.scheduling_policy == "fcfs" and cfg.block_size == 16
     assert cfg.max_model_len == 1024  # max_position_embeddings of the tiny model
+    assert cfg.long_prefill_token_threshold == 0
 
 
 def test_default_model_when_none():
@@ -33,6 +34,9 @@ def test_async_env_rollback(llama_dir, monkeypatch):
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 16}, "chunked prefill"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
     ({"tensor_parallel_size": 3}, r"num_attention_heads \(4\) must be divisible by tensor_parallel_size \(3\)"),
+    ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+    ({"long_prefill_token_threshold": 1.5}, "long_prefill_token_threshold"),
+    ({"long_prefill_token_threshold": 8, "enable_chunked_prefill": False}, "needs chunked prefill"),
 ])
 def test_rejections(llama_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -16,6 +16,7 @@ CONFIGS = {
     "chunked_prefill": {"max_num_batched_tokens": 16},
     "preemption": {"num_gpu_blocks_override": 8, "max_model_len": 128, "max_num_batched_tokens": 64},
     "sync_scheduling": {"async_scheduling": False},
+    "long_prefill_threshold": {"long_prefill_token_threshold": 7},
 }
 
 
@@ -187,6 +188,26 @@ def test_n_completions(llama_dir, prompts):
     _assert_no_leak(llm)
 
 
+def test_reset_prefix_cache(llama_dir):
+    # issue 12 kind 4: vLLM's LLM.reset_prefix_cache(), False while blocks are in use
+    llm = LLM(str(llama_dir), device="cpu", block_size=4)
+    text = "def add(a, b):\n    return a + b\n" * 3
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    first = llm.generate(text, sp, use_tqdm=False)[0]
+    assert llm.generate(text, sp, use_tqdm=False)[0].num_cached_tokens > 0
+    engine = llm.llm_engine
+    engine.add_request("busy", text, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert llm.reset_prefix_cache() is False  # a request holds blocks: nothing changes
+    engine.abort_request(["busy"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache() is True
+    again = llm.generate(text, sp, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    _assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("bad, match", [
     ("", "empty"),
     ([], "empty"),
@@ -201,6 +222,23 @@ def test_bad_prompts_rejected_and_engine_keeps_serving(llama_dir, prompts, refer
     _assert_no_leak(llm)
     outs = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references["llama"][:2]
+
+
+def test_out_of_range_sampling_values_never_reach_the_engine(llama_dir, prompts, references):
+    # issue 12: a seed past 64 bits raised inside the engine step; NaN temperature ran
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=128)
+    for bad in ({"seed": 2 ** 64}, {"temperature": float("nan")}, {"n": 10 ** 20}, {"top_p": float("inf")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4, **bad), use_tqdm=False)
+    _assert_no_leak(llm)
+    outs = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == references["llama"][:2]
+    # the ends of the seed range run (torch's generator takes the whole int64 range)
+    from pyengine.sampling_params import INT64_MAX, INT64_MIN
+    outs = llm.generate(prompts[:2], [SamplingParams(seed=INT64_MAX, n=2, max_tokens=4, ignore_eos=True),
+                                      SamplingParams(seed=INT64_MIN, max_tokens=4, ignore_eos=True)], use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [4, 4, 4]
+    _assert_no_leak(llm)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -231,6 +269,11 @@ def test_bad_sampling_params(kwargs, match):
 def test_bad_engine_args(llama_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(str(llama_dir), device=kwargs.pop("device", "cpu"), **kwargs)
+
+
+def test_model_without_tokenizer_is_refused(no_tokenizer_dir):
+    with pytest.raises(ValueError, match="cannot encode text"):
+        LLM(str(no_tokenizer_dir), device="cpu")
 
 
 def test_missing_model_dir(tmp_path):

@@ -11,9 +11,12 @@ host memory. A counter hands them out by id instead, before any freed block.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
+
+logger = logging.getLogger("pyengine")
 
 NONE_HASH = 0x5EED_5EED
 
@@ -98,9 +101,15 @@ class BlockPool:
                 self.free_queue[b.block_id] = b
 
     def reset_prefix_cache(self) -> bool:
-        if self.get_num_free_blocks() != self.num_blocks - 1:
+        """Forget every cached prefix (e.g. after new weights are loaded, or to benchmark
+        without cache hits). Only when no block is in use: returns False and changes
+        nothing while a request holds blocks."""
+        in_use = self.num_blocks - 1 - self.get_num_free_blocks()
+        if in_use:
+            logger.warning("Failed to reset the prefix cache: %d KV blocks are still in use.", in_use)
             return False
         for b in self.blocks:
             b.block_hash = None
         self.cached.clear()
+        logger.info("Prefix cache reset.")
         return True

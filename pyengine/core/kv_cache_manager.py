@@ -124,5 +124,9 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def reset_prefix_cache(self) -> bool:
+        """See ``BlockPool.reset_prefix_cache``: False while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_to_block_ids[request_id]

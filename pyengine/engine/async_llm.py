@@ -11,9 +11,11 @@ and utility calls are messages.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import threading
+import time
 import weakref
 from typing import AsyncGenerator, Callable, Iterable, Optional
 
@@ -30,9 +32,36 @@ from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 logger = logging.getLogger("pyengine")
 
 
+_TOKENIZER_PROBE = "Hello, world! 123"
+
+
 def load_tokenizer(config: EngineConfig):
+    """The model's tokenizer, checked to encode text into the model's vocabulary.
+
+    Raises ValueError when it cannot be loaded or cannot encode text: e.g. a model
+    directory without tokenizer files, where transformers can build a tokenizer with an
+    empty vocabulary that turns every prompt into no tokens."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(config.tokenizer)
+    try:
+        tok = AutoTokenizer.from_pretrained(config.tokenizer)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"Cannot load a tokenizer from {config.tokenizer}: {e}") from e
+    try:
+        ids = tok.encode(_TOKENIZER_PROBE, add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 - any failure here means the tokenizer is unusable
+        raise ValueError(f"The tokenizer loaded from {config.tokenizer} cannot encode text: "
+                         f"{type(e).__name__}: {e}") from e
+    vocab = config.hf_config.vocab_size
+    if not ids:
+        raise ValueError(
+            f"The tokenizer loaded from {config.tokenizer} cannot encode text ({_TOKENIZER_PROBE!r} gives "
+            f"no tokens): the directory has no usable tokenizer files (tokenizer.json, tokenizer.model, "
+            f"vocab.json + merges.txt). Add them, or name a tokenizer directory (--tokenizer).")
+    if max(ids) >= vocab:
+        raise ValueError(f"The tokenizer loaded from {config.tokenizer} does not match the model: it encodes "
+                         f"{_TOKENIZER_PROBE!r} to token id {max(ids)}, outside the model's vocabulary "
+                         f"(size {vocab}).")
+    return tok
 
 
 class AsyncLLM:
@@ -80,6 +109,23 @@ class AsyncLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    async def check_health(self) -> None:
+        """vLLM's health probe: returns when the engine can serve; raises EngineDeadError
+        (with the reason) once the engine died or was shut down."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._shutdown or not self.engine_core.is_alive():
+            raise EngineDeadError("The engine core is not running.")
+
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's ``AsyncLLM.reset_prefix_cache``: forget every cached prefix, on the
+        engine-core side between two steps. Returns False, and changes nothing, while
+        requests hold KV blocks. Raises EngineDeadError once the engine died."""
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        loop = asyncio.get_running_loop()
+        return bool(await loop.run_in_executor(None, self.engine_core.call_utility, "reset_prefix_cache"))
+
     # ---- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, sampling_params: Optional[SamplingParams] = None,
                     priority: int = 0) -> RequestOutputCollector:
@@ -99,10 +145,15 @@ class AsyncLLM:
         return collector
 
     def abort(self, request_id: str | Iterable[str]) -> None:
-        """Idempotent; unknown or finished ids are ignored. The stream ends with finish_reason 'abort'."""
+        """Idempotent; unknown or finished ids are ignored. The stream ends at once with
+        finish_reason 'abort' and the id can be used again right away (as in vLLM, it is
+        freed in the output processor; the engine core's abort follows)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
-            core_ids = [c for rid in ids for c in self.output_processor.core_ids(rid)]
+            core_ids, deliveries = self.output_processor.abort_requests(ids, time.monotonic())
+        for collector, ro in deliveries:
+            collector.put(ro)
+        self._notify([ro.request_id for _, ro in deliveries])
         self.engine_core.abort_requests(core_ids)
 
     async def generate(self, prompt, sampling_params: Optional[SamplingParams], request_id: str,

@@ -49,11 +49,22 @@ class EngineCore:
         logger.info("Asynchronous scheduling is %s.", "enabled" if config.async_scheduling else "disabled")
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                           req.max_tokens, req.arrival_time, req.priority))
+        """Never raises for a bad request: any exception while adding it ends only this
+        request, with finish_reason "error" in the next outputs (vLLM's per-request error
+        path); the engine and the other requests go on."""
+        try:
+            self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                               req.max_tokens, req.arrival_time, req.priority))
+        except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
+            self.scheduler.fail_request(req.request_id, e)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: forget every cached prefix. Returns False, and
+        changes nothing, while requests hold KV blocks."""
+        return self.scheduler.reset_prefix_cache()
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)
@@ -92,7 +103,7 @@ class EngineCore:
         return self.step_with_batch_queue if self.config.async_scheduling else self.step
 
     # ---- utility calls (front ends reach the scheduler only through these) ----------
-    UTILITY_METHODS = frozenset({"get_stats"})
+    UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache"})
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

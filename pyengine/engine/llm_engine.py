@@ -2,6 +2,7 @@
 (mirrors vllm/v1/engine/llm_engine.py)."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from pyengine.config import EngineConfig
@@ -37,7 +38,8 @@ class LLMEngine:
             self.engine_core.add_request(r)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        core_ids = [c for rid in request_ids for c in self.output_processor.core_ids(rid)]
+        """Ends these requests at once (their ids are free again); unknown ids are ignored."""
+        core_ids, _ = self.output_processor.abort_requests(request_ids, time.monotonic())
         self.engine_core.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -51,6 +53,10 @@ class LLMEngine:
         if to_abort:
             self.engine_core.abort_requests(to_abort)
         return [ro for _, ro in deliveries]
+
+    def reset_prefix_cache(self) -> bool:
+        """False (nothing changed) while requests hold KV blocks."""
+        return self.engine_core.reset_prefix_cache()
 
     def get_stats(self):
         return self.engine_core.scheduler.make_stats()

@@ -49,6 +49,7 @@ class EngineCoreOutput:
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
+    error: Optional[str] = None  # with finish_reason "error": what failed, for the front ends
 
     @property
     def finished(self) -> bool:
@@ -116,7 +117,7 @@ class UtilityOutput:
 _TYPES = {c.__name__: c for c in (EngineCoreRequest, EngineCoreAbort, LogprobsEntry, EngineCoreOutput,
                                   SchedulerStats, EngineCoreOutputs, EngineDeadMessage, SamplingParams,
                                   EngineCoreReady, EngineCoreShutdown, UtilityRequest, UtilityOutput)}
-_OUTPUTS_FORMAT = "EngineCoreOutputs/columns-1"
+_OUTPUTS_FORMAT = "EngineCoreOutputs/columns-2"
 _STATS_FIELDS = [f.name for f in dataclasses.fields(SchedulerStats)]
 
 
@@ -148,7 +149,7 @@ def _from_plain(obj: Any) -> Any:
 
 def _encode_outputs(msg: EngineCoreOutputs) -> list:
     outs = msg.outputs
-    rare = [[i, _to_plain(o.new_logprobs), o.finish_reason, o.stop_reason, o.num_cached_tokens]
+    rare = [[i, _to_plain(o.new_logprobs), o.finish_reason, o.stop_reason, o.num_cached_tokens, o.error]
             for i, o in enumerate(outs)
             if o.finish_reason is not None or o.num_cached_tokens or o.new_logprobs is not None
             or o.stop_reason is not None]
@@ -161,9 +162,10 @@ def _encode_outputs(msg: EngineCoreOutputs) -> list:
 def _decode_outputs(obj: list) -> EngineCoreOutputs:
     _, timestamp, stats, rids, toks, rare = obj
     outs = [EngineCoreOutput(r, t) for r, t in zip(rids, toks)]
-    for i, lps, finish, stop, cached in rare:
+    for i, lps, finish, stop, cached, error in rare:
         o = outs[i]
         o.new_logprobs, o.finish_reason, o.stop_reason, o.num_cached_tokens = _from_plain(lps), finish, stop, cached
+        o.error = error
     return EngineCoreOutputs(outs, None if stats is None else SchedulerStats(*stats), timestamp)
 
 

@@ -124,6 +124,7 @@ def _merge_delta(cur: RequestOutput, new: RequestOutput) -> None:
         old.cumulative_logprob = c.cumulative_logprob
         old.finish_reason = c.finish_reason
         old.stop_reason = c.stop_reason
+        old.error = c.error
     cur.outputs.sort(key=lambda c: c.index)
     cur.finished = new.finished
     cur.metrics = new.metrics
@@ -154,6 +155,7 @@ class _Child:
         self.cumulative_logprob: Optional[float] = 0.0 if self.want_logprobs else None
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[int | str] = None
+        self.error: Optional[str] = None
         self.sent_tokens = 0
         self.sent_logprobs = 0
         self.emitted_tokens = 0  # output tokens when this child was last reported (stream_interval)
@@ -178,7 +180,7 @@ class _Child:
             ids = list(ids)
             lps = list(lps) if lps is not None else None
         return CompletionOutput(self.index, text, ids, self.cumulative_logprob, lps,
-                                self.finish_reason, self.stop_reason)
+                                self.finish_reason, self.stop_reason, self.error)
 
 
 class _Parent:
@@ -260,6 +262,34 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [c.core_id for c in parent.children if c.finish_reason is None] if parent else []
 
+    def abort_requests(self, request_ids, timestamp: float
+                       ) -> tuple[list[str], list[tuple[Any, RequestOutput]]]:
+        """Finish these requests here and now (vLLM frees the id in its output
+        processor at abort time): each unfinished completion ends with finish_reason
+        "abort", the request id is free again at once, and the engine core's own abort
+        outputs, arriving later, are ignored. Unknown or finished ids are skipped.
+        Returns (core request ids to abort in the engine core, [(collector, final
+        RequestOutput)])."""
+        core_ids: list[str] = []
+        deliveries = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            changed = [c for c in parent.children if c.finish_reason is None]
+            for child in changed:
+                core_ids.append(child.core_id)
+                del self.children[child.core_id]
+                child.finish_reason = "abort"
+                if child.deferred:
+                    child.finish_deferred(False)
+                parent.num_finished += 1
+            parent.metrics.finished_time = timestamp
+            out = parent.make_output(changed)
+            if out is not None:
+                deliveries.append((parent.collector, out))
+        return core_ids, deliveries
+
     def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float
                         ) -> tuple[list[tuple[Any, RequestOutput]], list[str]]:
         """Returns ([(collector, RequestOutput)] in arrival order of outputs, core request
@@ -288,6 +318,7 @@ class OutputProcessor:
                     to_abort.append(eco.request_id)
             elif eco.finished:
                 child.finish_reason, child.stop_reason = eco.finish_reason, eco.stop_reason
+                child.error = eco.error
             if child.finish_reason is not None:
                 if child.deferred:
                     child.finish_deferred(eco.finish_reason == "stop")

@@ -3,13 +3,14 @@
 ValueError there and nothing reaches the engine."""
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Optional
 
 from pyengine.config import EngineConfig
 from pyengine.engine.messages import EngineCoreRequest
 from pyengine.exceptions import VLLMValidationError
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
 
@@ -37,8 +38,19 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
+def child_seed(seed: Optional[int], index: int) -> Optional[int]:
+    """Seed of the index-th of n completions: seed + index, wrapped into int64 (the
+    seed range) so that a seed at the top of the range stays valid."""
+    if seed is None:
+        return None
+    return (seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
+
+
 class Processor:
     def __init__(self, config: EngineConfig, tokenizer):
+        # Suffix that makes every engine-core request id unique (as vLLM does): an aborted
+        # request's id is free again at once while its core request may still be in flight.
+        self._counter = itertools.count()
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = config.hf_config.vocab_size
@@ -57,7 +69,14 @@ class Processor:
             if not prompt:
                 raise ValueError("The prompt cannot be empty.")
             # verbose=False: the length check below reports over-long prompts itself.
-            return prompt, self.tokenizer.encode(prompt, verbose=False)
+            ids = self.tokenizer.encode(prompt, verbose=False)
+            if not ids:
+                raise ValueError("The prompt encodes to no tokens.")
+            if max(ids) >= self.vocab_size or min(ids) < 0:
+                # a tokenizer larger than the model's vocabulary: refused here, not in the model
+                raise ValueError(f"The prompt encodes to token id {max(ids)}, outside the model's "
+                                 f"vocabulary (size {self.vocab_size}); the tokenizer does not match the model.")
+            return prompt, ids
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("The prompt cannot be empty.")
@@ -98,8 +117,9 @@ class Processor:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not INT64_MIN <= priority <= INT64_MAX:
+            raise VLLMValidationError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got {priority!r}.",
+                                      parameter="priority", value=priority)
         text, ids = self.tokenize(prompt)
         max_len = self.config.max_model_len
         if len(ids) >= max_len:
@@ -114,10 +134,10 @@ class Processor:
         params = params.clone(all_stop_token_ids=stop_ids)
         max_tokens = self._resolve_max_tokens(len(ids), params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        suffix = f"-{next(self._counter)}"
         core_reqs = []
         for i in range(params.n):
-            child = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i)
-            core_reqs.append(EngineCoreRequest(child_request_id(request_id, i, params.n), ids, child,
+            child = params if params.n == 1 else params.clone(n=1, seed=child_seed(params.seed, i))
+            core_reqs.append(EngineCoreRequest(child_request_id(request_id, i, params.n) + suffix, ids, child,
                                                max_tokens, arrival, priority))
         return text, ids, params, core_reqs

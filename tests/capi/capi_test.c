@@ -8,6 +8,7 @@
  * otherwise.
  */
 #include <dlfcn.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -469,6 +470,43 @@ static void case_bad_args(int argc, char** argv) {
   CHECK(p_vllm_complete_tokens(e, longp, 1020, &sp, outp, 8, &n_out, &c) == VLLM_OK && n_out == 4,
         "max_tokens <= 0: the room left (n_out %d)", n_out);
   p_vllm_completion_free(&c);
+  /* NaN / Infinity and values past 64 bits: refused with the engine's own message */
+  sp = greedy(4);
+  sp.temperature = NAN;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("NAN_MESSAGE", p_vllm_last_error());
+  sp = greedy(4);
+  sp.top_p = INFINITY;
+  EXPECT_ST(p_vllm_complete_stream(e, "x", &sp, rec_cb, NULL), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "top_p") != NULL, "names top_p");
+  sp = greedy(4);
+  sp.repetition_penalty = NAN;
+  EXPECT_ST(p_vllm_request_submit(e, "x", &sp, rec_cb, NULL, &q), VLLM_ERR_INVALID_ARGUMENT);
+  sp = greedy(4);
+  sp.presence_penalty = -INFINITY;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  EXPECT_ST(p_vllm_chat(e, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"temperature\":NaN}", &js),
+            VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("CHAT_NAN_MESSAGE", p_vllm_last_error());
+  EXPECT_ST(p_vllm_chat(e, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                           "\"seed\":18446744073709551616}", &js),
+            VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "seed") != NULL, "names seed");
+  EXPECT_ST(p_vllm_chat_stream(e, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                                  "\"top_p\":Infinity}", rec_cb, NULL),
+            VLLM_ERR_INVALID_ARGUMENT);
+  /* every uint64_t seed is valid (read as the int64 with the same bits) */
+  sp = greedy(4);
+  sp.temperature = 1.0f;
+  sp.has_seed = 1;
+  sp.seed = UINT64_MAX;
+  vllm_status st_seed = p_vllm_complete(e, "hello", &sp, &c);
+  CHECK(st_seed == VLLM_OK, "seed UINT64_MAX status %d", st_seed);
+  if (st_seed == VLLM_OK) p_vllm_completion_free(&c);
+  sp.seed = (uint64_t)1 << 63;
+  st_seed = p_vllm_complete(e, "hello", &sp, &c);
+  CHECK(st_seed == VLLM_OK, "seed 2^63 status %d", st_seed);
+  if (st_seed == VLLM_OK) p_vllm_completion_free(&c);
   sp = greedy(4);
   /* still usable after all that */
   vllm_status st = p_vllm_complete(e, "hello", &sp, &c);
@@ -617,6 +655,44 @@ static void case_engine_dies(int argc, char** argv) {
   p_vllm_engine_free(e);
 }
 
+/* one request fails inside the engine (the test injects the failure for requests with
+ * min_tokens == 7): only it ends, with VLLM_ERR_RUNTIME and a message; the others and
+ * the engine go on */
+static void case_request_fails(int argc, char** argv) {
+  (void)argc;
+  vllm_engine* e = load_engine();
+  rec r;
+  rec_init(&r);
+  vllm_request* q = submit(e, argv[0], 64, &r);
+  vllm_sampling_params sp = greedy(8);
+  sp.min_tokens = 7;
+  vllm_completion c;
+  vllm_status st = p_vllm_complete(e, "hello", &sp, &c);
+  printf("COMPLETE_STATUS %d\n", st);
+  print_escaped("COMPLETE_ERROR", p_vllm_last_error());
+  CHECK(st == VLLM_ERR_RUNTIME, "complete status %d", st);
+  if (st == VLLM_OK) p_vllm_completion_free(&c);
+  rec r2;
+  rec_init(&r2);
+  vllm_request* q2 = NULL;
+  st = p_vllm_request_submit(e, "hello", &sp, rec_cb, &r2, &q2);
+  CHECK(st == VLLM_OK && q2, "submit status %d", st);
+  st = p_vllm_request_wait(q2);
+  CHECK(st == VLLM_ERR_RUNTIME, "wait status %d", st);
+  CHECK(p_vllm_request_error(q2)[0] != '\0', "request error set");
+  CHECK(r2.nfinal == 1 && r2.after_final == 0, "finals %d", r2.nfinal);
+  p_vllm_request_free(q2);
+  st = p_vllm_request_wait(q);
+  CHECK(st == VLLM_OK, "other request status %d", st);
+  CHECK(r.nfinal == 1 && r.len > 0, "other request text");
+  p_vllm_request_free(q);
+  sp = greedy(4);
+  st = p_vllm_complete(e, "hello", &sp, &c);
+  CHECK(st == VLLM_OK, "engine still serves: %d", st);
+  if (st == VLLM_OK) p_vllm_completion_free(&c);
+  p_vllm_engine_free(e);
+}
+
 int main(int argc, char** argv) {
   if (argc < 5) {
     fprintf(stderr, "usage: %s LIB local|global CASE MODEL [ARGS...]\n", argv[0]);
@@ -650,6 +726,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(c, "fork")) case_fork(n, a);
   else if (!strcmp(c, "load_fails")) case_load_fails(n, a);
   else if (!strcmp(c, "engine_dies")) case_engine_dies(n, a);
+  else if (!strcmp(c, "request_fails")) case_request_fails(n, a);
   else {
     printf("FAIL unknown case %s\n", c);
     return 2;

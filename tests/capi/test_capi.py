@@ -217,8 +217,14 @@ def test_callbacks_cancel_wait_free_and_slow(capi_test_bin, capi_lib, llama_dir)
 def test_bad_arguments_return_status_and_message(capi_test_bin, capi_lib, llama_dir):
     out = _check(_run(capi_test_bin, capi_lib, "bad_args", llama_dir))
     errs = [line for line in out.splitlines() if line.startswith("ERR ")]
-    assert len(errs) >= 29
+    assert len(errs) >= 36
     assert all(" :: " in e and e.split(" :: ", 1)[1].strip() for e in errs)
+    # NaN is refused with the words the Python API and HTTP use (issue 16 kind 3)
+    from pyengine import SamplingParams
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(temperature=float("nan"))
+    assert _unescape(re.search(r"^NAN_MESSAGE (.*)$", out, re.M).group(1)) == str(ei.value)
+    assert _unescape(re.search(r"^CHAT_NAN_MESSAGE (.*)$", out, re.M).group(1)) == str(ei.value)
 
 
 def test_chat_matches_python_api_with_template(capi_test_bin, capi_lib, llama_dir, reference):
@@ -280,6 +286,11 @@ def test_broken_python_environment_fails_load(capi_test_bin, capi_lib, llama_dir
     assert "LOAD 3" in out
 
 
+def test_model_without_tokenizer_fails_load(capi_test_bin, capi_lib, no_tokenizer_dir):
+    out = _check(_run(capi_test_bin, capi_lib, "load_fails", no_tokenizer_dir, timeout=120))
+    assert "LOAD 2" in out and "cannot encode text" in out  # VLLM_ERR_MODEL_LOAD
+
+
 _DIE_AFTER_STEPS = """
 import sys
 sys.path.insert(0, {root!r})
@@ -315,3 +326,24 @@ def test_in_process_and_engine_process_cores_give_the_same_text(capi_test_bin, c
                       env={"VENGINE_ENABLE_MULTIPROCESSING": multiprocess, "PATH": "/usr/bin:/bin"}))
     texts = [_unescape(line[5:]) for line in out.splitlines() if line.startswith("TEXT ")]
     assert texts == [reference[i][0].replace("\0", "\ufffd") for i in range(len(PROMPTS))]
+
+
+_FAIL_MIN_TOKENS_7 = """
+import sys
+sys.path.insert(0, {root!r})
+import pyengine.engine.core as _core
+_Request = _core.Request
+def _make(request_id, prompt_token_ids, sampling_params, *a, **k):
+    if sampling_params.min_tokens == 7:
+        raise OverflowError("injected: Overflow when unpacking long long")
+    return _Request(request_id, prompt_token_ids, sampling_params, *a, **k)
+_core.Request = _make
+"""
+
+
+def test_one_failing_request_ends_only_itself(capi_test_bin, capi_lib, llama_dir, tmp_path):
+    # issue 12: vLLM's per-request error path, seen from C
+    (tmp_path / "sitecustomize.py").write_text(_FAIL_MIN_TOKENS_7.format(root=str(ROOT)))
+    out = _check(_run(capi_test_bin, capi_lib, "request_fails", llama_dir, PROMPTS[0],
+                      env={"PYTHONPATH": str(tmp_path)}, timeout=120))
+    assert "COMPLETE_STATUS 3" in out and "failed inside the engine" in out and "OverflowError: injected" in out

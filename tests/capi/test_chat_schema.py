@@ -32,12 +32,26 @@ def test_template_and_params(tokenizer):
     ({"messages": [{"role": "user", "content": "a"}], "n": 2}, "n must be 1"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "image_url"),
     ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"messages": []}}, "messages"),
-    ({"messages": [{"role": "user", "content": "a"}], "top_p": 0}, "top_p"),
     ({"messages": [{"role": "user", "content": "a"}], "priority": "high"}, "priority"),
 ])
 def test_refusals(tokenizer, body, needle):
     with pytest.raises(ChatRequestError, match=needle):
         _parse(body, tokenizer)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ('"top_p": 0', "top_p must be a finite number in (0, 1], got 0.0."),
+    ('"temperature": NaN', "temperature must be a finite number >= 0, got nan."),
+    ('"temperature": Infinity', "temperature must be a finite number >= 0, got inf."),
+    ('"seed": 18446744073709551616', "seed must be an integer in [-9223372036854775808, 9223372036854775807]"),
+    ('"max_tokens": 1e400', "max_tokens must be an integer"),
+])
+def test_engine_range_errors_pass_unchanged(tokenizer, raw, message):
+    # JSON's NaN / Infinity literals and integers past 64 bits: the engine's own message
+    body = '{"messages": [{"role": "user", "content": "a"}], ' + raw + "}"
+    with pytest.raises(ValueError) as ei:
+        parse_chat_request(body, tokenizer, SamplingParams, RequestOutputKind.DELTA)
+    assert str(ei.value).startswith(message)
 
 
 def test_not_json(tokenizer):

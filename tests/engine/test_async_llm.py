@@ -11,7 +11,7 @@ import pytest
 
 from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
 from pyengine.engine.llm_engine import LLMEngine
-from tests.helpers import hf_greedy, prompt_token_ids
+from tests.helpers import fail_request_add, hf_greedy, prompt_token_ids
 
 
 def make_engine(model_dir, multiprocess=None, **kw) -> AsyncLLM:
@@ -69,6 +69,19 @@ def test_100_concurrent_requests(llama_dir, tokenizer):
         wait_idle(engine)
     finally:
         engine.shutdown()
+
+
+def test_model_without_tokenizer_is_refused_at_load(no_tokenizer_dir, llama_dir, tokenizer_dir):
+    # issue 12: it loaded, then the first text prompt killed the engine core
+    with pytest.raises(ValueError, match="cannot encode text .* no usable tokenizer files"):
+        make_engine(no_tokenizer_dir)
+    # a tokenizer that does not fit the model's vocabulary is refused too
+    from pyengine.engine.async_llm import load_tokenizer
+    cfg = EngineArgs(model=str(llama_dir), device="cpu").create_engine_config()
+    small = cfg.replace(hf_config=type(cfg.hf_config)(**dict(cfg.hf_config.to_dict(), vocab_size=4)))
+    with pytest.raises(ValueError, match="does not match the model"):
+        load_tokenizer(small)
+    assert load_tokenizer(cfg).encode("x")
 
 
 def test_duplicate_and_bad_requests_rejected(llama_dir, prompts):
@@ -193,7 +206,7 @@ def test_preemption_victim_and_exactness(llama_dir, prompts, policy, expected_vi
             assert (r.priority, r.arrival_time) == max((x.priority, x.arrival_time) for x in running)
         else:  # the most recently admitted
             assert r is running[-1]
-        victims.append(r.request_id)
+        victims.append(r.request_id.rsplit("-", 1)[0])  # core ids carry a unique suffix
         orig(r)
     sched._preempt = record
     p = [x[:20] + x[:20] for x in prompts[:3]]  # 40-token prompts: 3 blocks each
@@ -247,6 +260,29 @@ def test_async_scheduling_switches(llama_dir, monkeypatch, caplog):
     assert "Asynchronous scheduling is enabled" in caplog.text
 
 
+@pytest.mark.timeout(120)
+def test_one_failing_request_does_not_take_the_engine_down(llama_dir, prompts, monkeypatch):
+    # issue 12: an exception while adding one request killed the engine for everyone
+    fail_request_add(monkeypatch, prompts[1])
+    engine = make_engine(llama_dir, multiprocess=False)  # the fault is patched into this process
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        good = engine.add_request("good", prompts[0], sp)
+        first = good.get(timeout=30)
+        bad = engine.add_request("bad", prompts[1], sp)
+        last = drain(bad)[-1]
+        assert last.finished and last.outputs[0].finish_reason == "error"
+        assert "OverflowError: injected" in last.outputs[0].error
+        outs = [first] + drain(good)
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == 40
+        assert outs[-1].outputs[0].finish_reason == "length"
+        assert not engine.errored
+        asyncio.run(engine.check_health())
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.timeout(60)
 def test_engine_death_reaches_every_stream(llama_dir, prompts):
     engine = make_engine(llama_dir, multiprocess=False, max_num_seqs=2)  # the fault is patched in
@@ -270,9 +306,70 @@ def test_engine_death_reaches_every_stream(llama_dir, prompts):
                 drain(c, timeout=5)
         assert time.monotonic() - t0 < 5
         assert engine.errored
+        with pytest.raises(EngineDeadError, match="injected failure"):
+            asyncio.run(engine.check_health())
         with pytest.raises(EngineDeadError):
             engine.add_request("late", prompts[0])
         assert seen  # listeners were told so gevent/C readers wake up
         listener_remove()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_aborted_id_is_free_at_once(llama_dir, prompts):
+    # issue 12 kind 2: add_request("x") right after abort("x") raised "already in use"
+    engine = make_engine(llama_dir)
+
+    def tokens(outs):
+        return [t for o in outs for t in o.outputs[0].token_ids]
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        ref = tokens(drain(engine.add_request("ref", prompts[1], sp.clone(max_tokens=5))))
+        for n in (1, 2):
+            old = engine.add_request("x", prompts[0], sp.clone(n=n, temperature=1.0 if n > 1 else 0.0))
+            assert not old.get(timeout=30).finished
+            engine.abort("x")
+            new = engine.add_request("x", prompts[1], sp.clone(max_tokens=5))  # no "already in use"
+            last = drain(old)[-1]
+            assert last.finished and {c.finish_reason for c in last.outputs} == {"abort"}
+            outs = drain(new)
+            # the old request's late outputs never reach the new stream
+            assert tokens(outs) == ref and outs[-1].outputs[0].finish_reason == "length"
+
+        # a consumer that closes its generator frees the id too
+        async def early_exit():
+            gen = engine.generate(prompts[0], sp, "y")
+            async for _ in gen:
+                break
+            await gen.aclose()
+            return engine.add_request("y", prompts[1], sp.clone(max_tokens=5))
+        assert tokens(drain(asyncio.run(early_exit()))) == ref
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_reset_prefix_cache_runs_on_the_engine_core(llama_dir, tokenizer, multiprocess):
+    # issue 12 kind 4: vLLM's AsyncLLM.reset_prefix_cache(), through the client's utility call
+    engine = make_engine(llama_dir, multiprocess=multiprocess, block_size=4)
+    try:
+        prompt = prompt_token_ids(tokenizer, 1, 40, 40, seed=17)[0]
+        sp = SamplingParams(temperature=0, max_tokens=4)
+        first = drain(engine.add_request("a", prompt, sp))[-1]
+        assert drain(engine.add_request("b", prompt, sp))[-1].num_cached_tokens > 0
+        busy = engine.add_request("busy", prompt, SamplingParams(max_tokens=500, ignore_eos=True,
+                                                                 output_kind=RequestOutputKind.DELTA))
+        busy.get(timeout=30)
+        assert asyncio.run(engine.reset_prefix_cache()) is False  # blocks in use: nothing changes
+        engine.abort("busy")
+        wait_idle(engine)
+        assert asyncio.run(engine.reset_prefix_cache()) is True
+        again = drain(engine.add_request("c", prompt, sp))[-1]
+        assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(engine.reset_prefix_cache())

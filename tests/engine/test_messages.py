@@ -65,9 +65,11 @@ def test_outputs_roundtrip_with_logprobs_and_stats():
         EngineCoreOutput("c", [9], None, finish_reason="stop", stop_reason=9),
         EngineCoreOutput("d", [], None, finish_reason="stop", stop_reason="END"),
         EngineCoreOutput("e", [], finish_reason="abort"),
+        EngineCoreOutput("f", [], finish_reason="error", error="OverflowError: injected"),
     ], stats, 99.5)
     out = roundtrip(outs)
-    a, b, c, d, e = out.outputs
+    a, b, c, d, e, f = out.outputs
+    assert f.finish_reason == "error" and f.error == "OverflowError: injected" and a.error is None
     assert isinstance(a.new_logprobs[0], LogprobsEntry)
     assert a.new_logprobs[0].token_ids == [11, 12, 13]
     assert a.new_logprobs[0].logprobs == [-0.1, -2.5, -3.0]

@@ -473,3 +473,25 @@ def test_asyncio_readers_woken_once_per_loop(monkeypatch):
         assert [o.outputs[0].token_ids for o in outs] == [[i] for i in range(50)]
         assert len(calls) == 1
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE, FINAL_ONLY])
+def test_abort_ends_the_request_here_and_frees_its_id(tokenizer, kind):
+    op = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=3, output_kind=kind)
+    coll, (c0, c1) = add(op, tokenizer, "req", params)
+    a = enc(tokenizer, " return the value")
+    op.process_outputs([EngineCoreOutput(c0, a[:3], finish_reason="length"), EngineCoreOutput(c1, a[:1])], 2.0)
+    core_ids, deliveries = op.abort_requests(["req", "unknown"], 3.0)
+    assert core_ids == [c1]  # only the unfinished completion is still in the engine core
+    (col, out), = deliveries
+    assert col is coll and out.finished and out.metrics.finished_time == 3.0
+    reasons = {o.index: o.finish_reason for o in out.outputs}
+    assert reasons[1] == "abort" and (kind == DELTA or reasons[0] == "length")
+    if kind == FINAL_ONLY:
+        assert out.outputs[1].text == tokenizer.decode(a[:1])
+    assert not op.has_request("req") and op.core_ids("req") == []
+    # the id is free again; the old core request's late outputs are ignored
+    coll2, _ = add(op, tokenizer, "req", SamplingParams(max_tokens=3, output_kind=kind))
+    assert op.process_outputs([EngineCoreOutput(c1, a[1:2], finish_reason="abort")], 4.0) == ([], [])
+    assert op.abort_requests(["req"], 5.0)[0] == ["req"]

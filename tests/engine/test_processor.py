@@ -73,9 +73,32 @@ def test_max_tokens_default_flag():
 
 def test_n_fans_out_with_distinct_seeds(processor):
     _, _, _, reqs = processor.process("g", [5, 6], SamplingParams(n=3, seed=10, temperature=1.0))
-    assert [r.request_id for r in reqs] == ["0_g", "1_g", "2_g"]
+    assert [r.request_id.rsplit("-", 1)[0] for r in reqs] == ["0_g", "1_g", "2_g"]
+    assert len({r.request_id.rsplit("-", 1)[1] for r in reqs}) == 1
     assert [r.sampling_params.seed for r in reqs] == [10, 11, 12]
     assert all(r.sampling_params.n == 1 for r in reqs)
+
+
+def test_core_request_ids_unique_per_request(processor):
+    # an aborted id may be reused at once while its core request is still in flight
+    a = processor.process("same", [5], None)[3][0].request_id
+    b = processor.process("same", [5], None)[3][0].request_id
+    assert a != b and a.startswith("same-") and b.startswith("same-")
+
+
+def test_child_seeds_wrap_inside_the_seed_range(processor):
+    from pyengine.sampling_params import INT64_MAX, INT64_MIN
+    _, _, _, reqs = processor.process("s", [5], SamplingParams(n=3, seed=INT64_MAX - 1, temperature=1.0))
+    assert [r.sampling_params.seed for r in reqs] == [INT64_MAX - 1, INT64_MAX, INT64_MIN]
+
+
+def test_text_encoding_outside_the_model_vocabulary_is_refused(llama_dir, tokenizer):
+    # a tokenizer larger than the model: refused at the door, not an IndexError in the model
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=64).create_engine_config()
+    small = Processor(cfg.replace(hf_config=type(cfg.hf_config)(**dict(cfg.hf_config.to_dict(), vocab_size=3))),
+                      tokenizer)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        small.process("v", "def f(x): return x", None)
 
 
 @pytest.mark.parametrize("prompt, params, priority, match", [
@@ -87,6 +110,8 @@ def test_n_fans_out_with_distinct_seeds(processor):
     ("x", {"max_tokens": 3}, 0, "SamplingParams"),
     ("x", SamplingParams(stop_token_ids=[10**6]), 0, "stop_token_ids"),
     ("x", None, "high", "priority"),
+    ("x", None, 2 ** 63, "priority must be an integer in"),
+    ("x", None, True, "priority"),
 ])
 def test_rejections(processor, prompt, params, priority, match):
     with pytest.raises(ValueError, match=match):

@@ -150,3 +150,29 @@ def wait_until(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+def spawn_server(model_dir, name: str, *flags: str, env: Optional[dict] = None, cwd=None, timeout: float = 120.0):
+    """``python -m server serve MODEL --port 0 --device cpu --served-model-name NAME FLAGS``
+    in a subprocess; returns ``(proc, port)`` once it says where it serves (the caller
+    kills the process). Fails with its output if it exits or stays silent."""
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", str(model_dir), "--port", "0", "--device", "cpu",
+         "--served-model-name", name, *flags],
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        m = re.search(rf"serving {re.escape(name)} on http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            return proc, int(m.group(1))
+    proc.kill()
+    proc.wait()
+    raise AssertionError("the server did not start:\n" + "".join(lines))

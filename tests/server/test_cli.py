@@ -3,16 +3,14 @@ clear error without a usable model."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.server.http_util import get, post
+from tests.server.http_util import get, post, spawn_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,28 +27,26 @@ def test_help_lists_vllm_flags():
                  "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
                  "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy",
                  "--no-async-scheduling", "--api-key", "--dtype", "--device", "--max-concurrent-streams",
-                 "--tensor-parallel-size"):
+                 "--tensor-parallel-size", "--shutdown-timeout", "--long-prefill-token-threshold"):
         assert flag in out.stdout, flag
+
+
+def test_flags_reach_the_engine_args():
+    from server.cli import engine_args_from, parse_args
+
+    args = parse_args(["serve", "m", "--long-prefill-token-threshold", "32", "--shutdown-timeout", "7.5"])
+    assert engine_args_from(args).long_prefill_token_threshold == 32 and args.shutdown_timeout == 7.5
+    for bad in (["--shutdown-timeout", "-1"], ["--shutdown-timeout", "nan"]):
+        with pytest.raises(SystemExit):
+            parse_args(["m", *bad])
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_serve_subprocess(llama_dir, tp):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", str(llama_dir), "--port", "0", "--device", "cpu",
-         "--served-model-name", "cli-model", "--max-model-len", "256", "--num-gpu-blocks-override", "256",
-         "--max-concurrent-streams", "8", "--disable-access-log", "--tensor-parallel-size", str(tp)],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, port = spawn_server(llama_dir, "cli-model", "--max-model-len", "256", "--num-gpu-blocks-override", "256",
+                              "--max-concurrent-streams", "8", "--disable-access-log",
+                              "--tensor-parallel-size", str(tp), env=_env(), cwd=REPO)
     try:
-        port, lines, deadline = None, [], time.time() + 120
-        while time.time() < deadline and port is None:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            lines.append(line)
-            m = re.search(r"serving cli-model on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-        assert port, "".join(lines)
         assert get(port, "/health")[0] == 200
         status, _, body = post(port, "/v1/completions", {"model": "cli-model", "prompt": "hi", "max_tokens": 3})
         assert status == 200, body
@@ -67,6 +63,13 @@ def test_bad_model_dir_is_a_clear_error(tmp_path):
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "cannot load" in out.stderr and "nope" in out.stderr
+
+
+def test_model_without_tokenizer_exits_with_the_reason(no_tokenizer_dir):
+    out = subprocess.run([sys.executable, "-m", "server", str(no_tokenizer_dir), "--port", "0", "--device", "cpu"],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "cannot load" in out.stderr and "cannot encode text" in out.stderr
 
 
 def test_default_model_when_missing():

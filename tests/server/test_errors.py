@@ -60,6 +60,24 @@ CASES = [
     ("stream_options_without_stream", C, c(stream_options={"include_usage": True}), {}, 400, "stream_options"),
     ("priority_on_fcfs", C, c(priority=5), {}, 400, "priority"),
     ("logit_bias", C, c(logit_bias={"5": 1.0}), {}, 400, "logit_bias"),
+    # issue 12 kind 1 / issue 16 kind 3: range-checked at the door, one message per field
+    ("seed_past_64_bits", C, c(seed=2 ** 64), {}, 400, "seed"),
+    ("seed_past_64_bits_chat", CH, ch(seed=2 ** 64), {}, 400, "seed"),
+    ("seed_below_int64", C, c(seed=-2 ** 63 - 1), {}, 400, "seed"),
+    ("n_huge", C, c(n=10 ** 20, temperature=1), {}, 400, "n"),
+    ("n_over_limit_chat", CH, ch(n=129, temperature=1), {}, 400, "n"),
+    ("temperature_nan", C, c(temperature=float("nan")), {}, 400, "temperature"),
+    ("temperature_inf_chat", CH, ch(temperature=float("inf")), {}, 400, "temperature"),
+    ("top_p_nan", C, c(top_p=float("nan")), {}, 400, "top_p"),
+    ("min_p_inf", CH, ch(min_p=float("inf")), {}, 400, "min_p"),
+    ("presence_neg_inf", C, c(presence_penalty=float("-inf")), {}, 400, "presence_penalty"),
+    ("frequency_nan", CH, ch(frequency_penalty=float("nan")), {}, 400, "frequency_penalty"),
+    ("repetition_inf", C, c(repetition_penalty=float("inf")), {}, 400, "repetition_penalty"),
+    ("top_k_past_64_bits", C, c(top_k=2 ** 64), {}, 400, "top_k"),
+    ("top_logprobs_over_limit", CH, ch(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs"),
+    ("too_many_stop_strings", C, c(stop=["x"] * 65), {}, 400, "stop"),
+    ("stop_string_too_long", CH, ch(stop="y" * 1025), {}, 400, "stop"),
+    ("min_tokens_past_64_bits", CH, ch(min_tokens=2 ** 64), {}, 400, "min_tokens"),
     # bad JSON, content type, empty
     ("bad_json", C, b'{"prompt": "x",', {}, 400, None),
     ("empty_body", C, b"", {}, 400, None),
@@ -107,6 +125,15 @@ def test_bad_input(server, case, stream):
     assert status == 200, data
 
 
+def test_nan_message_is_the_engines(server):
+    # the same words as the Python API and the C ABI (issue 16 kind 3)
+    from pyengine import SamplingParams
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(temperature=float("nan"))
+    status, _, data = post(server.port, C, c(temperature=float("nan")))
+    assert status == 400 and json.loads(data)["error"]["message"] == str(ei.value)
+
+
 def test_unknown_route_and_method(server):
     _check_envelope(*get(server.port, "/v1/nope"), 404)
     _check_envelope(*get(server.port, C), 405)
@@ -118,6 +145,11 @@ def test_api_key(keyed_server):
     _check_envelope(*post(port, C, OK_C, {"Authorization": "Bearer wrong"}), 401)
     _check_envelope(*get(port, "/v1/models"), 401)
     assert post(port, C, OK_C, {"Authorization": f"Bearer {API_KEY}"})[0] == 200
+    # the scheme is case-insensitive (RFC 9110); the key is not
+    for header in (f"bearer {API_KEY}", f"BEARER {API_KEY}", f"  Bearer   {API_KEY} "):
+        assert post(port, C, OK_C, {"Authorization": header})[0] == 200, header
+    for header in (f"Bearer {API_KEY.upper()}", f"Basic {API_KEY}", API_KEY, f"Bearer{API_KEY}", "Bearer"):
+        _check_envelope(*post(port, C, OK_C, {"Authorization": header}), 401)
     assert get(port, "/v1/models", {"Authorization": f"Bearer {API_KEY}"})[0] == 200
     # health and metrics stay open
     assert get(port, "/health")[0] == 200
@@ -167,3 +199,29 @@ def test_unknown_fields_ignored_and_logged(server, caplog):
     caplog.clear()
     assert post(server.port, C, OK_C)[0] == 200
     assert "ignored" not in caplog.text
+
+
+def test_reset_prefix_cache_dev_endpoint(engine, server, monkeypatch):
+    # vLLM's dev endpoint, only with VLLM_SERVER_DEV_MODE=1: 200 when reset, 409 while busy
+    from types import SimpleNamespace
+
+    from server import BackgroundServer, create_app
+    from tests.server.http_util import SSEStream, wait_until
+    assert post(server.port, "/reset_prefix_cache", b"")[0] == 404
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    srv = BackgroundServer(create_app(engine, SimpleNamespace(served_model_name=[MODEL_NAME])), port=0).start()
+    try:
+        def idle():
+            s = engine.get_stats()
+            return s.num_running == s.num_waiting == 0 and s.num_free_blocks == s.num_gpu_blocks
+        assert wait_until(idle, 30)
+        status, _, body = post(srv.port, "/reset_prefix_cache", b"")
+        assert status == 200 and json.loads(body) == {"success": True}
+        stream = SSEStream(srv.port, C, c(max_tokens=400, ignore_eos=True, stream=True))
+        next(stream.events())
+        _check_envelope(*post(srv.port, "/reset_prefix_cache", b""), 409)
+        stream.close()
+        assert wait_until(idle, 30)
+        assert post(srv.port, "/reset_prefix_cache", b"")[0] == 200
+    finally:
+        srv.stop()

@@ -8,6 +8,7 @@ blocks are freed and it goes back to the waiting queue keeping its tokens.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Iterable, Optional
 
@@ -17,6 +18,8 @@ from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
 from pyengine.core.sched.request_queue import create_request_queue
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from pyengine.request import Request, RequestStatus
+
+logger = logging.getLogger("pyengine")
 
 # Module aliases: enum member access is slow on Python 3.11 and these sit in per-request loops.
 _RUNNING = RequestStatus.RUNNING
@@ -35,6 +38,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.policy = config.scheduling_policy
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting = create_request_queue(self.policy)
@@ -49,8 +53,33 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.requests[request.request_id] = request
+        """Raises ValueError for a request id already in the scheduler."""
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in the engine core.")
         self.waiting.add(request)
+        self.requests[request.request_id] = request
+
+    def fail_request(self, request_id: str, error: BaseException) -> None:
+        """vLLM's per-request error path: end this one request with finish_reason "error"
+        wherever it is (waiting, running, half-admitted), free its KV blocks, and report
+        it with the next outputs. The other requests are untouched. Never raises."""
+        logger.error("Request %s failed inside the engine core; only it is ended", request_id,
+                     exc_info=(type(error), error, error.__traceback__))
+        req = self.requests.get(request_id)
+        if req is not None:
+            if req in self.running:  # (half-admitted: in both)
+                self.running.remove(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ERROR
+            try:
+                self._free_request(req)
+            except Exception:  # noqa: BLE001 - the blocks' state is what failed; keep serving
+                logger.exception("Freeing the blocks of failed request %s failed", request_id)
+                self.requests.pop(request_id, None)
+                self.finished_req_ids.add(request_id)
+        self._pending_outputs.append(EngineCoreOutput(
+            request_id, [], finish_reason="error", error=f"{type(error).__name__}: {error}"))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
@@ -72,6 +101,10 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         self.requests.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def has_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs)
@@ -120,6 +153,9 @@ class Scheduler:
         if req.num_computed_tokens == 0:
             hit_blocks, num_hit = kv.get_computed_blocks(req)
         n = req.num_tokens - num_hit
+        thr = self.long_prefill_token_threshold
+        if 0 < thr < n:
+            n = thr  # a long prefill advances by at most thr tokens a step
         if not self.config.enable_chunked_prefill and n > budget:
             return _NO_BUDGET
         n = min(n, budget)
@@ -205,27 +241,35 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         kv = self.kv_cache_manager
+        thr = self.long_prefill_token_threshold
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(self._num_tokens_to_feed(req), budget)
-            if n <= 0 or not self._can_schedule_running(req):
-                i += 1
-                continue
-            while not kv.allocate_slots(req, n):
-                victim = self._pick_victim()
-                if self.running.index(victim) < i:
-                    # Already scheduled this step (priority policy): take that back too.
-                    i -= 1
-                    budget += self._unschedule(victim, scheduled)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            if req.status != _RUNNING:
-                continue  # req itself was preempted; self.running shifted under index i
-            scheduled.append(self._scheduled(req, n))
+            try:
+                n = self._num_tokens_to_feed(req)
+                if 0 < thr < n:
+                    n = thr  # a long prefill advances by at most thr tokens a step
+                n = min(n, budget)
+                if n <= 0 or not self._can_schedule_running(req):
+                    i += 1
+                    continue
+                while not kv.allocate_slots(req, n):
+                    victim = self._pick_victim()
+                    if self.running.index(victim) < i:
+                        # Already scheduled this step (priority policy): take that back too.
+                        i -= 1
+                        budget += self._unschedule(victim, scheduled)
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is req:
+                        break
+                if req.status != _RUNNING:
+                    continue  # req itself was preempted; self.running shifted under index i
+                scheduled.append(self._scheduled(req, n))
+            except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
+                self.fail_request(req.request_id, e)
+                continue  # it left self.running: index i now holds the next request
             budget -= n
             i += 1
 
@@ -233,21 +277,25 @@ class Scheduler:
         if not preempted:  # a step that preempted for KV admits nothing (as vLLM)
             while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
-                n = self._try_admit(req, budget)
-                if n == _NO_BUDGET:
-                    break
-                if n == _NO_ROOM:
-                    victim = self._priority_victim(req, budget)
-                    if victim is None:
+                try:
+                    n = self._try_admit(req, budget)
+                    if n == _NO_BUDGET:
                         break
-                    # A strictly more urgent request is waiting and the running set is full
-                    # (seats or KV): make room by preempting the least urgent running one.
-                    budget += self._unschedule(victim, scheduled)
-                    self._preempt(victim)
-                    preempted.append(victim.request_id)
+                    if n == _NO_ROOM:
+                        victim = self._priority_victim(req, budget)
+                        if victim is None:
+                            break
+                        # A strictly more urgent request is waiting and the running set is full
+                        # (seats or KV): make room by preempting the least urgent running one.
+                        budget += self._unschedule(victim, scheduled)
+                        self._preempt(victim)
+                        preempted.append(victim.request_id)
+                        continue
+                    self.waiting.pop()
+                    scheduled.append(self._scheduled(req, n))
+                except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
+                    self.fail_request(req.request_id, e)
                     continue
-                self.waiting.pop()
-                scheduled.append(self._scheduled(req, n))
                 budget -= n
                 num_prefill += 1
 
@@ -297,18 +345,23 @@ class Scheduler:
                 # ModelRunner._rewind_generators) so its tokens match sync scheduling.
                 self._discarded_draws.add(req.request_id)
                 continue
-            self._on_token_consumed(req)
-            req.all_token_ids.append(tok)
-            finished = self._check_stop(req, tok)
-            first = req.num_output_tokens == 1
-            outputs.append(EngineCoreOutput(
-                req.request_id, [tok], [lp] if lp is not None else None,
-                finish_reason=req.get_finished_reason() if finished else None,
-                stop_reason=req.stop_reason,
-                num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0))
-            if finished:
-                self.running.remove(req)
-                self._free_request(req)
+            try:
+                self._on_token_consumed(req)
+                req.all_token_ids.append(tok)
+                finished = self._check_stop(req, tok)
+                first = req.num_output_tokens == 1
+                out = EngineCoreOutput(
+                    req.request_id, [tok], [lp] if lp is not None else None,
+                    finish_reason=req.get_finished_reason() if finished else None,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0)
+                if finished:
+                    self.running.remove(req)
+                    self._free_request(req)
+            except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
+                self.fail_request(req.request_id, e)
+                continue
+            outputs.append(out)
         self.num_steps += 1
         self.step_host_time_s += time.perf_counter() - t0
         return self._make_outputs(outputs)

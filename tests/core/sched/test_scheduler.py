@@ -211,6 +211,25 @@ def test_chunked_prefill_samples_only_on_last_chunk():
     assert_no_leak(sched)
 
 
+@pytest.mark.parametrize("cls,depth", [(Scheduler, 1), (AsyncScheduler, 2)])
+def test_long_prefill_token_threshold_shares_the_budget(cls, depth):
+    # vLLM's long_prefill_token_threshold: a prefill advances by at most that many tokens
+    # a step, so concurrent long prompts move together and a short one is not starved
+    sched = make_sched(cls=cls, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    for rid, plen in (("a", 40), ("b", 40), ("c", 5)):
+        sched.add_request(make_req(rid, plen, max_tokens=3))
+    so = sched.schedule()
+    assert sched_of(so) == [("a", 8), ("b", 8), ("c", 5)]
+    sched.update_from_output(so, runner_output(so))
+    so = sched.schedule()
+    assert [(rid, n) for rid, n in sched_of(so) if rid != "c"] == [("a", 8), ("b", 8)]
+    sched.update_from_output(so, runner_output(so))
+    d = Driver(sched, depth=depth)
+    d.run()
+    assert_no_leak(sched)
+    assert d.tokens["a"][-2:] == expected_tokens(40, 3)[-2:]  # decodes unaffected (1 token < threshold)
+
+
 def test_no_chunked_prefill_waits_for_budget():
     sched = make_sched(max_num_batched_tokens=16, enable_chunked_prefill=False)
     sched.add_request(make_req("a", 10, max_tokens=2))
@@ -987,3 +1006,60 @@ def test_random_mix_no_leak_and_streams_unchanged(policy, cls, depth, seed):
     stats = sched.make_stats()
     assert stats.num_free_blocks == stats.num_gpu_blocks == 13
     assert stats.kv_cache_usage == 0.0
+
+
+# ---- per-request error path: one request's failure ends only that request ------------
+
+def _fail_for(rid, fn, when=lambda req: True):
+    """Wrap ``fn(req, ...)`` so that it raises for request ``rid`` once ``when(req)`` holds."""
+    def wrapped(req, *a, **k):
+        if req.request_id == rid and when(req):
+            raise RuntimeError(f"injected failure for {rid}")
+        return fn(req, *a, **k)
+    return wrapped
+
+
+@pytest.mark.parametrize("where", ["admission", "running", "update"])
+@pytest.mark.parametrize("cls,depth", [(Scheduler, 1), (AsyncScheduler, 2)])
+def test_one_request_failing_ends_only_that_request(where, cls, depth):
+    sched = make_sched(cls=cls, num_blocks=32, max_num_batched_tokens=16, max_num_seqs=4)
+    kv = sched.kv_cache_manager
+    reqs = [make_req(f"r{i}", 10 + i, max_tokens=6) for i in range(4)]
+    if where == "admission":  # while the waiting request is admitted (prefix-cache lookup)
+        kv.get_computed_blocks = _fail_for("r1", kv.get_computed_blocks)
+    elif where == "running":  # while a running request gets its next slots (after 2 tokens)
+        kv.allocate_slots = _fail_for("r2", kv.allocate_slots, lambda r: r.num_output_tokens >= 2)
+    else:  # while its sampled token is checked against the stop conditions
+        sched._check_stop = _fail_for("r3", sched._check_stop, lambda r: r.num_output_tokens == 3)
+    failed = {"admission": "r1", "running": "r2", "update": "r3"}[where]
+    for r in reqs:
+        sched.add_request(r)
+    d = Driver(sched, depth=depth)
+    d.run()
+    assert_no_leak(sched)
+    for r in reqs:
+        if r.request_id == failed:
+            assert d.finish[failed] == ("error", None) and r.status == RequestStatus.FINISHED_ERROR
+            assert len(d.tokens[failed]) < 6
+        else:
+            assert d.finish[r.request_id] == ("length", None)
+            assert d.tokens[r.request_id] == expected_tokens(len(r.prompt_token_ids), 6)
+
+
+def test_failed_request_output_carries_the_error():
+    sched = make_sched()
+    sched.add_request(make_req("a", 5))
+    sched.fail_request("a", ValueError("bad state"))
+    sched.fail_request("never-added", KeyError("k"))
+    outs = {o.request_id: o for o in sched.take_pending_outputs().outputs}
+    assert outs["a"].finish_reason == "error" and outs["a"].error == "ValueError: bad state"
+    assert outs["never-added"].finish_reason == "error" and "KeyError" in outs["never-added"].error
+    assert_no_leak(sched)
+
+
+def test_duplicate_request_id_refused():
+    sched = make_sched()
+    sched.add_request(make_req("a", 5))
+    with pytest.raises(ValueError, match="already in the engine core"):
+        sched.add_request(make_req("a", 5))
+    assert len(sched.waiting) == 1
