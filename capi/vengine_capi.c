@@ -715,16 +715,22 @@ static void* vg_pool_main(void* arg) {
   return NULL;
 }
 
-/* Start one delivery thread (caller holds the pool's mu). */
-static int vg_pool_spawn_locked(vg_pool* P) {
+/* Start a detached thread running fn; 1 on success. */
+static int vg_start_detached(void* (*fn)(void*)) {
   pthread_attr_t a;
   pthread_t t;
   pthread_attr_init(&a);
   pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-  int rc = pthread_create(&t, &a, vg_pool_main, NULL);
+  int rc = pthread_create(&t, &a, fn, NULL);
   pthread_attr_destroy(&a);
-  if (rc == 0) P->nthreads++;
   return rc == 0;
+}
+
+/* Start one delivery thread (caller holds the pool's mu). */
+static int vg_pool_spawn_locked(vg_pool* P) {
+  int ok = vg_start_detached(vg_pool_main);
+  if (ok) P->nthreads++;
+  return ok;
 }
 
 /* Adds a delivery thread when requests wait and none was taken for VG_STALL_MS
@@ -760,14 +766,9 @@ static void vg_pool_start_once(void) {
   P->core = vg_env_int("VENGINE_DELIVERY_THREADS", 4, 1, 1024);
   P->max = vg_env_int("VENGINE_DELIVERY_THREADS_MAX", 64, 1, 4096);
   if (P->max < P->core) P->max = P->core;
-  pthread_attr_t a;
-  pthread_t t;
-  pthread_attr_init(&a);
-  pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-  int rc = pthread_create(&t, &a, vg_pool_monitor, NULL);
-  pthread_attr_destroy(&a);
+  int ok = vg_start_detached(vg_pool_monitor);
   pthread_mutex_lock(&P->mu);
-  P->ok = rc == 0 && vg_pool_spawn_locked(P);
+  P->ok = ok && vg_pool_spawn_locked(P);
   pthread_mutex_unlock(&P->mu);
 }
 
