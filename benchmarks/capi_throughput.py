@@ -13,7 +13,8 @@ exactly --max-tokens tokens):
                    the library's delivery threads, then vllm_request_wait for each;
 - c_complete_stream: one C thread per request calling vllm_complete_stream.
 
-``--kinds`` picks the runs (default all three). The C runs also report
+``--kinds`` picks the runs (default all three); ``--lib`` runs a given libvengine.so
+(whose embedded Python imports the checkout it was built from). The C runs also report
 ``threads_added``: the peak number of OS threads of the process during the run (sampled
 from /proc/self/task every 2 ms) minus the number before the first submit; for
 c_complete_stream that includes the host's own thread per request.
@@ -138,6 +139,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=1, help="runs of each kind; the best is reported")
+    ap.add_argument("--lib", help="use this libvengine.so instead of building one (e.g. to compare "
+                                  "builds of two checkouts on the same model)")
     ap.add_argument("--kinds", default="python,c_submit,c_complete_stream",
                     help="comma-separated runs to make (python, c_submit, c_complete_stream)")
     args = ap.parse_args()
@@ -151,7 +154,7 @@ def main() -> int:
             model = str(build_tiny_model(tmp / "llama", "llama", build_tokenizer(tmp / "tok"), seed=1))
         if not model:
             ap.error("--model or --tiny is required")
-        lib = build(tmp / "lib")
+        lib = Path(args.lib).resolve() if args.lib else build(tmp / "lib")
         src = tmp / "driver.c"
         src.write_text(C_DRIVER)
         exe = tmp / "driver"
