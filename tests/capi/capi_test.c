@@ -50,6 +50,10 @@
 API(DECL)
 #undef DECL
 
+/* libpython's PyGILState_Check (found through the library's dependencies): a
+ * callback must never run with the GIL held */
+static int (*p_PyGILState_Check)(void);
+
 static int g_failed;
 #define CHECK(cond, ...)                                           \
   do {                                                             \
@@ -105,6 +109,8 @@ typedef struct rec {
   char text[16384];
   size_t len;
   atomic_int ncalls, nfinal, after_final, concurrent, inside;
+  atomic_int gil_held;          /* callbacks that ran holding the GIL */
+  atomic_int off_pool;          /* callbacks not on a "vengine-deliver" thread */
   atomic_int stop_after;        /* return false after this many deltas (0: never) */
   atomic_int cancel_after;      /* call cancel after this many deltas */
   atomic_int sleep_first_ms;    /* sleep this long in the first callback */
@@ -126,6 +132,10 @@ static bool rec_cb(const char* delta, bool finished, void* ud) {
   rec* r = (rec*)ud;
   if (atomic_fetch_add(&r->inside, 1) != 0) atomic_fetch_add(&r->concurrent, 1);
   if (atomic_load(&r->nfinal) > 0) atomic_fetch_add(&r->after_final, 1);
+  if (p_PyGILState_Check && p_PyGILState_Check()) atomic_fetch_add(&r->gil_held, 1);
+  char tname[16] = "";
+  pthread_getname_np(pthread_self(), tname, sizeof tname);
+  if (strcmp(tname, "vengine-deliver") != 0) atomic_fetch_add(&r->off_pool, 1);
   int n = atomic_fetch_add(&r->ncalls, 1) + 1;
   if (finished) {
     atomic_fetch_add(&r->nfinal, 1);
@@ -196,6 +206,7 @@ static void case_basic(int argc, char** argv) {
     CHECK(r.nfinal == 1 && r.after_final == 0, "final callbacks %d, after final %d", r.nfinal,
           r.after_final);
     CHECK(r.concurrent == 0, "concurrent callbacks");
+    CHECK(r.gil_held == 0, "%d callbacks ran holding the GIL", r.gil_held);
     p_vllm_completion_free(&c);
     CHECK(c.text == NULL, "completion_free zeroes");
   }
@@ -664,10 +675,13 @@ static void case_many(int argc, char** argv) {
     vllm_status st = p_vllm_request_wait(qs[i]);
     rec* r = &rs[i];
     int ok = st == VLLM_OK && r->nfinal == 1 && r->after_final == 0 && r->concurrent == 0 &&
-             strcmp(r->text, expect[i % np]) == 0;
+             r->gil_held == 0 && r->off_pool == 0 && strcmp(r->text, expect[i % np]) == 0;
     if (!ok && bad++ < 5)
-      CHECK(ok, "request %d: status %d finals %d after_final %d concurrent %d text [%s] want [%s]", i,
-            st, r->nfinal, r->after_final, r->concurrent, r->text, expect[i % np]);
+      CHECK(ok,
+            "request %d: status %d finals %d after_final %d concurrent %d gil_held %d off_pool %d "
+            "text [%s] want [%s]",
+            i, st, r->nfinal, r->after_final, r->concurrent, r->gil_held, r->off_pool, r->text,
+            expect[i % np]);
     p_vllm_request_free(qs[i]);
   }
   double dt = now_s() - t0;
@@ -923,6 +937,11 @@ int main(int argc, char** argv) {
   }
   API(RESOLVE)
 #undef RESOLVE
+  p_PyGILState_Check = (int (*)(void))dlsym(h, "PyGILState_Check");
+  if (!p_PyGILState_Check) {
+    printf("FAIL dlsym PyGILState_Check\n");
+    return 1;
+  }
   g_model = argv[4];
   const char* c = argv[3];
   int n = argc - 5;

@@ -220,7 +220,8 @@ def _kv(out: str, key: str) -> float:
 
 def test_thousand_concurrent_submits_on_a_bounded_pool(capi_test_bin, capi_lib, llama_dir):
     # 1,000 requests in flight at once (256 running in the engine): every stream has the
-    # text vllm_complete gives, in order, one final callback, no overlapping callbacks; the
+    # text vllm_complete gives, in order, one final callback, no overlapping callbacks,
+    # every callback on a "vengine-deliver" thread without the GIL (PyGILState_Check); the
     # library adds the delivery pool and its monitor, not a thread per request
     n = int(os.environ.get("VENGINE_CAPI_MANY", "1000"))
     out = _check(_run(capi_test_bin, capi_lib, "many", llama_dir, n, 4, 256, *PROMPTS,
