@@ -33,6 +33,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -98,6 +99,65 @@ static char* vg_strdup(const char* s) {
   char* d = (char*)malloc(n + 1);
   if (d) memcpy(d, s, n + 1);
   return d;
+}
+
+/* ------------------------------------------------------------------------ */
+/* signals                                                                   */
+/*
+ * The embedded interpreter is started without signal handlers, so the host's
+ * signal dispositions stand, SIGPIPE's included (a Python program ignores it;
+ * a C host usually keeps the default: terminate). The engine talks to its
+ * engine process over a socket, and a write after that process died raised
+ * SIGPIPE and killed the host (seen in test_engine_death_fails_requests: rc -13
+ * in vllm_engine_free, 1 run in 6). So:
+ *  - every call into Python from a host thread runs with SIGPIPE blocked in
+ *    that thread (the write fails with EPIPE, which Python reports), and a
+ *    SIGPIPE raised for the thread meanwhile is consumed before the host's mask
+ *    comes back; threads Python starts meanwhile inherit the mask;
+ *  - the library's own threads (engine control, delivery pool, its monitor, the
+ *    exit helper) start with every signal blocked, so the host's signals go to
+ *    the host's threads as before.
+ */
+
+typedef struct vg_sigpipe {
+  sigset_t old;
+  int pending_before;
+} vg_sigpipe;
+
+static void vg_sigpipe_block(vg_sigpipe* s) {
+  sigset_t set, pend;
+  sigemptyset(&set);
+  sigaddset(&set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &set, &s->old);
+  sigpending(&pend);
+  s->pending_before = sigismember(&pend, SIGPIPE);
+}
+
+static void vg_sigpipe_restore(vg_sigpipe* s) {
+  sigset_t set, pend;
+  sigemptyset(&set);
+  sigaddset(&set, SIGPIPE);
+  sigpending(&pend);
+  if (!s->pending_before && sigismember(&pend, SIGPIPE)) {
+    struct timespec zero = {0, 0};
+    while (sigtimedwait(&set, NULL, &zero) < 0 && errno == EINTR) {
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &s->old, NULL);
+}
+
+/* Start a library thread with every signal blocked; 1 on success. */
+static int vg_thread_start(pthread_t* t, int detached, void* (*fn)(void*), void* arg) {
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  pthread_attr_t a;
+  pthread_attr_init(&a);
+  if (detached) pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+  int rc = pthread_create(t, &a, fn, arg);
+  pthread_attr_destroy(&a);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  return rc == 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -223,7 +283,10 @@ static void vg_py_start_once(void) {
 
 /* Starts Python once per process; returns VLLM_OK or sets the thread's error. */
 static vllm_status vg_py_start(void) {
+  vg_sigpipe sp;
+  vg_sigpipe_block(&sp);
   pthread_once(&g_py_once, vg_py_start_once);
+  vg_sigpipe_restore(&sp);
   if (g_py_status != VLLM_OK) vg_set_err("%s", g_py_msg);
   return g_py_status;
 }
@@ -715,20 +778,10 @@ static void* vg_pool_main(void* arg) {
   return NULL;
 }
 
-/* Start a detached thread running fn; 1 on success. */
-static int vg_start_detached(void* (*fn)(void*)) {
-  pthread_attr_t a;
-  pthread_t t;
-  pthread_attr_init(&a);
-  pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-  int rc = pthread_create(&t, &a, fn, NULL);
-  pthread_attr_destroy(&a);
-  return rc == 0;
-}
-
 /* Start one delivery thread (caller holds the pool's mu). */
 static int vg_pool_spawn_locked(vg_pool* P) {
-  int ok = vg_start_detached(vg_pool_main);
+  pthread_t t;
+  int ok = vg_thread_start(&t, 1, vg_pool_main, NULL);
   if (ok) P->nthreads++;
   return ok;
 }
@@ -766,7 +819,8 @@ static void vg_pool_start_once(void) {
   P->core = vg_env_int("VENGINE_DELIVERY_THREADS", 4, 1, 1024);
   P->max = vg_env_int("VENGINE_DELIVERY_THREADS_MAX", 64, 1, 4096);
   if (P->max < P->core) P->max = P->core;
-  int ok = vg_start_detached(vg_pool_monitor);
+  pthread_t t;
+  int ok = vg_thread_start(&t, 1, vg_pool_monitor, NULL);
   pthread_mutex_lock(&P->mu);
   P->ok = ok && vg_pool_spawn_locked(P);
   pthread_mutex_unlock(&P->mu);
@@ -902,7 +956,7 @@ static void vg_exit_handler(int status, int status_known) {
   const char* t = getenv("VENGINE_EXIT_TIMEOUT");
   if (t && *t) timeout = atof(t);
   pthread_t th;
-  if (pthread_create(&th, NULL, vg_exit_main, NULL) != 0) return;
+  if (!vg_thread_start(&th, 0, vg_exit_main, NULL)) return;
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   ts.tv_sec += (time_t)timeout;
@@ -995,18 +1049,20 @@ VG_EXPORT vllm_status vllm_engine_load(const vllm_model_params* params, vllm_eng
   atomic_init(&e->refs, 1);
   char err[VG_ERRLEN];
   err[0] = '\0';
+  vg_sigpipe sp;
+  vg_sigpipe_block(&sp);
   st = (vllm_status)_vg_py_load(params, &e->id, e->model_name, (int32_t)sizeof e->model_name, err,
                                 (int32_t)sizeof err);
-  if (st != VLLM_OK) {
-    vg_set_err("%s", err[0] ? err : "vllm_engine_load failed");
+  int ctl = st == VLLM_OK && vg_thread_start(&e->ctl, 0, vg_ctl_main, e);
+  if (st == VLLM_OK && !ctl) _vg_py_engine_free(e->id);
+  vg_sigpipe_restore(&sp);
+  if (st != VLLM_OK || !ctl) {
     vg_engine_decref(e);
     free(h);
-    return st;
-  }
-  if (pthread_create(&e->ctl, NULL, vg_ctl_main, e) != 0) {
-    _vg_py_engine_free(e->id);
-    vg_engine_decref(e);
-    free(h);
+    if (st != VLLM_OK) {
+      vg_set_err("%s", err[0] ? err : "vllm_engine_load failed");
+      return st;
+    }
     return vg_fail(VLLM_ERR_RUNTIME, "vllm_engine_load: could not start the control thread");
   }
   pthread_once(&g_atexit_once, vg_register_exit_handler);
@@ -1051,7 +1107,10 @@ VG_EXPORT void vllm_engine_free(vllm_engine* h) {
   }
   /* Python: abort what is live, shut the engine down (joins its threads), end
    * every request still live with a final delta. */
+  vg_sigpipe sp;
+  vg_sigpipe_block(&sp);
   _vg_py_engine_free(e->id);
+  vg_sigpipe_restore(&sp);
   pthread_mutex_lock(&e->mu);
   e->stop = 1;
   pthread_cond_signal(&e->cv);
@@ -1095,12 +1154,15 @@ static vllm_status vg_start(vllm_request* r, const char* prompt, const int32_t* 
   char err[VG_ERRLEN];
   err[0] = '\0';
   vllm_status st;
+  vg_sigpipe sig;
+  vg_sigpipe_block(&sig);
   if (chat_json)
     st = (vllm_status)_vg_py_submit_chat(r->eng->id, r, r->num, chat_json, chat_flags, err,
                                          (int32_t)sizeof err);
   else
     st = (vllm_status)_vg_py_submit(r->eng->id, r, r->num, prompt, toks, ntoks, sp, err,
                                     (int32_t)sizeof err);
+  vg_sigpipe_restore(&sig);
   if (st != VLLM_OK) {
     vg_set_err("%s", err[0] ? err : "request submission failed");
     /* Python does not hold it: drop Python's reference (unless a final delta was

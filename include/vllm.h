@@ -28,6 +28,9 @@
  *    (libtorch's wait for a Python lock no thread of the child holds); the
  *    handlers the child registers itself do. This needs glibc (on_exit); with
  *    another C library end such a child with _exit() or exec.
+ *  - The library does not change signal dispositions. It blocks SIGPIPE in
+ *    the calling thread while a call runs (a write to an engine process that
+ *    died fails with an error instead of terminating the host).
  *  - The library is never unloaded (dlclose is a no-op for it).
  */
 #ifndef VENGINE_VLLM_H_
@@ -201,6 +204,8 @@ VLLM_API vllm_status vllm_complete_stream(vllm_engine* engine, const char* promp
  * delivery thread, not behind another request, and the pool adds a thread
  * when all of its threads are inside callbacks while requests wait
  * (VENGINE_DELIVERY_THREADS, default 4; VENGINE_DELIVERY_THREADS_MAX, 64).
+ * The library's threads, these included, run with every signal blocked, so
+ * the host's signals keep going to the host's own threads.
  *  - cancel: idempotent, never blocks, may be called from any thread including
  *    the request's own callback.
  *  - wait: blocks until the final callback has returned; returns the request's
