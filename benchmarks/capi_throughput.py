@@ -13,6 +13,12 @@ exactly --max-tokens tokens):
                    the library's delivery threads, then vllm_request_wait for each;
 - c_complete_stream: one C thread per request calling vllm_complete_stream.
 
+``--kinds`` picks the runs (default all three); ``--lib`` runs a given libvengine.so
+(whose embedded Python imports the checkout it was built from). The C runs also report
+``threads_added``: the peak number of OS threads of the process during the run (sampled
+from /proc/self/task every 2 ms) minus the number before the first submit; for
+c_complete_stream that includes the host's own thread per request.
+
 Prints one JSON line per run and a summary table. libvengine.so is built with
 ``capi.build`` into a temporary directory.
 """
@@ -37,11 +43,17 @@ C_DRIVER = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <time.h>
+#include <unistd.h>
 #include "vllm.h"
 
 static atomic_long g_bytes, g_calls;
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+/* OS threads of this process (/proc/self/task), sampled every 2 ms during the run */
+static int count_threads(void) { DIR* d = opendir("/proc/self/task"); int n = 0; struct dirent* x; if (!d) return -1; while ((x = readdir(d))) n += x->d_name[0] != '.'; closedir(d); return n; }
+static atomic_int g_sampling, g_threads_peak;
+static void* sampler_main(void* a) { (void)a; while (atomic_load(&g_sampling)) { int n = count_threads(); if (n > atomic_load(&g_threads_peak)) atomic_store(&g_threads_peak, n); usleep(2000); } return NULL; }
 static bool cb(const char* d, bool fin, void* ud) { (void)ud; (void)fin; atomic_fetch_add(&g_bytes, (long)strlen(d)); atomic_fetch_add(&g_calls, 1); return true; }
 
 typedef struct { vllm_engine* e; const char* prompt; vllm_sampling_params sp; vllm_status st; } job;
@@ -59,6 +71,9 @@ int main(int argc, char** argv) {
   sp.temperature = 0; sp.max_tokens = max_tokens; sp.ignore_eos = 1;
   { vllm_completion c; vllm_complete(e, prompts[0], &sp, &c); vllm_completion_free(&c); } /* warm-up */
   atomic_store(&g_bytes, 0); atomic_store(&g_calls, 0);
+  int threads_before = count_threads();
+  atomic_store(&g_threads_peak, threads_before); atomic_store(&g_sampling, 1);
+  pthread_t sampler; pthread_create(&sampler, NULL, sampler_main, NULL);
   double t0 = now();
   int failed = 0;
   if (!strcmp(mode, "c_submit")) {
@@ -74,8 +89,12 @@ int main(int argc, char** argv) {
     free(js); free(th);
   }
   double dt = now() - t0;
-  printf("{\"run\": \"%s\", \"seconds\": %.4f, \"requests\": %d, \"output_tokens\": %d, \"callbacks\": %ld, \"bytes\": %ld, \"failed\": %d}\n",
-         mode, dt, n, n * max_tokens, atomic_load(&g_calls), atomic_load(&g_bytes), failed);
+  atomic_store(&g_sampling, 0); pthread_join(sampler, NULL);
+  /* threads_added: peak OS threads during the run minus those before the first submit
+   * (the sampler thread itself excluded); for c_complete_stream it counts the host's own
+   * per-request threads */
+  printf("{\"run\": \"%s\", \"seconds\": %.4f, \"requests\": %d, \"output_tokens\": %d, \"callbacks\": %ld, \"bytes\": %ld, \"failed\": %d, \"threads_before\": %d, \"threads_added\": %d}\n",
+         mode, dt, n, n * max_tokens, atomic_load(&g_calls), atomic_load(&g_bytes), failed, threads_before, atomic_load(&g_threads_peak) - threads_before - 1);
   vllm_engine_free(e);
   return failed != 0;
 }
@@ -120,6 +139,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=1, help="runs of each kind; the best is reported")
+    ap.add_argument("--lib", help="use this libvengine.so instead of building one (e.g. to compare "
+                                  "builds of two checkouts on the same model)")
+    ap.add_argument("--kinds", default="python,c_submit,c_complete_stream",
+                    help="comma-separated runs to make (python, c_submit, c_complete_stream)")
     args = ap.parse_args()
     from capi.build import build
 
@@ -131,7 +154,7 @@ def main() -> int:
             model = str(build_tiny_model(tmp / "llama", "llama", build_tokenizer(tmp / "tok"), seed=1))
         if not model:
             ap.error("--model or --tiny is required")
-        lib = build(tmp / "lib")
+        lib = Path(args.lib).resolve() if args.lib else build(tmp / "lib")
         src = tmp / "driver.c"
         src.write_text(C_DRIVER)
         exe = tmp / "driver"
@@ -141,7 +164,7 @@ def main() -> int:
         results = {}
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         for _ in range(args.repeat):
-            for kind in ("python", "c_submit", "c_complete_stream"):
+            for kind in args.kinds.split(","):
                 if kind == "python":
                     cmd = [sys.executable, "-c", PY_DRIVER, model, *common, json.dumps(PROMPTS)]
                 else:
@@ -157,11 +180,14 @@ def main() -> int:
         best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in results.items()}
         med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in results.items()}
         print(f"\n{args.requests} requests x {args.max_tokens} tokens, {args.repeat} run(s) each")
-        print(f"{'run':<20}{'best tok/s':>12}{'median tok/s':>14}{'best vs python':>16}{'callbacks':>11}")
+        base = best.get("python")
+        print(f"{'run':<20}{'best tok/s':>12}{'median tok/s':>14}{'best vs python':>16}{'callbacks':>11}"
+              f"{'threads added':>15}")
         for kind in results:
-            print(f"{kind:<20}{best[kind]['tokens_per_s']:>12.1f}{med[kind]:>14.1f}"
-                  f"{best[kind]['tokens_per_s'] / best['python']['tokens_per_s']:>15.2f}x"
-                  f"{best[kind]['callbacks']:>11}")
+            ratio = f"{best[kind]['tokens_per_s'] / base['tokens_per_s']:>15.2f}x" if base else f"{'-':>16}"
+            added = max(r.get("threads_added", -1) for r in results[kind])
+            print(f"{kind:<20}{best[kind]['tokens_per_s']:>12.1f}{med[kind]:>14.1f}{ratio}"
+                  f"{best[kind]['callbacks']:>11}{added if added >= 0 else '-':>15}")
     return 0
 
 

@@ -37,6 +37,11 @@ class _Refused(ValueError):
     """An argument error (-> VLLM_ERR_INVALID_ARGUMENT)."""
 
 
+class _Freed(RuntimeError):
+    """The engine was freed while the call was on its way (-> VLLM_ERR_RUNTIME, as a
+    freed handle is refused in C)."""
+
+
 def _write(buf, size: int, text: str) -> None:
     if buf == ffi.NULL or size <= 0:
         return
@@ -151,7 +156,7 @@ class _Bridge:
         ent = _Live(req)
         with self.lock:
             if self.closed:
-                raise _Refused("the engine was freed")
+                raise _Freed("the engine was freed (vllm_engine_free)")
             self.live[rid] = ent
         try:
             coll = self.llm.add_request(rid, prompt, params, priority=priority)
@@ -297,20 +302,20 @@ def _seed_bits(seed: int) -> int:
 def _bridge(eng_id: int) -> _Bridge:
     br = _ENGINES.get(eng_id)
     if br is None or br.closed:
-        raise _Refused("the engine was freed")
+        raise _Freed("the engine was freed (vllm_engine_free)")
     return br
 
 
 def _status_of(e: BaseException) -> int:
     if isinstance(e, (_Refused, ValueError, UnicodeDecodeError)):
         return INVALID
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, (EngineDeadError, _Freed)):
         return RUNTIME
     return UNKNOWN
 
 
 def _message(e: BaseException) -> str:
-    if isinstance(e, (ValueError, EngineDeadError)):
+    if isinstance(e, (ValueError, EngineDeadError, _Freed)):
         return str(e) or type(e).__name__
     return "".join(traceback.format_exception_only(type(e), e)).strip()
 

@@ -10,10 +10,18 @@
  * Request state lives here, in C: a malloc'd struct with atomics, a mutex, a
  * condition variable, a queue of deltas and the error string, so done / error /
  * wait / cancel never take the GIL. Python pushes one batch of deltas per
- * engine step (vg_push); a C thread per request (or the caller's own thread,
- * for the blocking calls) runs the host callbacks, in order, never two at once
- * for one request. Aborts and the engine-death watchdog run on one C control
+ * engine step (vg_push); a small process-wide pool of C delivery threads (or
+ * the caller's own thread, for the blocking calls) runs the host callbacks, in
+ * order, never two at once for one request: a request is owned by at most one
+ * delivery thread at a time, and a pool monitor adds a thread when every
+ * delivery thread is stuck in a callback while other requests wait (see "the
+ * delivery pool"). Aborts and the engine-death watchdog run on one C control
  * thread per engine, the only library thread that takes the GIL.
+ *
+ * Engine handles (vllm_engine*) are small records that are never freed: the
+ * engine behind one is released by vllm_engine_free, the record stays, so a
+ * handle used after vllm_engine_free is refused with VLLM_ERR_RUNTIME instead
+ * of reading freed memory, and a later engine never gets the same address.
  *
  * Build-time defines (from capi/build.py): VG_PYTHON_EXECUTABLE,
  * VG_LIBPYTHON_SONAME, VG_VERSION.
@@ -25,6 +33,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -93,6 +102,65 @@ static char* vg_strdup(const char* s) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* signals                                                                   */
+/*
+ * The embedded interpreter is started without signal handlers, so the host's
+ * signal dispositions stand, SIGPIPE's included (a Python program ignores it;
+ * a C host usually keeps the default: terminate). The engine talks to its
+ * engine process over a socket, and a write after that process died raised
+ * SIGPIPE and killed the host (seen in test_engine_death_fails_requests: rc -13
+ * in vllm_engine_free, 1 run in 6). So:
+ *  - every call into Python from a host thread runs with SIGPIPE blocked in
+ *    that thread (the write fails with EPIPE, which Python reports), and a
+ *    SIGPIPE raised for the thread meanwhile is consumed before the host's mask
+ *    comes back; threads Python starts meanwhile inherit the mask;
+ *  - the library's own threads (engine control, delivery pool, its monitor, the
+ *    exit helper) start with every signal blocked, so the host's signals go to
+ *    the host's threads as before.
+ */
+
+typedef struct vg_sigpipe {
+  sigset_t old;
+  int pending_before;
+} vg_sigpipe;
+
+static void vg_sigpipe_block(vg_sigpipe* s) {
+  sigset_t set, pend;
+  sigemptyset(&set);
+  sigaddset(&set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &set, &s->old);
+  sigpending(&pend);
+  s->pending_before = sigismember(&pend, SIGPIPE);
+}
+
+static void vg_sigpipe_restore(vg_sigpipe* s) {
+  sigset_t set, pend;
+  sigemptyset(&set);
+  sigaddset(&set, SIGPIPE);
+  sigpending(&pend);
+  if (!s->pending_before && sigismember(&pend, SIGPIPE)) {
+    struct timespec zero = {0, 0};
+    while (sigtimedwait(&set, NULL, &zero) < 0 && errno == EINTR) {
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &s->old, NULL);
+}
+
+/* Start a library thread with every signal blocked; 1 on success. */
+static int vg_thread_start(pthread_t* t, int detached, void* (*fn)(void*), void* arg) {
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  pthread_attr_t a;
+  pthread_attr_init(&a);
+  if (detached) pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+  int rc = pthread_create(t, &a, fn, arg);
+  pthread_attr_destroy(&a);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  return rc == 0;
+}
+
+/* ------------------------------------------------------------------------ */
 /* process state                                                             */
 
 static atomic_int g_py_started;   /* 1 once Python has been started in this process */
@@ -104,9 +172,33 @@ static pthread_once_t g_py_once = PTHREAD_ONCE_INIT;
 static vllm_status g_py_status = VLLM_ERR_RUNTIME;
 static char g_py_msg[VG_ERRLEN];
 
+/* Every engine handle ever returned (never freed; see struct vllm_engine). */
 static pthread_mutex_t g_engines_mu = PTHREAD_MUTEX_INITIALIZER;
-static vllm_engine* g_engines; /* live (not yet freed) engines, for atexit */
+static vllm_engine* g_engines;
 static pthread_once_t g_atexit_once = PTHREAD_ONCE_INIT;
+
+/* Exit handling. glibc's on_exit() passes the exit status to the handler, which
+ * a forked child needs (vg_exit_handler); elsewhere atexit() and no status. */
+static void vg_exit_handler(int status, int status_known);
+#ifdef __GLIBC__
+static void vg_on_exit(int status, void* arg) {
+  (void)arg;
+  vg_exit_handler(status, 1);
+}
+static void vg_register_exit_handler(void) { on_exit(vg_on_exit, NULL); }
+#else
+static void vg_atexit(void) { vg_exit_handler(0, 0); }
+static void vg_register_exit_handler(void) { atexit(vg_atexit); }
+#endif
+
+/* Before fork(), in the parent: register the exit handler once more, so that in
+ * the child it is the last one registered before the fork and runs before the
+ * handlers of the libraries Python loaded (libtorch's wait for a GIL held by a
+ * thread that does not exist in the child). Registering here, not in the child
+ * handler, takes glibc's exit-handler lock while every thread still exists. */
+static void vg_atfork_prepare(void) {
+  if (atomic_load(&g_py_started) && !atomic_load(&g_forked)) vg_register_exit_handler();
+}
 
 static void vg_atfork_child(void) {
   if (atomic_load(&g_py_started)) atomic_store(&g_forked, 1);
@@ -116,7 +208,7 @@ __attribute__((constructor)) static void vg_ctor(void) {
   /* A host that dlopen()s us with RTLD_LOCAL hides libpython's symbols from the
    * extension modules Python will import (torch, ...). Promote it to global. */
   (void)dlopen(VG_LIBPYTHON_SONAME, RTLD_NOW | RTLD_NOLOAD | RTLD_GLOBAL);
-  pthread_atfork(NULL, NULL, vg_atfork_child);
+  pthread_atfork(vg_atfork_prepare, NULL, vg_atfork_child);
 }
 
 static int vg_check_fork(void) {
@@ -191,7 +283,10 @@ static void vg_py_start_once(void) {
 
 /* Starts Python once per process; returns VLLM_OK or sets the thread's error. */
 static vllm_status vg_py_start(void) {
+  vg_sigpipe sp;
+  vg_sigpipe_block(&sp);
   pthread_once(&g_py_once, vg_py_start_once);
+  vg_sigpipe_restore(&sp);
   if (g_py_status != VLLM_OK) vg_set_err("%s", g_py_msg);
   return g_py_status;
 }
@@ -212,25 +307,41 @@ typedef struct vg_node {
   char* error;               /* malloc'd or NULL */
 } vg_node;
 
-struct vllm_engine {
+/* A loaded engine: reference counted, released when the host's handle is freed
+ * and every request made on it has been freed. */
+typedef struct vg_engine {
   int64_t id; /* key of the Python-side bridge */
   char model_name[256];
-  atomic_int refs;   /* the host's handle + one per request */
-  atomic_int closed; /* vllm_engine_free started */
-  atomic_int live;   /* requests whose final delta has not arrived yet */
+  atomic_int refs; /* the host's handle + one per request + calls in progress */
+  atomic_int live; /* requests whose final delta has not arrived yet */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   uint64_t* aborts; /* request numbers to abort (control thread) */
   size_t naborts, capaborts;
   int stop;
   pthread_t ctl;
-  vllm_engine* next_live; /* g_engines list */
+} vg_engine;
+
+/* What a vllm_engine* points to: a record that is never freed (a few bytes per
+ * vllm_engine_load), on the g_engines list. `core` is NULL once the handle was
+ * freed; both fields are guarded by g_engines_mu. */
+struct vllm_engine {
+  vg_engine* core;
+  vllm_engine* next;
 };
 
-enum { VG_MODE_THREAD = 0, VG_MODE_PUMP = 1 };
+/* VG_MODE_POOL: vllm_request_submit, callbacks on the delivery pool.
+ * VG_MODE_PUMP: blocking calls, callbacks on the caller's thread. */
+enum { VG_MODE_POOL = 0, VG_MODE_PUMP = 1 };
+
+/* Where a pool request stands with the delivery pool (guarded by the request's
+ * mu): HELD until its submit succeeded (nothing is delivered before), IDLE with
+ * nothing to deliver, QUEUED on the pool's ready queue, RUNNING on a delivery
+ * thread (which owns it: deltas that arrive meanwhile wait for that thread). */
+enum { VG_HELD = 0, VG_IDLE = 1, VG_QUEUED = 2, VG_RUNNING = 3 };
 
 struct vllm_request {
-  vllm_engine* eng;
+  vg_engine* eng;
   uint64_t num;
   int mode;
   vllm_token_callback cb;
@@ -238,14 +349,15 @@ struct vllm_request {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   vg_node *head, *tail;
-  atomic_int refs;        /* host handle (or pump caller) + Python until the final delta */
+  int sched;                 /* VG_HELD ... (pool mode) */
+  vllm_request* ready_next;  /* the pool's ready queue (while QUEUED) */
+  atomic_int refs;        /* host handle (or pump caller) + Python until the final delta
+                             (+ the delivery pool until the final callback returned) */
   atomic_int cancelled;   /* host asked to stop */
   atomic_int terminal_in; /* the final delta was pushed */
   atomic_int done;        /* the final callback returned */
   atomic_int in_cb;       /* a callback of this request is running ... */
   pthread_t cb_thread;    /* ... on this thread */
-  int has_thread;
-  pthread_t thread;
   /* results, valid once done */
   vllm_status status;
   char* error;
@@ -270,7 +382,7 @@ static void vg_node_free(vg_node* n) {
   free(n);
 }
 
-static void vg_engine_decref(vllm_engine* e) {
+static void vg_engine_decref(vg_engine* e) {
   if (atomic_fetch_sub(&e->refs, 1) != 1) return;
   pthread_mutex_destroy(&e->mu);
   pthread_cond_destroy(&e->cv);
@@ -289,14 +401,19 @@ static void vg_req_decref(vllm_request* r) {
   free(r->error);
   pthread_mutex_destroy(&r->mu);
   pthread_cond_destroy(&r->cv);
-  vllm_engine* e = r->eng;
+  vg_engine* e = r->eng;
   free(r);
   vg_engine_decref(e);
 }
 
-static vllm_request* vg_req_new(vllm_engine* e, int mode, vllm_token_callback cb, void* ud) {
+/* A new request on engine `e`; takes over the caller's reference on `e` (on
+ * failure too). */
+static vllm_request* vg_req_new(vg_engine* e, int mode, vllm_token_callback cb, void* ud) {
   vllm_request* r = (vllm_request*)calloc(1, sizeof *r);
-  if (!r) return NULL;
+  if (!r) {
+    vg_engine_decref(e);
+    return NULL;
+  }
   r->eng = e;
   r->num = atomic_fetch_add(&g_next_req, 1);
   r->mode = mode;
@@ -304,17 +421,17 @@ static vllm_request* vg_req_new(vllm_engine* e, int mode, vllm_token_callback cb
   r->ud = ud;
   pthread_mutex_init(&r->mu, NULL);
   pthread_cond_init(&r->cv, NULL);
-  atomic_init(&r->refs, 2); /* caller + Python */
+  atomic_init(&r->refs, mode == VG_MODE_POOL ? 3 : 2); /* caller + Python (+ the pool) */
+  r->sched = VG_HELD;
   r->status = VLLM_OK;
   r->prompt_tokens = -1;
-  atomic_fetch_add(&e->refs, 1);
   atomic_fetch_add(&e->live, 1);
   return r;
 }
 
 /* Ask the control thread to abort request `num` in the engine. Never blocks on
  * Python. */
-static void vg_engine_queue_abort(vllm_engine* e, uint64_t num) {
+static void vg_engine_queue_abort(vg_engine* e, uint64_t num) {
   pthread_mutex_lock(&e->mu);
   if (!e->stop) {
     if (e->naborts == e->capaborts) {
@@ -337,28 +454,41 @@ static void vg_cancel_internal(vllm_request* r) {
   vg_engine_queue_abort(r->eng, r->num);
 }
 
+/* The delivery pool's ready queue (defined below). */
+static void vg_pool_push(vllm_request* first, vllm_request* last, int n);
+
 /* Append one node to a request's queue (takes ownership of n). Called by
- * vg_push (from Python, GIL released) and by the C side for synthetic
- * final deltas. Releases Python's reference on the final delta. */
-static void vg_req_enqueue(vllm_request* r, vg_node* n) {
+ * vg_push (from Python, GIL released). Releases Python's reference on the
+ * final delta. Returns 1 when a pool request went from IDLE to QUEUED: the
+ * caller must put it on the pool's ready queue (it owns r->ready_next then). */
+static int vg_req_enqueue(vllm_request* r, vg_node* n) {
   int fin = n->finished;
   if (fin && atomic_exchange(&r->terminal_in, 1)) { /* a second final delta: drop */
     vg_node_free(n);
-    return;
+    return 0;
   }
-  vllm_engine* e = r->eng;
+  vg_engine* e = r->eng;
   pthread_mutex_lock(&r->mu);
   if (r->tail)
     r->tail->next = n;
   else
     r->head = n;
   r->tail = n;
-  pthread_cond_broadcast(&r->cv);
+  int schedule = r->mode == VG_MODE_POOL && r->sched == VG_IDLE;
+  if (schedule) {
+    r->sched = VG_QUEUED;
+    r->ready_next = NULL;
+  }
+  pthread_cond_broadcast(&r->cv); /* a pump caller waits here */
   pthread_mutex_unlock(&r->mu);
   if (fin) {
     atomic_fetch_sub(&e->live, 1);
+    /* never the last reference while r is being scheduled: a pool request keeps
+     * the pool's reference until its final callback returned, which needs this
+     * node delivered first */
     vg_req_decref(r);
   }
+  return schedule;
 }
 
 static vg_node* vg_node_make(const char* text, size_t len, const int32_t* toks, int32_t ntoks) {
@@ -390,13 +520,15 @@ static vg_node* vg_node_make(const char* text, size_t len, const int32_t* toks, 
  * thread still computes ("unknown parameter type" from torch, seen in a test).
  * So the handler is registered again at the 1st, 2nd, 4th, 8th, ... step pushed
  * (a log-bounded number of entries); only its first run does work. */
-static void vg_atexit(void);
 static atomic_uint_fast64_t g_pushes;
 
-/* One engine step's worth of deltas, from Python. */
+/* One engine step's worth of deltas, from Python. The pool requests that became
+ * ready go on the pool's ready queue in one batch (one lock, a few wake-ups). */
 static void vg_push(const vg_delta* d, int32_t n) {
   uint64_t k = atomic_fetch_add(&g_pushes, 1) + 1;
-  if ((k & (k - 1)) == 0) atexit(vg_atexit);
+  if ((k & (k - 1)) == 0) vg_register_exit_handler();
+  vllm_request *first = NULL, *last = NULL;
+  int nready = 0;
   for (int32_t i = 0; i < n; i++) {
     vllm_request* r = (vllm_request*)d[i].req;
     vg_node* node = vg_node_make(d[i].text, (size_t)d[i].text_len, d[i].token_ids, d[i].n_tokens);
@@ -410,22 +542,16 @@ static void vg_push(const vg_delta* d, int32_t n) {
     node->prompt_tokens = d[i].prompt_tokens;
     node->finish_reason = vg_reason(d[i].finish_reason);
     if (d[i].error && d[i].error[0]) node->error = vg_strdup(d[i].error);
-    vg_req_enqueue(r, node);
+    if (vg_req_enqueue(r, node)) {
+      if (last)
+        last->ready_next = r;
+      else
+        first = r;
+      last = r;
+      nready++;
+    }
   }
-}
-
-/* A synthetic final delta from the C side (failed submit, dead engine, ...). */
-static void vg_push_final(vllm_request* r, vllm_status st, const char* reason, const char* err) {
-  vg_delta d;
-  memset(&d, 0, sizeof d);
-  d.req = r;
-  d.text = "";
-  d.finished = 1;
-  d.status = st;
-  d.prompt_tokens = -1;
-  d.finish_reason = reason;
-  d.error = err;
-  vg_push(&d, 1);
+  if (nready) vg_pool_push(first, last, nready);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -469,17 +595,16 @@ static void vg_buf_text(vg_buf* b, const char* s, size_t n) {
   vg_buf_add(b, s + start, n - start);
 }
 
-/* A handler sees every delta of a request in order, on one thread. It returns
- * false to cancel the request. `finished` comes exactly once, last. */
+/* A handler sees every delta of a request in order, on one thread at a time. It
+ * returns false to cancel the request. `finished` comes exactly once, last. */
 typedef bool (*vg_handler)(void* ctx, vllm_request* r, const vg_node* n, bool cancelled);
 
-static void vg_deliver(vllm_request* r, vg_handler h, void* ctx) {
-  pthread_mutex_lock(&r->mu);
-  for (;;) {
-    while (!r->head) pthread_cond_wait(&r->cv, &r->mu);
-    vg_node* n = r->head;
-    r->head = n->next;
-    if (!r->head) r->tail = NULL;
+/* Deliver a list of nodes taken off r's queue, in order. Returns 1 when the list
+ * held the final delta: r is then done (waiters woken) and the caller must not
+ * deliver again. */
+static int vg_deliver_list(vllm_request* r, vg_node* n, vg_handler h, void* ctx) {
+  while (n) {
+    vg_node* next = n->next;
     int fin = n->finished;
     if (n->prompt_tokens >= 0) r->prompt_tokens = n->prompt_tokens;
     r->completion_tokens += n->ntoks;
@@ -489,8 +614,6 @@ static void vg_deliver(vllm_request* r, vg_handler h, void* ctx) {
       r->error = n->error;
       n->error = NULL;
     }
-    pthread_mutex_unlock(&r->mu);
-
     bool cancelled = atomic_load(&r->cancelled) != 0;
     if (!atomic_load(&g_exiting)) {
       r->cb_thread = pthread_self();
@@ -500,12 +623,36 @@ static void vg_deliver(vllm_request* r, vg_handler h, void* ctx) {
       if (!keep && !fin) vg_cancel_internal(r);
     }
     vg_node_free(n);
-    pthread_mutex_lock(&r->mu);
-    if (fin) break;
+    if (fin) {
+      for (n = next; n; n = next) { /* nothing follows a final delta; be safe */
+        next = n->next;
+        vg_node_free(n);
+      }
+      pthread_mutex_lock(&r->mu);
+      atomic_store(&r->done, 1);
+      pthread_cond_broadcast(&r->cv);
+      pthread_mutex_unlock(&r->mu);
+      return 1;
+    }
+    n = next;
   }
-  atomic_store(&r->done, 1);
-  pthread_cond_broadcast(&r->cv);
+  return 0;
+}
+
+/* Take every node queued on r (waiting for one). */
+static vg_node* vg_take_wait(vllm_request* r) {
+  pthread_mutex_lock(&r->mu);
+  while (!r->head) pthread_cond_wait(&r->cv, &r->mu);
+  vg_node* n = r->head;
+  r->head = r->tail = NULL;
   pthread_mutex_unlock(&r->mu);
+  return n;
+}
+
+/* The blocking calls: deliver on the caller's thread until the final delta. */
+static void vg_deliver(vllm_request* r, vg_handler h, void* ctx) {
+  while (!vg_deliver_list(r, vg_take_wait(r), h, ctx)) {
+  }
 }
 
 static int vg_in_own_callback(const vllm_request* r) {
@@ -534,17 +681,194 @@ static bool vg_host_handler(void* ctx, vllm_request* r, const vg_node* n, bool c
   return keep;
 }
 
-static void* vg_delivery_main(void* arg) {
-  vllm_request* r = (vllm_request*)arg;
-  vg_deliver(r, vg_host_handler, NULL);
+/* ------------------------------------------------------------------------ */
+/* the delivery pool                                                         */
+/*
+ * The callbacks of vllm_request_submit requests run on a small process-wide
+ * pool of delivery threads, not one thread per request. A request with deltas
+ * waiting is on the FIFO ready queue once; a delivery thread takes it, delivers
+ * what it holds, in order, and puts it back at the tail if more arrived
+ * meanwhile. So requests take turns, a request is owned by at most one thread
+ * at a time (its callbacks never overlap), and none runs on an engine thread or
+ * with the GIL (these threads never take it).
+ *
+ * Threads start on demand, up to VENGINE_DELIVERY_THREADS (default 4). A slow
+ * callback holds its thread but no other request: requests wait on the shared
+ * queue, not behind a thread, and when requests wait while no delivery thread
+ * has taken one for VG_STALL_MS (every thread is inside a callback), the
+ * monitor thread adds a thread, up to VENGINE_DELIVERY_THREADS_MAX (default 64).
+ * Threads beyond the first VENGINE_DELIVERY_THREADS exit after VG_IDLE_EXIT_S
+ * seconds without work.
+ */
+#define VG_STALL_MS 20
+#define VG_IDLE_EXIT_S 2
+
+typedef struct vg_pool {
+  pthread_mutex_t mu;
+  pthread_cond_t work; /* delivery threads: a request is ready */
+  pthread_cond_t mon;  /* the monitor: requests are ready and no thread is idle */
+  vllm_request *head, *tail;
+  int nthreads, nidle, core, max;
+  uint64_t taken; /* requests taken off the ready queue so far (progress) */
+  int ok;         /* the monitor and a first delivery thread started */
+} vg_pool;
+
+static vg_pool g_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                         PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0, 0, 0, 0};
+static pthread_once_t g_pool_once = PTHREAD_ONCE_INIT;
+
+static void vg_deadline(struct timespec* ts, long ms) {
+  clock_gettime(CLOCK_REALTIME, ts);
+  ts->tv_sec += ms / 1000;
+  ts->tv_nsec += (ms % 1000) * 1000000L;
+  if (ts->tv_nsec >= 1000000000L) {
+    ts->tv_sec += 1;
+    ts->tv_nsec -= 1000000000L;
+  }
+}
+
+/* One slice of a pool request's delivery: what is queued now. */
+static void vg_pool_run(vllm_request* r) {
+  pthread_mutex_lock(&r->mu);
+  r->sched = VG_RUNNING;
+  vg_node* n = r->head;
+  r->head = r->tail = NULL;
+  pthread_mutex_unlock(&r->mu);
+  if (vg_deliver_list(r, n, vg_host_handler, NULL)) {
+    vg_req_decref(r); /* the pool's reference */
+    return;
+  }
+  pthread_mutex_lock(&r->mu);
+  int again = r->head != NULL;
+  r->sched = again ? VG_QUEUED : VG_IDLE;
+  r->ready_next = NULL;
+  pthread_mutex_unlock(&r->mu);
+  if (again) vg_pool_push(r, r, 1); /* back of the queue: the others take their turn */
+}
+
+static void* vg_pool_main(void* arg) {
+  (void)arg;
+  pthread_setname_np(pthread_self(), "vengine-deliver");
+  vg_pool* P = &g_pool;
+  pthread_mutex_lock(&P->mu);
+  for (;;) {
+    if (!P->head) {
+      struct timespec dl;
+      vg_deadline(&dl, VG_IDLE_EXIT_S * 1000L);
+      int rc = 0;
+      P->nidle++;
+      while (!P->head && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&P->work, &P->mu, &dl);
+      P->nidle--;
+      if (!P->head) {
+        if (P->nthreads > P->core) break;
+        continue;
+      }
+    }
+    vllm_request* r = P->head;
+    P->head = r->ready_next;
+    if (!P->head) P->tail = NULL;
+    P->taken++;
+    if (P->head && P->nidle == 0) pthread_cond_signal(&P->mon); /* work left, nobody idle */
+    pthread_mutex_unlock(&P->mu);
+    vg_pool_run(r);
+    pthread_mutex_lock(&P->mu);
+  }
+  P->nthreads--;
+  pthread_mutex_unlock(&P->mu);
   return NULL;
+}
+
+/* Start one delivery thread (caller holds the pool's mu). */
+static int vg_pool_spawn_locked(vg_pool* P) {
+  pthread_t t;
+  int ok = vg_thread_start(&t, 1, vg_pool_main, NULL);
+  if (ok) P->nthreads++;
+  return ok;
+}
+
+/* Adds a delivery thread when requests wait and none was taken for VG_STALL_MS
+ * while no thread is idle: every delivery thread is inside a (slow) callback. */
+static void* vg_pool_monitor(void* arg) {
+  (void)arg;
+  pthread_setname_np(pthread_self(), "vengine-monitor");
+  vg_pool* P = &g_pool;
+  pthread_mutex_lock(&P->mu);
+  for (;;) {
+    while (!(P->head && P->nidle == 0)) pthread_cond_wait(&P->mon, &P->mu);
+    uint64_t seen = P->taken;
+    struct timespec dl;
+    vg_deadline(&dl, VG_STALL_MS);
+    int rc = 0;
+    while (rc != ETIMEDOUT && P->head && P->nidle == 0 && P->taken == seen)
+      rc = pthread_cond_timedwait(&P->mon, &P->mu, &dl);
+    if (P->head && P->nidle == 0 && P->taken == seen && P->nthreads < P->max)
+      vg_pool_spawn_locked(P);
+  }
+  return NULL;
+}
+
+static int vg_env_int(const char* name, int dflt, int lo, int hi) {
+  const char* s = getenv(name);
+  if (!s || !*s) return dflt;
+  long v = strtol(s, NULL, 10);
+  return v < lo ? lo : v > hi ? hi : (int)v;
+}
+
+static void vg_pool_start_once(void) {
+  vg_pool* P = &g_pool;
+  P->core = vg_env_int("VENGINE_DELIVERY_THREADS", 4, 1, 1024);
+  P->max = vg_env_int("VENGINE_DELIVERY_THREADS_MAX", 64, 1, 4096);
+  if (P->max < P->core) P->max = P->core;
+  pthread_t t;
+  int ok = vg_thread_start(&t, 1, vg_pool_monitor, NULL);
+  pthread_mutex_lock(&P->mu);
+  P->ok = ok && vg_pool_spawn_locked(P);
+  pthread_mutex_unlock(&P->mu);
+}
+
+/* Starts the pool once per process; 0 if its threads could not be created. */
+static int vg_pool_ready(void) {
+  pthread_once(&g_pool_once, vg_pool_start_once);
+  return g_pool.ok;
+}
+
+/* Put n ready requests (a chain through ready_next) at the tail of the queue. */
+static void vg_pool_push(vllm_request* first, vllm_request* last, int n) {
+  vg_pool* P = &g_pool;
+  pthread_mutex_lock(&P->mu);
+  if (P->tail)
+    P->tail->ready_next = first;
+  else
+    P->head = first;
+  P->tail = last;
+  last->ready_next = NULL;
+  int wake = n < P->nidle ? n : P->nidle;
+  if (wake == P->nidle)
+    pthread_cond_broadcast(&P->work);
+  else
+    for (int i = 0; i < wake; i++) pthread_cond_signal(&P->work);
+  int uncovered = n - wake;
+  while (uncovered > 0 && P->nthreads < P->core && vg_pool_spawn_locked(P)) uncovered--;
+  if (uncovered > 0) pthread_cond_signal(&P->mon);
+  pthread_mutex_unlock(&P->mu);
+}
+
+/* A pool request whose submit succeeded: deliver what arrived meanwhile. */
+static void vg_pool_release_held(vllm_request* r) {
+  pthread_mutex_lock(&r->mu);
+  int ready = r->head != NULL;
+  r->sched = ready ? VG_QUEUED : VG_IDLE;
+  r->ready_next = NULL;
+  pthread_mutex_unlock(&r->mu);
+  if (ready) vg_pool_push(r, r, 1);
 }
 
 /* ------------------------------------------------------------------------ */
 /* engine control thread: aborts and the engine-death watchdog               */
 
 static void* vg_ctl_main(void* arg) {
-  vllm_engine* e = (vllm_engine*)arg;
+  vg_engine* e = (vg_engine*)arg;
+  pthread_setname_np(pthread_self(), "vengine-control");
   pthread_mutex_lock(&e->mu);
   for (;;) {
     if (e->stop) break;
@@ -561,12 +885,7 @@ static void* vg_ctl_main(void* arg) {
     }
     if (atomic_load(&e->live) > 0) {
       struct timespec ts;
-      clock_gettime(CLOCK_REALTIME, &ts);
-      ts.tv_nsec += 250 * 1000000L;
-      if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec += 1;
-        ts.tv_nsec -= 1000000000L;
-      }
+      vg_deadline(&ts, 250);
       int rc = pthread_cond_timedwait(&e->cv, &e->mu, &ts);
       if (rc == ETIMEDOUT && !e->stop && e->naborts == 0 && atomic_load(&e->live) > 0) {
         pthread_mutex_unlock(&e->mu);
@@ -581,7 +900,7 @@ static void* vg_ctl_main(void* arg) {
   return NULL;
 }
 
-static void vg_engine_wake(vllm_engine* e) {
+static void vg_engine_wake(vg_engine* e) {
   pthread_mutex_lock(&e->mu);
   pthread_cond_signal(&e->cv);
   pthread_mutex_unlock(&e->mu);
@@ -594,15 +913,18 @@ static pthread_mutex_t g_exit_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_exit_cv = PTHREAD_COND_INITIALIZER;
 static int g_exit_done;
 
+/* The first engine handle not freed yet, or NULL. */
+static vllm_engine* vg_first_live_engine(void) {
+  pthread_mutex_lock(&g_engines_mu);
+  vllm_engine* h = g_engines;
+  while (h && !h->core) h = h->next;
+  pthread_mutex_unlock(&g_engines_mu);
+  return h;
+}
+
 static void* vg_exit_main(void* arg) {
   (void)arg;
-  for (;;) {
-    pthread_mutex_lock(&g_engines_mu);
-    vllm_engine* e = g_engines;
-    pthread_mutex_unlock(&g_engines_mu);
-    if (!e) break;
-    vllm_engine_free(e); /* unlinks e */
-  }
+  for (vllm_engine* h; (h = vg_first_live_engine()) != NULL;) vllm_engine_free(h);
   pthread_mutex_lock(&g_exit_mu);
   g_exit_done = 1;
   pthread_cond_broadcast(&g_exit_cv);
@@ -610,21 +932,31 @@ static void* vg_exit_main(void* arg) {
   return NULL;
 }
 
-/* Hosts that exit without vllm_engine_free: stop and join the engine threads
- * with a bounded wait, so nothing runs while the process tears down. Python is
- * never finalized. */
-static void vg_atexit(void) {
-  if (atomic_load(&g_forked)) return;
+/* At exit.
+ * - In a child forked after the engine's Python started: flush stdio and end the
+ *   process now with the status given to exit(). The exit handlers registered
+ *   before the fork (libtorch's among them) are not fork-safe: one waits for a
+ *   GIL held by a thread that does not exist in the child (seen hanging 2 times
+ *   in 10). vg_atfork_prepare registered this handler last before the fork, so
+ *   only handlers the child registered itself run before it.
+ * - Otherwise, for hosts that exit without vllm_engine_free: stop and join the
+ *   engine threads with a bounded wait, so nothing runs while the process tears
+ *   down. Python is never finalized. */
+static void vg_exit_handler(int status, int status_known) {
+  if (atomic_load(&g_forked)) {
+    if (status_known) {
+      fflush(NULL);
+      _exit(status);
+    }
+    return;
+  }
   if (atomic_exchange(&g_exiting, 1)) return;
-  pthread_mutex_lock(&g_engines_mu);
-  int any = g_engines != NULL;
-  pthread_mutex_unlock(&g_engines_mu);
-  if (!any) return;
+  if (!vg_first_live_engine()) return;
   double timeout = 10.0;
   const char* t = getenv("VENGINE_EXIT_TIMEOUT");
   if (t && *t) timeout = atof(t);
   pthread_t th;
-  if (pthread_create(&th, NULL, vg_exit_main, NULL) != 0) return;
+  if (!vg_thread_start(&th, 0, vg_exit_main, NULL)) return;
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   ts.tv_sec += (time_t)timeout;
@@ -647,10 +979,6 @@ static void vg_atexit(void) {
   }
 }
 
-static void vg_register_atexit(void) { atexit(vg_atexit); }
-
-/* exit() runs handlers in reverse registration order, and C++ libraries loaded
- * by Python (libtorch, ...) register destructors of function-local statics the
 
 /* ------------------------------------------------------------------------ */
 /* exported API                                                              */
@@ -709,49 +1037,80 @@ VG_EXPORT vllm_status vllm_engine_load(const vllm_model_params* params, vllm_eng
   vllm_status st = vg_py_start();
   if (st != VLLM_OK) return st;
 
-  vllm_engine* e = (vllm_engine*)calloc(1, sizeof *e);
-  if (!e) return vg_fail(VLLM_ERR_RUNTIME, "vllm_engine_load: out of memory");
+  vllm_engine* h = (vllm_engine*)calloc(1, sizeof *h);
+  vg_engine* e = (vg_engine*)calloc(1, sizeof *e);
+  if (!h || !e) {
+    free(h);
+    free(e);
+    return vg_fail(VLLM_ERR_RUNTIME, "vllm_engine_load: out of memory");
+  }
   pthread_mutex_init(&e->mu, NULL);
   pthread_cond_init(&e->cv, NULL);
   atomic_init(&e->refs, 1);
   char err[VG_ERRLEN];
   err[0] = '\0';
+  vg_sigpipe sp;
+  vg_sigpipe_block(&sp);
   st = (vllm_status)_vg_py_load(params, &e->id, e->model_name, (int32_t)sizeof e->model_name, err,
                                 (int32_t)sizeof err);
-  if (st != VLLM_OK) {
-    vg_set_err("%s", err[0] ? err : "vllm_engine_load failed");
+  int ctl = st == VLLM_OK && vg_thread_start(&e->ctl, 0, vg_ctl_main, e);
+  if (st == VLLM_OK && !ctl) _vg_py_engine_free(e->id);
+  vg_sigpipe_restore(&sp);
+  if (st != VLLM_OK || !ctl) {
     vg_engine_decref(e);
-    return st;
-  }
-  if (pthread_create(&e->ctl, NULL, vg_ctl_main, e) != 0) {
-    _vg_py_engine_free(e->id);
-    vg_engine_decref(e);
+    free(h);
+    if (st != VLLM_OK) {
+      vg_set_err("%s", err[0] ? err : "vllm_engine_load failed");
+      return st;
+    }
     return vg_fail(VLLM_ERR_RUNTIME, "vllm_engine_load: could not start the control thread");
   }
-  pthread_once(&g_atexit_once, vg_register_atexit);
+  pthread_once(&g_atexit_once, vg_register_exit_handler);
   pthread_mutex_lock(&g_engines_mu);
-  e->next_live = g_engines;
-  g_engines = e;
+  h->core = e;
+  h->next = g_engines;
+  g_engines = h;
   pthread_mutex_unlock(&g_engines_mu);
-  *out = e;
+  *out = h;
   return VLLM_OK;
 }
 
-VG_EXPORT void vllm_engine_free(vllm_engine* e) {
-  if (!e) return;
-  if (atomic_load(&g_forked)) return;
-  if (atomic_exchange(&e->closed, 1)) return;
+/* Look a handle up among the handles ever returned (the handle itself is not
+ * read unless it is one) and detach (`detach`) or take a reference on its
+ * engine. NULL when the handle is unknown or freed; *known says which. */
+static vg_engine* vg_engine_lookup(vllm_engine* h, int detach, int* known) {
   pthread_mutex_lock(&g_engines_mu);
-  for (vllm_engine** p = &g_engines; *p; p = &(*p)->next_live) {
-    if (*p == e) {
-      *p = e->next_live;
-      break;
-    }
+  vllm_engine* x = g_engines;
+  while (x && x != h) x = x->next;
+  vg_engine* e = x ? x->core : NULL;
+  if (e) {
+    if (detach)
+      x->core = NULL;
+    else
+      atomic_fetch_add(&e->refs, 1);
   }
   pthread_mutex_unlock(&g_engines_mu);
+  *known = x != NULL;
+  return e;
+}
+
+VG_EXPORT void vllm_engine_free(vllm_engine* h) {
+  if (!h) return;
+  vg_clear_err();
+  if (atomic_load(&g_forked)) return;
+  int known;
+  vg_engine* e = vg_engine_lookup(h, 1, &known);
+  if (!e) {
+    vg_set_err(known ? "vllm_engine_free: the engine was already freed"
+                     : "vllm_engine_free: not an engine handle from vllm_engine_load");
+    return;
+  }
   /* Python: abort what is live, shut the engine down (joins its threads), end
    * every request still live with a final delta. */
+  vg_sigpipe sp;
+  vg_sigpipe_block(&sp);
   _vg_py_engine_free(e->id);
+  vg_sigpipe_restore(&sp);
   pthread_mutex_lock(&e->mu);
   e->stop = 1;
   pthread_cond_signal(&e->cv);
@@ -760,18 +1119,30 @@ VG_EXPORT void vllm_engine_free(vllm_engine* e) {
   vg_engine_decref(e);
 }
 
-/* Common argument checks for the request entry points. */
-static vllm_status vg_check_engine(vllm_engine* e, const char* fn) {
-  if (!e) {
+/* The engine behind a handle, with a reference the caller passes on to a
+ * request (vg_req_new) or drops; NULL with *st and the thread's error set when
+ * the handle is NULL, unknown or freed, or in a forked child. */
+static vg_engine* vg_engine_acquire(vllm_engine* h, const char* fn, vllm_status* st) {
+  *st = VLLM_OK;
+  if (!h) {
     vg_set_err("%s: engine is NULL", fn);
-    return VLLM_ERR_INVALID_ARGUMENT;
+    *st = VLLM_ERR_INVALID_ARGUMENT;
+    return NULL;
   }
-  if (vg_check_fork()) return VLLM_ERR_RUNTIME;
-  if (atomic_load(&e->closed)) {
-    vg_set_err("%s: the engine was freed", fn);
-    return VLLM_ERR_INVALID_ARGUMENT;
+  if (vg_check_fork()) {
+    *st = VLLM_ERR_RUNTIME;
+    return NULL;
   }
-  return vg_py_start();
+  int known;
+  vg_engine* e = vg_engine_lookup(h, 0, &known);
+  if (!e && known) {
+    vg_set_err("%s: the engine was freed (vllm_engine_free)", fn);
+    *st = VLLM_ERR_RUNTIME;
+  } else if (!e) {
+    vg_set_err("%s: not an engine handle from vllm_engine_load", fn);
+    *st = VLLM_ERR_INVALID_ARGUMENT;
+  }
+  return e;
 }
 
 /* Start a request in the engine. On success the request is live and Python
@@ -783,12 +1154,15 @@ static vllm_status vg_start(vllm_request* r, const char* prompt, const int32_t* 
   char err[VG_ERRLEN];
   err[0] = '\0';
   vllm_status st;
+  vg_sigpipe sig;
+  vg_sigpipe_block(&sig);
   if (chat_json)
     st = (vllm_status)_vg_py_submit_chat(r->eng->id, r, r->num, chat_json, chat_flags, err,
                                          (int32_t)sizeof err);
   else
     st = (vllm_status)_vg_py_submit(r->eng->id, r, r->num, prompt, toks, ntoks, sp, err,
                                     (int32_t)sizeof err);
+  vg_sigpipe_restore(&sig);
   if (st != VLLM_OK) {
     vg_set_err("%s", err[0] ? err : "request submission failed");
     /* Python does not hold it: drop Python's reference (unless a final delta was
@@ -797,10 +1171,12 @@ static vllm_status vg_start(vllm_request* r, const char* prompt, const int32_t* 
       atomic_fetch_sub(&r->eng->live, 1);
       vg_req_decref(r);
     }
+    if (r->mode == VG_MODE_POOL) vg_req_decref(r); /* never scheduled: no callback */
     vg_req_decref(r);
     return st;
   }
   vg_engine_wake(r->eng); /* the watchdog runs while requests are live */
+  if (r->mode == VG_MODE_POOL) vg_pool_release_held(r);
   return VLLM_OK;
 }
 
@@ -810,24 +1186,20 @@ VG_EXPORT vllm_status vllm_request_submit(vllm_engine* e, const char* prompt,
                                           vllm_request** out) {
   vg_clear_err();
   if (out) *out = NULL;
-  vllm_status st = vg_check_engine(e, "vllm_request_submit");
-  if (st != VLLM_OK) return st;
   if (!prompt) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_request_submit: prompt is NULL");
   if (!params) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_request_submit: params is NULL");
   if (!out) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_request_submit: out is NULL");
-  vllm_request* r = vg_req_new(e, VG_MODE_THREAD, cb, user_data);
+  vllm_status st;
+  vg_engine* g = vg_engine_acquire(e, "vllm_request_submit", &st);
+  if (!g) return st;
+  if (!vg_pool_ready()) {
+    vg_engine_decref(g);
+    return vg_fail(VLLM_ERR_RUNTIME, "vllm_request_submit: could not start the delivery threads");
+  }
+  vllm_request* r = vg_req_new(g, VG_MODE_POOL, cb, user_data);
   if (!r) return vg_fail(VLLM_ERR_RUNTIME, "vllm_request_submit: out of memory");
   st = vg_start(r, prompt, NULL, 0, params, NULL, NULL);
   if (st != VLLM_OK) return st;
-  if (pthread_create(&r->thread, NULL, vg_delivery_main, r) != 0) {
-    /* no thread to deliver: end the request here without callbacks */
-    r->cb = NULL;
-    vg_cancel_internal(r);
-    vg_deliver(r, vg_host_handler, NULL);
-    vg_req_decref(r);
-    return vg_fail(VLLM_ERR_RUNTIME, "vllm_request_submit: could not start a delivery thread");
-  }
-  r->has_thread = 1;
   *out = r;
   return VLLM_OK;
 }
@@ -877,7 +1249,6 @@ VG_EXPORT void vllm_request_free(vllm_request* r) {
   pthread_mutex_lock(&r->mu);
   while (!atomic_load(&r->done)) pthread_cond_wait(&r->cv, &r->mu);
   pthread_mutex_unlock(&r->mu);
-  if (r->has_thread) pthread_join(r->thread, NULL);
   vg_req_decref(r);
 }
 
@@ -916,16 +1287,19 @@ static vllm_status vg_finish_pump(vllm_request* r) {
   return st;
 }
 
-static vllm_status vg_complete_impl(vllm_engine* e, const char* fn, const char* prompt,
+static vllm_status vg_complete_impl(vllm_engine* h, const char* fn, const char* prompt,
                                     const int32_t* ptoks, int32_t nptoks,
                                     const vllm_sampling_params* params, int32_t* out_toks,
                                     int32_t max_out, int32_t* n_out, vllm_completion* out) {
+  vllm_status st;
+  vg_engine* e = vg_engine_acquire(h, fn, &st);
+  if (!e) return st;
   vllm_request* r = vg_req_new(e, VG_MODE_PUMP, NULL, NULL);
   if (!r) {
     vg_set_err("%s: out of memory", fn);
     return VLLM_ERR_RUNTIME;
   }
-  vllm_status st = vg_start(r, prompt, ptoks, nptoks, params, NULL, NULL);
+  st = vg_start(r, prompt, ptoks, nptoks, params, NULL, NULL);
   if (st != VLLM_OK) return st;
   vg_collect c;
   memset(&c, 0, sizeof c);
@@ -953,8 +1327,7 @@ VG_EXPORT vllm_status vllm_complete(vllm_engine* e, const char* prompt,
                                    const vllm_sampling_params* params, vllm_completion* out) {
   vg_clear_err();
   if (out) memset(out, 0, sizeof *out);
-  vllm_status st = vg_check_engine(e, "vllm_complete");
-  if (st != VLLM_OK) return st;
+  if (!e) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete: engine is NULL");
   if (!prompt) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete: prompt is NULL");
   if (!params) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete: params is NULL");
   if (!out) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete: out is NULL");
@@ -969,8 +1342,7 @@ VG_EXPORT vllm_status vllm_complete_tokens(vllm_engine* e, const int32_t* prompt
   vg_clear_err();
   if (out) memset(out, 0, sizeof *out);
   if (n_out_tokens) *n_out_tokens = 0;
-  vllm_status st = vg_check_engine(e, "vllm_complete_tokens");
-  if (st != VLLM_OK) return st;
+  if (!e) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete_tokens: engine is NULL");
   if (!prompt_tokens || n_prompt_tokens <= 0)
     return vg_fail(VLLM_ERR_INVALID_ARGUMENT,
                    "vllm_complete_tokens: prompt_tokens is NULL or n_prompt_tokens <= 0");
@@ -989,12 +1361,13 @@ VG_EXPORT vllm_status vllm_complete_stream(vllm_engine* e, const char* prompt,
                                           const vllm_sampling_params* params,
                                           vllm_token_callback cb, void* user_data) {
   vg_clear_err();
-  vllm_status st = vg_check_engine(e, "vllm_complete_stream");
-  if (st != VLLM_OK) return st;
   if (!prompt) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete_stream: prompt is NULL");
   if (!params) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete_stream: params is NULL");
   if (!cb) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_complete_stream: cb is NULL");
-  vllm_request* r = vg_req_new(e, VG_MODE_PUMP, cb, user_data);
+  vllm_status st;
+  vg_engine* g = vg_engine_acquire(e, "vllm_complete_stream", &st);
+  if (!g) return st;
+  vllm_request* r = vg_req_new(g, VG_MODE_PUMP, cb, user_data);
   if (!r) return vg_fail(VLLM_ERR_RUNTIME, "vllm_complete_stream: out of memory");
   st = vg_start(r, prompt, NULL, 0, params, NULL, NULL);
   if (st != VLLM_OK) return st;
@@ -1116,15 +1489,16 @@ static bool vg_chat_stream_handler(void* ctx, vllm_request* r, const vg_node* n,
   return keep;
 }
 
-static vllm_status vg_chat_start(vllm_engine* e, const char* fn, const char* json,
+static vllm_status vg_chat_start(vllm_engine* h, const char* fn, const char* json,
                                  vllm_token_callback cb, void* ud, vllm_request** rr,
                                  int32_t* flags) {
-  vllm_status st = vg_check_engine(e, fn);
-  if (st != VLLM_OK) return st;
   if (!json) {
     vg_set_err("%s: request_json is NULL", fn);
     return VLLM_ERR_INVALID_ARGUMENT;
   }
+  vllm_status st;
+  vg_engine* e = vg_engine_acquire(h, fn, &st);
+  if (!e) return st;
   vllm_request* r = vg_req_new(e, VG_MODE_PUMP, cb, ud);
   if (!r) {
     vg_set_err("%s: out of memory", fn);

@@ -20,7 +20,17 @@
  *    with VLLM_ERR_INVALID_ARGUMENT and a message naming the field; it is never
  *    silently ignored.
  *  - After fork(), calls in the child return VLLM_ERR_RUNTIME (the engine's
- *    threads do not exist there). Load the engine in the child instead.
+ *    threads do not exist there); a child that needs an engine must exec a
+ *    program that loads one. exit() in such a child (forked after the first vllm_engine_load; also a
+ *    return from main) is safe: it flushes stdio and ends the process at once
+ *    with its status. Exit handlers registered before the fork do not run
+ *    there -- the host's own and those of the libraries the engine loaded
+ *    (libtorch's wait for a Python lock no thread of the child holds); the
+ *    handlers the child registers itself do. This needs glibc (on_exit); with
+ *    another C library end such a child with _exit() or exec.
+ *  - The library does not change signal dispositions. It blocks SIGPIPE in
+ *    the calling thread while a call runs (a write to an engine process that
+ *    died fails with an error instead of terminating the host).
  *  - The library is never unloaded (dlclose is a no-op for it).
  */
 #ifndef VENGINE_VLLM_H_
@@ -162,7 +172,12 @@ VLLM_API void vllm_sampling_params_init(vllm_sampling_params* params);
 VLLM_API vllm_status vllm_engine_load(const vllm_model_params* params, vllm_engine** out);
 /* Stops and joins the engine threads. Requests still running end with a final
  * callback and VLLM_ERR_RUNTIME; their handles must still be freed. NULL: no-op.
- * Engines not freed are stopped by an atexit handler (bounded wait). */
+ * Engines not freed are stopped by an atexit handler (bounded wait).
+ * The handle stays safe to pass afterwards: every call with it returns
+ * VLLM_ERR_RUNTIME ("the engine was freed"), a second vllm_engine_free does
+ * nothing, and no later engine gets the same handle (the library keeps a
+ * 16-byte record per vllm_engine_load for this). A pointer that never came
+ * from vllm_engine_load is refused with VLLM_ERR_INVALID_ARGUMENT. */
 VLLM_API void vllm_engine_free(vllm_engine* engine);
 
 /* ---- blocking calls -------------------------------------------------------- */
@@ -185,8 +200,14 @@ VLLM_API vllm_status vllm_complete_stream(vllm_engine* engine, const char* promp
                                           vllm_token_callback cb, void* user_data);
 
 /* ---- non-blocking requests ------------------------------------------------ *
- * Returns once the request is queued; a library thread delivers the callbacks
- * (cb may be NULL). A slow callback delays only its own request.
+ * Returns once the request is queued; the callbacks run on the library's
+ * delivery pool, a few threads shared by all requests (cb may be NULL). A
+ * slow callback delays only its own request: a request waits for any free
+ * delivery thread, not behind another request, and the pool adds a thread
+ * when all of its threads are inside callbacks while requests wait
+ * (VENGINE_DELIVERY_THREADS, default 4; VENGINE_DELIVERY_THREADS_MAX, 64).
+ * The library's threads, these included, run with every signal blocked, so
+ * the host's signals keep going to the host's own threads.
  *  - cancel: idempotent, never blocks, may be called from any thread including
  *    the request's own callback.
  *  - wait: blocks until the final callback has returned; returns the request's
@@ -196,7 +217,9 @@ VLLM_API vllm_status vllm_complete_stream(vllm_engine* engine, const char* promp
  *  - free: cancels if needed, waits for the final callback, releases the
  *    handle. Called from the request's own callback it does nothing and sets
  *    vllm_last_error(). No callback runs after wait or free returns.
- * The engine handle may be freed before its requests; their handles stay valid. */
+ * The engine handle may be freed before its requests; their handles stay valid.
+ * Request handles are not checked like engine handles: using one after
+ * vllm_request_free is undefined, as with free(). */
 VLLM_API vllm_status vllm_request_submit(vllm_engine* engine, const char* prompt,
                                          const vllm_sampling_params* params,
                                          vllm_token_callback cb, void* user_data,

@@ -3,7 +3,7 @@ compiled with gcc and run against the real engine on a tiny CPU model (conftest'
 ``llama_dir``). Each C case prints ``KEY value`` lines and exits non-zero on failure.
 
 Environment knobs: VENGINE_CAPI_EXIT_REPS (default 5; the issue's 50 is recorded in
-docs/capi.md).
+docs/capi.md), VENGINE_CAPI_FORK_REPS (default 10), VENGINE_CAPI_MANY (default 1000).
 """
 from __future__ import annotations
 
@@ -214,6 +214,59 @@ def test_callbacks_cancel_wait_free_and_slow(capi_test_bin, capi_lib, llama_dir)
     assert float(re.search(r"FAST_FINAL_MINUS_SLOW_RETURN (\S+)", out).group(1)) < 0
 
 
+def _kv(out: str, key: str) -> float:
+    return float(re.search(rf"\b{key} (\S+)", out).group(1))
+
+
+def test_thousand_concurrent_submits_on_a_bounded_pool(capi_test_bin, capi_lib, llama_dir):
+    # 1,000 requests in flight at once (256 running in the engine): every stream has the
+    # text vllm_complete gives, in order, one final callback, no overlapping callbacks,
+    # every callback on a "vengine-deliver" thread without the GIL (PyGILState_Check); the
+    # library adds the delivery pool and its monitor, not a thread per request
+    n = int(os.environ.get("VENGINE_CAPI_MANY", "1000"))
+    out = _check(_run(capi_test_bin, capi_lib, "many", llama_dir, n, 4, 256, *PROMPTS,
+                      env={"VENGINE_DELIVERY_THREADS": "4", "VENGINE_DELIVERY_THREADS_MAX": "16"},
+                      timeout=600))
+    assert int(_kv(out, "MANY")) == n
+    assert 1 <= _kv(out, "DELIVERY_THREADS_PEAK") <= 16
+    assert _kv(out, "THREADS_ADDED") <= 16 + 1 + 2  # pool + monitor (+ slack for torch)
+
+
+def test_blocked_delivery_threads_do_not_stall_other_requests(capi_test_bin, capi_lib, llama_dir):
+    # one delivery thread to start with; three callbacks block it (and the threads the
+    # monitor adds) until the host lets go: four other requests still complete meanwhile
+    out = _check(_run(capi_test_bin, capi_lib, "slow_pool", llama_dir, PROMPTS[0],
+                      env={"VENGINE_DELIVERY_THREADS": "1"}))
+    assert "FAST 4/4 SLOW_STILL_BLOCKED 3" in out
+
+
+def test_freed_engine_handle_returns_runtime_error(capi_test_bin, capi_lib, llama_dir):
+    out = _check(_run(capi_test_bin, capi_lib, "freed_engine", llama_dir, PROMPTS[0]))
+    errs = [line for line in out.splitlines() if line.startswith("ERR ")]
+    assert sum(e.startswith("ERR 3 ") and "freed" in e for e in errs) == 7
+    assert any(e.startswith("ERR 1 ") and "not an engine handle" in e for e in errs)
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None,
+                    reason="valgrind is not installed (apt-get install valgrind)")
+def test_freed_engine_handle_under_valgrind(capi_test_bin, capi_lib, llama_dir):
+    # the engine behind the handle is really gone (its last request freed first); every
+    # later call must return VLLM_ERR_RUNTIME without touching freed memory. Addressability
+    # errors (invalid reads/writes/frees) are what this checks; definedness tracking is off:
+    # it doubles the run time and reports only libpython/libtorch internals (docs/capi.md)
+    supps = [f"--suppressions={HERE / 'valgrind.supp'}"]
+    if Path("/usr/lib/valgrind/python3.supp").is_file():
+        supps.append("--suppressions=/usr/lib/valgrind/python3.supp")
+    cmd = ["valgrind", "--error-exitcode=99", "--undef-value-errors=no", *supps, str(capi_test_bin),
+           str(capi_lib), "local", "freed_engine", str(llama_dir), PROMPTS[0], "once"]
+    e = dict(os.environ, PYTHONMALLOC="malloc")
+    e.pop("VENGINE_PYTHONPATH", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=900)
+    assert proc.returncode == 0 and "RESULT OK" in proc.stdout, \
+        f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "ERROR SUMMARY: 0 errors" in proc.stderr
+
+
 def test_bad_arguments_return_status_and_message(capi_test_bin, capi_lib, llama_dir):
     out = _check(_run(capi_test_bin, capi_lib, "bad_args", llama_dir))
     errs = [line for line in out.splitlines() if line.startswith("ERR ")]
@@ -265,6 +318,19 @@ def test_forked_child_fails_fast(capi_test_bin, capi_lib, llama_dir):
     out = _check(_run(capi_test_bin, capi_lib, "fork", llama_dir, PROMPTS[0]))
     child = next(x for x in out.splitlines() if x.startswith("CHILD "))
     assert "forked" in child
+
+
+def test_forked_child_may_call_exit(capi_test_bin, capi_lib, llama_dir):
+    # children forked while a request streams call exit(7): each ends at once with
+    # status 7, its buffered stdout flushed, the exit handler it registered after the fork
+    # run and the parent's (registered before the fork) not run (include/vllm.h)
+    reps = int(os.environ.get("VENGINE_CAPI_FORK_REPS", "10"))
+    out = _check(_run(capi_test_bin, capi_lib, "fork_exit", llama_dir, PROMPTS[0], reps, timeout=300))
+    assert f"CHILDREN_OK {reps}" in out
+    assert sorted(x for x in out.splitlines() if x.startswith("CHILD ")) == \
+        sorted(f"CHILD {i} 3" for i in range(reps))  # 3 == VLLM_ERR_RUNTIME
+    assert out.count("CHILD_HANDLER") == reps
+    assert "PRE_FORK_HANDLER_IN_CHILD" not in out
 
 
 def test_broken_python_environment_fails_load(capi_test_bin, capi_lib, llama_dir, tmp_path):
