@@ -629,10 +629,11 @@ C_DRIVER = r"""
 #include <time.h>
 #include "vllm.h"
 
-/* argv: model max_num_seqs max_tokens concurrency prompts_file times_file
- * prompts_file: NUL-separated prompts. Submits with at most `concurrency` in flight and
- * writes, per request, the submit time then every callback's time (doubles, seconds),
- * each list preceded by its length as a double. */
+/* argv: model max_num_seqs max_tokens prompts_file times_prefix C:N [C:N ...]
+ * prompts_file: NUL-separated prompts. One engine for every level: at each level C:N,
+ * submits the first N prompts with at most C in flight and writes to times_prefix.C,
+ * per request, the submit time then every callback's time (doubles, seconds), the list
+ * preceded by its length as a double; prints one JSON line per level. */
 typedef struct { double* t; int n, cap; } rec;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
@@ -645,22 +646,8 @@ static bool cb(const char* d, bool fin, void* ud) {
   return true;
 }
 
-int main(int argc, char** argv) {
-  if (argc != 7) { fprintf(stderr, "usage\n"); return 2; }
-  int max_tokens = atoi(argv[3]), conc = atoi(argv[4]);
-  FILE* f = fopen(argv[5], "rb"); fseek(f, 0, SEEK_END); long sz = ftell(f); fseek(f, 0, SEEK_SET);
-  char* blob = malloc(sz + 1); fread(blob, 1, sz, f); fclose(f); blob[sz] = 0;
-  int n = 0; for (long i = 0; i < sz; i++) n += blob[i] == 0;
-  char** prompts = malloc(sizeof(char*) * n);
-  { long p = 0; for (int i = 0; i < n; i++) { prompts[i] = blob + p; p += strlen(blob + p) + 1; } }
-  vllm_model_params mp = vllm_model_params_default();
-  mp.model_path = argv[1]; mp.max_num_seqs = atoi(argv[2]);
-  vllm_engine* e = NULL;
-  if (vllm_engine_load(&mp, &e) != VLLM_OK) { fprintf(stderr, "load: %s\n", vllm_last_error()); return 1; }
-  vllm_sampling_params sp = vllm_sampling_params_default();
-  sp.temperature = 0; sp.max_tokens = max_tokens; sp.ignore_eos = 1;
-  { vllm_completion c; vllm_sampling_params w = sp; w.max_tokens = 8;
-    for (int i = 0; i < 2; i++) { vllm_complete(e, prompts[i % n], &w, &c); vllm_completion_free(&c); } }
+static int run_level(vllm_engine* e, const vllm_sampling_params* sp, char** prompts, int n, int conc,
+                     int max_tokens, const char* path) {
   rec* recs = calloc(n, sizeof(rec)); double* t_submit = calloc(n, sizeof(double));
   vllm_request** rs = calloc(n, sizeof(*rs));
   int failed = 0;
@@ -672,16 +659,45 @@ int main(int argc, char** argv) {
     inflight++;
     pthread_mutex_unlock(&mu);
     t_submit[i] = now();
-    if (vllm_request_submit(e, prompts[i], &sp, cb, &recs[i], &rs[i]) != VLLM_OK) {
-      fprintf(stderr, "submit: %s\n", vllm_last_error()); return 1; }
+    if (vllm_request_submit(e, prompts[i], sp, cb, &recs[i], &rs[i]) != VLLM_OK) {
+      fprintf(stderr, "submit: %s\n", vllm_last_error()); return -1; }
   }
   for (int i = 0; i < n; i++) { failed += vllm_request_wait(rs[i]) != VLLM_OK; vllm_request_free(rs[i]); }
   double dt = now() - t0;
-  FILE* o = fopen(argv[6], "wb");
+  FILE* o = fopen(path, "wb");
   for (int i = 0; i < n; i++) { double k = recs[i].n; fwrite(&t_submit[i], 8, 1, o); fwrite(&k, 8, 1, o);
-    fwrite(recs[i].t, 8, recs[i].n, o); }
+    fwrite(recs[i].t, 8, recs[i].n, o); free(recs[i].t); }
   fclose(o);
-  printf("{\"seconds\": %.6f, \"requests\": %d, \"failed\": %d}\n", dt, n, failed);
+  printf("{\"concurrency\": %d, \"seconds\": %.6f, \"requests\": %d, \"failed\": %d}\n", conc, dt, n, failed);
+  fflush(stdout);
+  free(recs); free(t_submit); free(rs);
+  return failed;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 7) { fprintf(stderr, "usage\n"); return 2; }
+  int max_tokens = atoi(argv[3]);
+  FILE* f = fopen(argv[4], "rb"); fseek(f, 0, SEEK_END); long sz = ftell(f); fseek(f, 0, SEEK_SET);
+  char* blob = malloc(sz + 1); if (fread(blob, 1, sz, f) != (size_t)sz) return 2; fclose(f); blob[sz] = 0;
+  int n = 0; for (long i = 0; i < sz; i++) n += blob[i] == 0;
+  char** prompts = malloc(sizeof(char*) * n);
+  { long p = 0; for (int i = 0; i < n; i++) { prompts[i] = blob + p; p += strlen(blob + p) + 1; } }
+  vllm_model_params mp = vllm_model_params_default();
+  mp.model_path = argv[1]; mp.max_num_seqs = atoi(argv[2]);
+  vllm_engine* e = NULL;
+  if (vllm_engine_load(&mp, &e) != VLLM_OK) { fprintf(stderr, "load: %s\n", vllm_last_error()); return 1; }
+  vllm_sampling_params sp = vllm_sampling_params_default();
+  sp.temperature = 0; sp.max_tokens = max_tokens; sp.ignore_eos = 1;
+  { vllm_completion c; vllm_sampling_params w = sp; w.max_tokens = 8;
+    for (int i = 0; i < 2; i++) { vllm_complete(e, prompts[i % n], &w, &c); vllm_completion_free(&c); } }
+  int failed = 0;
+  for (int a = 6; a < argc; a++) {
+    int conc = atoi(argv[a]), k = atoi(strchr(argv[a], ':') + 1);
+    char path[4096]; snprintf(path, sizeof path, "%s.%d", argv[5], conc);
+    int r = run_level(e, &sp, prompts, k < n ? k : n, conc, max_tokens, path);
+    if (r < 0) return 1;
+    failed += r;
+  }
   vllm_engine_free(e);
   return failed != 0;
 }
@@ -713,6 +729,9 @@ def child_capi(spec: dict) -> dict:
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
     vocab = _vocab(spec["model"])
+    n_max = max(_level_prompts(spec, c) for c in spec["levels"])
+    reqs = make_workload(n_max, spec["input_len"], spec["output_len"], vocab, spec["seed"])
+    texts = [tok.decode(r.prompt).replace("\0", " ") or "x" for r in reqs]
     levels = {}
     with tempfile.TemporaryDirectory(prefix="serve-capi-") as tmp:
         tmp = Path(tmp)
@@ -721,18 +740,20 @@ def child_capi(spec: dict) -> dict:
         exe = tmp / "driver"
         subprocess.run(["gcc", "-O2", "-std=c11", "-pthread", f"-I{Path(_REPO) / 'include'}", str(tmp / "driver.c"),
                         "-o", str(exe), f"-L{lib.parent}", "-lvengine", f"-Wl,-rpath,{lib.parent}"], check=True)
+        (tmp / "prompts").write_bytes(b"".join(t.encode() + b"\0" for t in texts))
         env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        for c in spec["levels"]:
-            reqs = make_workload(_level_prompts(spec, c), spec["input_len"], spec["output_len"], vocab, spec["seed"])
-            texts = [tok.decode(r.prompt).replace("\0", " ") or "x" for r in reqs]
-            (tmp / "prompts").write_bytes(b"".join(t.encode() + b"\0" for t in texts))
-            times = tmp / "times"
-            proc = subprocess.run([str(exe), spec["model"], str(spec["max_num_seqs"]), str(spec["output_len"]),
-                                   str(c), str(tmp / "prompts"), str(times)], capture_output=True, text=True, env=env)
-            if proc.returncode != 0:
-                raise RuntimeError(f"C driver failed: {proc.stderr[-2000:]}")
-            info = json.loads(proc.stdout.strip().splitlines()[-1])
-            res = _capi_results(times, len(reqs), spec["input_len"], spec["output_len"])
+        plan = [f"{c}:{_level_prompts(spec, c)}" for c in spec["levels"]]
+        proc = subprocess.run([str(exe), spec["model"], str(spec["max_num_seqs"]), str(spec["output_len"]),
+                               str(tmp / "prompts"), str(tmp / "times"), *plan], capture_output=True, text=True,
+                              env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"C driver failed: {proc.stderr[-2000:]}")
+        for line in proc.stdout.splitlines():
+            if not line.startswith("{"):
+                continue
+            info = json.loads(line)
+            c = info["concurrency"]
+            res = _capi_results(tmp / f"times.{c}", info["requests"], spec["input_len"], spec["output_len"])
             levels[str(c)] = summarize(res, info["seconds"])
             print_summary(f"capi/{spec['core']} c={c}", levels[str(c)])
     return {"levels": levels}

@@ -45,9 +45,9 @@ step 330 serve_mp python3 $SERVE --cores mp --json "$OUT/serve_mp.json"
 step 330 serve_inproc python3 $SERVE --cores inproc --frontends asyncllm,http,capi --json "$OUT/serve_inproc.json"
 # the final serving run: every front end on the engine process (with profiles), the thread core
 # for the default decision, then a quick GPU correctness pass (one config per family + MP identity)
-step 330 serve_final_mp python3 $SERVE --cores mp --frontends offline,asyncllm,http,http-x4,capi --json "$OUT/serve_mp.json"
+step 400 serve_final_mp python3 $SERVE --profile-seconds 3 --cores mp --frontends offline,asyncllm,http,http-x4,capi --json "$OUT/serve_mp.json"
 step 150 serve_final_inproc python3 $SERVE --cores inproc --frontends asyncllm,http --concurrency 64,256 --profile 0 --json "$OUT/serve_inproc.json"
-step 120 gpu_quick python3 -m pytest -q -m gpu tests/test_llm.py tests/engine/test_core_client.py -k "default or identical" -p no:cacheprovider --tb=short -o faulthandler_timeout=100
+step 110 gpu_quick python3 -m pytest -q -m gpu tests/test_llm.py tests/engine/test_core_client.py -k "default or identical" -p no:cacheprovider --tb=short -o faulthandler_timeout=100
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"
