@@ -322,6 +322,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         super().__init__(tokenizer, prompt_token_ids, params)
+        self._skip = 0
         if tokenizer is None:  # token ids only, as the base class
             return
         from tokenizers.decoders import DecodeStream
@@ -347,6 +348,19 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         except ImportError:
             return False
         return True
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> Optional[str]:
+        # The common step (one token, no stop strings to look for, nothing held back from
+        # the prompt) without the general path's copies and bookkeeping; same result.
+        if (len(new_token_ids) == 1 and not stop_terminated and not self.stop and not self._skip
+                and self._decode is not None):
+            tid = new_token_ids[0]
+            self.output_token_ids.append(tid)
+            text = self._stream.step(self._backend, tid)
+            if text:
+                self.output_text += text
+            return None
+        return super().update(new_token_ids, stop_terminated)
 
     def _decode_next(self) -> str:
         text = self._stream.step(self._backend, self._ids.pop()) or ""

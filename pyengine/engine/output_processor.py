@@ -194,12 +194,14 @@ class _Parent:
         self.collector = collector
         self.children: list[_Child] = []
         self.num_finished = 0
+        self.finished = False  # every child finished
         self.metrics = RequestMetrics(arrival_time=arrival)
         self.num_cached_tokens = 0
+        self.changed: list[_Child] = []  # children with news in the step being processed
 
-    @property
-    def finished(self) -> bool:
-        return self.num_finished == len(self.children)
+    def child_finished(self) -> None:
+        self.num_finished += 1
+        self.finished = self.num_finished == len(self.children)
 
     def make_output(self, changed: list[_Child], stream_interval: int = 1) -> Optional[RequestOutput]:
         if stream_interval > 1 and self.kind != _FINAL_ONLY and not self.finished:
@@ -223,7 +225,7 @@ class _Parent:
                 return None
         else:
             outs = [c.completion(self.kind) for c in self.children]
-        m = self.metrics
+        m = self.metrics  # a snapshot: a reader may hold this output while the request goes on
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              RequestMetrics(m.arrival_time, m.first_token_time, m.last_token_time,
                                             m.finished_time), self.num_cached_tokens)
@@ -283,7 +285,7 @@ class OutputProcessor:
                 child.finish_reason = "abort"
                 if child.deferred:
                     child.finish_deferred(False)
-                parent.num_finished += 1
+                parent.child_finished()
             parent.metrics.finished_time = timestamp
             out = parent.make_output(changed)
             if out is not None:
@@ -294,7 +296,7 @@ class OutputProcessor:
                         ) -> tuple[list[tuple[Any, RequestOutput]], list[str]]:
         """Returns ([(collector, RequestOutput)] in arrival order of outputs, core request
         ids to abort because a stop string finished them)."""
-        changed: dict[str, list[_Child]] = {}
+        changed: list[_Parent] = []  # in order of their first output this step
         to_abort: list[str] = []
         for eco in outputs:
             child = self.children.get(eco.request_id)
@@ -323,16 +325,19 @@ class OutputProcessor:
                 if child.deferred:
                     child.finish_deferred(eco.finish_reason == "stop")
                 del self.children[eco.request_id]
-                parent.num_finished += 1
+                parent.child_finished()
                 if parent.finished:
                     parent.metrics.finished_time = timestamp
-            changed.setdefault(parent.request_id, []).append(child)
+            if not parent.changed:
+                changed.append(parent)
+            parent.changed.append(child)
         deliveries = []
-        for rid, kids in changed.items():
-            parent = self.parents[rid]
-            out = parent.make_output(kids, self.stream_interval)
+        interval = self.stream_interval
+        for parent in changed:
+            out = parent.make_output(parent.changed, interval)
+            parent.changed = []
             if parent.finished:
-                del self.parents[rid]
+                del self.parents[parent.request_id]
             if out is not None:
                 deliveries.append((parent.collector, out))
         return deliveries, to_abort
