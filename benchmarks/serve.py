@@ -490,6 +490,26 @@ def child_offline(spec: dict) -> dict:
                                "output_throughput": toks / dt}}}
 
 
+def _run_levels(spec: dict, vocab: int, title: str, pid: int, profile_delay: float, run) -> tuple[dict, dict]:
+    """``run(reqs, concurrency) -> (results, seconds)`` at every level, then (with
+    ``spec["profile"]``) once more under py-spy on ``pid``. Returns (levels, profile)."""
+    levels, prof = {}, None
+    for c in spec["levels"]:
+        reqs = make_workload(_level_prompts(spec, c), spec["input_len"], spec["output_len"], vocab, spec["seed"])
+        res, dur = run(reqs, c)
+        levels[str(c)] = summarize(res, dur)
+        print_summary(f"{title} c={c}", levels[str(c)])
+    c = spec.get("profile")
+    if c:
+        tok_s = levels.get(str(c), {}).get("output_throughput", 10000.0)
+        reqs = make_workload(_profile_prompts(spec, tok_s), spec["input_len"], spec["output_len"], vocab,
+                             spec["seed"] + 7)
+        p = _Profiler(pid, spec["py_spy"], spec["profile_seconds"], delay=profile_delay)
+        res, dur = run(reqs, c)
+        prof = {"concurrency": c, "run": summarize(res, dur), "py_spy": p.join()}
+    return levels, prof
+
+
 def child_asyncllm(spec: dict) -> dict:
     from pyengine import AsyncLLM, EngineArgs
 
@@ -499,19 +519,8 @@ def child_asyncllm(spec: dict) -> dict:
     try:
         run_in_process(engine, make_workload(8, spec["input_len"], 8, vocab, spec["seed"] + 99), 8,
                        math.inf, 0)  # warm-up
-        for c in spec["levels"]:
-            reqs = make_workload(_level_prompts(spec, c), spec["input_len"], spec["output_len"], vocab, spec["seed"])
-            res, dur = run_in_process(engine, reqs, c, math.inf, spec["seed"])
-            levels[str(c)] = summarize(res, dur)
-            print_summary(f"asyncllm/{spec['core']} c={c}", levels[str(c)])
-        c = spec.get("profile")
-        if c:
-            tok_s = levels.get(str(c), {}).get("output_throughput", 10000.0)
-            reqs = make_workload(_profile_prompts(spec, tok_s), spec["input_len"], spec["output_len"], vocab,
-                                 spec["seed"] + 7)
-            p = _Profiler(os.getpid(), spec["py_spy"], spec["profile_seconds"])
-            res, dur = run_in_process(engine, reqs, c, math.inf, spec["seed"])
-            prof = {"concurrency": c, "run": summarize(res, dur), "py_spy": p.join()}
+        levels, prof = _run_levels(spec, vocab, f"asyncllm/{spec['core']}", os.getpid(), 1.0,
+                                   lambda reqs, c: run_in_process(engine, reqs, c, math.inf, spec["seed"]))
     finally:
         engine.shutdown()
     return {"levels": levels, "profile": prof}
@@ -598,19 +607,8 @@ def child_http(spec: dict) -> dict:
     levels, prof = {}, None
     try:
         _http_level(url, spec, make_workload(8, spec["input_len"], 8, vocab, spec["seed"] + 99), 8)  # warm-up
-        for c in spec["levels"]:
-            reqs = make_workload(_level_prompts(spec, c), spec["input_len"], spec["output_len"], vocab, spec["seed"])
-            res, dur = _http_level(url, spec, reqs, c)
-            levels[str(c)] = summarize(res, dur)
-            print_summary(f"http/{spec['core']} c={c}", levels[str(c)])
-        c = spec.get("profile")
-        if c:
-            tok_s = levels.get(str(c), {}).get("output_throughput", 10000.0)
-            reqs = make_workload(_profile_prompts(spec, tok_s), spec["input_len"], spec["output_len"], vocab,
-                                 spec["seed"] + 7)
-            p = _Profiler(proc.pid, spec["py_spy"], spec["profile_seconds"], delay=4.0)
-            res, dur = _http_level(url, spec, reqs, c)
-            prof = {"concurrency": c, "run": summarize(res, dur), "py_spy": p.join()}
+        levels, prof = _run_levels(spec, vocab, f"http/{spec['core']}", proc.pid, 4.0,
+                                   lambda reqs, c: _http_level(url, spec, reqs, c))
     finally:
         proc.terminate()
         try:

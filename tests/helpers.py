@@ -321,3 +321,33 @@ def fail_request_allocation(monkeypatch, engine_core, bad_prompt, after_tokens,
             raise RuntimeError(message)
         return real(req, *a, **k)
     monkeypatch.setattr(kv, "allocate_slots", allocate)
+
+
+# ---- processes (multi-process engine tests) --------------------------------------------
+
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaped yet."""
+    try:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def live_children(pid: int, recursive: bool = False) -> set[int]:
+    """Live (not zombie) child processes of ``pid`` (all descendants with ``recursive``)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                kids.setdefault(int(fields[1]), []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            if recursive:
+                todo.append(k)
+    return out

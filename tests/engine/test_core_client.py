@@ -17,7 +17,7 @@ import pytest
 from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
 from pyengine.engine import core_client
 from tests.engine.test_async_llm import drain, wait_idle
-from tests.helpers import hf_greedy, prompt_token_ids
+from tests.helpers import hf_greedy, live_children, process_gone as gone, prompt_token_ids
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,15 +26,6 @@ def mp_engine(model_dir, **kw) -> AsyncLLM:
     args = dict(model=str(model_dir), device="cpu", num_gpu_blocks_override=256, max_model_len=256)
     args.update(kw)
     return AsyncLLM.from_engine_args(EngineArgs(**args), multiprocess=True)
-
-
-def gone(pid: int) -> bool:
-    """No such process, or a zombie nobody reaped yet."""
-    try:
-        state = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "\nState:\tZ" in state
 
 
 @pytest.fixture(scope="module")
@@ -161,25 +152,11 @@ def test_front_end_killed_engine_process_exits(llama_dir, tmp_path):
         front.kill()
 
 
-def _children() -> set[int]:
-    me = str(os.getpid())
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if stat.rsplit(")", 1)[1].split()[1] == me and not gone(int(d.name)):
-                out.add(int(d.name))
-    return out
-
-
 @pytest.mark.timeout(600)
 def test_100_start_stop_cycles_leak_nothing(llama_dir):
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     mp_engine(llama_dir).shutdown()  # the forkserver is up: it stays, as a child of this process
-    children = _children()
+    children = live_children(os.getpid())
     fds = len(os.listdir("/proc/self/fd"))
     pids = set()
     for i in range(100):
@@ -191,7 +168,7 @@ def test_100_start_stop_cycles_leak_nothing(llama_dir):
         engine.shutdown()
         assert engine.engine_core.proc._closed if hasattr(engine.engine_core.proc, "_closed") else True
     assert len(pids) == 100 and all(gone(p) for p in pids)
-    assert _children() == children
+    assert live_children(os.getpid()) == children
     assert len(os.listdir("/proc/self/fd")) <= fds + 2
 
 

@@ -13,29 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import hf_greedy, prompt_token_ids
+from tests.helpers import hf_greedy, live_children, process_gone, prompt_token_ids
 from tests.server.http_util import get, post
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _descendants(pid: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            f = stat.rsplit(")", 1)[1].split()
-            if f[0] != "Z":
-                kids.setdefault(int(f[1]), []).append(int(d.name))
-    out, todo = set(), [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.add(k)
-            todo.append(k)
-    return out
 
 
 def _engine_text(tokenizer, prompt, ids) -> str:
@@ -71,7 +52,7 @@ def _start(model_dir, *extra):
 def test_two_api_servers_serve_and_stop(llama_dir, tokenizer):
     proc, port, _ = _start(llama_dir)
     try:
-        procs = _descendants(proc.pid)
+        procs = live_children(proc.pid, recursive=True)
         assert len(procs) >= 3  # two API servers and the engine (and the forkserver)
         assert get(port, "/health")[0] == 200
         prompts = prompt_token_ids(tokenizer, 6, min_len=4, max_len=30, seed=31)
@@ -86,11 +67,9 @@ def test_two_api_servers_serve_and_stop(llama_dir, tokenizer):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         deadline = time.monotonic() + 20
-        while any(Path(f"/proc/{p}").exists() and "\nState:\tZ" not in Path(f"/proc/{p}/status").read_text()
-                  for p in procs if Path(f"/proc/{p}/status").exists()) and time.monotonic() < deadline:
+        while not all(process_gone(p) for p in procs) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = [p for p in procs if Path(f"/proc/{p}/status").exists()
-                and "\nState:\tZ" not in Path(f"/proc/{p}/status").read_text()]
+        left = [p for p in procs if not process_gone(p)]
         assert not left, f"processes left behind: {left}"
     finally:
         proc.kill()
@@ -100,8 +79,8 @@ def test_two_api_servers_serve_and_stop(llama_dir, tokenizer):
 def test_engine_death_stops_every_api_server(llama_dir):
     proc, port, _ = _start(llama_dir)
     try:
-        engine = [p for p in _descendants(proc.pid)
-                  if "forkserver" in Path(f"/proc/{p}/cmdline").read_text() and _descendants(p) == set()]
+        engine = [p for p in live_children(proc.pid, recursive=True)
+                  if "forkserver" in Path(f"/proc/{p}/cmdline").read_text() and live_children(p, recursive=True) == set()]
         assert engine, "no engine process found"
         for p in engine:
             os.kill(p, signal.SIGKILL)
