@@ -82,7 +82,8 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
 
     def add(rid: str, prompt, n: int, step: int) -> None:
         engine.add_request(rid, prompt, params(n))
-        reqs[rid] = sched.requests[rid]
+        (core_id,) = engine.output_processor.core_ids(rid)  # the engine core's id carries a suffix
+        reqs[rid] = sched.requests[core_id]
         arrived[rid] = step
         tokens[rid] = 0
 
