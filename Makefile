@@ -25,7 +25,7 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/ops tests/attention
-	TRITON_INTERPRET=1 PYENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -p no:cacheprovider \
+	TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_llm_triton_interpret.py
 
 clean:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from pyengine import envs
 
 logger = logging.getLogger("pyengine")
 
@@ -25,16 +26,6 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 CPU_DEFAULT_KV_BYTES = 256 << 20
 
 
-def env_async_scheduling_allowed() -> bool:
-    """``VENGINE_ASYNC_SCHED=0`` turns async scheduling off process-wide (rollback switch)."""
-    return os.environ.get("VENGINE_ASYNC_SCHED", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def env_allow_long_max_model_len() -> bool:
-    """``VENGINE_ALLOW_LONG_MAX_MODEL_LEN=1`` lets ``max_model_len`` exceed the model's
-    context length (vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``): RoPE then extrapolates
-    past the positions the model was trained on, and its outputs there may be wrong."""
-    return os.environ.get("VENGINE_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def derive_max_model_len(hf_config) -> tuple[int, str]:
@@ -163,7 +154,7 @@ class EngineConfig:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
         if max_model_len > derived_len:
-            if not env_allow_long_max_model_len():
+            if not envs.allow_long_max_model_len():
                 # Positions past the model's length used to crash the first long sequence
                 # (IndexError in the rotary cache) and kill the engine for every request.
                 raise ValueError(
@@ -189,8 +180,8 @@ class EngineConfig:
                              "(enable_chunked_prefill=True).")
         async_sched = a.async_scheduling
         if async_sched is None:
-            async_sched = env_async_scheduling_allowed()
-        elif async_sched and not env_async_scheduling_allowed():
+            async_sched = envs.async_scheduling_allowed()
+        elif async_sched and not envs.async_scheduling_allowed():
             async_sched = False
         backend = a.attention_backend
         if backend is None:

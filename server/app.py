@@ -11,7 +11,6 @@ import hmac
 import json
 import logging
 import math
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +19,8 @@ from typing import Optional
 from flask import Flask, Response, request
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
+
+from pyengine import envs
 
 from .bridge import ClientDisconnected, GeventBridge, RequestGroup, ServerShuttingDown, is_engine_dead
 from .metrics import RequestTimer, ServerMetrics
@@ -100,7 +101,7 @@ class ServerConfig:
     max_model_len: int = 0
     vocab_size: Optional[int] = None
     scheduling_policy: str = "fcfs"
-    dev_mode: bool = False  # vLLM's VLLM_SERVER_DEV_MODE: development endpoints (/reset_prefix_cache)
+    dev_mode: bool = False  # VENGINE_SERVER_DEV_MODE (vLLM's VLLM_SERVER_DEV_MODE): development endpoints (/reset_prefix_cache)
 
     @classmethod
     def from_args(cls, engine, args) -> "ServerConfig":
@@ -124,7 +125,7 @@ class ServerConfig:
                    max_model_len=int(getattr(ecfg, "max_model_len", 0) or 0),
                    vocab_size=getattr(hf, "vocab_size", None),
                    scheduling_policy=getattr(ecfg, "scheduling_policy", "fcfs"),
-                   dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true", "yes"))
+                   dev_mode=envs.server_dev_mode())
 
 
 class ServerState:
@@ -676,7 +677,7 @@ def create_app(engine, args=None) -> Flask:
     if cfg.dev_mode:
         @app.post("/reset_prefix_cache")
         def reset_prefix_cache():
-            # vLLM's dev endpoint (VLLM_SERVER_DEV_MODE=1): 200 when reset, 409 while
+            # vLLM's dev endpoint (VENGINE_SERVER_DEV_MODE=1): 200 when reset, 409 while
             # requests hold KV blocks
             if st.bridge.run_blocking(asyncio.run, engine.reset_prefix_cache()):
                 return _json_response({"success": True})

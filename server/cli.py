@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from typing import Callable, Optional, Sequence
+
+from pyengine import envs
 
 from .app import DEFAULT_MAX_BODY_BYTES
 from .wsgi import DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_SHUTDOWN_TIMEOUT
@@ -86,7 +87,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.model is None:
         args.model = args.model_opt
     if args.api_key is None:
-        args.api_key = os.environ.get("VLLM_API_KEY") or None
+        args.api_key = envs.api_key()
     if args.max_concurrent_streams < 1:
         build_parser().error("--max-concurrent-streams must be >= 1")
     if args.api_server_count < 1:

@@ -1,6 +1,6 @@
 """The GPU compute path (triton attention backend and fused triton ops, minus CUDA graphs)
 run on CPU through triton's interpreter, token-exact against transformers. Runs only with
-TRITON_INTERPRET=1 PYENGINE_TRITON_OPS_ON_CPU=1 (the interpreter is slow); it catches
+TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 (the interpreter is slow); it catches
 integration bugs between the model runner, the models and the kernels before a GPU run."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pyengine import LLM, SamplingParams
 from tests.helpers import hf_greedy, prompt_token_ids
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("PYENGINE_TRITON_OPS_ON_CPU") != "1",
-    reason="set TRITON_INTERPRET=1 PYENGINE_TRITON_OPS_ON_CPU=1")
+    os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("VENGINE_TRITON_OPS_ON_CPU") != "1",
+    reason="set TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

@@ -39,6 +39,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Optional, Union
 
+from pyengine import envs
 from pyengine.config import EngineConfig
 from pyengine.engine.core import EngineCore, EngineCoreProc, run_engine_core
 from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
@@ -48,8 +49,6 @@ from pyengine.exceptions import EngineDeadError
 
 logger = logging.getLogger("pyengine")
 
-ENV_MULTIPROCESSING = "VENGINE_ENABLE_MULTIPROCESSING"
-ENV_MP_METHOD = "VENGINE_MULTIPROC_METHOD"
 MP_METHODS = ("forkserver", "spawn")
 # transformers config modules of the supported families (pyengine/models/registry.py).
 PRELOAD_CONFIG_MODULES = ("transformers.models.llama.configuration_llama",
@@ -63,15 +62,9 @@ Output = Union[EngineCoreOutputs, EngineDeadMessage, None]
 
 
 def multiprocessing_enabled(default: bool = True) -> bool:
-    """The ``VENGINE_ENABLE_MULTIPROCESSING`` switch; ``default`` when unset."""
-    v = os.environ.get(ENV_MULTIPROCESSING, "").strip().lower()
-    if not v:
-        return default
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{ENV_MULTIPROCESSING}={v!r}: use 1 (engine core in its own process) or 0 (a thread).")
+    """The ``VENGINE_ENABLE_MULTIPROCESSING`` switch (pyengine/envs.py); ``default`` when unset."""
+    v = envs.enable_multiprocessing()
+    return default if v is None else v
 
 
 def make_client(config: EngineConfig, multiprocess: Optional[bool] = None, wait: bool = True) -> "EngineCoreClient":
@@ -228,9 +221,9 @@ class InprocClient(EngineCoreClient):
 
 
 def _mp_context(config: EngineConfig):
-    method = os.environ.get(ENV_MP_METHOD, "forkserver").strip().lower()
+    method = envs.multiproc_method()
     if method not in MP_METHODS:
-        raise ValueError(f"{ENV_MP_METHOD}={method!r}: use one of {', '.join(MP_METHODS)}.")
+        raise ValueError(f"VENGINE_MULTIPROC_METHOD={method!r}: use one of {', '.join(MP_METHODS)}.")
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         # The server imports the engine and the config classes that unpickling an

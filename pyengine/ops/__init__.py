@@ -12,19 +12,18 @@ CPU-only hosts never need it.
   eps=1e-6) -> (q, k)``: neox RoPE, optionally fused with Qwen3's per-head q/k RMSNorm
   (applied before the rotation).
 
-Set ``PYENGINE_DISABLE_TRITON_OPS=1`` to force the torch versions on CUDA too. With
-``TRITON_INTERPRET=1``, ``PYENGINE_TRITON_OPS_ON_CPU=1`` runs the triton kernels on CPU
+Set ``VENGINE_DISABLE_TRITON_OPS=1`` to force the torch versions on CUDA too. With
+``TRITON_INTERPRET=1``, ``VENGINE_TRITON_OPS_ON_CPU=1`` runs the triton kernels on CPU
 tensors through triton's interpreter (tests of the GPU compute path on a CPU machine).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-_DISABLED = os.environ.get("PYENGINE_DISABLE_TRITON_OPS") == "1"
-_ON_CPU = (os.environ.get("TRITON_INTERPRET") == "1"
-           and os.environ.get("PYENGINE_TRITON_OPS_ON_CPU") == "1")
+from pyengine import envs
+
+_DISABLED = envs.disable_triton_ops()
+_ON_CPU = envs.triton_ops_on_cpu()
 
 
 def use_triton(x: torch.Tensor) -> bool:

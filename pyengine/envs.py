@@ -1,0 +1,81 @@
+"""Every environment variable vengine reads, in one place, with one prefix: ``VENGINE_``
+(mirrors vllm/envs.py). vLLM's documented ``VLLM_API_KEY`` and ``VLLM_SERVER_DEV_MODE``
+are read too, as aliases, so vLLM launch scripts keep working.
+
+Read from Python (the accessors below; each reads the environment when called):
+
+| variable | default | meaning |
+| --- | --- | --- |
+| ``VENGINE_ENABLE_MULTIPROCESSING`` | 1 | engine core in a process of its own (0: a thread of the front end's process); vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING`` |
+| ``VENGINE_MULTIPROC_METHOD`` | forkserver | how that process starts: ``forkserver`` or ``spawn`` |
+| ``VENGINE_ASYNC_SCHED`` | 1 | 0 turns async scheduling off process-wide (rollback switch) |
+| ``VENGINE_ALLOW_LONG_MAX_MODEL_LEN`` | 0 | 1 accepts a ``max_model_len`` past the model's context length |
+| ``VENGINE_DISABLE_TRITON_OPS`` | 0 | 1: plain torch instead of the fused triton ops on CUDA |
+| ``VENGINE_TRITON_OPS_ON_CPU`` | 0 | 1 (with ``TRITON_INTERPRET=1``): run the triton ops through triton's CPU interpreter (tests) |
+| ``VENGINE_API_KEY`` (alias ``VLLM_API_KEY``) | — | ``vengine serve``'s ``--api-key`` when the flag is absent |
+| ``VENGINE_SERVER_DEV_MODE`` (alias ``VLLM_SERVER_DEV_MODE``) | 0 | 1 enables development endpoints (``POST /reset_prefix_cache``) |
+
+Read by the C library (``capi/vengine_capi.c``, docs/capi.md): ``VENGINE_PYTHON`` (the
+interpreter to embed), ``VENGINE_PYTHONPATH``, ``VENGINE_DELIVERY_THREADS``,
+``VENGINE_DELIVERY_THREADS_MAX``, ``VENGINE_EXIT_TIMEOUT``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _raw(name: str, aliases: tuple[str, ...] = ()) -> Optional[str]:
+    for n in (name, *aliases):
+        v = os.environ.get(n)
+        if v is not None and v.strip():
+            return v.strip()
+    return None
+
+
+def _flag(name: str, default: bool, aliases: tuple[str, ...] = ()) -> bool:
+    """A boolean variable; ValueError naming it for a value that is neither."""
+    v = _raw(name, aliases)
+    if v is None:
+        return default
+    if v.lower() in _TRUE:
+        return True
+    if v.lower() in _FALSE:
+        return False
+    raise ValueError(f"{name}={v!r}: use 1 or 0.")
+
+
+def enable_multiprocessing() -> Optional[bool]:
+    """``VENGINE_ENABLE_MULTIPROCESSING``; None when unset (the caller's default)."""
+    return None if _raw("VENGINE_ENABLE_MULTIPROCESSING") is None else _flag("VENGINE_ENABLE_MULTIPROCESSING", True)
+
+
+def multiproc_method() -> str:
+    return (_raw("VENGINE_MULTIPROC_METHOD") or "forkserver").lower()
+
+
+def async_scheduling_allowed() -> bool:
+    return _flag("VENGINE_ASYNC_SCHED", True)
+
+
+def allow_long_max_model_len() -> bool:
+    return _flag("VENGINE_ALLOW_LONG_MAX_MODEL_LEN", False)
+
+
+def disable_triton_ops() -> bool:
+    return _flag("VENGINE_DISABLE_TRITON_OPS", False)
+
+
+def triton_ops_on_cpu() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" and _flag("VENGINE_TRITON_OPS_ON_CPU", False)
+
+
+def api_key() -> Optional[str]:
+    return _raw("VENGINE_API_KEY", ("VLLM_API_KEY",))
+
+
+def server_dev_mode() -> bool:
+    return _flag("VENGINE_SERVER_DEV_MODE", False, ("VLLM_SERVER_DEV_MODE",))

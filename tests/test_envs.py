@@ -1,0 +1,25 @@
+"""pyengine/envs.py: one prefix, vLLM's aliases, and clear errors for bad values."""
+import pytest
+
+from pyengine import envs
+
+
+def test_defaults_and_vllm_aliases(monkeypatch):
+    for v in ("VENGINE_API_KEY", "VLLM_API_KEY", "VENGINE_SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE",
+              "VENGINE_ENABLE_MULTIPROCESSING"):
+        monkeypatch.delenv(v, raising=False)
+    assert envs.api_key() is None and not envs.server_dev_mode() and envs.enable_multiprocessing() is None
+    monkeypatch.setenv("VLLM_API_KEY", "k1")
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    assert envs.api_key() == "k1" and envs.server_dev_mode()
+    monkeypatch.setenv("VENGINE_API_KEY", "k2")  # ours wins over the alias
+    monkeypatch.setenv("VENGINE_SERVER_DEV_MODE", "0")
+    assert envs.api_key() == "k2" and not envs.server_dev_mode()
+
+
+def test_bad_flag_values_name_the_variable(monkeypatch):
+    monkeypatch.setenv("VENGINE_ENABLE_MULTIPROCESSING", "maybe")
+    with pytest.raises(ValueError, match="VENGINE_ENABLE_MULTIPROCESSING='maybe'"):
+        envs.enable_multiprocessing()
+    monkeypatch.setenv("VENGINE_ASYNC_SCHED", "off")
+    assert not envs.async_scheduling_allowed()
