@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Send streamed deltas every N tokens of a request; its first token and "
                         "its end at once (default: %(default)s).")
     p.add_argument("--api-key", default=None,
-                   help="Require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY, else none).")
+                   help="Require 'Authorization: Bearer KEY' on /v1/* (default: $VENGINE_API_KEY or $VLLM_API_KEY, else none).")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template, or a file holding one (default: the tokenizer's).")
     p.add_argument("--max-concurrent-streams", type=int, default=DEFAULT_MAX_CONCURRENT_STREAMS,
