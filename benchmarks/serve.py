@@ -485,9 +485,38 @@ def child_offline(spec: dict) -> dict:
     outs = llm.generate([r.prompt for r in reqs], sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    levels = {"all": {"completed": len(outs), "failed": 0, "duration_s": dt, "output_tokens": toks,
+                      "output_throughput": toks / dt}}
+    for c in spec["levels"]:
+        level_reqs = make_workload(_level_prompts(spec, c), spec["input_len"], spec["output_len"],
+                                   _vocab(spec["model"]), spec["seed"])  # the streamed levels' requests
+        levels[str(c)] = _offline_closed_loop(llm, level_reqs, sp, c)
+        print(f"offline, at most {c} in flight: {levels[str(c)]['output_throughput']:,.0f} tok/s", flush=True)
     llm.shutdown()
-    return {"levels": {"all": {"completed": len(outs), "failed": 0, "duration_s": dt, "output_tokens": toks,
-                               "output_throughput": toks / dt}}}
+    return {"levels": levels}
+
+
+def _offline_closed_loop(llm, reqs: list[Req], sp, concurrency: int) -> dict:
+    """The offline rate at a concurrency: ``LLMEngine.step`` in a loop with at most
+    ``concurrency`` requests in flight, the next one added as soon as one finishes (what
+    the streamed front ends' closed-loop clients do, without streaming): the fair ceiling
+    for a front end at that concurrency."""
+    from pyengine import RequestOutputKind
+
+    engine, todo = llm.llm_engine, list(reversed(reqs))
+    params = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    in_flight, toks, n = 0, 0, 0
+    t0 = time.perf_counter()
+    while todo or in_flight:
+        while todo and in_flight < concurrency:
+            engine.add_request(f"closed-{concurrency}-{n}", todo.pop().prompt, params)
+            in_flight, n = in_flight + 1, n + 1
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                toks += len(out.outputs[0].token_ids)
+    dt = time.perf_counter() - t0
+    return {"completed": n, "failed": 0, "duration_s": dt, "output_tokens": toks, "output_throughput": toks / dt}
 
 
 def _run_levels(spec: dict, vocab: int, title: str, pid: int, profile_delay: float, run) -> tuple[dict, dict]:
@@ -835,23 +864,33 @@ def ensure_weights(model_dir: Path, device: str, dtype: str, seed: int) -> None:
 
 
 def _ratio_table(results: dict, levels: list[int]) -> tuple[list, list]:
-    rows, headers = [], ["front end", "core"] + [f"c={c} tok/s (× offline)" for c in levels] + \
+    """Each level's rate × the ``LLM.generate`` ceiling, and (second figure) × the
+    closed-loop offline rate at the same concurrency."""
+    rows, headers = [], ["front end", "core"] + [f"c={c} tok/s (× offline, × offline at c={c})" for c in levels] + \
         [f"TTFT p50 c={levels[-1]} (ms)", f"TPOT p50 c={levels[-1]} (ms)", f"ITL p50 c={levels[-1]} (ms)"]
     for core, by_fe in results.items():
         off = by_fe.get("offline", {})
-        ceiling = off.get("levels", {}).get("all", {}).get("output_throughput") if off.get("ok") else None
+        off_levels = off.get("levels", {}) if off.get("ok") else {}
+        ceiling = off_levels.get("all", {}).get("output_throughput")
         for fe, r in by_fe.items():
             if fe == "offline":
-                rows.append([fe, core, f"{ceiling:,.0f} (ceiling)" if ceiling else "failed"] + [""] * (len(levels) + 2))
+                blank = [""] * (len(levels) + 3)
+                rows.append(["offline LLM.generate (all at once)", core] + blank[:len(levels) - 1] +
+                            [f"{ceiling:,.0f} (ceiling)" if ceiling else "failed"] + blank[:3])
+                closed = [off_levels.get(str(c), {}).get("output_throughput") for c in levels]
+                if any(closed):
+                    rows.append(["offline, closed loop at c", core] + [f"{x:,.0f}" if x else "" for x in closed] + blank[:3])
                 continue
             if not r.get("ok"):
                 rows.append([fe, core, "failed: " + r.get("error", "")[:60]] + [""] * (len(levels) + 2))
                 continue
             cells = []
             for c in levels:
-                s = r["levels"].get(str(c), {})
-                tps = s.get("output_throughput", float("nan"))
-                cells.append(f"{tps:,.0f} ({tps / ceiling:.2f}×)" if ceiling else f"{tps:,.0f}")
+                tps = r["levels"].get(str(c), {}).get("output_throughput", float("nan"))
+                fair = off_levels.get(str(c), {}).get("output_throughput")
+                cell = f"{tps:,.0f}" + (f" ({tps / ceiling:.2f}×" if ceiling else " (") + \
+                    (f", {tps / fair:.2f}×)" if fair else ")")
+                cells.append(cell.replace(" ()", ""))
             last = r["levels"].get(str(levels[-1]), {})
             rows.append([fe, core] + cells + [f"{last.get('p50_ttft_ms', float('nan')):.1f}",
                                               f"{last.get('p50_tpot_ms', float('nan')):.2f}",
