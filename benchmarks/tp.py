@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -52,14 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(script: str, argv: list[str], timeout: float) -> dict:
-    """One benchmark in its own process; returns its JSON payload, or {"error": ...}."""
+def _run(script: str, argv: list[str], timeout: float, env: Optional[dict] = None) -> dict:
+    """One benchmark in its own process (``env`` added to its environment); returns its
+    JSON payload, or {"error": ...}."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "r.json"
         cmd = [sys.executable, str(_REPO / "benchmarks" / script), *argv, "--json", str(out)]
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(_REPO))
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(_REPO),
+                                  env={**os.environ, **(env or {})})
         except subprocess.TimeoutExpired as e:
             tail = (e.stderr or b"")[-2000:]
             return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": tail.decode(errors="replace")
@@ -86,20 +89,25 @@ def main(argv: Optional[list[str]] = None) -> dict:
     common = ["--device", args.device] + (["--threads", str(args.threads)] if args.threads else []) + \
         (["--verbose"] if args.verbose else [])
     runs: dict = {"latency": {}, "throughput": {}}
-    jobs = [("latency", args.latency_shape, tp, "latency.py", [
-        "--shape", args.latency_shape, "--batch-sizes", "1", "--output-len", str(args.output_len),
-        "--iters", str(args.iters)]) for tp in sizes]
+    latency_argv = ["--shape", args.latency_shape, "--batch-sizes", "1", "--output-len", str(args.output_len),
+                    "--iters", str(args.iters)]
+    # TP=N twice: all-reduces through symmetric memory where small (the default), and all
+    # through NCCL (VENGINE_SYMM_MEM_ALLREDUCE=0), keyed "N-nccl"
+    jobs = [("latency", args.latency_shape, tp, "latency.py", latency_argv, None) for tp in sizes]
+    jobs.append(("latency", args.latency_shape, f"{args.tp}-nccl", "latency.py", latency_argv,
+                 {"VENGINE_SYMM_MEM_ALLREDUCE": "0"}))
     extra = (["--num-requests", str(args.num_requests)] if args.num_requests else []) + \
             (["--min-len", str(args.min_len)] if args.min_len else []) + \
             (["--max-len", str(args.max_len)] if args.max_len else [])
     if not args.no_throughput:
-        jobs += [("throughput", shape, tp, "throughput.py", ["--shape", shape] + extra)
+        jobs += [("throughput", shape, tp, "throughput.py", ["--shape", shape] + extra, None)
                  for shape in args.throughput_shapes for tp in sizes]
     summary: dict = {}
-    for kind, shape, tp, script, argv_ in jobs:
+    for kind, shape, tp, script, argv_, env in jobs:
         print(f"{kind}, {shape}, TP={tp} ...", flush=True)
-        runs[kind].setdefault(shape, {})[tp] = _run(script, common + argv_ + ["--tensor-parallel-size", str(tp)],
-                                                    args.timeout)
+        size = str(tp).split("-")[0]
+        runs[kind].setdefault(shape, {})[tp] = _run(script, common + argv_ + ["--tensor-parallel-size", size],
+                                                    args.timeout, env)
         summary = _summary(runs, args.tp)
         finish("tp", args, hw, cmd, summary=summary, runs=runs)  # after each run: a later hang loses nothing
 
@@ -107,6 +115,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(header_md(f"Tensor parallelism: TP={args.tp} vs TP=1", hw, cmd))
     rows = [[f"TPOT batch 1, {shape} (ms)", t.get(1), t.get(args.tp), t["ratio"]]
             for shape, t in summary["tpot_ms"].items()]
+    rows += [[f"TPOT batch 1, {shape} (ms), every all-reduce through NCCL", t.get(1), t.get(f"{args.tp}-nccl"),
+              t.get("ratio_nccl")] for shape, t in summary["tpot_ms"].items()]
     rows += [[f"offline output tok/s, {shape}", t.get(1), t.get(args.tp), t["ratio"]]
              for shape, t in summary["throughput_output_tok_s"].items()]
     print(md_table(["measure", "TP=1", f"TP={args.tp}", f"TP={args.tp} / TP=1"], rows))
@@ -133,6 +143,8 @@ def _summary(runs: dict, n: int) -> dict:
         for shape, by_tp in runs[kind].items():
             vals = {tp: fn(r) for tp, r in by_tp.items()}
             out[key][shape] = {**vals, "ratio": _ratio(vals.get(n), vals.get(1))}
+            if f"{n}-nccl" in vals:
+                out[key][shape]["ratio_nccl"] = _ratio(vals[f"{n}-nccl"], vals.get(1))
     ratios = [t["ratio"] for t in out["tpot_ms"].values()]
     out["tpot_target_met"] = bool(ratios) and all(r is not None and r <= TPOT_TARGET for r in ratios)
     return out

@@ -58,6 +58,6 @@ step 240 async_sched python3 benchmarks/async_sched.py --json "$OUT/async_sched.
 step 120 attention python3 benchmarks/attention_kernels.py --verbose --json "$OUT/attention.json"
 # tensor parallelism, 2 GPUs: TP GPU tests (fp32 vs transformers, bf16 vs TP=1, killed NCCL worker),
 # TPOT / throughput TP=2 vs TP=1 (each run its own process), how the step reaches the other ranks
-step 240 gpu_tp python3 -m pytest -q -m gpu tests/executor -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
-step 300 tp python3 benchmarks/tp.py --timeout 120 --json "$OUT/tp.json"
+step 270 gpu_tp python3 -m pytest -q -m gpu tests/distributed tests/executor -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
+step 300 tp python3 benchmarks/tp.py --timeout 100 --throughput-shapes llama-3.1-8b --json "$OUT/tp.json"
 step 45 tp_step_broadcast python3 benchmarks/tp_step_broadcast.py --json "$OUT/tp_step_broadcast.json"

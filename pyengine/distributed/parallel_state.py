@@ -22,7 +22,15 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pyengine import envs
+
 logger = logging.getLogger("pyengine")
+
+# Largest all-reduce (bytes) sent through symmetric memory; larger ones go through NCCL.
+# A one-shot all-reduce reads every peer's whole buffer, so it wins on latency-bound sizes
+# (decode: batch x hidden x 2 bytes, 8 KB at batch 1 for an 8B model) and loses on
+# bandwidth-bound ones (prefill chunks), where NCCL's ring/tree is the better algorithm.
+SYMM_MEM_MAX_BYTES = 1 << 20
 
 # The other ranks' wait for rank 0's next step (an engine may idle for days).
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -56,12 +64,40 @@ class GroupCoordinator:
         self.device_group = device_group
         self.cpu_group = cpu_group
         self.is_first_rank = rank == 0
+        self.symm_mem: Optional[SymmMemAllReduce] = None
 
     # ---- model collectives (device group) -------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group, in place; returns ``x``. CUDA-graph capturable (NCCL)."""
+        """Sum ``x`` over the group; returns the sum: a new tensor when the symmetric-memory
+        path takes it (small tensors of the model's dtype on CUDA, see ``enable_symm_mem``),
+        else ``x`` itself, reduced in place by NCCL / gloo. CUDA-graph capturable."""
+        sm = self.symm_mem
+        if sm is not None and sm.accepts(x):
+            return sm(x)
         dist.all_reduce(x, group=self.device_group)
         return x
+
+    def enable_symm_mem(self, dtype: torch.dtype, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
+        """Route small all-reduces of ``dtype`` through torch's symmetric memory (a one-shot
+        all-reduce over NVLink peer-to-peer reads: a few microseconds where NCCL takes
+        ~15-20 at decode sizes; the role of vllm/distributed/device_communicators/
+        symm_mem.py). Collective: every rank calls it, in the same order as the other
+        collectives. Off on CPU, where torch lacks the op, or with
+        ``VENGINE_SYMM_MEM_ALLREDUCE=0``; if any rank fails to set it up, no rank uses it.
+        Returns whether it is on."""
+        if self.device.type != "cuda" or self.world_size == 1 or not envs.symm_mem_allreduce():
+            return False
+        sm, err = None, None
+        try:
+            sm = SymmMemAllReduce(self.device_group, self.device, dtype, max_bytes)
+        except Exception as e:  # an old torch, no peer access: NCCL for everything
+            err = e
+        if self.all_reduce_min(int(sm is not None)) == 0:
+            logger.info("Symmetric-memory all-reduce off (%s); NCCL carries every all-reduce.",
+                        err or "another rank could not set it up")
+            return False
+        self.symm_mem = sm
+        return True
 
     def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
         """Concatenate every rank's ``x`` (same shape on all ranks) along ``dim`` on rank
@@ -107,6 +143,36 @@ class GroupCoordinator:
             _abort_process_group()
         except Exception as e:
             logger.debug("abort process group: %s", e)
+
+
+class SymmMemAllReduce:
+    """A symmetric-memory buffer of ``max_bytes`` on every rank and torch's
+    ``symm_mem.one_shot_all_reduce_copy_out``: each rank copies its input into its buffer,
+    the ranks meet at a barrier on the buffers' signal pads, and each sums every peer's
+    buffer into a fresh output. One kernel, capturable in CUDA graphs.
+
+    Raises RuntimeError/AttributeError where torch or the machine cannot do it."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, max_bytes: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out  # AttributeError on an old torch
+        self.group_name = group.group_name
+        self.dtype = dtype
+        self.max_numel = max_bytes // dtype.itemsize
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.9
+        if enable is not None:
+            enable(self.group_name)
+        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() <= self.max_numel and x.is_contiguous() and x.is_cuda
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.op(self.buffer[:x.numel()].view(x.shape), x, "sum", self.group_name, out)
+        return out
 
 
 def init_distributed_environment(rank: int, world_size: int, init_method: str, device: torch.device,

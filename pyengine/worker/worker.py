@@ -45,6 +45,7 @@ class Worker:
             torch.set_num_threads(max(1, cores // self.world_size))
         self.tp = init_distributed_environment(self.rank, self.world_size, self.init_method, self.config.device,
                                                peer_failure=peer_failure)
+        self.tp.enable_symm_mem(self.config.dtype)
 
     def load_model(self) -> None:
         self.model_runner = ModelRunner(self.config, self.tp)
