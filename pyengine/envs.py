@@ -11,7 +11,7 @@ Read from Python (the accessors below; each reads the environment when called):
 | ``VENGINE_ASYNC_SCHED`` | 1 | 0 turns async scheduling off process-wide (rollback switch) |
 | ``VENGINE_ALLOW_LONG_MAX_MODEL_LEN`` | 0 | 1 accepts a ``max_model_len`` past the model's context length |
 | ``VENGINE_DISABLE_TRITON_OPS`` | 0 | 1: plain torch instead of the fused triton ops on CUDA |
-| ``VENGINE_SYMM_MEM_ALLREDUCE`` | 1 | 0: tensor parallelism sends every all-reduce through NCCL (1: small ones through torch's symmetric memory); vLLM's ``VLLM_ALLREDUCE_USE_SYMM_MEM`` |
+| ``VENGINE_SYMM_MEM_ALLREDUCE`` | 0 | 1: tensor parallelism sends small all-reduces through torch's symmetric memory (0: all through NCCL); vLLM's ``VLLM_ALLREDUCE_USE_SYMM_MEM``. Off by default: a second TP engine in the same process hangs in torch's rendezvous (docs/benchmarks.md) |
 | ``VENGINE_TRITON_OPS_ON_CPU`` | 0 | 1 (with ``TRITON_INTERPRET=1``): run the triton ops through triton's CPU interpreter (tests) |
 | ``VENGINE_API_KEY`` (alias ``VLLM_API_KEY``) | — | ``vengine serve``'s ``--api-key`` when the flag is absent |
 | ``VENGINE_SERVER_DEV_MODE`` (alias ``VLLM_SERVER_DEV_MODE``) | 0 | 1 enables development endpoints (``POST /reset_prefix_cache``) |
@@ -71,7 +71,7 @@ def disable_triton_ops() -> bool:
 
 
 def symm_mem_allreduce() -> bool:
-    return _flag("VENGINE_SYMM_MEM_ALLREDUCE", True)
+    return _flag("VENGINE_SYMM_MEM_ALLREDUCE", False)
 
 
 def triton_ops_on_cpu() -> bool:

@@ -1,6 +1,6 @@
 """pyengine/distributed/parallel_state.py: the symmetric-memory all-reduce gives NCCL's
-sums (eagerly and replayed from a CUDA graph), takes only what it should, and turns off
-everywhere with VENGINE_SYMM_MEM_ALLREDUCE=0. Two GPUs (the `nvidia-h200-x2` machine)."""
+sums (eagerly and replayed from a CUDA graph), takes only what it should, and stays off
+everywhere unless VENGINE_SYMM_MEM_ALLREDUCE=1 (opt-in). Two GPUs (the `nvidia-h200-x2` machine)."""
 from __future__ import annotations
 
 import os
@@ -14,8 +14,7 @@ needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.
 
 
 def _rank(rank: int, init_method: str, env_off: bool, q) -> None:
-    if env_off:
-        os.environ["VENGINE_SYMM_MEM_ALLREDUCE"] = "0"
+    os.environ["VENGINE_SYMM_MEM_ALLREDUCE"] = "0" if env_off else "1"
     from pyengine.distributed import init_distributed_environment
 
     device = torch.device("cuda", rank)
@@ -46,6 +45,8 @@ def _rank(rank: int, init_method: str, env_off: bool, q) -> None:
             errs.append((out.float() - float(2 * k + 3)).abs().max().item())  # (1+k) + (2+k)
         report["graph_errors"] = errs
         q.put((rank, report))
+        del graph, out  # a captured NCCL call left alive kept destroy_process_group from returning
+        torch.cuda.synchronize(device)
     finally:
         tp.destroy()
 
