@@ -39,8 +39,8 @@ FALLBACK_CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
-                413: "RequestTooLargeError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+                409: "ConflictError", 413: "RequestTooLargeError",
                 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
 
