@@ -67,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Most requests served at once (streams included; idle connections do not count, "
                         "nor do /health, /metrics, /version, /v1/models); one more gets 503 with "
                         f"Retry-After: {RETRY_AFTER_S} (default: %(default)s).")
-    p.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE,
+    p.add_argument("--timeout-keep-alive", type=float, default=None,
                    help="Close a connection that waits this many seconds for its next request (a fresh "
-                        "one for its first) (default: $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else 5, as vLLM).")
+                        "one for its first) (default: $VENGINE_HTTP_TIMEOUT_KEEP_ALIVE or "
+                        f"$VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else {DEFAULT_TIMEOUT_KEEP_ALIVE:g}, as uvicorn and vLLM).")
     p.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT,
                    help="Seconds a request's headers, and then its body, may take to arrive once its "
                         "first byte came; later: 408 and the connection closes (default: %(default)s).")
@@ -97,6 +98,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.model = args.model_opt
     if args.api_key is None:
         args.api_key = envs.api_key()
+    if args.timeout_keep_alive is None:
+        try:
+            args.timeout_keep_alive = envs.http_timeout_keep_alive(DEFAULT_TIMEOUT_KEEP_ALIVE)
+        except ValueError as e:
+            build_parser().error(str(e))
     if args.max_concurrent_streams < 1:
         build_parser().error("--max-concurrent-streams must be >= 1")
     if args.api_server_count < 1:

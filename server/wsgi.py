@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import socket as _stdsocket
 import threading
@@ -47,8 +46,7 @@ logger = logging.getLogger("vengine.server")
 
 DEFAULT_MAX_CONCURRENT_STREAMS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 0.0  # vLLM's default: requests in flight are cut at once
-# uvicorn's default, which vLLM passes on (its VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
-DEFAULT_TIMEOUT_KEEP_ALIVE = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0  # uvicorn's default, and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 DEFAULT_REQUEST_READ_TIMEOUT = 60.0  # nginx's client_header_timeout / client_body_timeout
 RETRY_AFTER_S = 1  # what a request over the cap is told to wait (seconds)
 # Answered whatever the load: not counted against max_concurrent_streams.
