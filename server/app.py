@@ -191,21 +191,23 @@ def _check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
             raise APIError(400, f"Token id {t} is out of vocabulary (valid ids: 0..{(v or 1) - 1}).", param)
 
 
-def _check_prompt_text(st: ServerState, text: str, param: str) -> None:
-    """The engine's cheap bound on a text prompt's characters (``max_model_len`` times
-    the most characters a token can cover), before it is tokenized."""
+def _engine_rule(check, value, param: str) -> None:
+    """One of the engine's input rules (``Processor.check_*``): its ValueError is a 400."""
     try:
-        st.engine.processor.check_prompt_text(text, param)
+        check(value, param)
     except ValueError as e:
         raise APIError(400, str(e), param) from None
 
 
+def _check_prompt_text(st: ServerState, text: str, param: str) -> None:
+    """The engine's cheap bound on a text prompt's characters (``max_model_len`` times
+    the most characters a token can cover), before it is tokenized."""
+    _engine_rule(st.engine.processor.check_prompt_text, text, param)
+
+
 def _check_prompt_length(st: ServerState, num_tokens: int, param: str) -> None:
-    max_len = st.cfg.max_model_len
-    if max_len and num_tokens >= max_len:
-        raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, your "
-                            f"prompt has {num_tokens} tokens; it must be shorter than that to leave room "
-                            f"for at least one generated token.", param)
+    """The engine's rule: the prompt leaves room for one generated token."""
+    _engine_rule(st.engine.processor.check_prompt_length, num_tokens, param)
 
 
 def _tokenize(st: ServerState, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:

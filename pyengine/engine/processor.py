@@ -171,6 +171,16 @@ class Processor:
                 f"context length of {self.config.max_model_len} tokens holds at most {limit} characters "
                 f"with this tokenizer. Please shorten the prompt.", parameter=parameter, value=len(text))
 
+    def check_prompt_length(self, num_tokens: int, parameter: str = "prompt") -> None:
+        """A prompt of ``num_tokens`` tokens must leave room for one generated token in
+        ``max_model_len``. Raises ``VLLMValidationError`` naming ``parameter``."""
+        max_len = self.config.max_model_len
+        if num_tokens >= max_len:
+            raise VLLMValidationError(
+                f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+                f"{num_tokens} tokens; it must be shorter than that to leave room for at least one "
+                f"generated token.", parameter=parameter, value=num_tokens)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``tokenizer(text).input_ids``, through the Rust tokenizer directly where the
         tokenizer is in transformers' default state (no truncation or padding set): that
@@ -250,10 +260,7 @@ class Processor:
             raise VLLMValidationError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got {priority!r}.",
                                       parameter="priority", value=priority)
         text, ids = self.tokenize(prompt)
-        max_len = self.config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"The prompt ({len(ids)} tokens) is too long: the maximum model length is "
-                             f"{max_len} tokens, including at least one generated token.")
+        self.check_prompt_length(len(ids))
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary (size {self.vocab_size}).")

@@ -103,7 +103,7 @@ def test_text_encoding_outside_the_model_vocabulary_is_refused(llama_dir, tokeni
 
 @pytest.mark.parametrize("prompt, params, priority, match", [
     ("", None, 0, "empty"),
-    ([5] * 64, None, 0, "too long"),
+    ([5] * 64, None, 0, "maximum context length is 64 tokens. However, your prompt has 64 tokens"),
     ([-1], None, 0, "vocabulary"),
     ([True], None, 0, "integers"),
     ({"text": "x"}, None, 0, "prompt_token_ids"),
@@ -232,7 +232,29 @@ def test_text_prompt_over_the_character_bound_refused_before_tokenizing(llama_di
     assert ei.value.parameter == "prompt" and ei.value.value == len(huge)
     assert f"it has {len(huge)} characters" in str(ei.value) and "64 tokens" in str(ei.value)
     # at the bound: tokenized as usual, and the token count decides
-    with pytest.raises(ValueError, match=r"The prompt \(\d+ tokens\) is too long"):
+    with pytest.raises(ValueError, match=r"However, your prompt has \d+ tokens"):
         proc.process("edge", "x" * proc.max_prompt_chars, SamplingParams())
     assert calls == [proc.max_prompt_chars]
     proc.process("fits", "x y", SamplingParams())
+
+
+def test_encode_matches_the_tokenizer(llama_dir, tokenizer, scripted_tokenizer):
+    # Processor.encode calls the Rust tokenizer directly (GIL released); the ids must be
+    # transformers' own, special tokens (a BOS template, added tokens in the text) included
+    from tokenizers import processors
+
+    with_bos = _bpe_tokenizer(added=["<|im_start|>", "<|im_end|>"])
+    with_bos.add_special_tokens({"bos_token": "<s>"})
+    bos = with_bos.convert_tokens_to_ids("<s>")
+    with_bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    split_special = _bpe_tokenizer(added=["<|im_start|>"])
+    split_special.split_special_tokens = True  # the slow path: transformers decides
+    texts = ["def f(x): return x", "<|im_start|>user\nhi<|im_end|>\n", "  naïve  \n\n", "\U0001F600 ok"]
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=64).create_engine_config()
+    for tok in (tokenizer, scripted_tokenizer, with_bos, split_special):
+        proc = Processor(cfg, tok)
+        for text in texts:
+            for special in (True, False):
+                assert proc.encode(text, special) == tok(text, add_special_tokens=special).input_ids, (text, special)
+    assert Processor(cfg, with_bos).encode("x")[0] == bos
