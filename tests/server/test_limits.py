@@ -133,16 +133,10 @@ MB4 = 4 << 20
 def slow_server(llama_dir):
     """An in-process engine (so its steps can be slowed) with max_model_len 512, served."""
     from server import BackgroundServer, create_app
-    from tests.server.conftest import make_engine
+    from tests.server.conftest import make_engine, slow_steps
 
     engine = make_engine(llama_dir, multiprocess=False)
-    runner = engine.engine_core.engine_core.model_runner
-    orig = runner.execute_model
-
-    def slow(*a, **k):
-        time.sleep(STEP_DELAY_S)
-        return orig(*a, **k)
-    runner.execute_model = slow
+    slow_steps(engine, STEP_DELAY_S)
     srv = BackgroundServer(create_app(engine, SimpleNamespace(served_model_name=[NAME])), port=0).start()
     yield engine, srv
     srv.stop()

@@ -15,22 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.server.conftest import MODEL_NAME, make_engine
+from tests.server.conftest import MODEL_NAME, make_engine, slow_steps
 from tests.server.http_util import SSEStream, spawn_server
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_DELAY_S = 0.02  # a slow engine step, so that a long stream is surely in flight
 SHUTDOWN_TIMEOUT_S = 5
-
-
-def _slow_steps(engine, delay=STEP_DELAY_S):
-    runner = engine.engine_core.engine_core.model_runner
-    orig = runner.execute_model
-
-    def slow(*a, **k):
-        time.sleep(delay)
-        return orig(*a, **k)
-    runner.execute_model = slow
 
 
 def _stream_body(max_tokens):
@@ -49,7 +39,7 @@ def _refused(port) -> bool:
 @pytest.fixture(scope="module")
 def slow_engine(llama_dir):
     eng = make_engine(llama_dir, multiprocess=False)  # the slow step is patched into this process
-    _slow_steps(eng)
+    slow_steps(eng, STEP_DELAY_S)
     yield eng
     eng.shutdown()
 
