@@ -388,7 +388,7 @@ def install(ffi_, lib_) -> None:
         try:
             br = _bridge(eng_id)
             prompt_ids, params, priority, flags = parse_chat_request(
-                ffi.string(raw).decode("utf-8"), br.llm.tokenizer, SamplingParams,
+                ffi.string(raw).decode("utf-8"), br.llm.processor, SamplingParams,
                 RequestOutputKind.DELTA)
             flags_out[0] = flags
             br.submit(req, int(num), prompt_ids, params, priority)

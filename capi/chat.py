@@ -51,10 +51,14 @@ def _content_text(content: Any, i: int) -> str:
     raise ChatRequestError(f"messages[{i}].content must be a string or a list of text parts")
 
 
-def parse_chat_request(raw: str, tokenizer, sampling_params_cls, output_kind):
+def parse_chat_request(raw: str, processor, sampling_params_cls, output_kind):
     """Returns ``(prompt_token_ids, sampling_params, priority, flags)``; flags bit 0:
-    ``stream_options.include_usage``. Raises ``ChatRequestError``, or SamplingParams'
-    ``ValueError`` unchanged (its message is the one every front end gives)."""
+    ``stream_options.include_usage``. ``processor``: the engine's input processing
+    (``AsyncLLM.processor``), whose tokenizer renders and encodes the chat and whose
+    cheap character bound refuses an over-long rendering before it is tokenized. Raises
+    ``ChatRequestError``, or the engine's ``ValueError`` unchanged (its message is the one
+    every front end gives)."""
+    tokenizer = processor.tokenizer
     try:
         body = json.loads(raw)
     except ValueError as e:
@@ -96,7 +100,8 @@ def parse_chat_request(raw: str, tokenizer, sampling_params_cls, output_kind):
         text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + ("assistant:" if add_gen else "")
         if getattr(tokenizer, "bos_token", None):
             text = tokenizer.bos_token + text
-    prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    processor.check_prompt_text(text, "messages")
+    prompt_ids = processor.encode(text, add_special_tokens=False)
     if not prompt_ids:
         raise ChatRequestError("the rendered chat prompt is empty")
 

@@ -1,6 +1,6 @@
 """Every environment variable vengine reads, in one place, with one prefix: ``VENGINE_``
-(mirrors vllm/envs.py). vLLM's documented ``VLLM_API_KEY`` and ``VLLM_SERVER_DEV_MODE``
-are read too, as aliases, so vLLM launch scripts keep working.
+(mirrors vllm/envs.py). vLLM's documented ``VLLM_API_KEY``, ``VLLM_SERVER_DEV_MODE`` and
+``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` are read too, as aliases, so vLLM launch scripts keep working.
 
 Read from Python (the accessors below; each reads the environment when called):
 
@@ -15,6 +15,7 @@ Read from Python (the accessors below; each reads the environment when called):
 | ``VENGINE_TRITON_OPS_ON_CPU`` | 0 | 1 (with ``TRITON_INTERPRET=1``): run the triton ops through triton's CPU interpreter (tests) |
 | ``VENGINE_API_KEY`` (alias ``VLLM_API_KEY``) | — | ``vengine serve``'s ``--api-key`` when the flag is absent |
 | ``VENGINE_SERVER_DEV_MODE`` (alias ``VLLM_SERVER_DEV_MODE``) | 0 | 1 enables development endpoints (``POST /reset_prefix_cache``) |
+| ``VENGINE_HTTP_TIMEOUT_KEEP_ALIVE`` (alias ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) | 5 | ``vengine serve``'s ``--timeout-keep-alive`` when the flag is absent (seconds) |
 
 Read by the C library (``capi/vengine_capi.c``, docs/capi.md): ``VENGINE_PYTHON`` (the
 interpreter to embed), ``VENGINE_PYTHONPATH``, ``VENGINE_DELIVERY_THREADS``,
@@ -84,3 +85,19 @@ def api_key() -> Optional[str]:
 
 def server_dev_mode() -> bool:
     return _flag("VENGINE_SERVER_DEV_MODE", False, ("VLLM_SERVER_DEV_MODE",))
+
+
+def http_timeout_keep_alive(default: float) -> float:
+    """``VENGINE_HTTP_TIMEOUT_KEEP_ALIVE`` (alias ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) in
+    seconds, else ``default``; ValueError naming it for a value that is not a positive
+    finite number."""
+    v = _raw("VENGINE_HTTP_TIMEOUT_KEEP_ALIVE", ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE",))
+    if v is None:
+        return default
+    try:
+        seconds = float(v)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):  # also NaN
+        raise ValueError(f"VENGINE_HTTP_TIMEOUT_KEEP_ALIVE={v!r}: use a positive number of seconds.")
+    return seconds

@@ -39,8 +39,8 @@ FALLBACK_CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
-                413: "RequestTooLargeError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+                409: "ConflictError", 413: "RequestTooLargeError",
                 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
 
@@ -191,6 +191,33 @@ def _check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
             raise APIError(400, f"Token id {t} is out of vocabulary (valid ids: 0..{(v or 1) - 1}).", param)
 
 
+def _engine_rule(check, value, param: str) -> None:
+    """One of the engine's input rules (``Processor.check_*``): its ValueError is a 400."""
+    try:
+        check(value, param)
+    except ValueError as e:
+        raise APIError(400, str(e), param) from None
+
+
+def _check_prompt_text(st: ServerState, text: str, param: str) -> None:
+    """The engine's cheap bound on a text prompt's characters (``max_model_len`` times
+    the most characters a token can cover), before it is tokenized."""
+    _engine_rule(st.engine.processor.check_prompt_text, text, param)
+
+
+def _check_prompt_length(st: ServerState, num_tokens: int, param: str) -> None:
+    """The engine's rule: the prompt leaves room for one generated token."""
+    _engine_rule(st.engine.processor.check_prompt_length, num_tokens, param)
+
+
+def _tokenize(st: ServerState, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of each text (the engine's ``Processor.encode``), computed on a
+    threadpool thread: the Rust tokenizer releases the GIL, so a long prompt does not
+    stall the hub (other streams)."""
+    encode = st.engine.processor.encode
+    return st.bridge.run_blocking(lambda: [encode(t, add_special_tokens) for t in texts])
+
+
 def _completion_prompts(st: ServerState, req: CompletionRequest) -> list[tuple[Optional[str], list[int]]]:
     p = req.prompt
     if isinstance(p, str):
@@ -201,19 +228,24 @@ def _completion_prompts(st: ServerState, req: CompletionRequest) -> list[tuple[O
         items = [p]
     else:
         items = list(p)
+    for item in items:  # the cheap checks first, on every prompt
+        if not item:
+            raise APIError(400, "prompt must not be empty.", "prompt")
+        if isinstance(item, str):
+            _check_prompt_text(st, item, "prompt")
+        else:
+            _check_prompt_length(st, len(item), "prompt")
+            _check_token_ids(st, item, "prompt")
+    texts = [item for item in items if isinstance(item, str)]
+    encoded = iter(_tokenize(st, texts) if texts else [])
     out = []
     for item in items:
         if isinstance(item, str):
-            if not item:
-                raise APIError(400, "prompt must not be empty.", "prompt")
-            ids = st.tokenizer(item).input_ids
+            ids = next(encoded)
             if not ids:
                 raise APIError(400, "The prompt encodes to no tokens.", "prompt")
             out.append((item, ids))
         else:
-            if not item:
-                raise APIError(400, "prompt must not be empty.", "prompt")
-            _check_token_ids(st, item, "prompt")
             out.append((None, list(item)))
     return out
 
@@ -222,12 +254,7 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
                      prompt_lens: list[int], stream: bool):
     from pyengine import RequestOutputKind, SamplingParams
 
-    max_len = st.cfg.max_model_len
-    longest = max(prompt_lens)
-    if max_len and longest >= max_len:
-        raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, your "
-                            f"prompt has {longest} tokens; it must be shorter than that to leave room "
-                            f"for at least one generated token.", "prompt" if hasattr(req, "prompt") else "messages")
+    _check_prompt_length(st, max(prompt_lens), "prompt" if hasattr(req, "prompt") else "messages")
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported.", "logit_bias")
     n = 1 if req.n is None else req.n
@@ -266,15 +293,16 @@ def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> tuple[str, list
     template = st.cfg.chat_template or getattr(tok, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
     kwargs = dict(req.chat_template_kwargs or {})
     try:
-        text = tok.apply_chat_template(
-            msgs, chat_template=template, tokenize=False,
+        text = st.bridge.run_blocking(  # off the hub, like the tokenization below
+            tok.apply_chat_template, msgs, chat_template=template, tokenize=False,
             add_generation_prompt=bool(req.add_generation_prompt) and not req.continue_final_message,
             continue_final_message=bool(req.continue_final_message), **kwargs)
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault
         raise APIError(400, f"Cannot apply the chat template: {e}", "messages") from None
     if not isinstance(text, str):
         text = str(text)
-    ids = tok(text, add_special_tokens=False).input_ids
+    _check_prompt_text(st, text, "messages")
+    ids = _tokenize(st, [text], add_special_tokens=False)[0]
     if not ids:
         raise APIError(400, "messages render to an empty prompt.", "messages")
     return text, ids

@@ -14,7 +14,8 @@ from typing import Callable, Optional, Sequence
 from pyengine import envs
 
 from .app import DEFAULT_MAX_BODY_BYTES
-from .wsgi import DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_SHUTDOWN_TIMEOUT
+from .wsgi import (DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_REQUEST_READ_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT,
+                   DEFAULT_TIMEOUT_KEEP_ALIVE, RETRY_AFTER_S)
 
 logger = logging.getLogger("vengine.server")
 
@@ -63,7 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template, or a file holding one (default: the tokenizer's).")
     p.add_argument("--max-concurrent-streams", type=int, default=DEFAULT_MAX_CONCURRENT_STREAMS,
-                   help="Connection cap: most connections served at once (default: %(default)s).")
+                   help="Most requests served at once (streams included; idle connections do not count, "
+                        "nor do /health, /metrics, /version, /v1/models); one more gets 503 with "
+                        f"Retry-After: {RETRY_AFTER_S} (default: %(default)s).")
+    p.add_argument("--timeout-keep-alive", type=float, default=None,
+                   help="Close a connection that waits this many seconds for its next request (a fresh "
+                        "one for its first) (default: $VENGINE_HTTP_TIMEOUT_KEEP_ALIVE or "
+                        f"$VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else {DEFAULT_TIMEOUT_KEEP_ALIVE:g}, as uvicorn and vLLM).")
+    p.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT,
+                   help="Seconds a request's headers, and then its body, may take to arrive once its "
+                        "first byte came; later: 408 and the connection closes (default: %(default)s).")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="Larger request bodies get 413 (default: %(default)s).")
     p.add_argument("--api-server-count", type=int, default=1,
@@ -88,12 +98,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.model = args.model_opt
     if args.api_key is None:
         args.api_key = envs.api_key()
+    if args.timeout_keep_alive is None:
+        try:
+            args.timeout_keep_alive = envs.http_timeout_keep_alive(DEFAULT_TIMEOUT_KEEP_ALIVE)
+        except ValueError as e:
+            build_parser().error(str(e))
     if args.max_concurrent_streams < 1:
         build_parser().error("--max-concurrent-streams must be >= 1")
     if args.api_server_count < 1:
         build_parser().error("--api-server-count must be >= 1")
     if not args.shutdown_timeout >= 0:  # also NaN
         build_parser().error("--shutdown-timeout must be >= 0")
+    for flag in ("timeout_keep_alive", "request_read_timeout"):
+        if not 0 < getattr(args, flag) < float("inf"):  # also NaN
+            build_parser().error(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     return args
 
 
@@ -146,11 +164,12 @@ def serve_engine(args, engine, listener=None, on_ready: Optional[Callable[[str],
     import gevent
 
     from .app import create_app
-    from .wsgi import make_server, serve_until_shutdown
+    from .wsgi import ConnectionLimits, make_server, raise_fd_limit, serve_until_shutdown
 
+    raise_fd_limit()  # every open connection holds a descriptor
     app = create_app(engine, args)
-    server = make_server(app, args.host, args.port, args.max_concurrent_streams,
-                         access_log=not args.disable_access_log, listener=listener)
+    server = make_server(app, args.host, args.port, access_log=not args.disable_access_log, listener=listener,
+                         limits=ConnectionLimits.from_args(args))
     names = ", ".join(app.extensions["vengine"].cfg.served_model_names)
 
     def install(trigger) -> None:

@@ -1,18 +1,36 @@
 """Serving the app with gevent's ``pywsgi`` (no monkey-patching).
 
-``make_server`` builds the ``WSGIServer`` (connection cap through ``spawn=Pool(n)``,
-TCP_NODELAY on every accepted socket, the client socket exposed to the app for disconnect
-detection). ``graceful_shutdown`` is the drain that SIGTERM runs (``--shutdown-timeout``).
+``make_server`` builds the ``WSGIServer``: TCP_NODELAY on every accepted socket, the client
+socket exposed to the app for disconnect detection, and the connection rules a public
+server needs (``ConnectionLimits``):
+
+- a connection waiting for a request (a fresh one, or a keep-alive one after its response)
+  is closed after ``timeout_keep_alive`` seconds without a byte (uvicorn's and vLLM's
+  ``--timeout-keep-alive``);
+- once a request's first byte arrived, its headers and its body must arrive within
+  ``request_read_timeout`` seconds (a slow-drip client cannot hold a connection or a
+  request slot): late headers get a 408 and the connection is closed, a late body a 408
+  JSON error from the app;
+- ``max_concurrent_streams`` counts requests being served (from their headers to the end
+  of their response, streams included), not sockets: a request over it gets a prompt 503
+  with ``Retry-After``; ``/health``, ``/metrics``, ``/version`` and ``/v1/models`` are not
+  counted, so they answer whatever the load. Open sockets are bounded only by the
+  process's file-descriptor limit (``raise_fd_limit``), less a reserve.
+
+``graceful_shutdown`` is the drain that SIGTERM runs (``--shutdown-timeout``).
 ``BackgroundServer`` runs one on its own native thread with its own hub, for tests,
 benchmarks and embedding; it is stopped (with the same drain) from any thread through an
 async watcher.
 """
 from __future__ import annotations
 
+import json
 import logging
+import resource
 import socket as _stdsocket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import gevent
@@ -20,20 +38,169 @@ import gevent.socket
 from gevent.event import Event
 from gevent.pool import Pool
 from gevent.pywsgi import WSGIHandler, WSGIServer
+from werkzeug.exceptions import RequestTimeout
 
-from .app import SOCKET_ENVIRON_KEY
+from .app import SOCKET_ENVIRON_KEY, error_body
 
 logger = logging.getLogger("vengine.server")
 
 DEFAULT_MAX_CONCURRENT_STREAMS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 0.0  # vLLM's default: requests in flight are cut at once
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0  # uvicorn's default, and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+DEFAULT_REQUEST_READ_TIMEOUT = 60.0  # nginx's client_header_timeout / client_body_timeout
+RETRY_AFTER_S = 1  # what a request over the cap is told to wait (seconds)
+# Answered whatever the load: not counted against max_concurrent_streams.
+UNCAPPED_PATHS = frozenset({"/health", "/metrics", "/version", "/v1/models"})
 _BACKLOG = 2048
 _CUT_GRACE_S = 5.0  # after the drain: how long cut streams get to write their error event
 _POLL_S = 0.05
+_FD_RESERVE = 128  # descriptors kept for the engine pipes, the log, files: not for clients
+_DISCARD_MAX = 64 << 20  # an unread body larger than this is not read out: the connection closes
+
+
+@dataclass
+class ConnectionLimits:
+    """The connection rules of one server (see the module docstring); seconds."""
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
+    request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT
+
+    @classmethod
+    def from_args(cls, args) -> "ConnectionLimits":
+        d = cls()
+        return cls(max_concurrent_streams=getattr(args, "max_concurrent_streams", d.max_concurrent_streams),
+                   timeout_keep_alive=getattr(args, "timeout_keep_alive", d.timeout_keep_alive),
+                   request_read_timeout=getattr(args, "request_read_timeout", d.request_read_timeout))
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (as ``vllm serve``
+    does): every open connection holds one. Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # not allowed here: keep what we have
+            pass
+    return soft
+
+
+def _max_connections() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, soft - _FD_RESERVE)
+
+
+class _Deadline:
+    """Runs blocking reads until a monotonic deadline; ``expired`` once one ran out."""
+
+    __slots__ = ("at", "expired")
+
+    def __init__(self, seconds: float):
+        self.at = time.monotonic() + seconds
+        self.expired = False
+
+    def run(self, fn, *args):
+        """``fn(*args)``, or ``None`` with ``expired`` set once the deadline passed first."""
+        left = self.at - time.monotonic()
+        if self.expired or left <= 0:
+            self.expired = True
+            return None
+        t = gevent.Timeout(left)
+        t.start()
+        try:
+            return fn(*args)
+        except gevent.Timeout as e:
+            if e is not t:
+                raise
+            self.expired = True
+            return None
+        finally:
+            t.close()
+
+
+class _RequestReadTimeout(Exception):
+    """The request's headers did not arrive in time."""
+
+
+def _raw_error_response(status_line: str, message: str) -> bytes:
+    """A complete HTTP/1.1 error response (OpenAI's error body) that closes the connection."""
+    body = json.dumps(error_body(int(status_line.split()[0]), message)).encode()
+    return (f"HTTP/1.1 {status_line}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode() + body
+
+
+class _TimedInput:
+    """``wsgi.input`` whose reads share the request's deadline. A read that would end
+    after it raises werkzeug's ``RequestTimeout`` (the app answers 408) and marks the
+    connection to be closed, so the unread rest is never waited for."""
+
+    __slots__ = ("_input", "_handler", "_deadline", "_timeout_s")
+
+    def __init__(self, inp, handler: "VEngineHandler", deadline: _Deadline, timeout_s: float):
+        self._input, self._handler, self._deadline, self._timeout_s = inp, handler, deadline, timeout_s
+
+    def _read(self, fn, *args):
+        out = self._deadline.run(fn, *args)
+        if self._deadline.expired:
+            self._handler.close_connection = True
+            raise RequestTimeout(f"The request body did not arrive within {self._timeout_s:g} s "
+                                 f"(--request-read-timeout).")
+        return out
+
+    def read(self, length=None):
+        return self._read(self._input.read, length)
+
+    def readline(self, size=None):
+        return self._read(self._input.readline, size)
+
+    def readlines(self, hint=None):
+        return self._read(self._input.readlines, hint)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        line = self.readline()
+        if not line:
+            raise StopIteration
+        return line
+
+    def _discard(self) -> None:
+        """pywsgi reads out what the app left unread, to keep the connection: only within
+        the deadline, and not at all when the connection is closing anyway or the rest is
+        huge (a body over the app's limit)."""
+        inp, h = self._input, self._handler
+        if h.close_connection or self._deadline.expired:
+            return
+        if not inp.chunked_input and (inp.content_length or 0) - inp.position > _DISCARD_MAX:
+            h.close_connection = True
+            return
+        self._deadline.run(inp._discard)
+        if self._deadline.expired:
+            h.close_connection = True
+
+
+def _over_capacity_app(limit: int):
+    body = json.dumps(error_body(503, f"The server is serving its maximum of {limit} concurrent requests "
+                                      f"(--max-concurrent-streams); retry after {RETRY_AFTER_S} s.")).encode()
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+               ("Retry-After", str(RETRY_AFTER_S))]
+
+    def app(environ, start_response):
+        start_response("503 Service Unavailable", list(headers))
+        return [body]
+    return app
 
 
 class VEngineHandler(WSGIHandler):
-    """pywsgi handler that sets TCP_NODELAY and hands the socket to the app."""
+    """pywsgi handler: TCP_NODELAY, the socket handed to the app, the keep-alive and read
+    timeouts and the request cap of ``VEngineServer``."""
+
+    _deadline: Optional[_Deadline] = None
 
     def __init__(self, sock, address, server, rfile=None):
         try:
@@ -42,17 +209,57 @@ class VEngineHandler(WSGIHandler):
             pass
         super().__init__(sock, address, server, rfile)
 
+    def read_requestline(self):
+        limits = self.server.limits
+        # Idle until the request's first byte (peek: buffered pipelined bytes count).
+        first = _Deadline(limits.timeout_keep_alive).run(self.rfile.peek, 1)
+        if not first:  # idle too long, or EOF: close quietly
+            return ""
+        self._deadline = _Deadline(limits.request_read_timeout)
+        line = self._deadline.run(super().read_requestline)
+        return "" if self._deadline.expired else line
+
+    def read_request(self, raw_requestline):
+        ok = self._deadline.run(super().read_request, raw_requestline)
+        if self._deadline.expired:
+            raise _RequestReadTimeout()
+        return ok
+
+    def _handle_client_error(self, ex):
+        if isinstance(ex, _RequestReadTimeout):
+            t = self.server.limits.request_read_timeout
+            self.log_error("(from %s) request headers not received within %g s; closing", self.client_address, t)
+            return ("408", _raw_error_response(
+                "408 Request Timeout", f"The request headers did not arrive within {t:g} s (--request-read-timeout)."))
+        return super()._handle_client_error(ex)
+
     def get_environ(self):
         env = super().get_environ()
         env[SOCKET_ENVIRON_KEY] = self.socket
+        if env["wsgi.input"] is self.wsgi_input:
+            self.wsgi_input = _TimedInput(self.wsgi_input, self, self._deadline, self.server.limits.request_read_timeout)
+            env["wsgi.input"] = self.wsgi_input
         return env
+
+    def handle_one_response(self):
+        gate = self.server.gate
+        if self.environ.get("PATH_INFO") in UNCAPPED_PATHS:
+            return super().handle_one_response()
+        if gate.active >= gate.limit:
+            self.application = gate.refuse
+            return super().handle_one_response()
+        gate.active += 1
+        try:
+            return super().handle_one_response()
+        finally:
+            gate.active -= 1
 
     def finalize_headers(self):
         super().finalize_headers()
-        if self.request_version != "HTTP/1.0" or self.code in (204, 304):
+        if self.code in (204, 304):
             return
         names = {(k.decode("latin-1") if isinstance(k, bytes) else k).lower() for k, _ in self.response_headers}
-        if "content-length" not in names:
+        if self.request_version == "HTTP/1.0" and "content-length" not in names:
             # HTTP/1.0 has no chunked encoding, so a body of unknown length (a stream) ends
             # only when the connection closes: say so, and close it (pywsgi would answer an
             # HTTP/1.0 keep-alive request with keep-alive and the client would never see
@@ -61,20 +268,48 @@ class VEngineHandler(WSGIHandler):
             self.response_headers = [(k, v) for k, v in self.response_headers
                                      if (k.decode("latin-1") if isinstance(k, bytes) else k).lower() != "connection"]
             self.response_headers.append((b"Connection", b"close"))
+        elif self.close_connection and "connection" not in names:
+            # closing after this response (a timed-out body): tell the client
+            self.response_headers.append((b"Connection", b"close"))
+
+
+class _RequestGate:
+    """Requests being served against the cap (hub thread only, no lock)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.active = 0
+        self.refuse = _over_capacity_app(limit)
+
+
+class VEngineServer(WSGIServer):
+    """``WSGIServer`` carrying the ``ConnectionLimits`` its handlers apply."""
+
+    handler_class = VEngineHandler
+
+    def __init__(self, listener, application, limits: ConnectionLimits, **kw):
+        super().__init__(listener, application, **kw)
+        self.limits = limits
+        self.gate = _RequestGate(limits.max_concurrent_streams)
 
 
 def make_server(app, host: str = "127.0.0.1", port: int = 8000,
                 max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
-                access_log: bool = True, listener=None) -> WSGIServer:
+                access_log: bool = True, listener=None, limits: Optional[ConnectionLimits] = None) -> WSGIServer:
     """Build (not start) the gevent WSGI server for ``app``. Must be started on the thread
     whose hub will run it. ``listener``: a bound, listening socket to accept on instead of
-    ``(host, port)``."""
+    ``(host, port)``. ``limits`` (default: the defaults with ``max_concurrent_streams``):
+    the timeouts and the request cap."""
+    if limits is None:
+        limits = ConnectionLimits(max_concurrent_streams=max_concurrent_streams)
     log = "default" if access_log else None
     if listener is not None and not isinstance(listener, gevent.socket.socket):
         # a stdlib socket (inherited from the supervisor): accept through the hub
         listener = gevent.socket.socket(listener.family, listener.type, fileno=listener.detach())
-    return WSGIServer(listener if listener is not None else (host, port), app, spawn=Pool(max_concurrent_streams), handler_class=VEngineHandler,
-                      log=log, error_log="default", backlog=None if listener is not None else _BACKLOG)
+    # The pool bounds sockets only by the descriptors there are: the request cap is the gate's.
+    return VEngineServer(listener if listener is not None else (host, port), app, limits,
+                         spawn=Pool(_max_connections()), log=log, error_log="default",
+                         backlog=None if listener is not None else _BACKLOG)
 
 
 def _wait_idle(state, timeout: float) -> None:
@@ -136,13 +371,17 @@ def serve_until_shutdown(server: WSGIServer, app, shutdown_timeout: float, insta
 
 
 class BackgroundServer:
-    """Serve ``app`` on a daemon thread; ``.port`` once started; ``.stop()`` from anywhere."""
+    """Serve ``app`` on a daemon thread; ``.port`` once started; ``.stop()`` from anywhere.
+    ``max_concurrent_streams``, ``timeout_keep_alive``, ``request_read_timeout``: see
+    ``ConnectionLimits``."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
                  max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS, access_log: bool = False,
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT):
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+                 timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE,
+                 request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT):
         self.app, self.host, self.requested_port = app, host, port
-        self.max_concurrent_streams = max_concurrent_streams
+        self.limits = ConnectionLimits(max_concurrent_streams, timeout_keep_alive, request_read_timeout)
         self.shutdown_timeout = shutdown_timeout
         self.access_log = access_log
         self.port: Optional[int] = None
@@ -173,8 +412,8 @@ class BackgroundServer:
             self.port = server.server_port
             self._ready.set()
         try:
-            server = make_server(self.app, self.host, self.requested_port, self.max_concurrent_streams,
-                                 self.access_log)
+            server = make_server(self.app, self.host, self.requested_port, access_log=self.access_log,
+                                 limits=self.limits)
             serve_until_shutdown(server, self.app, self.shutdown_timeout, install)
         except BaseException as e:  # noqa: BLE001 - reported to start()
             if self._ready.is_set():

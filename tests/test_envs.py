@@ -23,3 +23,15 @@ def test_bad_flag_values_name_the_variable(monkeypatch):
         envs.enable_multiprocessing()
     monkeypatch.setenv("VENGINE_ASYNC_SCHED", "off")
     assert not envs.async_scheduling_allowed()
+
+
+def test_http_timeout_keep_alive(monkeypatch):
+    for v in ("VENGINE_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+        monkeypatch.delenv(v, raising=False)
+    assert envs.http_timeout_keep_alive(5.0) == 5.0
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "12")
+    assert envs.http_timeout_keep_alive(5.0) == 12.0
+    for bad in ("0", "-3", "nan", "inf", "soon"):
+        monkeypatch.setenv("VENGINE_HTTP_TIMEOUT_KEEP_ALIVE", bad)
+        with pytest.raises(ValueError, match=f"VENGINE_HTTP_TIMEOUT_KEEP_ALIVE='{bad}'"):
+            envs.http_timeout_keep_alive(5.0)

@@ -212,7 +212,8 @@ def test_reset_prefix_cache(llama_dir):
     ("", "empty"),
     ([], "empty"),
     ([10**9], "vocabulary"),
-    ([1] * 200, "too long"),
+    ([1] * 200, "maximum context length is 128 tokens. However, your prompt has 200 tokens"),
+    ("fox " * (1 << 20), "it has 4194304 characters"),  # refused before it is tokenized (issue 16)
     (3.5, "string or a list"),
 ])
 def test_bad_prompts_rejected_and_engine_keeps_serving(llama_dir, prompts, references, bad, match):

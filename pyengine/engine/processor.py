@@ -4,6 +4,7 @@ ValueError there and nothing reaches the engine."""
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from typing import Any, Optional
 
@@ -34,6 +35,105 @@ def eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
     return ids
 
 
+# Normalizers (tokenizers' JSON "type") that keep every input character, and those that may
+# compose several into one: canonical composition (NFC, NFKC) makes one character of at
+# most 4 code points (a base and three marks, e.g. U+1F8F), Hangul syllables of 3.
+_NORMALIZERS_KEEPING = frozenset({"NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"})
+_NORMALIZERS_COMPOSING = frozenset({"NFC", "NFKC"})
+_COMPOSITION_FACTOR = 4
+_PRE_TOKENIZERS_KEEPING = frozenset({"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"})
+
+
+def _component(obj) -> Optional[dict]:
+    return None if obj is None else json.loads(obj.__getstate__())
+
+
+def _normalizer_factor(node: Optional[dict]) -> Optional[float]:
+    """Most input characters one normalized character can stand for; None: unbounded
+    (a normalizer that may drop characters: Strip, StripAccents, Precompiled, ...)."""
+    if node is None:
+        return 1.0
+    kind = node.get("type")
+    if kind == "Sequence":
+        factor = 1.0
+        for child in node.get("normalizers", []):
+            f = _normalizer_factor(child)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in _NORMALIZERS_KEEPING:
+        return 1.0
+    if kind in _NORMALIZERS_COMPOSING:
+        return float(_COMPOSITION_FACTOR)
+    if kind == "Replace":
+        pattern, content = node.get("pattern", {}), node.get("content", "")
+        if "String" in pattern and content:
+            return max(1.0, len(pattern["String"]) / len(content))
+    return None
+
+
+def _has_type(node, kind: str) -> bool:
+    if isinstance(node, dict):
+        return node.get("type") == kind or any(_has_type(v, kind) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_type(v, kind) for v in node)
+    return False
+
+
+def _pre_tokenizer_keeps(node: Optional[dict]) -> bool:
+    """Whether the pre-tokenizer keeps every character (splits without removing any)."""
+    if node is None:
+        return True
+    kind = node.get("type")
+    if kind == "Sequence":
+        return all(_pre_tokenizer_keeps(child) for child in node.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation"):
+        return node.get("behavior") != "Removed"
+    return kind in _PRE_TOKENIZERS_KEEPING
+
+
+def max_chars_per_token(tokenizer) -> Optional[float]:
+    """An upper bound on the prompt characters one token of ``tokenizer`` can cover, or
+    ``None`` where no bound holds (a slow tokenizer; a normalizer, pre-tokenizer or
+    added token that may drop or absorb characters; unknown text fused into one token).
+
+    A token covers at most its vocabulary string's length in characters (byte-level
+    symbols stand for one byte each, SentencePiece's "▁" for one space), times the
+    normalizer's composition factor. So a text of C characters has at least
+    C / bound tokens: a prompt longer than ``max_model_len`` times the bound cannot fit,
+    and is refused before it is tokenized."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        factor = _normalizer_factor(_component(backend.normalizer))
+        pre = _component(backend.pre_tokenizer)
+        model = backend.model
+        added = backend.get_added_tokens_decoder().values()
+        vocab = backend.get_vocab(with_added_tokens=True)
+    except Exception:  # noqa: BLE001 - an unfamiliar backend: no bound, tokenization decides
+        return None
+    if factor is None or not _pre_tokenizer_keeps(pre) or not vocab:
+        return None
+    if any(t.lstrip or t.rstrip for t in added):  # such a token swallows the whitespace next to it
+        return None
+    kind = type(model).__name__
+    if kind == "BPE":
+        from tokenizers import pre_tokenizers
+        byte_level = _has_type(pre, "ByteLevel") and set(pre_tokenizers.ByteLevel.alphabet()) <= vocab.keys()
+        # Unknown characters: one byte token each (byte fallback, or a byte-level alphabet),
+        # one unknown token each, or (fused, or no unknown token: dropped) unbounded.
+        if not (model.byte_fallback or byte_level or (model.unk_token is not None and not model.fuse_unk)):
+            return None
+    elif kind == "Unigram":
+        if not model.byte_fallback:  # unknown runs become one token
+            return None
+    else:  # WordPiece (an unknown word is one token), WordLevel
+        return None
+    return max(len(t) for t in vocab) * factor
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
@@ -55,6 +155,45 @@ class Processor:
         self.tokenizer = tokenizer
         self.vocab_size = config.hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(config, tokenizer)
+        # Longest text prompt that could fit (None: no cheap bound for this tokenizer).
+        per_token = max_chars_per_token(tokenizer)
+        self.max_prompt_chars: Optional[int] = (
+            None if per_token is None else int((config.max_model_len - 1) * per_token))
+
+    def check_prompt_text(self, text: str, parameter: str = "prompt") -> None:
+        """The cheap bound, before a text prompt is tokenized: more characters than
+        ``max_prompt_chars`` cannot encode to fewer than ``max_model_len`` tokens
+        (``max_chars_per_token``). Raises ``VLLMValidationError`` naming ``parameter``."""
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise VLLMValidationError(
+                f"The prompt is too long: it has {len(text)} characters, and this model's maximum "
+                f"context length of {self.config.max_model_len} tokens holds at most {limit} characters "
+                f"with this tokenizer. Please shorten the prompt.", parameter=parameter, value=len(text))
+
+    def check_prompt_length(self, num_tokens: int, parameter: str = "prompt") -> None:
+        """A prompt of ``num_tokens`` tokens must leave room for one generated token in
+        ``max_model_len``. Raises ``VLLMValidationError`` naming ``parameter``."""
+        max_len = self.config.max_model_len
+        if num_tokens >= max_len:
+            raise VLLMValidationError(
+                f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+                f"{num_tokens} tokens; it must be shorter than that to leave room for at least one "
+                f"generated token.", parameter=parameter, value=num_tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``tokenizer(text).input_ids``, through the Rust tokenizer directly where the
+        tokenizer is in transformers' default state (no truncation or padding set): that
+        skips transformers' per-token Python work, so almost all the time is spent with
+        the GIL released (a 4 MB prompt holds it for tens of ms instead of hundreds)."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        if (backend is not None and backend.truncation is None and backend.padding is None
+                and getattr(backend, "encode_special_tokens", False) == bool(getattr(tok, "split_special_tokens", False))):
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast: no offsets
+            return encode([text], add_special_tokens=add_special_tokens)[0].ids
+        # verbose=False: the length check reports over-long prompts itself.
+        return tok.encode(text, add_special_tokens=add_special_tokens, verbose=False)
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Returns (prompt text or None, prompt token ids). Raises ValueError."""
@@ -68,8 +207,8 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("The prompt cannot be empty.")
-            # verbose=False: the length check below reports over-long prompts itself.
-            ids = self.tokenizer.encode(prompt, verbose=False)
+            self.check_prompt_text(prompt)
+            ids = self.encode(prompt)
             if not ids:
                 raise ValueError("The prompt encodes to no tokens.")
             if max(ids) >= self.vocab_size or min(ids) < 0:
@@ -121,10 +260,7 @@ class Processor:
             raise VLLMValidationError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got {priority!r}.",
                                       parameter="priority", value=priority)
         text, ids = self.tokenize(prompt)
-        max_len = self.config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"The prompt ({len(ids)} tokens) is too long: the maximum model length is "
-                             f"{max_len} tokens, including at least one generated token.")
+        self.check_prompt_length(len(ids))
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary (size {self.vocab_size}).")

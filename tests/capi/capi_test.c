@@ -514,6 +514,32 @@ static void case_bad_args(int argc, char** argv) {
   EXPECT_ST(p_vllm_chat_stream(e, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
                                   "\"top_p\":Infinity}", rec_cb, NULL),
             VLLM_ERR_INVALID_ARGUMENT);
+  /* a 4 MiB prompt, as text and as a chat: refused by the engine's character bound before
+   * it is tokenized (issue 16 kind 2), with the message the Python API gives */
+  {
+    const size_t huge = (size_t)4 << 20;
+    const char* pre = "{\"messages\":[{\"role\":\"user\",\"content\":\"";
+    const char* post = "\"}]}";
+    char* chat = malloc(strlen(pre) + huge + strlen(post) + 1);
+    CHECK(chat != NULL, "malloc");
+    if (chat) {
+      char* text = chat + strlen(pre);
+      for (size_t i = 0; i < huge; i++) text[i] = (i % 4 == 3) ? ' ' : "fox"[i % 4];
+      text[huge] = '\0';
+      sp = greedy(4);
+      double t0 = now_s();
+      EXPECT_ST(p_vllm_complete(e, text, &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+      printf("HUGE_SECONDS %.3f\n", now_s() - t0);
+      print_escaped("HUGE_MESSAGE", p_vllm_last_error());
+      memcpy(chat, pre, strlen(pre));
+      memcpy(text + huge, post, strlen(post) + 1);
+      t0 = now_s();
+      EXPECT_ST(p_vllm_chat(e, chat, &js), VLLM_ERR_INVALID_ARGUMENT);
+      printf("CHAT_HUGE_SECONDS %.3f\n", now_s() - t0);
+      print_escaped("CHAT_HUGE_MESSAGE", p_vllm_last_error());
+      free(chat);
+    }
+  }
   /* every uint64_t seed is valid (read as the int64 with the same bits) */
   sp = greedy(4);
   sp.temperature = 1.0f;

@@ -278,6 +278,18 @@ def test_bad_arguments_return_status_and_message(capi_test_bin, capi_lib, llama_
         SamplingParams(temperature=float("nan"))
     assert _unescape(re.search(r"^NAN_MESSAGE (.*)$", out, re.M).group(1)) == str(ei.value)
     assert _unescape(re.search(r"^CHAT_NAN_MESSAGE (.*)$", out, re.M).group(1)) == str(ei.value)
+    # a 4 MiB prompt: the engine's character bound, before tokenizing (issue 16 kind 2); the
+    # Python API's message, at once (tokenizing it took seconds)
+    from pyengine import EngineArgs
+    from pyengine.engine.async_llm import load_tokenizer
+    from pyengine.engine.processor import Processor
+    cfg = EngineArgs(model=str(llama_dir)).create_engine_config()
+    with pytest.raises(ValueError) as ei:
+        Processor(cfg, load_tokenizer(cfg)).check_prompt_text("fox " * (1 << 20))
+    assert _unescape(re.search(r"^HUGE_MESSAGE (.*)$", out, re.M).group(1)) == str(ei.value)
+    chat = _unescape(re.search(r"^CHAT_HUGE_MESSAGE (.*)$", out, re.M).group(1))
+    assert "characters" in chat and f"{cfg.max_model_len} tokens" in chat
+    assert _kv(out, "HUGE_SECONDS") < 2 and _kv(out, "CHAT_HUGE_SECONDS") < 2
 
 
 def test_chat_matches_python_api_with_template(capi_test_bin, capi_lib, llama_dir, reference):

@@ -1,22 +1,30 @@
-"""capi.chat: OpenAI chat request -> prompt ids + SamplingParams (no engine needed)."""
+"""capi.chat: OpenAI chat request -> prompt ids + SamplingParams (the engine's Processor,
+no engine)."""
 import json
 
 import pytest
 
 from capi.chat import ChatRequestError, parse_chat_request
-from pyengine import RequestOutputKind, SamplingParams
+from pyengine import EngineArgs, RequestOutputKind, SamplingParams, VLLMValidationError
+from pyengine.engine.processor import Processor
 
 
-def _parse(body, tokenizer):
-    return parse_chat_request(json.dumps(body), tokenizer, SamplingParams, RequestOutputKind.DELTA)
+@pytest.fixture(scope="module")
+def processor(llama_dir, tokenizer):
+    return Processor(EngineArgs(model=str(llama_dir), device="cpu", max_model_len=256).create_engine_config(),
+                     tokenizer)
 
 
-def test_template_and_params(tokenizer):
+def _parse(body, processor):
+    return parse_chat_request(json.dumps(body), processor, SamplingParams, RequestOutputKind.DELTA)
+
+
+def test_template_and_params(processor, tokenizer):
     msgs = [{"role": "system", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
     ids, sp, prio, flags = _parse({"messages": msgs, "max_completion_tokens": 7, "temperature": 0.5,
                                    "stop": "x", "seed": 3, "priority": -2,
-                                   "stream_options": {"include_usage": True}}, tokenizer)
+                                   "stream_options": {"include_usage": True}}, processor)
     flat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     text = tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
     assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -34,9 +42,9 @@ def test_template_and_params(tokenizer):
     ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"messages": []}}, "messages"),
     ({"messages": [{"role": "user", "content": "a"}], "priority": "high"}, "priority"),
 ])
-def test_refusals(tokenizer, body, needle):
+def test_refusals(processor, body, needle):
     with pytest.raises(ChatRequestError, match=needle):
-        _parse(body, tokenizer)
+        _parse(body, processor)
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -46,14 +54,28 @@ def test_refusals(tokenizer, body, needle):
     ('"seed": 18446744073709551616', "seed must be an integer in [-9223372036854775808, 9223372036854775807]"),
     ('"max_tokens": 1e400', "max_tokens must be an integer"),
 ])
-def test_engine_range_errors_pass_unchanged(tokenizer, raw, message):
+def test_engine_range_errors_pass_unchanged(processor, raw, message):
     # JSON's NaN / Infinity literals and integers past 64 bits: the engine's own message
     body = '{"messages": [{"role": "user", "content": "a"}], ' + raw + "}"
     with pytest.raises(ValueError) as ei:
-        parse_chat_request(body, tokenizer, SamplingParams, RequestOutputKind.DELTA)
+        parse_chat_request(body, processor, SamplingParams, RequestOutputKind.DELTA)
     assert str(ei.value).startswith(message)
 
 
-def test_not_json(tokenizer):
+def test_not_json(processor):
     with pytest.raises(ChatRequestError, match="JSON"):
-        parse_chat_request("{nope", tokenizer, SamplingParams, RequestOutputKind.DELTA)
+        parse_chat_request("{nope", processor, SamplingParams, RequestOutputKind.DELTA)
+
+
+def test_huge_chat_refused_before_it_is_tokenized(processor, monkeypatch):
+    # issue 16 kind 2: the engine's cheap character bound, on the rendered chat
+    encoded = []
+    encode = processor.encode
+    monkeypatch.setattr(processor, "encode", lambda text, *a, **k: encoded.append(len(text)) or encode(text, *a, **k))
+    with pytest.raises(VLLMValidationError) as ei:
+        _parse({"messages": [{"role": "user", "content": "fox " * (1 << 20)}]}, processor)
+    assert ei.value.parameter == "messages" and not encoded
+    assert "characters" in str(ei.value) and "256 tokens" in str(ei.value)
+    # within the bound: tokenized (the token count is checked when the ids are submitted)
+    ids, _, _, _ = _parse({"messages": [{"role": "user", "content": "fox " * 300}]}, processor)
+    assert encoded and len(ids) > 256

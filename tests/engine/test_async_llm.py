@@ -92,6 +92,10 @@ def test_duplicate_and_bad_requests_rejected(llama_dir, prompts):
             engine.add_request("a", prompts[1])
         with pytest.raises(ValueError, match="empty"):
             engine.add_request("b", "")
+        t0 = time.monotonic()  # issue 16: refused by the character bound, not after tokenizing
+        with pytest.raises(ValueError, match="it has 4194304 characters"):
+            engine.add_request("b", "fox " * (1 << 20))
+        assert time.monotonic() - t0 < 2.0
         assert drain(c)[-1].outputs[0].finish_reason == "length"
         wait_idle(engine)
     finally:

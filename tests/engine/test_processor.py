@@ -103,7 +103,7 @@ def test_text_encoding_outside_the_model_vocabulary_is_refused(llama_dir, tokeni
 
 @pytest.mark.parametrize("prompt, params, priority, match", [
     ("", None, 0, "empty"),
-    ([5] * 64, None, 0, "too long"),
+    ([5] * 64, None, 0, "maximum context length is 64 tokens. However, your prompt has 64 tokens"),
     ([-1], None, 0, "vocabulary"),
     ([True], None, 0, "integers"),
     ({"text": "x"}, None, 0, "prompt_token_ids"),
@@ -116,3 +116,145 @@ def test_text_encoding_outside_the_model_vocabulary_is_refused(llama_dir, tokeni
 def test_rejections(processor, prompt, params, priority, match):
     with pytest.raises(ValueError, match=match):
         processor.process("h", prompt, params, priority)
+
+
+# --- the cheap prompt bound (issue 16 kind 2): characters against max_model_len ---
+
+def _bpe_tokenizer(normalizer=None, pre_tokenizer="byte_level", byte_fallback=False, unk_token=None,
+                   fuse_unk=False, added=(), corpus=None):
+    """A small BPE tokenizer trained here on a few lines, wrapped as transformers does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=unk_token, fuse_unk=fuse_unk, byte_fallback=byte_fallback))
+    alphabet = []
+    if pre_tokenizer == "byte_level":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    elif pre_tokenizer is not None:
+        tok.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    special = [unk_token] if unk_token else []
+    if byte_fallback:
+        special += [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet, special_tokens=special,
+                                  show_progress=False)
+    lines = corpus or ["def main(): return self.value  # the quick brown fox",
+                       "for i in range(10): print(i, '=' * 40)", "     indented     spaces     ",
+                       "naïve café résumé Ωμέγα"] * 20
+    tok.train_from_iterator(lines, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    if added:
+        fast.add_special_tokens({"additional_special_tokens": list(added)})
+    return fast
+
+
+def _adversarial_texts(tok) -> list[str]:
+    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    longest = tok.convert_tokens_to_string([max(vocab, key=len)])
+    import random
+    rnd = random.Random(0)
+    noise = "".join(chr(rnd.choice([rnd.randrange(32, 127), rnd.randrange(0x80, 0x3000)])) for _ in range(3000))
+    return [longest * 200, " " * 4000, "\n" * 3000, "=" * 4000, "e\u0301" * 1500,
+            "\u0391\u0314\u0342\u0345" * 800,  # NFC: 4 code points -> U+1F8F
+            "\u1100\u1161\u11a8" * 1000,  # NFC: Hangul jamo L V T -> one syllable
+            "\U0001F600" * 800, noise, "the quick brown fox " * 300]
+
+
+def _bounded_tokenizers():
+    from tokenizers import normalizers
+    return {
+        "byte_level": _bpe_tokenizer(),
+        # trained on composed characters: its tokens cover many, each 4 (or 3) code points of input
+        "byte_level_nfc": _bpe_tokenizer(normalizer=normalizers.NFC(),
+                                         corpus=["\u1f8f" * 64, "\uac01" * 64, "x y"] * 20),
+        "metaspace_byte_fallback": _bpe_tokenizer(
+            normalizer=normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]),
+            pre_tokenizer=None, byte_fallback=True, unk_token="<unk>", fuse_unk=True),
+        "unk_per_char": _bpe_tokenizer(pre_tokenizer=None, unk_token="<unk>", fuse_unk=False),
+    }
+
+
+def test_max_chars_per_token_bounds_every_encoding(tokenizer, scripted_tokenizer):
+    from pyengine.engine.processor import max_chars_per_token
+
+    toks = dict(_bounded_tokenizers(), fixture=tokenizer, scripted=scripted_tokenizer)
+    for name, tok in toks.items():
+        bound = max_chars_per_token(tok)
+        assert bound is not None, name
+        for text in _adversarial_texts(tok):
+            ids = tok(text, add_special_tokens=False).input_ids
+            # C characters need at least C / bound tokens: the bound never refuses a prompt that fits
+            assert len(ids) * bound >= len(text), (name, text[:20], len(ids), bound)
+
+
+def test_no_character_bound_where_characters_may_vanish():
+    from tokenizers import normalizers, pre_tokenizers
+
+    from pyengine.engine.processor import max_chars_per_token
+
+    unbounded = {
+        "whitespace_split": _bpe_tokenizer(pre_tokenizer=pre_tokenizers.WhitespaceSplit()),
+        "strip_accents": _bpe_tokenizer(normalizer=normalizers.Sequence([normalizers.NFD(), normalizers.StripAccents()])),
+        "fused_unknown": _bpe_tokenizer(pre_tokenizer=None, unk_token="<unk>", fuse_unk=True),
+        "no_unknown_token": _bpe_tokenizer(pre_tokenizer=None),
+    }
+    for name, tok in unbounded.items():
+        assert max_chars_per_token(tok) is None, name
+    # and where one did vanish, the bound would have been wrong: many characters, few tokens
+    tok = unbounded["whitespace_split"]
+    assert len(tok(" " * 4000 + "fox").input_ids) < 4000 / 100
+    lstrip = _bpe_tokenizer()
+    from tokenizers import AddedToken
+    lstrip.add_special_tokens({"additional_special_tokens": [AddedToken("<|x|>", lstrip=True)]})
+    assert max_chars_per_token(lstrip) is None
+
+
+def test_text_prompt_over_the_character_bound_refused_before_tokenizing(llama_dir, tokenizer, monkeypatch):
+    import time
+
+    from pyengine import VLLMValidationError
+    from pyengine.engine.processor import max_chars_per_token
+
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=64).create_engine_config()
+    proc = Processor(cfg, tokenizer)
+    assert proc.max_prompt_chars == int(63 * max_chars_per_token(tokenizer))
+    calls = []
+    encode = proc.encode
+    monkeypatch.setattr(proc, "encode", lambda text, *a, **k: calls.append(len(text)) or encode(text, *a, **k))
+    huge = "x" * (4 << 20)
+    t0 = time.perf_counter()
+    with pytest.raises(VLLMValidationError) as ei:
+        proc.process("big", huge, SamplingParams())
+    assert time.perf_counter() - t0 < 0.5 and not calls
+    assert ei.value.parameter == "prompt" and ei.value.value == len(huge)
+    assert f"it has {len(huge)} characters" in str(ei.value) and "64 tokens" in str(ei.value)
+    # at the bound: tokenized as usual, and the token count decides
+    with pytest.raises(ValueError, match=r"However, your prompt has \d+ tokens"):
+        proc.process("edge", "x" * proc.max_prompt_chars, SamplingParams())
+    assert calls == [proc.max_prompt_chars]
+    proc.process("fits", "x y", SamplingParams())
+
+
+def test_encode_matches_the_tokenizer(llama_dir, tokenizer, scripted_tokenizer):
+    # Processor.encode calls the Rust tokenizer directly (GIL released); the ids must be
+    # transformers' own, special tokens (a BOS template, added tokens in the text) included
+    from tokenizers import processors
+
+    with_bos = _bpe_tokenizer(added=["<|im_start|>", "<|im_end|>"])
+    with_bos.add_special_tokens({"bos_token": "<s>"})
+    bos = with_bos.convert_tokens_to_ids("<s>")
+    with_bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    split_special = _bpe_tokenizer(added=["<|im_start|>"])
+    split_special.split_special_tokens = True  # the slow path: transformers decides
+    texts = ["def f(x): return x", "<|im_start|>user\nhi<|im_end|>\n", "  naïve  \n\n", "\U0001F600 ok"]
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=64).create_engine_config()
+    for tok in (tokenizer, scripted_tokenizer, with_bos, split_special):
+        proc = Processor(cfg, tok)
+        for text in texts:
+            for special in (True, False):
+                assert proc.encode(text, special) == tok(text, add_special_tokens=special).input_ids, (text, special)
+    assert Processor(cfg, with_bos).encode("x")[0] == bos

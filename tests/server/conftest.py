@@ -18,6 +18,20 @@ def make_engine(model_dir, multiprocess=None, **kw):
     return AsyncLLM.from_engine_args(EngineArgs(**args), multiprocess)
 
 
+def slow_steps(engine, delay: float) -> None:
+    """Make every model step of an in-process engine (``multiprocess=False``) take at least
+    ``delay`` seconds more: a steady token rate, and long streams surely in flight."""
+    import time
+
+    runner = engine.engine_core.engine_core.model_runner
+    orig = runner.execute_model
+
+    def slow(*a, **k):
+        time.sleep(delay)
+        return orig(*a, **k)
+    runner.execute_model = slow
+
+
 @pytest.fixture(scope="session")
 def engine(llama_dir):
     eng = make_engine(llama_dir)

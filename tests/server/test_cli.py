@@ -27,7 +27,8 @@ def test_help_lists_vllm_flags():
                  "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
                  "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy",
                  "--no-async-scheduling", "--api-key", "--dtype", "--device", "--max-concurrent-streams",
-                 "--tensor-parallel-size", "--shutdown-timeout", "--long-prefill-token-threshold"):
+                 "--tensor-parallel-size", "--shutdown-timeout", "--long-prefill-token-threshold",
+                 "--timeout-keep-alive", "--request-read-timeout", "--max-request-body-bytes"):
         assert flag in out.stdout, flag
 
 
@@ -39,6 +40,31 @@ def test_flags_reach_the_engine_args():
     for bad in (["--shutdown-timeout", "-1"], ["--shutdown-timeout", "nan"]):
         with pytest.raises(SystemExit):
             parse_args(["m", *bad])
+
+
+def test_connection_limit_flags(monkeypatch):
+    # issue 16 kind 1: the timeouts and the request cap, with uvicorn's/vLLM's names and defaults
+    from server.cli import parse_args
+    from server.wsgi import ConnectionLimits
+
+    for v in ("VENGINE_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+        monkeypatch.delenv(v, raising=False)
+    args = parse_args(["m"])
+    assert (args.timeout_keep_alive, args.request_read_timeout, args.max_concurrent_streams) == (5.0, 60.0, 1024)
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "7")  # vLLM's variable, as an alias
+    assert parse_args(["m"]).timeout_keep_alive == 7.0
+    monkeypatch.setenv("VENGINE_HTTP_TIMEOUT_KEEP_ALIVE", "9.5")
+    assert parse_args(["m"]).timeout_keep_alive == 9.5
+    args = parse_args(["m", "--timeout-keep-alive", "2", "--request-read-timeout", "3", "--max-concurrent-streams", "4"])
+    assert ConnectionLimits.from_args(args) == ConnectionLimits(max_concurrent_streams=4, timeout_keep_alive=2.0,
+                                                                request_read_timeout=3.0)
+    for bad in (["--timeout-keep-alive", "0"], ["--timeout-keep-alive", "nan"], ["--request-read-timeout", "-1"],
+                ["--request-read-timeout", "inf"], ["--max-concurrent-streams", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(["m", *bad])
+    monkeypatch.setenv("VENGINE_HTTP_TIMEOUT_KEEP_ALIVE", "soon")
+    with pytest.raises(SystemExit):
+        parse_args(["m"])
 
 
 @pytest.mark.parametrize("tp", [1, 2])
