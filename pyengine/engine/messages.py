@@ -10,12 +10,27 @@ tenth of the generic form for a batch of 256 (see docs/benchmarks.md)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import cbor2
 
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended (vLLM's ``FinishReason``). A ``str`` whose value is the
+    OpenAI-facing string, so it compares equal to, hashes like, JSON-encodes as and crosses
+    the cbor2 codec as ``"stop"`` / ``"length"`` / ``"abort"`` / ``"error"``.
+
+    STOP: EOS, a stop token id or a stop string; LENGTH: ``max_tokens`` or
+    ``max_model_len`` reached; ABORT: aborted (by the caller, a disconnect, a shutdown);
+    ERROR: this request failed inside the engine (the others went on)."""
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
 
 
 @dataclass
@@ -46,10 +61,10 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: Optional[list[LogprobsEntry]] = None
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
-    error: Optional[str] = None  # with finish_reason "error": what failed, for the front ends
+    error: Optional[str] = None  # with FinishReason.ERROR: what failed, for the front ends
 
     @property
     def finished(self) -> bool:
@@ -184,7 +199,8 @@ def _decode_outputs(obj: list) -> EngineCoreOutputs:
     outs = [EngineCoreOutput(r, t) for r, t in zip(rids, toks)]
     for i, lps, finish, stop, cached, error in rare:
         o = outs[i]
-        o.new_logprobs, o.finish_reason, o.stop_reason, o.num_cached_tokens = _from_plain(lps), finish, stop, cached
+        o.new_logprobs, o.stop_reason, o.num_cached_tokens = _from_plain(lps), stop, cached
+        o.finish_reason = None if finish is None else FinishReason(finish)
         o.error = error
     return EngineCoreOutputs(outs, None if stats is None else SchedulerStats(*stats), timestamp)
 

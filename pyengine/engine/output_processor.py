@@ -7,13 +7,13 @@ import threading
 from typing import Any, Optional
 
 from pyengine.engine.detokenizer import decode_logprob_token, decode_output, make_incremental_detokenizer
-from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest
-from pyengine.exceptions import EngineDeadError  # noqa: F401 - re-exported for old imports
+from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
 # Module aliases: enum member access is slow on Python 3.11 and these run per request per step.
 _CUMULATIVE, _DELTA, _FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+_STOP, _ABORT = FinishReason.STOP, FinishReason.ABORT
 
 
 class RequestOutputCollector:
@@ -153,7 +153,7 @@ class _Child:
         self.want_logprobs = params.logprobs is not None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.want_logprobs else None
         self.cumulative_logprob: Optional[float] = 0.0 if self.want_logprobs else None
-        self.finish_reason: Optional[str] = None
+        self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int | str] = None
         self.error: Optional[str] = None
         self.sent_tokens = 0
@@ -282,7 +282,7 @@ class OutputProcessor:
             for child in changed:
                 core_ids.append(child.core_id)
                 del self.children[child.core_id]
-                child.finish_reason = "abort"
+                child.finish_reason = _ABORT
                 if child.deferred:
                     child.finish_deferred(False)
                 parent.child_finished()
@@ -313,9 +313,9 @@ class OutputProcessor:
                 for entry in eco.new_logprobs:
                     child.logprobs.append(self._logprob_dict(entry))
                     child.cumulative_logprob += entry.logprobs[0]
-            stop_str = child.detok.update(eco.new_token_ids, eco.finish_reason == "stop")
-            if stop_str is not None and eco.finish_reason != "abort":
-                child.finish_reason, child.stop_reason = "stop", stop_str
+            stop_str = child.detok.update(eco.new_token_ids, eco.finish_reason == _STOP)
+            if stop_str is not None and eco.finish_reason != _ABORT:
+                child.finish_reason, child.stop_reason = _STOP, stop_str
                 if not eco.finished:
                     to_abort.append(eco.request_id)
             elif eco.finished:
@@ -323,7 +323,7 @@ class OutputProcessor:
                 child.error = eco.error
             if child.finish_reason is not None:
                 if child.deferred:
-                    child.finish_deferred(eco.finish_reason == "stop")
+                    child.finish_deferred(eco.finish_reason == _STOP)
                 del self.children[eco.request_id]
                 parent.child_finished()
                 if parent.finished:

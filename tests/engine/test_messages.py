@@ -3,7 +3,7 @@ import cbor2
 import pytest
 
 from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs,
-                                      EngineCoreRequest, EngineDeadMessage, LogprobsEntry,
+                                      EngineCoreRequest, EngineDeadMessage, FinishReason, LogprobsEntry,
                                       SchedulerStats, decode, encode)
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -70,6 +70,10 @@ def test_outputs_roundtrip_with_logprobs_and_stats():
     out = roundtrip(outs)
     a, b, c, d, e, f = out.outputs
     assert f.finish_reason == "error" and f.error == "OverflowError: injected" and a.error is None
+    # the codec carries the value; the far side gets the enum back
+    assert [o.finish_reason for o in out.outputs] == [None, FinishReason.STOP, FinishReason.STOP,
+                                                      FinishReason.STOP, FinishReason.ABORT, FinishReason.ERROR]
+    assert all(type(o.finish_reason) is FinishReason for o in out.outputs[1:])
     assert isinstance(a.new_logprobs[0], LogprobsEntry)
     assert a.new_logprobs[0].token_ids == [11, 12, 13]
     assert a.new_logprobs[0].logprobs == [-0.1, -2.5, -3.0]
@@ -101,3 +105,15 @@ def test_unknown_nested_type_raises_value_error():
                         "scheduler_stats": None, "timestamp": 0.0})
     with pytest.raises(ValueError):
         decode(data)
+
+
+def test_finish_reason_is_the_openai_string():
+    """FinishReason members are the OpenAI strings: equal, same hash, same JSON."""
+    import json
+
+    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "error"]
+    for r in FinishReason:
+        assert r == r.value and str(r) == r.value and hash(r) == hash(r.value)
+        assert json.dumps({"finish_reason": r}) == json.dumps({"finish_reason": r.value})
+        assert {r.value: 1}[r] == 1
+    assert FinishReason("length") is FinishReason.LENGTH

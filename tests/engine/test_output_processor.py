@@ -7,8 +7,8 @@ import time
 import pytest
 
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
-from pyengine.engine.output_processor import (EngineDeadError, OutputProcessor,
-                                              RequestOutputCollector)
+from pyengine.engine.output_processor import OutputProcessor, RequestOutputCollector
+from pyengine.exceptions import EngineDeadError
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 

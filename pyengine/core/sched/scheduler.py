@@ -15,14 +15,15 @@ from typing import Iterable, Optional
 from pyengine.config import EngineConfig
 from pyengine.core.kv_cache_manager import KVCacheManager, cdiv
 from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
-from pyengine.core.sched.request_queue import create_request_queue
-from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pyengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 from pyengine.request import Request, RequestStatus
 
 logger = logging.getLogger("pyengine")
 
 # Module aliases: enum member access is slow on Python 3.11 and these sit in per-request loops.
 _RUNNING = RequestStatus.RUNNING
+_PRIORITY = SchedulingPolicy.PRIORITY
 # _try_admit's answers when a waiting request is not admitted.
 _NO_BUDGET, _NO_ROOM = -1, 0
 # How many steps ahead a re-admitted request's reserve looks (see _readmission_reserve):
@@ -39,7 +40,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
-        self.policy = config.scheduling_policy
+        self.policy = SchedulingPolicy.parse(config.scheduling_policy)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -60,7 +61,7 @@ class Scheduler:
         self.requests[request.request_id] = request
 
     def fail_request(self, request_id: str, error: BaseException) -> None:
-        """vLLM's per-request error path: end this one request with finish_reason "error"
+        """vLLM's per-request error path: end this one request with FinishReason.ERROR
         wherever it is (waiting, running, half-admitted), free its KV blocks, and report
         it with the next outputs. The other requests are untouched. Never raises."""
         logger.error("Request %s failed inside the engine core; only it is ended", request_id,
@@ -79,7 +80,7 @@ class Scheduler:
                 self.requests.pop(request_id, None)
                 self.finished_req_ids.add(request_id)
         self._pending_outputs.append(EngineCoreOutput(
-            request_id, [], finish_reason="error", error=f"{type(error).__name__}: {error}"))
+            request_id, [], finish_reason=FinishReason.ERROR, error=f"{type(error).__name__}: {error}"))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
@@ -132,7 +133,7 @@ class Scheduler:
         return True
 
     def _pick_victim(self) -> Request:
-        if self.policy == "priority":
+        if self.policy is _PRIORITY:
             # Largest (priority, arrival_time), ties by request id exactly as the waiting queue
             # orders them (Request.__lt__): the n > 1 children of one request tie on both,
             # and breaking the tie the other way round made them preempt each other forever.
@@ -193,7 +194,7 @@ class Scheduler:
         own_target = min(req.num_tokens + steps, self._final_len(req))
         need = max(cdiv(own_target, bs) - cdiv(num_tokens_admitted, bs), 0)
         for r in self.running:
-            if self.policy == "priority" and not r < req:
+            if self.policy is _PRIORITY and not r < req:
                 continue  # less urgent than req: preempted before it
             target = min(r.num_tokens + r.num_output_placeholders + steps, self._final_len(r))
             need += max(cdiv(target, bs) - kv.num_blocks(r.request_id), 0)
@@ -204,7 +205,7 @@ class Scheduler:
         ``req`` can be admitted: the least urgent one, if ``req`` is strictly more urgent
         (lower priority value) and preempting every strictly less urgent running request
         would free enough seats and KV blocks. None otherwise."""
-        if self.policy != "priority" or not self.running:
+        if self.policy is not _PRIORITY or not self.running:
             return None
         victim = max(self.running)
         if victim.priority <= req.priority:
