@@ -26,7 +26,7 @@ from .bridge import ClientDisconnected, GeventBridge, RequestGroup, ServerShutti
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
-logger = logging.getLogger("vengine.server")
+logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 DEFAULT_MAX_BODY_BYTES = 16 << 20

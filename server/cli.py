@@ -16,7 +16,7 @@ from pyengine import envs
 from .app import DEFAULT_MAX_BODY_BYTES
 from .wsgi import DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_SHUTDOWN_TIMEOUT
 
-logger = logging.getLogger("vengine.server")
+logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from gevent.pywsgi import WSGIHandler, WSGIServer
 
 from .app import SOCKET_ENVIRON_KEY
 
-logger = logging.getLogger("vengine.server")
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONCURRENT_STREAMS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 0.0  # vLLM's default: requests in flight are cut at once

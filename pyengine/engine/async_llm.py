@@ -29,7 +29,7 @@ from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 
 _TOKENIZER_PROBE = "Hello, world! 123"

@@ -21,7 +21,7 @@ from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutputs, Engine
 from pyengine.executor import Executor
 from pyengine.request import Request, RequestStatus
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:

@@ -19,7 +19,7 @@ from pyengine.core.sched.request_queue import SchedulingPolicy, create_request_q
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 from pyengine.request import Request, RequestStatus
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 # Module aliases: enum member access is slow on Python 3.11 and these sit in per-request loops.
 _RUNNING = RequestStatus.RUNNING
