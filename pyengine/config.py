@@ -78,6 +78,8 @@ class EngineArgs:
     # its first token and its end go at once (vLLM's --stream-interval).
     stream_interval: int = 1
     tensor_parallel_size: int = 1  # ranks (one process and, on CUDA, one GPU each)
+    # No periodic stats log line (vLLM's --disable-log-stats); LLM(...) sets it unless given.
+    disable_log_stats: bool = False
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -110,6 +112,7 @@ class EngineConfig:
     stream_interval: int = 1
     tensor_parallel_size: int = 1
     long_prefill_token_threshold: int = 0  # tokens; 0: no cap
+    disable_log_stats: bool = False
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -201,7 +204,8 @@ class EngineConfig:
             scheduling_policy=policy, seed=a.seed, async_scheduling=async_sched,
             enforce_eager=a.enforce_eager or device.type != "cuda", attention_backend=backend,
             load_format=a.load_format, stream_interval=a.stream_interval,
-            tensor_parallel_size=a.tensor_parallel_size, long_prefill_token_threshold=thr)
+            tensor_parallel_size=a.tensor_parallel_size, long_prefill_token_threshold=thr,
+            disable_log_stats=bool(a.disable_log_stats))
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -15,6 +15,7 @@ Read from Python (the accessors below; each reads the environment when called):
 | ``VENGINE_TRITON_OPS_ON_CPU`` | 0 | 1 (with ``TRITON_INTERPRET=1``): run the triton ops through triton's CPU interpreter (tests) |
 | ``VENGINE_API_KEY`` (alias ``VLLM_API_KEY``) | — | ``vengine serve``'s ``--api-key`` when the flag is absent |
 | ``VENGINE_SERVER_DEV_MODE`` (alias ``VLLM_SERVER_DEV_MODE``) | 0 | 1 enables development endpoints (``POST /reset_prefix_cache``) |
+| ``VENGINE_LOG_STATS_INTERVAL`` (alias ``VLLM_LOG_STATS_INTERVAL``) | 10 | seconds between two engine stats log lines (throughput, queue, KV use) |
 
 Read by the C library (``capi/vengine_capi.c``, docs/capi.md): ``VENGINE_PYTHON`` (the
 interpreter to embed), ``VENGINE_PYTHONPATH``, ``VENGINE_DELIVERY_THREADS``,
@@ -84,3 +85,18 @@ def api_key() -> Optional[str]:
 
 def server_dev_mode() -> bool:
     return _flag("VENGINE_SERVER_DEV_MODE", False, ("VLLM_SERVER_DEV_MODE",))
+
+
+def log_stats_interval() -> float:
+    """``VENGINE_LOG_STATS_INTERVAL`` in seconds (default 10, as vLLM's
+    ``VLLM_LOG_STATS_INTERVAL``); ValueError naming it unless a positive number."""
+    v = _raw("VENGINE_LOG_STATS_INTERVAL", ("VLLM_LOG_STATS_INTERVAL",))
+    if v is None:
+        return 10.0
+    try:
+        seconds = float(v)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"VENGINE_LOG_STATS_INTERVAL={v!r}: use a positive number of seconds.")
+    return seconds

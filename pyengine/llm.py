@@ -15,6 +15,7 @@ _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
 
 class LLM:
     """``LLM(model=None, **engine_args)``: model=None loads the built-in default model.
+    No periodic stats log unless ``disable_log_stats=False`` is given (as vLLM's LLM).
 
     Raises ValueError for unknown engine arguments or bad values."""
 
@@ -22,6 +23,7 @@ class LLM:
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise ValueError(f"Unknown engine argument(s): {', '.join(unknown)}.")
+        kwargs.setdefault("disable_log_stats", True)
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
         self._counter = itertools.count()

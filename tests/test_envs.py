@@ -23,3 +23,15 @@ def test_bad_flag_values_name_the_variable(monkeypatch):
         envs.enable_multiprocessing()
     monkeypatch.setenv("VENGINE_ASYNC_SCHED", "off")
     assert not envs.async_scheduling_allowed()
+
+
+def test_log_stats_interval(monkeypatch):
+    monkeypatch.delenv("VENGINE_LOG_STATS_INTERVAL", raising=False)
+    monkeypatch.delenv("VLLM_LOG_STATS_INTERVAL", raising=False)
+    assert envs.log_stats_interval() == 10.0
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "2.5")
+    assert envs.log_stats_interval() == 2.5
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        monkeypatch.setenv("VENGINE_LOG_STATS_INTERVAL", bad)
+        with pytest.raises(ValueError, match="VENGINE_LOG_STATS_INTERVAL="):
+            envs.log_stats_interval()

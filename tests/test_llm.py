@@ -328,3 +328,18 @@ def test_scripted_model_emits_its_script(scripted_dir, scripted_tokenizer):
     assert tok.decode(e + ids[1], skip_special_tokens=True) == "ok" + EMOJI + "!"
     assert ids == hf_greedy(scripted_dir, [a, e], 8)
     assert [o.outputs[0].text for o in outs] == ["DEFGHI", EMOJI + "!"]
+
+
+def test_stats_log_line_offline_only_when_asked(llama_dir, monkeypatch, caplog):
+    """LLM logs no stats by default (as vLLM's); disable_log_stats=False turns the line on."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="pyengine")
+    monkeypatch.setenv("VENGINE_LOG_STATS_INTERVAL", "0.01")
+    llm = LLM(str(llama_dir), device="cpu", disable_log_stats=False)
+    llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert "Avg generation throughput" in caplog.text
+    configs = []
+    monkeypatch.setattr("pyengine.llm.LLMEngine", lambda config: configs.append(config))
+    LLM(str(llama_dir), device="cpu")
+    assert configs[0].disable_log_stats  # off unless asked for

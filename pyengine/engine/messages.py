@@ -73,6 +73,12 @@ class EngineCoreOutput:
 
 @dataclass
 class SchedulerStats:
+    """The scheduler's state after one engine step (mirrors vllm/v1/metrics/stats.py's
+    SchedulerStats); counters are cumulative since start-up. ``kv_cache_usage`` is a
+    fraction in [0, 1]; prefix-cache queries and hits are in tokens;
+    ``num_batched_tokens`` is the number of tokens the step that produced these outputs
+    ran through the model (0 for outputs that no model step produced: aborts, start-up,
+    utility calls)."""
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -83,6 +89,7 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_steps: int = 0
     step_host_time_s: float = 0.0  # cumulative host time spent in schedule + launch + update, seconds
+    num_batched_tokens: int = 0
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from pyengine.engine.detokenizer import decode_logprob_token, decode_output, make_incremental_detokenizer
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pyengine.metrics.stats import IterationStats
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -292,10 +293,12 @@ class OutputProcessor:
                 deliveries.append((parent.collector, out))
         return core_ids, deliveries
 
-    def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float
+    def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float,
+                        iteration_stats: Optional[IterationStats] = None
                         ) -> tuple[list[tuple[Any, RequestOutput]], list[str]]:
         """Returns ([(collector, RequestOutput)] in arrival order of outputs, core request
-        ids to abort because a stop string finished them)."""
+        ids to abort because a stop string finished them). Adds this step's token counts
+        to ``iteration_stats`` when one is given."""
         changed: list[_Parent] = []  # in order of their first output this step
         to_abort: list[str] = []
         for eco in outputs:
@@ -308,7 +311,11 @@ class OutputProcessor:
                 if m.first_token_time is None:
                     m.first_token_time = timestamp
                     parent.num_cached_tokens = eco.num_cached_tokens
+                    if iteration_stats is not None:
+                        iteration_stats.num_prompt_tokens += len(parent.prompt_token_ids) - eco.num_cached_tokens
                 m.last_token_time = timestamp
+                if iteration_stats is not None:
+                    iteration_stats.num_generation_tokens += len(eco.new_token_ids)
             if eco.new_logprobs and child.want_logprobs:
                 for entry in eco.new_logprobs:
                     child.logprobs.append(self._logprob_dict(entry))

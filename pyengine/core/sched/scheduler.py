@@ -365,7 +365,7 @@ class Scheduler:
             outputs.append(out)
         self.num_steps += 1
         self.step_host_time_s += time.perf_counter() - t0
-        return self._make_outputs(outputs)
+        return self._make_outputs(outputs, so.total_num_scheduled_tokens)
 
     def _on_token_consumed(self, req: Request) -> None:
         pass  # async scheduler: one placeholder resolved
@@ -382,17 +382,18 @@ class Scheduler:
             return True
         return False
 
-    def _make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+    def _make_outputs(self, outputs: list[EngineCoreOutput], num_batched_tokens: int = 0) -> EngineCoreOutputs:
         if self._pending_outputs:
             outputs = self._pending_outputs + outputs
             self._pending_outputs = []
-        return EngineCoreOutputs(outputs, self.make_stats(), time.monotonic())
+        return EngineCoreOutputs(outputs, self.make_stats(num_batched_tokens), time.monotonic())
 
-    def make_stats(self) -> SchedulerStats:
+    def make_stats(self, num_batched_tokens: int = 0) -> SchedulerStats:
+        """``num_batched_tokens``: the tokens of the step these stats go out with (0: none)."""
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_stats.queries, prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions, num_gpu_blocks=kv.block_pool.num_blocks - 1,
             num_free_blocks=kv.block_pool.get_num_free_blocks(), num_steps=self.num_steps,
-            step_host_time_s=self.step_host_time_s)
+            step_host_time_s=self.step_host_time_s, num_batched_tokens=num_batched_tokens)
