@@ -47,11 +47,17 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Timestamps in seconds from ``time.monotonic()``."""
+    """Timestamps in seconds from ``time.monotonic()`` (one clock for the engine core's
+    process and the front end's, on one host): arrival at the front end, first admission
+    by the scheduler (vLLM's ``first_scheduled_time``), first and last token seen by the
+    front end, end. Queue time is ``first_scheduled_time - arrival_time``; prefill time
+    ``first_token_time - first_scheduled_time``; decode time ``last_token_time -
+    first_token_time``."""
     arrival_time: float
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    first_scheduled_time: Optional[float] = None
 
 
 @dataclass(slots=True)

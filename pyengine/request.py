@@ -59,6 +59,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet admitted
+        self.first_scheduled_time: Optional[float] = None  # time.monotonic() at first admission
         self.num_output_placeholders = 0
         self.num_preemptions = 0  # also the "epoch": outputs scheduled before a preemption are dropped
         self.block_hashes: list[int] = []

@@ -160,6 +160,7 @@ class ServerState:
 
     def close(self) -> None:
         self.bridge.close()
+        self.metrics.close()
 
 
 # ---------------------------------------------------------------------------------------

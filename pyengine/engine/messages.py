@@ -65,6 +65,9 @@ class EngineCoreOutput:
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None  # with FinishReason.ERROR: what failed, for the front ends
+    # time.monotonic() when the request was first scheduled; sent with its first token
+    # (the front end's queue / prefill time metrics)
+    first_scheduled_time: Optional[float] = None
 
     @property
     def finished(self) -> bool:
@@ -139,7 +142,7 @@ class UtilityOutput:
 _TYPES = {c.__name__: c for c in (EngineCoreRequest, EngineCoreAbort, LogprobsEntry, EngineCoreOutput,
                                   SchedulerStats, EngineCoreOutputs, EngineDeadMessage, SamplingParams,
                                   EngineCoreReady, EngineCoreShutdown, UtilityRequest, UtilityOutput)}
-_OUTPUTS_FORMAT = "EngineCoreOutputs/columns-2"
+_OUTPUTS_FORMAT = "EngineCoreOutputs/columns-3"
 _STATS_FIELDS = [f.name for f in dataclasses.fields(SchedulerStats)]
 # A list of these is sent as it is: walking a prompt's token ids one by one cost ~150 us
 # per request on each side of the pipe, time the engine process spends between steps.
@@ -191,10 +194,11 @@ def _from_plain(obj: Any) -> Any:
 
 def _encode_outputs(msg: EngineCoreOutputs) -> list:
     outs = msg.outputs
-    rare = [[i, _to_plain(o.new_logprobs), o.finish_reason, o.stop_reason, o.num_cached_tokens, o.error]
+    rare = [[i, _to_plain(o.new_logprobs), o.finish_reason, o.stop_reason, o.num_cached_tokens, o.error,
+             o.first_scheduled_time]
             for i, o in enumerate(outs)
             if o.finish_reason is not None or o.num_cached_tokens or o.new_logprobs is not None
-            or o.stop_reason is not None]
+            or o.stop_reason is not None or o.first_scheduled_time is not None]
     stats = msg.scheduler_stats
     return [_OUTPUTS_FORMAT, msg.timestamp,
             None if stats is None else [getattr(stats, n) for n in _STATS_FIELDS],
@@ -204,11 +208,11 @@ def _encode_outputs(msg: EngineCoreOutputs) -> list:
 def _decode_outputs(obj: list) -> EngineCoreOutputs:
     _, timestamp, stats, rids, toks, rare = obj
     outs = [EngineCoreOutput(r, t) for r, t in zip(rids, toks)]
-    for i, lps, finish, stop, cached, error in rare:
+    for i, lps, finish, stop, cached, error, scheduled in rare:
         o = outs[i]
         o.new_logprobs, o.stop_reason, o.num_cached_tokens = _from_plain(lps), stop, cached
         o.finish_reason = None if finish is None else FinishReason(finish)
-        o.error = error
+        o.error, o.first_scheduled_time = error, scheduled
     return EngineCoreOutputs(outs, None if stats is None else SchedulerStats(*stats), timestamp)
 
 

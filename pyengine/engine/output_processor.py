@@ -229,7 +229,7 @@ class _Parent:
         m = self.metrics  # a snapshot: a reader may hold this output while the request goes on
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              RequestMetrics(m.arrival_time, m.first_token_time, m.last_token_time,
-                                            m.finished_time), self.num_cached_tokens)
+                                            m.finished_time, m.first_scheduled_time), self.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -310,6 +310,7 @@ class OutputProcessor:
                 m = parent.metrics
                 if m.first_token_time is None:
                     m.first_token_time = timestamp
+                    m.first_scheduled_time = eco.first_scheduled_time
                     parent.num_cached_tokens = eco.num_cached_tokens
                     if iteration_stats is not None:
                         iteration_stats.num_prompt_tokens += len(parent.prompt_token_ids) - eco.num_cached_tokens

@@ -166,8 +166,9 @@ class Scheduler:
                 return _NO_ROOM
         if not kv.allocate_slots(req, n, hit_blocks):
             return _NO_ROOM
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens < 0:  # first admission
             req.num_cached_tokens = num_hit
+            req.first_scheduled_time = time.monotonic()
         req.num_computed_tokens = num_hit
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -355,7 +356,8 @@ class Scheduler:
                     req.request_id, [tok], [lp] if lp is not None else None,
                     finish_reason=req.get_finished_reason() if finished else None,
                     stop_reason=req.stop_reason,
-                    num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0)
+                    num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0,
+                    first_scheduled_time=req.first_scheduled_time if first else None)
                 if finished:
                     self.running.remove(req)
                     self._free_request(req)
