@@ -684,12 +684,10 @@ def create_app(engine, args=None) -> Flask:
                 return _json_response({"success": True})
             return error_response(409, "The prefix cache cannot be reset while requests hold KV blocks.")
 
-    @app.get("/v1/models")
-    def models():
-        data = [{"id": name, "object": "model", "created": st.created, "owned_by": "vengine",
-                 "root": cfg.model_path, "parent": None, "max_model_len": cfg.max_model_len}
-                for name in cfg.served_model_names]
-        return _json_response({"object": "list", "data": data})
+    from .serving_models import register_model_routes
+    from .serving_tokenization import register_tokenization_routes
+    register_model_routes(app, st)  # GET /v1/models, /v1/models/<model>
+    register_tokenization_routes(app, st)  # POST /tokenize, /detokenize
 
     @app.post("/v1/completions")
     def completions():
