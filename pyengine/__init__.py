@@ -2,7 +2,8 @@
 import logging as _logging
 
 from pyengine.config import EngineArgs, EngineConfig
-from pyengine.engine.messages import SchedulerStats
+from pyengine.core.sched.request_queue import SchedulingPolicy
+from pyengine.engine.messages import FinishReason, SchedulerStats
 from pyengine.engine.detokenizer import prompt_text_for_echo
 from pyengine.engine.output_processor import RequestOutputCollector
 from pyengine.exceptions import EngineDeadError, VLLMValidationError
@@ -30,4 +31,4 @@ def __getattr__(name):
 
 __all__ = ["LLM", "AsyncLLM", "MPClient", "start_engine_core_process", "SamplingParams", "RequestOutputKind", "EngineArgs", "EngineConfig",
            "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineDeadError",
-           "RequestOutputCollector", "SchedulerStats", "VLLMValidationError", "prompt_text_for_echo", "__version__"]
+           "RequestOutputCollector", "SchedulerStats", "FinishReason", "SchedulingPolicy", "VLLMValidationError", "prompt_text_for_echo", "__version__"]

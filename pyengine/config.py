@@ -12,10 +12,11 @@ from typing import Optional
 import torch
 
 from pyengine import envs
+from pyengine.core.sched.request_queue import SchedulingPolicy
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -66,7 +67,7 @@ class EngineArgs:
     # vLLM's fairness knob: a prefill takes at most this many tokens per step (0: no cap),
     # so concurrent long prompts advance together and decodes keep their share.
     long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"  # a SchedulingPolicy value
     seed: int = 0
     async_scheduling: Optional[bool] = None  # None: on where compatible
     enforce_eager: bool = False
@@ -77,6 +78,8 @@ class EngineArgs:
     # its first token and its end go at once (vLLM's --stream-interval).
     stream_interval: int = 1
     tensor_parallel_size: int = 1  # ranks (one process and, on CUDA, one GPU each)
+    # No periodic stats log line (vLLM's --disable-log-stats); LLM(...) sets it unless given.
+    disable_log_stats: bool = False
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -100,7 +103,7 @@ class EngineConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     enable_chunked_prefill: bool
-    scheduling_policy: str
+    scheduling_policy: SchedulingPolicy
     seed: int
     async_scheduling: bool
     enforce_eager: bool
@@ -109,6 +112,7 @@ class EngineConfig:
     stream_interval: int = 1
     tensor_parallel_size: int = 1
     long_prefill_token_threshold: int = 0  # tokens; 0: no cap
+    disable_log_stats: bool = False
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -118,9 +122,7 @@ class EngineConfig:
         if not Path(model).is_dir() or not (Path(model) / "config.json").is_file():  # no hub downloads
             raise ValueError(f"model must be a Hugging Face model directory with a config.json; "
                              f"{model!r} is not one.")
-        if a.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"Unknown scheduling_policy {a.scheduling_policy!r}; "
-                             f"valid policies: {', '.join(SCHEDULING_POLICIES)}.")
+        policy = SchedulingPolicy.parse(a.scheduling_policy)
         if a.load_format not in ("auto", "dummy"):
             raise ValueError(f"Unknown load_format {a.load_format!r}; valid: auto, dummy.")
         if a.device not in DEVICES:
@@ -199,10 +201,11 @@ class EngineConfig:
             gpu_memory_utilization=a.gpu_memory_utilization,
             enable_prefix_caching=a.enable_prefix_caching,
             enable_chunked_prefill=a.enable_chunked_prefill,
-            scheduling_policy=a.scheduling_policy, seed=a.seed, async_scheduling=async_sched,
+            scheduling_policy=policy, seed=a.seed, async_scheduling=async_sched,
             enforce_eager=a.enforce_eager or device.type != "cuda", attention_backend=backend,
             load_format=a.load_format, stream_interval=a.stream_interval,
-            tensor_parallel_size=a.tensor_parallel_size, long_prefill_token_threshold=thr)
+            tensor_parallel_size=a.tensor_parallel_size, long_prefill_token_threshold=thr,
+            disable_log_stats=bool(a.disable_log_stats))
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -16,6 +16,7 @@ Read from Python (the accessors below; each reads the environment when called):
 | ``VENGINE_API_KEY`` (alias ``VLLM_API_KEY``) | — | ``vengine serve``'s ``--api-key`` when the flag is absent |
 | ``VENGINE_SERVER_DEV_MODE`` (alias ``VLLM_SERVER_DEV_MODE``) | 0 | 1 enables development endpoints (``POST /reset_prefix_cache``) |
 | ``VENGINE_HTTP_TIMEOUT_KEEP_ALIVE`` (alias ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) | 5 | ``vengine serve``'s ``--timeout-keep-alive`` when the flag is absent (seconds) |
+| ``VENGINE_LOG_STATS_INTERVAL`` (alias ``VLLM_LOG_STATS_INTERVAL``) | 10 | seconds between two engine stats log lines (throughput, queue, KV use) |
 
 Read by the C library (``capi/vengine_capi.c``, docs/capi.md): ``VENGINE_PYTHON`` (the
 interpreter to embed), ``VENGINE_PYTHONPATH``, ``VENGINE_DELIVERY_THREADS``,
@@ -87,11 +88,10 @@ def server_dev_mode() -> bool:
     return _flag("VENGINE_SERVER_DEV_MODE", False, ("VLLM_SERVER_DEV_MODE",))
 
 
-def http_timeout_keep_alive(default: float) -> float:
-    """``VENGINE_HTTP_TIMEOUT_KEEP_ALIVE`` (alias ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) in
-    seconds, else ``default``; ValueError naming it for a value that is not a positive
-    finite number."""
-    v = _raw("VENGINE_HTTP_TIMEOUT_KEEP_ALIVE", ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE",))
+def _seconds(name: str, aliases: tuple[str, ...], default: float) -> float:
+    """A positive, finite number of seconds, else ``default`` when unset; ValueError
+    naming the variable otherwise."""
+    v = _raw(name, aliases)
     if v is None:
         return default
     try:
@@ -99,5 +99,17 @@ def http_timeout_keep_alive(default: float) -> float:
     except ValueError:
         seconds = float("nan")
     if not 0 < seconds < float("inf"):  # also NaN
-        raise ValueError(f"VENGINE_HTTP_TIMEOUT_KEEP_ALIVE={v!r}: use a positive number of seconds.")
+        raise ValueError(f"{name}={v!r}: use a positive number of seconds.")
     return seconds
+
+
+def http_timeout_keep_alive(default: float) -> float:
+    """``VENGINE_HTTP_TIMEOUT_KEEP_ALIVE`` (alias ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) in
+    seconds, else ``default``."""
+    return _seconds("VENGINE_HTTP_TIMEOUT_KEEP_ALIVE", ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE",), default)
+
+
+def log_stats_interval() -> float:
+    """``VENGINE_LOG_STATS_INTERVAL`` (alias ``VLLM_LOG_STATS_INTERVAL``) in seconds,
+    default 10 as vLLM."""
+    return _seconds("VENGINE_LOG_STATS_INTERVAL", ("VLLM_LOG_STATS_INTERVAL",), 10.0)

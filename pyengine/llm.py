@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from pyengine.config import EngineArgs
 from pyengine.engine.llm_engine import LLMEngine
@@ -15,6 +15,7 @@ _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
 
 class LLM:
     """``LLM(model=None, **engine_args)``: model=None loads the built-in default model.
+    No periodic stats log unless ``disable_log_stats=False`` is given (as vLLM's LLM).
 
     Raises ValueError for unknown engine arguments or bad values."""
 
@@ -22,6 +23,7 @@ class LLM:
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise ValueError(f"Unknown engine argument(s): {', '.join(unknown)}.")
+        kwargs.setdefault("disable_log_stats", True)
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
         self._counter = itertools.count()
@@ -62,6 +64,40 @@ class LLM:
         for rid, proc in zip(ids, processed):
             engine.add_processed(rid, proc)
         return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages: Sequence, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: Optional[list[dict[str, Any]]] = None,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+        """Generate the next assistant message of one conversation (a list of
+        ``{"role", "content"}`` dicts) or of each of a list of conversations (mirrors
+        vllm/entrypoints/llm.py's ``LLM.chat``). Each is rendered with the tokenizer's chat
+        template (or ``chat_template``, a Jinja string), encoded without adding special
+        tokens (the template has them), and generated as by ``generate``: one finished
+        RequestOutput per conversation, in order (``prompt`` is None, as vLLM's;
+        ``prompt_token_ids`` is the rendered prompt). ``add_generation_prompt``,
+        ``continue_final_message``, ``tools`` and ``chat_template_kwargs`` go to the
+        template.
+
+        Raises ValueError before anything runs: no chat template (the tokenizer has none
+        and none was given: there is no fallback format), a malformed message, both
+        ``add_generation_prompt`` and ``continue_final_message``, a template error, or
+        any ``generate`` error."""
+        from pyengine.chat_utils import apply_hf_chat_template, parse_chat_messages
+
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
+            conversations = list(messages)
+        else:
+            conversations = [messages]
+        tok = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = apply_hf_chat_template(tok, parse_chat_messages(conversation), chat_template,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, tools=tools,
+                                          chat_template_kwargs=chat_template_kwargs)
+            prompts.append(tok.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pyengine.engine.messages import FinishReason
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -24,17 +26,18 @@ SampleLogprobs = list[dict[int, Logprob]]
 class CompletionOutput:
     """One of the ``n`` completions of a request.
 
-    ``finish_reason`` is None while running, else ``"stop"``, ``"length"``, ``"abort"`` or
-    ``"error"`` (this request failed inside the engine; the others went on: vLLM's
-    per-request error path); ``stop_reason`` is the stop string or stop token id that ended
-    it (None for EOS); ``error`` says what failed when ``finish_reason`` is ``"error"``.
+    ``finish_reason`` is None while running, else a ``FinishReason`` (a ``str``: ``"stop"``,
+    ``"length"``, ``"abort"`` or ``"error"``; error: this request failed inside the engine
+    and the others went on, vLLM's per-request error path); ``stop_reason`` is the stop
+    string or stop token id that ended it (None for EOS); ``error`` says what failed when
+    ``finish_reason`` is ``"error"``.
     """
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[SampleLogprobs] = None
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[int | str] = None
     error: Optional[str] = None
 
@@ -44,11 +47,17 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Timestamps in seconds from ``time.monotonic()``."""
+    """Timestamps in seconds from ``time.monotonic()`` (one clock for the engine core's
+    process and the front end's, on one host): arrival at the front end, first admission
+    by the scheduler (vLLM's ``first_scheduled_time``), first and last token seen by the
+    front end, end. Queue time is ``first_scheduled_time - arrival_time``; prefill time
+    ``first_token_time - first_scheduled_time``; decode time ``last_token_time -
+    first_token_time``."""
     arrival_time: float
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    first_scheduled_time: Optional[float] = None
 
 
 @dataclass(slots=True)

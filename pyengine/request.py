@@ -5,6 +5,7 @@ import enum
 import time
 from typing import Optional
 
+from pyengine.engine.messages import FinishReason
 from pyengine.sampling_params import SamplingParams
 
 
@@ -23,16 +24,16 @@ class RequestStatus(enum.IntEnum):
         return status >= RequestStatus.FINISHED_STOPPED
 
     @staticmethod
-    def finish_reason(status: "RequestStatus") -> Optional[str]:
+    def finish_reason(status: "RequestStatus") -> Optional[FinishReason]:
         return _FINISH_REASONS.get(status)
 
 
 # Plain ints for the hot path: enum member access is slow on Python 3.11 (descriptor lookup).
 _FINISHED_MIN = int(RequestStatus.FINISHED_STOPPED)
-_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop",
-                   RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort",
-                   RequestStatus.FINISHED_ERROR: "error"}
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+                   RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+                   RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+                   RequestStatus.FINISHED_ERROR: FinishReason.ERROR}
 
 
 class Request:
@@ -58,6 +59,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet admitted
+        self.first_scheduled_time: Optional[float] = None  # time.monotonic() at first admission
         self.num_output_placeholders = 0
         self.num_preemptions = 0  # also the "epoch": outputs scheduled before a preemption are dropped
         self.block_hashes: list[int] = []
@@ -77,7 +79,7 @@ class Request:
     def is_finished(self) -> bool:
         return self.status >= _FINISHED_MIN
 
-    def get_finished_reason(self) -> Optional[str]:
+    def get_finished_reason(self) -> Optional[FinishReason]:
         return RequestStatus.finish_reason(self.status)
 
     def __lt__(self, other: "Request") -> bool:

@@ -32,7 +32,7 @@ import threading
 import time
 from multiprocessing.connection import wait as mp_wait
 
-logger = logging.getLogger("vengine.server")
+logger = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 30.0  # after SIGTERM and each API server's drain (--shutdown-timeout), before a kill
 

@@ -26,7 +26,7 @@ from .bridge import ClientDisconnected, GeventBridge, RequestGroup, ServerShutti
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
-logger = logging.getLogger("vengine.server")
+logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -160,6 +160,7 @@ class ServerState:
 
     def close(self) -> None:
         self.bridge.close()
+        self.metrics.close()
 
 
 # ---------------------------------------------------------------------------------------
@@ -711,12 +712,10 @@ def create_app(engine, args=None) -> Flask:
                 return _json_response({"success": True})
             return error_response(409, "The prefix cache cannot be reset while requests hold KV blocks.")
 
-    @app.get("/v1/models")
-    def models():
-        data = [{"id": name, "object": "model", "created": st.created, "owned_by": "vengine",
-                 "root": cfg.model_path, "parent": None, "max_model_len": cfg.max_model_len}
-                for name in cfg.served_model_names]
-        return _json_response({"object": "list", "data": data})
+    from .serving_models import register_model_routes
+    from .serving_tokenization import register_tokenization_routes
+    register_model_routes(app, st)  # GET /v1/models, /v1/models/<model>
+    register_tokenization_routes(app, st)  # POST /tokenize, /detokenize
 
     @app.post("/v1/completions")
     def completions():

@@ -25,7 +25,9 @@ from typing import Iterator, Optional
 import gevent
 from gevent.event import Event
 
-logger = logging.getLogger("vengine.server")
+from pyengine import EngineDeadError
+
+logger = logging.getLogger(__name__)
 
 # How long a waiting handler sleeps before re-checking engine health on its own
 # (a dead engine might never call the listener again).
@@ -36,20 +38,13 @@ class ClientDisconnected(Exception):
     """The HTTP client closed its connection."""
 
 
-class EngineDead(RuntimeError):
-    """The engine died and will not produce more output (the server-side view)."""
-
-
 class ServerShuttingDown(Exception):
     """The server's shutdown drain ran out (``--shutdown-timeout``): this request was cut."""
 
 
 def is_engine_dead(exc: BaseException, engine=None) -> bool:
-    """True for pyengine's ``EngineDeadError`` (matched by name, so the server does not
-    depend on where the engine defines it), ``EngineDead``, or any error of a dead engine."""
-    if isinstance(exc, EngineDead):
-        return True
-    if any(c.__name__ == "EngineDeadError" for c in type(exc).__mro__):
+    """True for pyengine's ``EngineDeadError``, or any error once the engine died."""
+    if isinstance(exc, EngineDeadError):
         return True
     return bool(engine is not None and getattr(engine, "errored", False))
 
@@ -291,7 +286,7 @@ class RequestGroup:
 
     def _check_engine(self) -> None:
         if getattr(self.engine, "errored", False):
-            raise EngineDead(f"The engine died: {getattr(self.engine, 'dead_error', None)!r}")
+            raise EngineDeadError(f"The engine died: {getattr(self.engine, 'dead_error', None)!r}")
 
     def abort_unfinished(self) -> None:
         ids = [rid for i, rid in enumerate(self.request_ids) if i not in self._done

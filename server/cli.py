@@ -17,7 +17,7 @@ from .app import DEFAULT_MAX_BODY_BYTES
 from .wsgi import (DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_REQUEST_READ_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT,
                    DEFAULT_TIMEOUT_KEEP_ALIVE, RETRY_AFTER_S)
 
-logger = logging.getLogger("vengine.server")
+logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:

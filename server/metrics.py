@@ -1,8 +1,11 @@
-"""Prometheus metrics with vLLM's names, on a per-app ``CollectorRegistry``.
+"""Prometheus metrics with vLLM's names and buckets (vllm/v1/metrics/loggers.py), on a
+per-app ``CollectorRegistry``.
 
 Engine gauges and the prefix-cache / preemption counters are read from
-``AsyncLLM.get_stats()`` at scrape time; request histograms and token counters are
-recorded by the request handlers from ``RequestOutput.metrics`` timestamps.
+``AsyncLLM.get_stats()`` at scrape time; ``vllm:iteration_tokens_total`` from each engine
+step's ``SchedulerStats`` (a stat logger on the engine: the stats arrive as messages from
+the engine core); request histograms and token counters are recorded by the request
+handlers from ``RequestOutput.metrics`` timestamps.
 """
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-logger = logging.getLogger("vengine.server")
+from pyengine.metrics import StatLoggerBase
+
+logger = logging.getLogger(__name__)
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -20,6 +25,18 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _IterationTokensLogger(StatLoggerBase):
+    """Observes the tokens of every engine step (from the engine's SchedulerStats)."""
+
+    def __init__(self, histogram):
+        self.histogram = histogram
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        if scheduler_stats is not None and scheduler_stats.num_batched_tokens > 0:
+            self.histogram.observe(scheduler_stats.num_batched_tokens)
 
 
 class _EngineStatsCollector:
@@ -86,7 +103,29 @@ class ServerMetrics:
                                     lbl, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
         self.req_gen = Histogram("vllm:request_generation_tokens", "Number of generation tokens per request.",
                                  lbl, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        # vLLM's name for the per-token gaps (dashboards read it); the same samples as the ITL.
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                              lbl, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    lbl, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.",
+                                      lbl, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.",
+                                     lbl, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     lbl, buckets=_ITERATION_TOKEN_BUCKETS, registry=r).labels(model_name)
+        add = getattr(engine, "add_stat_logger", None)
+        self._remove_stat_logger = add(_IterationTokensLogger(iteration_tokens)) if add is not None else None
         r.register(_EngineStatsCollector(engine, model_name))
+
+    def close(self) -> None:
+        """Stop observing the engine's steps (the app is going away)."""
+        if self._remove_stat_logger is not None:
+            self._remove_stat_logger()
+            self._remove_stat_logger = None
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason or "unknown").inc()
@@ -121,13 +160,25 @@ class RequestTimer:
             gap = max(0.0, ltt - self._last_token_time) / new_tokens
             for _ in range(new_tokens):
                 self.m.itl.observe(gap)
+                self.m.tpot.observe(gap)
         if ltt is not None:
             self._last_token_time = ltt
 
     def finish(self, out) -> None:
+        """The request's e2e latency and its queue / prefill / decode phases (vLLM's
+        definitions: arrival to first scheduled, first scheduled to first token, first to
+        last token)."""
         rm = getattr(out, "metrics", None)
         if rm is None:
             return
+        m = self.m
         end = rm.finished_time or rm.last_token_time
         if end is not None:
-            self.m.e2e.observe(max(0.0, end - rm.arrival_time))
+            m.e2e.observe(max(0.0, end - rm.arrival_time))
+        scheduled, first, last = rm.first_scheduled_time, rm.first_token_time, rm.last_token_time
+        if scheduled is not None:
+            m.queue_time.observe(max(0.0, scheduled - rm.arrival_time))
+            if first is not None:
+                m.prefill_time.observe(max(0.0, first - scheduled))
+        if first is not None and last is not None:
+            m.decode_time.observe(max(0.0, last - first))

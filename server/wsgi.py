@@ -42,7 +42,7 @@ from werkzeug.exceptions import RequestTimeout
 
 from .app import SOCKET_ENVIRON_KEY, error_body
 
-logger = logging.getLogger("vengine.server")
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONCURRENT_STREAMS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 0.0  # vLLM's default: requests in flight are cut at once

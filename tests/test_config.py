@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyengine import EngineArgs
+from pyengine import EngineArgs, SchedulingPolicy
 from pyengine.config import DEFAULT_MODEL_DIR
 
 
@@ -12,6 +12,7 @@ def test_defaults(llama_dir):
     assert cfg.device.type == "cpu" and cfg.attention_backend == "torch" and cfg.enforce_eager
     assert cfg.async_scheduling and cfg.enable_prefix_caching and cfg.enable_chunked_prefill
     assert cfg.scheduling_policy == "fcfs" and cfg.block_size == 16
+    assert cfg.scheduling_policy is SchedulingPolicy.FCFS
     assert cfg.max_model_len == 1024  # max_position_embeddings of the tiny model
     assert cfg.long_prefill_token_threshold == 0
 

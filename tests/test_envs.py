@@ -35,3 +35,15 @@ def test_http_timeout_keep_alive(monkeypatch):
         monkeypatch.setenv("VENGINE_HTTP_TIMEOUT_KEEP_ALIVE", bad)
         with pytest.raises(ValueError, match=f"VENGINE_HTTP_TIMEOUT_KEEP_ALIVE='{bad}'"):
             envs.http_timeout_keep_alive(5.0)
+
+
+def test_log_stats_interval(monkeypatch):
+    monkeypatch.delenv("VENGINE_LOG_STATS_INTERVAL", raising=False)
+    monkeypatch.delenv("VLLM_LOG_STATS_INTERVAL", raising=False)
+    assert envs.log_stats_interval() == 10.0
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "2.5")
+    assert envs.log_stats_interval() == 2.5
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        monkeypatch.setenv("VENGINE_LOG_STATS_INTERVAL", bad)
+        with pytest.raises(ValueError, match="VENGINE_LOG_STATS_INTERVAL="):
+            envs.log_stats_interval()

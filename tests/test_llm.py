@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyengine import LLM, SamplingParams
+from pyengine import LLM, FinishReason, SamplingParams
 from tests.helpers import expected_text, hf_greedy, hf_logits, prompt_token_ids
 
 MAX_TOKENS = 24
@@ -329,3 +329,99 @@ def test_scripted_model_emits_its_script(scripted_dir, scripted_tokenizer):
     assert tok.decode(e + ids[1], skip_special_tokens=True) == "ok" + EMOJI + "!"
     assert ids == hf_greedy(scripted_dir, [a, e], 8)
     assert [o.outputs[0].text for o in outs] == ["DEFGHI", EMOJI + "!"]
+
+
+def test_stats_log_line_offline_only_when_asked(llama_dir, monkeypatch, caplog):
+    """LLM logs no stats by default (as vLLM's); disable_log_stats=False turns the line on."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="pyengine")
+    monkeypatch.setenv("VENGINE_LOG_STATS_INTERVAL", "0.01")
+    llm = LLM(str(llama_dir), device="cpu", disable_log_stats=False)
+    llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert "Avg generation throughput" in caplog.text
+    configs = []
+    monkeypatch.setattr("pyengine.llm.LLMEngine", lambda config: configs.append(config))
+    LLM(str(llama_dir), device="cpu")
+    assert configs[0].disable_log_stats  # off unless asked for
+
+
+# ---- LLM.chat -----------------------------------------------------------------------
+
+CHAT_SP = SamplingParams(temperature=0, max_tokens=12)
+CONVERSATIONS = [
+    [{"role": "system", "content": "You answer in code."}, {"role": "user", "content": "def f(x):"}],
+    [{"role": "user", "content": [{"type": "text", "text": "import os"}, {"type": "text", "text": "import sys"}]}],
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "More"}],
+]
+
+
+@pytest.fixture(scope="module")
+def chat_llm(llama_dir):
+    return LLM(str(llama_dir), device="cpu")
+
+
+def _by_hand(tok, conversation, **kw):
+    """The rendering LLM.chat must match: transformers' template, special tokens not added twice."""
+    text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **kw)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_chat_matches_template_by_hand_then_generate(chat_llm):
+    tok = chat_llm.get_tokenizer()
+    conv = CONVERSATIONS[0]
+    ids = _by_hand(tok, conv)
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n") and ids.count(tok.bos_token_id) <= 1
+    (out,) = chat_llm.chat(conv, CHAT_SP, use_tqdm=False)
+    (ref,) = chat_llm.generate([ids], CHAT_SP, use_tqdm=False)
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids and out.outputs[0].text == ref.outputs[0].text
+    assert isinstance(out.outputs[0].finish_reason, FinishReason) and out.outputs[0].finish_reason == "length"
+
+
+def test_chat_batch_of_conversations_in_order(chat_llm, llama_dir):
+    tok = chat_llm.get_tokenizer()
+    rendered = [_by_hand(tok, [{**m, "content": "\n".join(p["text"] for p in m["content"])}
+                               if isinstance(m["content"], list) else m for m in conv])
+                for conv in CONVERSATIONS]
+    outs = chat_llm.chat(CONVERSATIONS, CHAT_SP, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == rendered
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llama_dir, rendered, CHAT_SP.max_tokens)
+    # a list of per-conversation params pairs with the conversations, as generate's
+    outs2 = chat_llm.chat(CONVERSATIONS, [CHAT_SP.clone(max_tokens=k, ignore_eos=True) for k in (1, 2, 3)],
+                          use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs2] == [o.outputs[0].token_ids[:k] for o, k in zip(outs, (1, 2, 3))]
+
+
+def test_chat_continue_final_message_and_template_kwargs(chat_llm):
+    tok = chat_llm.get_tokenizer()
+    conv = [{"role": "user", "content": "Write a loop"}, {"role": "assistant", "content": "for i in"}]
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        chat_llm.chat(conv, CHAT_SP, use_tqdm=False, continue_final_message=True)
+    (out,) = chat_llm.chat(conv, CHAT_SP, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(out.prompt_token_ids).endswith("assistant\nfor i in")  # left open for the model
+    template = "{% for m in messages %}[{{ m['role'] }}|{{ shout }}] {{ m['content'] }}\n{% endfor %}"
+    (out,) = chat_llm.chat(conv[:1], CHAT_SP, use_tqdm=False, chat_template=template,
+                           chat_template_kwargs={"shout": "LOUD"})
+    assert out.prompt_token_ids == tok.encode("[user|LOUD] Write a loop\n", add_special_tokens=False)
+
+
+def test_chat_refused_without_a_template(chat_llm, monkeypatch):
+    tok = chat_llm.get_tokenizer()
+    monkeypatch.setattr(tok, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template"):
+        chat_llm.chat(CONVERSATIONS[0], CHAT_SP, use_tqdm=False)
+    # nothing was queued; a template passed in still works (no ChatML guessed anywhere)
+    assert not chat_llm.llm_engine.has_unfinished_requests()
+    (out,) = chat_llm.chat(CONVERSATIONS[0], CHAT_SP, use_tqdm=False,
+                           chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    assert out.prompt_token_ids == tok.encode("You answer in code.\ndef f(x):\n", add_special_tokens=False)
+
+
+def test_chat_bad_messages(chat_llm):
+    for bad, match in (([], "non-empty list"), ([{"content": "x"}], "string 'role'"),
+                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "text content parts"),
+                       ([[{"role": "user", "content": "ok"}], []], "non-empty list")):
+        with pytest.raises(ValueError, match=match):
+            chat_llm.chat(bad, CHAT_SP, use_tqdm=False)
+    assert not chat_llm.llm_engine.has_unfinished_requests()

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 NONE_HASH = 0x5EED_5EED
 

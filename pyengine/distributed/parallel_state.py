@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from pyengine import envs
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 # Largest all-reduce (bytes) sent through symmetric memory; larger ones go through NCCL.
 # A one-shot all-reduce reads every peer's whole buffer, so it wins on latency-bound sizes

@@ -25,11 +25,13 @@ from pyengine.engine.messages import EngineDeadMessage, SchedulerStats
 from pyengine.engine.output_processor import OutputProcessor, RequestOutputCollector, wake_asyncio_readers
 from pyengine.exceptions import EngineDeadError
 from pyengine.engine.processor import Processor
+from pyengine.metrics.loggers import StatLoggerBase, make_stat_logger_manager
+from pyengine.metrics.stats import IterationStats
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 
 _TOKENIZER_PROBE = "Hello, world! 123"
@@ -68,11 +70,21 @@ class AsyncLLM:
     """``multiprocess``: the engine core in its own process (True) or on a thread (False);
     None follows ``VENGINE_ENABLE_MULTIPROCESSING`` (pyengine/engine/core_client.py).
     ``client``: serve through this engine-core client instead of starting one (an API
-    server of ``vengine serve --api-server-count N`` attaches to a shared engine process)."""
+    server of ``vengine serve --api-server-count N`` attaches to a shared engine process).
+    ``log_stats``: log a stats line every ``VENGINE_LOG_STATS_INTERVAL`` seconds (logger
+    ``pyengine.metrics.loggers``, INFO; None: unless ``config.disable_log_stats``).
+    ``log_requests``: log each request received (id, prompt length, sampling params; never
+    the prompt text), at INFO on ``pyengine.engine.async_llm``. ``stat_loggers``: more
+    ``StatLoggerBase`` objects fed with every step's statistics (``add_stat_logger`` adds
+    one later)."""
 
     def __init__(self, config: EngineConfig, multiprocess: Optional[bool] = None,
-                 client: Optional[EngineCoreClient] = None):
+                 client: Optional[EngineCoreClient] = None, *, log_stats: Optional[bool] = None,
+                 log_requests: bool = False, stat_loggers: Optional[list[StatLoggerBase]] = None):
         self.config = config
+        self.log_requests = log_requests
+        self.stat_loggers = make_stat_logger_manager(
+            not config.disable_log_stats if log_stats is None else log_stats, stat_loggers)
         self._lock = threading.Lock()  # serializes OutputProcessor use across threads
         self._listeners: list[Callable[[list[str]], None]] = []
         self.dead_error: Optional[BaseException] = None
@@ -98,8 +110,10 @@ class AsyncLLM:
         atexit.register(lambda: ref() is not None and ref().shutdown())
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: Optional[bool] = None) -> "AsyncLLM":
-        return cls(engine_args.create_engine_config(), multiprocess)
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: Optional[bool] = None,
+                         log_requests: bool = False) -> "AsyncLLM":
+        """Stats are logged unless ``engine_args.disable_log_stats``."""
+        return cls(engine_args.create_engine_config(), multiprocess, log_requests=log_requests)
 
     @property
     def errored(self) -> bool:
@@ -137,6 +151,9 @@ class AsyncLLM:
         if self._shutdown:
             raise EngineDeadError("AsyncLLM was shut down.")
         text, ids, params, core_reqs = self.processor.process(request_id, prompt, sampling_params, priority)
+        if self.log_requests:
+            logger.info("Received request %s: prompt: %d tokens, priority: %d, params: %r",
+                        request_id, len(ids), priority, params)
         collector = RequestOutputCollector(request_id, params.output_kind)
         with self._lock:
             self.output_processor.add_request(request_id, text, ids, params, core_reqs, collector)
@@ -183,20 +200,32 @@ class AsyncLLM:
         """Scheduler and KV-cache figures as of the last engine step."""
         return self._stats
 
+    def add_stat_logger(self, stat_logger: StatLoggerBase) -> Callable[[], None]:
+        """Feed ``stat_logger`` every engine step's ``SchedulerStats`` and
+        ``IterationStats`` from now on (``record`` runs on the output-handler thread and
+        must not block). Returns a function that stops it."""
+        return self.stat_loggers.add(stat_logger)
+
     # ---- output handler --------------------------------------------------------------
     def _output_handler_loop(self) -> None:
+        stat_loggers = self.stat_loggers
         while True:
-            outs = self.engine_core.get_output()
+            # Wakes up for the periodic stats line even when the engine is idle.
+            outs = self.engine_core.get_output(stat_loggers.seconds_to_next_log())
             if self._shutdown:
                 return
+            if stat_loggers.loggers:
+                stat_loggers.maybe_log()
             if outs is None:
                 continue
             if isinstance(outs, EngineDeadMessage):
                 self._fail(EngineDeadError(f"Engine core died: {outs.message}"))
                 return
             try:
+                iteration_stats = IterationStats() if stat_loggers.loggers else None
                 with self._lock:
-                    deliveries, to_abort = self.output_processor.process_outputs(outs.outputs, outs.timestamp)
+                    deliveries, to_abort = self.output_processor.process_outputs(outs.outputs, outs.timestamp,
+                                                                                 iteration_stats)
                 if outs.scheduler_stats is not None:
                     self._stats = outs.scheduler_stats
                 waiters = []
@@ -209,6 +238,8 @@ class AsyncLLM:
                 if to_abort:
                     self.engine_core.abort_requests(to_abort)
                 self._notify([ro.request_id for _, ro in deliveries])
+                if iteration_stats is not None:  # after the readers were woken: off their latency
+                    stat_loggers.record(outs.scheduler_stats, iteration_stats)
             except BaseException as e:  # a bug here must not hang readers
                 logger.exception("Output handler failed")
                 self._fail(EngineDeadError(f"Output handler died: {type(e).__name__}: {e}"))

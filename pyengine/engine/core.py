@@ -21,7 +21,7 @@ from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutputs, Engine
 from pyengine.executor import Executor
 from pyengine.request import Request, RequestStatus
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -47,6 +47,7 @@ class EngineCore:
         self.batch_queue: deque = deque()
         self.batch_queue_size = 2 if config.async_scheduling else 1
         logger.info("Asynchronous scheduling is %s.", "enabled" if config.async_scheduling else "disabled")
+        _log_engine_ready(config, num_blocks - 1)  # one block is the null block
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Never raises for a bad request: any exception while adding it ends only this
@@ -117,6 +118,20 @@ class EngineCore:
             return UtilityOutput(msg.call_id, getattr(self, msg.method)(*msg.args))
         except Exception as e:  # noqa: BLE001 - reported to the caller
             return UtilityOutput(msg.call_id, None, f"{type(e).__name__}: {e}")
+
+
+def _log_engine_ready(config: EngineConfig, num_kv_blocks: int) -> None:
+    """The start-up summary users look for first: what runs where, and how many tokens the
+    KV cache holds (with vLLM's "maximum concurrency" at full-length requests)."""
+    kv_tokens = num_kv_blocks * config.block_size
+    logger.info("Engine core ready: model %s, dtype %s, device %s, tensor_parallel_size %d, max_model_len %d, "
+                "max_num_seqs %d, max_num_batched_tokens %d, scheduling %s; KV cache: %d tokens (%d blocks of %d); "
+                "maximum concurrency for %d-token requests: %.2fx.",
+                config.model, str(config.dtype).removeprefix("torch."), config.device, config.tensor_parallel_size,
+                config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+                str(config.scheduling_policy),
+                kv_tokens, num_kv_blocks, config.block_size, config.max_model_len,
+                kv_tokens / config.max_model_len)
 
 
 EngineCoreInput = Union[EngineCoreRequest, EngineCoreAbort, UtilityRequest, EngineCoreShutdown]

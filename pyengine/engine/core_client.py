@@ -47,7 +47,7 @@ from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutputs, Engine
                                       decode, encode)
 from pyengine.exceptions import EngineDeadError
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 MP_METHODS = ("forkserver", "spawn")
 # transformers config modules of the supported families (pyengine/models/registry.py).

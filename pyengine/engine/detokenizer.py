@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from pyengine.engine.messages import FinishReason
 from pyengine.sampling_params import SamplingParams
 
 __all__ = [
@@ -131,7 +132,7 @@ def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str
 
 def check_stop_token(params: SamplingParams, output_token_ids: Sequence[int],
                      eos_token_id: Optional[int] = None,
-                     max_tokens: Optional[int] = None) -> Optional[tuple[str, Optional[int]]]:
+                     max_tokens: Optional[int] = None) -> Optional[tuple[FinishReason, Optional[int]]]:
     """Finish check after a token was appended (mirrors vLLM's ``check_stop``).
 
     Args:
@@ -152,12 +153,12 @@ def check_stop_token(params: SamplingParams, output_token_ids: Sequence[int],
     if n >= params.min_tokens:
         last = output_token_ids[-1]
         if eos_token_id is not None and not params.ignore_eos and last == eos_token_id:
-            return "stop", None
+            return FinishReason.STOP, None
         if last in params.all_stop_token_ids and not (params.ignore_eos
                                                       and last == eos_token_id):
-            return "stop", last
+            return FinishReason.STOP, last
     if limit is not None and n >= limit:
-        return "length", None
+        return FinishReason.LENGTH, None
     return None
 
 

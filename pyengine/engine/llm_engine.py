@@ -10,14 +10,23 @@ from pyengine.engine.async_llm import load_tokenizer
 from pyengine.engine.core import EngineCore
 from pyengine.engine.output_processor import OutputProcessor
 from pyengine.engine.processor import Processor
+from pyengine.metrics.loggers import StatLoggerBase, make_stat_logger_manager
+from pyengine.metrics.stats import IterationStats
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    """``log_stats``: log a stats line every ``VENGINE_LOG_STATS_INTERVAL`` seconds of
+    stepping (None: unless ``config.disable_log_stats``); ``stat_loggers``: more
+    ``StatLoggerBase`` objects fed with every step's statistics."""
+
+    def __init__(self, config: EngineConfig, log_stats: Optional[bool] = None,
+                 stat_loggers: Optional[list[StatLoggerBase]] = None):
         self.config = config
+        self.stat_loggers = make_stat_logger_manager(
+            not config.disable_log_stats if log_stats is None else log_stats, stat_loggers)
         self.tokenizer = load_tokenizer(config)
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -49,9 +58,14 @@ class LLMEngine:
         outs = self._step()
         if outs is None:
             return []
-        deliveries, to_abort = self.output_processor.process_outputs(outs.outputs, outs.timestamp)
+        loggers = self.stat_loggers
+        iteration_stats = IterationStats() if loggers.loggers else None
+        deliveries, to_abort = self.output_processor.process_outputs(outs.outputs, outs.timestamp, iteration_stats)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
+        if iteration_stats is not None:
+            loggers.record(outs.scheduler_stats, iteration_stats)
+            loggers.maybe_log()
         return [ro for _, ro in deliveries]
 
     def reset_prefix_cache(self) -> bool:

@@ -10,12 +10,27 @@ tenth of the generic form for a batch of 256 (see docs/benchmarks.md)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import cbor2
 
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended (vLLM's ``FinishReason``). A ``str`` whose value is the
+    OpenAI-facing string, so it compares equal to, hashes like, JSON-encodes as and crosses
+    the cbor2 codec as ``"stop"`` / ``"length"`` / ``"abort"`` / ``"error"``.
+
+    STOP: EOS, a stop token id or a stop string; LENGTH: ``max_tokens`` or
+    ``max_model_len`` reached; ABORT: aborted (by the caller, a disconnect, a shutdown);
+    ERROR: this request failed inside the engine (the others went on)."""
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
 
 
 @dataclass
@@ -46,10 +61,13 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: Optional[list[LogprobsEntry]] = None
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
-    error: Optional[str] = None  # with finish_reason "error": what failed, for the front ends
+    error: Optional[str] = None  # with FinishReason.ERROR: what failed, for the front ends
+    # time.monotonic() when the request was first scheduled; sent with its first token
+    # (the front end's queue / prefill time metrics)
+    first_scheduled_time: Optional[float] = None
 
     @property
     def finished(self) -> bool:
@@ -58,6 +76,12 @@ class EngineCoreOutput:
 
 @dataclass
 class SchedulerStats:
+    """The scheduler's state after one engine step (mirrors vllm/v1/metrics/stats.py's
+    SchedulerStats); counters are cumulative since start-up. ``kv_cache_usage`` is a
+    fraction in [0, 1]; prefix-cache queries and hits are in tokens;
+    ``num_batched_tokens`` is the number of tokens the step that produced these outputs
+    ran through the model (0 for outputs that no model step produced: aborts, start-up,
+    utility calls)."""
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -68,6 +92,7 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_steps: int = 0
     step_host_time_s: float = 0.0  # cumulative host time spent in schedule + launch + update, seconds
+    num_batched_tokens: int = 0
 
 
 @dataclass
@@ -117,7 +142,7 @@ class UtilityOutput:
 _TYPES = {c.__name__: c for c in (EngineCoreRequest, EngineCoreAbort, LogprobsEntry, EngineCoreOutput,
                                   SchedulerStats, EngineCoreOutputs, EngineDeadMessage, SamplingParams,
                                   EngineCoreReady, EngineCoreShutdown, UtilityRequest, UtilityOutput)}
-_OUTPUTS_FORMAT = "EngineCoreOutputs/columns-2"
+_OUTPUTS_FORMAT = "EngineCoreOutputs/columns-3"
 _STATS_FIELDS = [f.name for f in dataclasses.fields(SchedulerStats)]
 # A list of these is sent as it is: walking a prompt's token ids one by one cost ~150 us
 # per request on each side of the pipe, time the engine process spends between steps.
@@ -169,10 +194,11 @@ def _from_plain(obj: Any) -> Any:
 
 def _encode_outputs(msg: EngineCoreOutputs) -> list:
     outs = msg.outputs
-    rare = [[i, _to_plain(o.new_logprobs), o.finish_reason, o.stop_reason, o.num_cached_tokens, o.error]
+    rare = [[i, _to_plain(o.new_logprobs), o.finish_reason, o.stop_reason, o.num_cached_tokens, o.error,
+             o.first_scheduled_time]
             for i, o in enumerate(outs)
             if o.finish_reason is not None or o.num_cached_tokens or o.new_logprobs is not None
-            or o.stop_reason is not None]
+            or o.stop_reason is not None or o.first_scheduled_time is not None]
     stats = msg.scheduler_stats
     return [_OUTPUTS_FORMAT, msg.timestamp,
             None if stats is None else [getattr(stats, n) for n in _STATS_FIELDS],
@@ -182,10 +208,11 @@ def _encode_outputs(msg: EngineCoreOutputs) -> list:
 def _decode_outputs(obj: list) -> EngineCoreOutputs:
     _, timestamp, stats, rids, toks, rare = obj
     outs = [EngineCoreOutput(r, t) for r, t in zip(rids, toks)]
-    for i, lps, finish, stop, cached, error in rare:
+    for i, lps, finish, stop, cached, error, scheduled in rare:
         o = outs[i]
-        o.new_logprobs, o.finish_reason, o.stop_reason, o.num_cached_tokens = _from_plain(lps), finish, stop, cached
-        o.error = error
+        o.new_logprobs, o.stop_reason, o.num_cached_tokens = _from_plain(lps), stop, cached
+        o.finish_reason = None if finish is None else FinishReason(finish)
+        o.error, o.first_scheduled_time = error, scheduled
     return EngineCoreOutputs(outs, None if stats is None else SchedulerStats(*stats), timestamp)
 
 

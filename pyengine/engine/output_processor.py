@@ -7,13 +7,14 @@ import threading
 from typing import Any, Optional
 
 from pyengine.engine.detokenizer import decode_logprob_token, decode_output, make_incremental_detokenizer
-from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest
-from pyengine.exceptions import EngineDeadError  # noqa: F401 - re-exported for old imports
+from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pyengine.metrics.stats import IterationStats
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
 # Module aliases: enum member access is slow on Python 3.11 and these run per request per step.
 _CUMULATIVE, _DELTA, _FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+_STOP, _ABORT = FinishReason.STOP, FinishReason.ABORT
 
 
 class RequestOutputCollector:
@@ -153,7 +154,7 @@ class _Child:
         self.want_logprobs = params.logprobs is not None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.want_logprobs else None
         self.cumulative_logprob: Optional[float] = 0.0 if self.want_logprobs else None
-        self.finish_reason: Optional[str] = None
+        self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int | str] = None
         self.error: Optional[str] = None
         self.sent_tokens = 0
@@ -228,7 +229,7 @@ class _Parent:
         m = self.metrics  # a snapshot: a reader may hold this output while the request goes on
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              RequestMetrics(m.arrival_time, m.first_token_time, m.last_token_time,
-                                            m.finished_time), self.num_cached_tokens)
+                                            m.finished_time, m.first_scheduled_time), self.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -282,7 +283,7 @@ class OutputProcessor:
             for child in changed:
                 core_ids.append(child.core_id)
                 del self.children[child.core_id]
-                child.finish_reason = "abort"
+                child.finish_reason = _ABORT
                 if child.deferred:
                     child.finish_deferred(False)
                 parent.child_finished()
@@ -292,10 +293,12 @@ class OutputProcessor:
                 deliveries.append((parent.collector, out))
         return core_ids, deliveries
 
-    def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float
+    def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float,
+                        iteration_stats: Optional[IterationStats] = None
                         ) -> tuple[list[tuple[Any, RequestOutput]], list[str]]:
         """Returns ([(collector, RequestOutput)] in arrival order of outputs, core request
-        ids to abort because a stop string finished them)."""
+        ids to abort because a stop string finished them). Adds this step's token counts
+        to ``iteration_stats`` when one is given."""
         changed: list[_Parent] = []  # in order of their first output this step
         to_abort: list[str] = []
         for eco in outputs:
@@ -307,15 +310,20 @@ class OutputProcessor:
                 m = parent.metrics
                 if m.first_token_time is None:
                     m.first_token_time = timestamp
+                    m.first_scheduled_time = eco.first_scheduled_time
                     parent.num_cached_tokens = eco.num_cached_tokens
+                    if iteration_stats is not None:
+                        iteration_stats.num_prompt_tokens += len(parent.prompt_token_ids) - eco.num_cached_tokens
                 m.last_token_time = timestamp
+                if iteration_stats is not None:
+                    iteration_stats.num_generation_tokens += len(eco.new_token_ids)
             if eco.new_logprobs and child.want_logprobs:
                 for entry in eco.new_logprobs:
                     child.logprobs.append(self._logprob_dict(entry))
                     child.cumulative_logprob += entry.logprobs[0]
-            stop_str = child.detok.update(eco.new_token_ids, eco.finish_reason == "stop")
-            if stop_str is not None and eco.finish_reason != "abort":
-                child.finish_reason, child.stop_reason = "stop", stop_str
+            stop_str = child.detok.update(eco.new_token_ids, eco.finish_reason == _STOP)
+            if stop_str is not None and eco.finish_reason != _ABORT:
+                child.finish_reason, child.stop_reason = _STOP, stop_str
                 if not eco.finished:
                     to_abort.append(eco.request_id)
             elif eco.finished:
@@ -323,7 +331,7 @@ class OutputProcessor:
                 child.error = eco.error
             if child.finish_reason is not None:
                 if child.deferred:
-                    child.finish_deferred(eco.finish_reason == "stop")
+                    child.finish_deferred(eco.finish_reason == _STOP)
                 del self.children[eco.request_id]
                 parent.child_finished()
                 if parent.finished:

@@ -34,7 +34,7 @@ from pyengine.distributed import get_distributed_init_method, get_open_port
 from pyengine.executor.abstract import Executor
 from pyengine.worker.worker import Worker, worker_main
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 # Workers and rank 0 rendezvous here; one host for now (multi-node would start the other
 # ranks on their hosts with the same init method).

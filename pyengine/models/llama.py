@@ -23,7 +23,7 @@ from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pyengine.layers.rotary import RotaryEmbedding, get_rope_params
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 
 def config_head_dim(hf_config) -> int:

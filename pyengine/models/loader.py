@@ -25,7 +25,7 @@ from pyengine.layers.linear import default_weight_loader
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.registry import get_model_cls
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

@@ -17,7 +17,7 @@ import torch
 
 from pyengine.attention.backend import AttentionMetadata
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

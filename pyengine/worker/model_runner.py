@@ -25,7 +25,7 @@ from pyengine.models.loader import load_model
 from pyengine.models.registry import model_dims
 from pyengine.worker.sampler import Sampler, SamplingMetadata
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 
 def _align(n: int, m: int) -> int:

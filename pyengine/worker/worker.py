@@ -16,7 +16,7 @@ from pyengine.config import EngineConfig
 from pyengine.distributed import init_distributed_environment
 from pyengine.worker.model_runner import ModelRunner
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 
 class Worker:

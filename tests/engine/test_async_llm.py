@@ -377,3 +377,56 @@ def test_reset_prefix_cache_runs_on_the_engine_core(llama_dir, tokenizer, multip
         engine.shutdown()
     with pytest.raises(EngineDeadError):
         asyncio.run(engine.reset_prefix_cache())
+
+
+STATS_LINE = "Avg prompt throughput"
+
+
+def _run_two(engine, prompts):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for c in [engine.add_request(f"log{i}", p, sp) for i, p in enumerate(prompts[:2])]:
+        drain(c)
+
+
+def test_stats_request_and_startup_log_lines(llama_dir, prompts, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="pyengine")
+    monkeypatch.setenv("VENGINE_LOG_STATS_INTERVAL", "0.2")
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(llama_dir), device="cpu", max_model_len=256,
+                                                  num_gpu_blocks_override=32), multiprocess=False,
+                                       log_requests=True)
+    try:
+        start = [r.getMessage() for r in caplog.records if "Engine core ready" in r.getMessage()]
+        assert len(start) == 1
+        for part in ("dtype float32", "device cpu", "max_model_len 256", "max_num_seqs 256",
+                     "KV cache: 512 tokens (32 blocks of 16)", "maximum concurrency for 256-token requests: 2.00x"):
+            assert part in start[0], (part, start[0])
+        _run_two(engine, prompts)
+        received = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request log")]
+        assert len(received) == 2
+        assert f"Received request log0: prompt: {len(prompts[0])} tokens, priority: 0, params: SamplingParams(" \
+            in received[0] and "max_tokens=12" in received[0]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(
+                r.levelno == logging.INFO and STATS_LINE in r.getMessage() and "generation throughput: 0.0 " not in
+                r.getMessage() for r in caplog.records):
+            time.sleep(0.05)
+        busy = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and STATS_LINE in r.getMessage()
+                and "generation throughput: 0.0 " not in r.getMessage()]
+        assert busy, caplog.text
+        assert "Running:" in busy[0] and "Waiting:" in busy[0] and "KV cache usage:" in busy[0]
+        assert "Prefix cache hit rate:" in busy[0]
+    finally:
+        engine.shutdown()
+
+
+def test_no_stats_or_request_lines_when_disabled(llama_dir, prompts, monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG, logger="pyengine")
+    monkeypatch.setenv("VENGINE_LOG_STATS_INTERVAL", "0.1")
+    engine = make_engine(llama_dir, multiprocess=False, disable_log_stats=True)  # and log_requests off (default)
+    try:
+        _run_two(engine, prompts)
+        time.sleep(0.5)  # several intervals
+    finally:
+        engine.shutdown()
+    assert STATS_LINE not in caplog.text and "Received request" not in caplog.text
+    assert "Engine core ready" in caplog.text  # the start-up line stays

@@ -3,7 +3,7 @@ import cbor2
 import pytest
 
 from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs,
-                                      EngineCoreRequest, EngineDeadMessage, LogprobsEntry,
+                                      EngineCoreRequest, EngineDeadMessage, FinishReason, LogprobsEntry,
                                       SchedulerStats, decode, encode)
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -58,7 +58,7 @@ def test_abort_roundtrip():
 def test_outputs_roundtrip_with_logprobs_and_stats():
     stats = SchedulerStats(num_running=3, num_waiting=1, kv_cache_usage=0.375, prefix_cache_queries=100,
                            prefix_cache_hits=48, num_preemptions=2, num_gpu_blocks=64,
-                           num_free_blocks=40, num_steps=17, step_host_time_s=0.0125)
+                           num_free_blocks=40, num_steps=17, step_host_time_s=0.0125, num_batched_tokens=300)
     outs = EngineCoreOutputs([
         EngineCoreOutput("a", [11], [LogprobsEntry([11, 12, 13], [-0.1, -2.5, -3.0], 1)]),
         EngineCoreOutput("b", [2], None, finish_reason="stop", stop_reason=None, num_cached_tokens=16),
@@ -66,10 +66,15 @@ def test_outputs_roundtrip_with_logprobs_and_stats():
         EngineCoreOutput("d", [], None, finish_reason="stop", stop_reason="END"),
         EngineCoreOutput("e", [], finish_reason="abort"),
         EngineCoreOutput("f", [], finish_reason="error", error="OverflowError: injected"),
+        EngineCoreOutput("g", [4], first_scheduled_time=98.25),  # only that field is not the default
     ], stats, 99.5)
     out = roundtrip(outs)
-    a, b, c, d, e, f = out.outputs
+    a, b, c, d, e, f, g = out.outputs
     assert f.finish_reason == "error" and f.error == "OverflowError: injected" and a.error is None
+    # the codec carries the value; the far side gets the enum back
+    assert [o.finish_reason for o in out.outputs] == [None, FinishReason.STOP, FinishReason.STOP,
+                                                      FinishReason.STOP, FinishReason.ABORT, FinishReason.ERROR, None]
+    assert all(type(o.finish_reason) is FinishReason for o in out.outputs[1:-1])
     assert isinstance(a.new_logprobs[0], LogprobsEntry)
     assert a.new_logprobs[0].token_ids == [11, 12, 13]
     assert a.new_logprobs[0].logprobs == [-0.1, -2.5, -3.0]
@@ -77,8 +82,9 @@ def test_outputs_roundtrip_with_logprobs_and_stats():
     assert not a.finished and b.finished and e.finished
     assert c.stop_reason == 9 and d.stop_reason == "END"
     assert b.num_cached_tokens == 16
+    assert g.first_scheduled_time == 98.25 and a.first_scheduled_time is None
     assert isinstance(out.scheduler_stats, SchedulerStats)
-    assert out.scheduler_stats.kv_cache_usage == 0.375
+    assert out.scheduler_stats.kv_cache_usage == 0.375 and out.scheduler_stats.num_batched_tokens == 300
     assert out.timestamp == 99.5
 
 
@@ -101,3 +107,15 @@ def test_unknown_nested_type_raises_value_error():
                         "scheduler_stats": None, "timestamp": 0.0})
     with pytest.raises(ValueError):
         decode(data)
+
+
+def test_finish_reason_is_the_openai_string():
+    """FinishReason members are the OpenAI strings: equal, same hash, same JSON."""
+    import json
+
+    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "error"]
+    for r in FinishReason:
+        assert r == r.value and str(r) == r.value and hash(r) == hash(r.value)
+        assert json.dumps({"finish_reason": r}) == json.dumps({"finish_reason": r.value})
+        assert {r.value: 1}[r] == 1
+    assert FinishReason("length") is FinishReason.LENGTH

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
-from pyengine.engine.output_processor import (EngineDeadError, OutputProcessor,
-                                              RequestOutputCollector)
+from pyengine.engine.output_processor import OutputProcessor, RequestOutputCollector
+from pyengine.exceptions import EngineDeadError
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -495,3 +495,22 @@ def test_abort_ends_the_request_here_and_frees_its_id(tokenizer, kind):
     coll2, _ = add(op, tokenizer, "req", SamplingParams(max_tokens=3, output_kind=kind))
     assert op.process_outputs([EngineCoreOutput(c1, a[1:2], finish_reason="abort")], 4.0) == ([], [])
     assert op.abort_requests(["req"], 5.0)[0] == ["req"]
+
+
+def test_iteration_stats_count_computed_prompt_and_generated_tokens(tokenizer):
+    from pyengine.metrics import IterationStats
+
+    op = OutputProcessor(tokenizer)
+    _, (a,) = add(op, tokenizer, "a", SamplingParams(max_tokens=8))
+    _, (b,) = add(op, tokenizer, "b", SamplingParams(max_tokens=8), prompt="import os\nimport sys")
+    plen_a, plen_b = len(enc(tokenizer, PROMPT)), len(enc(tokenizer, "import os\nimport sys"))
+    it = IterationStats()
+    # a's first token (4 of its prompt tokens came from the prefix cache); b still prefilling
+    op.process_outputs([EngineCoreOutput(a, [5], num_cached_tokens=4)], 1.0, it)
+    assert (it.num_prompt_tokens, it.num_generation_tokens) == (plen_a - 4, 1)
+    it = IterationStats()
+    op.process_outputs([EngineCoreOutput(a, [6, 7]), EngineCoreOutput(b, [8])], 2.0, it)
+    assert (it.num_prompt_tokens, it.num_generation_tokens) == (plen_b, 3)
+    it = IterationStats()
+    op.process_outputs([EngineCoreOutput(a, [], finish_reason="abort")], 3.0, it)
+    assert (it.num_prompt_tokens, it.num_generation_tokens) == (0, 0)

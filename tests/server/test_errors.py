@@ -189,7 +189,7 @@ def test_request_method_head_health(server):
 
 
 def test_unknown_fields_ignored_and_logged(server, caplog):
-    caplog.set_level("WARNING", logger="vengine.server")
+    caplog.set_level("WARNING", logger="server")
     status, _, data = post(server.port, C, c(bogus_field=1, another={"x": 1}))
     assert status == 200, data
     assert "present in the request but ignored: ['another', 'bogus_field']" in caplog.text

@@ -15,14 +15,15 @@ from typing import Iterable, Optional
 from pyengine.config import EngineConfig
 from pyengine.core.kv_cache_manager import KVCacheManager, cdiv
 from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
-from pyengine.core.sched.request_queue import create_request_queue
-from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pyengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 from pyengine.request import Request, RequestStatus
 
-logger = logging.getLogger("pyengine")
+logger = logging.getLogger(__name__)
 
 # Module aliases: enum member access is slow on Python 3.11 and these sit in per-request loops.
 _RUNNING = RequestStatus.RUNNING
+_PRIORITY = SchedulingPolicy.PRIORITY
 # _try_admit's answers when a waiting request is not admitted.
 _NO_BUDGET, _NO_ROOM = -1, 0
 # How many steps ahead a re-admitted request's reserve looks (see _readmission_reserve):
@@ -39,7 +40,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
-        self.policy = config.scheduling_policy
+        self.policy = SchedulingPolicy.parse(config.scheduling_policy)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -60,7 +61,7 @@ class Scheduler:
         self.requests[request.request_id] = request
 
     def fail_request(self, request_id: str, error: BaseException) -> None:
-        """vLLM's per-request error path: end this one request with finish_reason "error"
+        """vLLM's per-request error path: end this one request with FinishReason.ERROR
         wherever it is (waiting, running, half-admitted), free its KV blocks, and report
         it with the next outputs. The other requests are untouched. Never raises."""
         logger.error("Request %s failed inside the engine core; only it is ended", request_id,
@@ -79,7 +80,7 @@ class Scheduler:
                 self.requests.pop(request_id, None)
                 self.finished_req_ids.add(request_id)
         self._pending_outputs.append(EngineCoreOutput(
-            request_id, [], finish_reason="error", error=f"{type(error).__name__}: {error}"))
+            request_id, [], finish_reason=FinishReason.ERROR, error=f"{type(error).__name__}: {error}"))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
@@ -132,7 +133,7 @@ class Scheduler:
         return True
 
     def _pick_victim(self) -> Request:
-        if self.policy == "priority":
+        if self.policy is _PRIORITY:
             # Largest (priority, arrival_time), ties by request id exactly as the waiting queue
             # orders them (Request.__lt__): the n > 1 children of one request tie on both,
             # and breaking the tie the other way round made them preempt each other forever.
@@ -165,8 +166,9 @@ class Scheduler:
                 return _NO_ROOM
         if not kv.allocate_slots(req, n, hit_blocks):
             return _NO_ROOM
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens < 0:  # first admission
             req.num_cached_tokens = num_hit
+            req.first_scheduled_time = time.monotonic()
         req.num_computed_tokens = num_hit
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -193,7 +195,7 @@ class Scheduler:
         own_target = min(req.num_tokens + steps, self._final_len(req))
         need = max(cdiv(own_target, bs) - cdiv(num_tokens_admitted, bs), 0)
         for r in self.running:
-            if self.policy == "priority" and not r < req:
+            if self.policy is _PRIORITY and not r < req:
                 continue  # less urgent than req: preempted before it
             target = min(r.num_tokens + r.num_output_placeholders + steps, self._final_len(r))
             need += max(cdiv(target, bs) - kv.num_blocks(r.request_id), 0)
@@ -204,7 +206,7 @@ class Scheduler:
         ``req`` can be admitted: the least urgent one, if ``req`` is strictly more urgent
         (lower priority value) and preempting every strictly less urgent running request
         would free enough seats and KV blocks. None otherwise."""
-        if self.policy != "priority" or not self.running:
+        if self.policy is not _PRIORITY or not self.running:
             return None
         victim = max(self.running)
         if victim.priority <= req.priority:
@@ -354,7 +356,8 @@ class Scheduler:
                     req.request_id, [tok], [lp] if lp is not None else None,
                     finish_reason=req.get_finished_reason() if finished else None,
                     stop_reason=req.stop_reason,
-                    num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0)
+                    num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0,
+                    first_scheduled_time=req.first_scheduled_time if first else None)
                 if finished:
                     self.running.remove(req)
                     self._free_request(req)
@@ -364,7 +367,7 @@ class Scheduler:
             outputs.append(out)
         self.num_steps += 1
         self.step_host_time_s += time.perf_counter() - t0
-        return self._make_outputs(outputs)
+        return self._make_outputs(outputs, so.total_num_scheduled_tokens)
 
     def _on_token_consumed(self, req: Request) -> None:
         pass  # async scheduler: one placeholder resolved
@@ -381,17 +384,18 @@ class Scheduler:
             return True
         return False
 
-    def _make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+    def _make_outputs(self, outputs: list[EngineCoreOutput], num_batched_tokens: int = 0) -> EngineCoreOutputs:
         if self._pending_outputs:
             outputs = self._pending_outputs + outputs
             self._pending_outputs = []
-        return EngineCoreOutputs(outputs, self.make_stats(), time.monotonic())
+        return EngineCoreOutputs(outputs, self.make_stats(num_batched_tokens), time.monotonic())
 
-    def make_stats(self) -> SchedulerStats:
+    def make_stats(self, num_batched_tokens: int = 0) -> SchedulerStats:
+        """``num_batched_tokens``: the tokens of the step these stats go out with (0: none)."""
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_stats.queries, prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions, num_gpu_blocks=kv.block_pool.num_blocks - 1,
             num_free_blocks=kv.block_pool.get_num_free_blocks(), num_steps=self.num_steps,
-            step_host_time_s=self.step_host_time_s)
+            step_host_time_s=self.step_host_time_s, num_batched_tokens=num_batched_tokens)

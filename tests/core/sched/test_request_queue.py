@@ -2,7 +2,7 @@
 ((priority, arrival) order, ties by arrival), remove, unknown policy."""
 import pytest
 
-from pyengine.core.sched.request_queue import (FCFSRequestQueue, PriorityRequestQueue,
+from pyengine.core.sched.request_queue import (FCFSRequestQueue, PriorityRequestQueue, SchedulingPolicy,
                                                create_request_queue)
 from pyengine.request import Request
 from pyengine.sampling_params import SamplingParams
@@ -98,3 +98,12 @@ def test_unknown_policy():
         create_request_queue("lifo")
     msg = str(ei.value)
     assert "fcfs" in msg and "priority" in msg and "lifo" in msg
+
+
+def test_scheduling_policy_enum_takes_the_user_strings():
+    assert SchedulingPolicy.parse("priority") is SchedulingPolicy.PRIORITY
+    assert SchedulingPolicy.parse(SchedulingPolicy.FCFS) is SchedulingPolicy.FCFS
+    assert SchedulingPolicy.PRIORITY == "priority"
+    assert isinstance(create_request_queue(SchedulingPolicy.PRIORITY), PriorityRequestQueue)
+    with pytest.raises(ValueError, match="valid policies: fcfs, priority"):
+        SchedulingPolicy.parse("lifo")

@@ -1063,3 +1063,26 @@ def test_duplicate_request_id_refused():
     with pytest.raises(ValueError, match="already in the engine core"):
         sched.add_request(make_req("a", 5))
     assert len(sched.waiting) == 1
+
+
+def test_first_output_carries_first_scheduled_time_and_steps_their_tokens():
+    """The engine core's side of the queue / prefill metrics and of iteration_tokens_total:
+    the first admission time goes out once, with the first token (a chunked prefill's
+    earlier steps give no output); every step's stats say how many tokens it ran."""
+    import time
+
+    sched = make_sched(max_num_batched_tokens=32)
+    r = make_req("r", prompt_len=40, max_tokens=3)
+    sched.add_request(r)
+    t0 = time.monotonic()
+    so, out = step(sched)  # 32 of 40 prompt tokens: no sample
+    assert r.first_scheduled_time is not None and r.first_scheduled_time >= t0
+    admitted = r.first_scheduled_time
+    assert out.outputs == [] and out.scheduler_stats.num_batched_tokens == 32
+    so, out = step(sched)  # the rest of the prompt and the first token
+    (o,) = out.outputs
+    assert o.first_scheduled_time == admitted and out.scheduler_stats.num_batched_tokens == 8
+    so, out = step(sched)
+    (o,) = out.outputs
+    assert o.first_scheduled_time is None and out.scheduler_stats.num_batched_tokens == 1
+    assert sched.make_stats().num_batched_tokens == 0  # not a step's report

@@ -1,0 +1,104 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (mirrors
+vllm/entrypoints/openai/serving_tokenization.py and vLLM's request / response shapes).
+
+``/tokenize`` takes a ``prompt`` (encoded with the tokenizer's special tokens unless
+``add_special_tokens`` is false) or chat ``messages`` (rendered with the chat template, as
+``pyengine.chat_utils`` renders for ``LLM.chat``: refused when there is no template;
+special tokens not added again unless ``add_special_tokens``), and answers
+``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` with
+``return_token_strs``). ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``; ids
+outside the vocabulary are a 400. Both check ``model`` like the generation endpoints.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from flask import Flask
+from pydantic import ConfigDict, Field
+
+from pyengine.chat_utils import apply_hf_chat_template, parse_chat_messages
+
+from .protocol import ChatMessage, _Schema
+
+
+class _Request(_Schema):
+    # unknown fields are logged as ignored, as on the generation endpoints
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TokenizeCompletionRequest(_Request):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: Optional[bool] = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(_Request):
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    add_special_tokens: Optional[bool] = False  # the template has them
+    return_token_strs: Optional[bool] = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict] = None
+    tools: Optional[list[dict]] = None
+
+
+class TokenizeRequest:
+    """Either schema, chosen by whether the body has ``messages`` (so a validation error
+    names the fields of the one the client meant)."""
+
+    @staticmethod
+    def model_validate_json(body: bytes):
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            obj = None  # the schema's own parse reports the bad JSON
+        schema = TokenizeChatRequest if isinstance(obj, dict) and "messages" in obj else TokenizeCompletionRequest
+        return schema.model_validate_json(body)
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def _chat_text(st, req: TokenizeChatRequest) -> str:
+    """These messages rendered by the chat template (the request's, else the server's
+    --chat-template, else the tokenizer's), as ``LLM.chat`` renders them. Raises
+    ValueError (no template, bad messages, template error)."""
+    conversation = parse_chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
+    return apply_hf_chat_template(
+        st.tokenizer, conversation, req.chat_template or st.cfg.chat_template,
+        add_generation_prompt=bool(req.add_generation_prompt), continue_final_message=bool(req.continue_final_message),
+        tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
+
+
+def register_tokenization_routes(app: Flask, st) -> None:
+    """Add ``/tokenize`` and ``/detokenize`` to ``app`` (``st``: its ``server.app.ServerState``)."""
+    from .app import APIError, _check_model, _check_token_ids, _json_response, _parse
+
+    @app.post("/tokenize")
+    def tokenize():
+        req = _parse(TokenizeRequest)
+        _check_model(st, req.model)
+        tok = st.tokenizer
+        if isinstance(req, TokenizeChatRequest):
+            try:
+                text = _chat_text(st, req)
+            except ValueError as e:
+                raise APIError(400, str(e), "messages") from None
+        else:
+            text = req.prompt
+        ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        return _json_response({"count": len(ids), "max_model_len": st.cfg.max_model_len, "tokens": ids,
+                               "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None})
+
+    @app.post("/detokenize")
+    def detokenize():
+        req = _parse(DetokenizeRequest)
+        _check_model(st, req.model)
+        _check_token_ids(st, req.tokens, "tokens")
+        return _json_response({"prompt": st.tokenizer.decode(req.tokens)})

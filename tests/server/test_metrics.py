@@ -1,0 +1,69 @@
+"""server/metrics.py over HTTP: vLLM's request-phase and per-step histograms on /metrics
+after a few requests, with values that add up."""
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+from tests.server.http_util import metrics, wait_until
+
+MAX_TOKENS = 6
+PROMPTS = ["import os\nimport sys\n", "class Foo(object):\n    def bar(self, x):", "x = [i for i in range(3)]"]
+PHASES = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds")
+
+
+def _delta(after, before, name):
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_request_phase_and_iteration_histograms(server, client):
+    assert wait_until(lambda: metrics(server.port)["vllm:num_requests_running"] == 0)
+    before = metrics(server.port)
+    prompt_tokens = 0
+    for p in PROMPTS:  # one at a time: each engine step then belongs to one request
+        r = client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == MAX_TOKENS
+        prompt_tokens += r.usage.prompt_tokens
+    n = len(PROMPTS)
+    # Per step: the prompt (less its prefix-cache hits) in one step, then one token for each
+    # of the MAX_TOKENS - 1 decode steps. Steps are recorded right after the outputs went out.
+    hits = lambda m: _delta(m, before, "vllm:prefix_cache_hits_total")  # noqa: E731
+    expected_steps = n * MAX_TOKENS
+    assert wait_until(lambda: _delta(metrics(server.port), before, "vllm:iteration_tokens_total_count")
+                      >= expected_steps)
+    after = metrics(server.port)
+    assert _delta(after, before, "vllm:iteration_tokens_total_count") == expected_steps
+    assert _delta(after, before, "vllm:iteration_tokens_total_sum") == \
+        prompt_tokens - hits(after) + n * (MAX_TOKENS - 1)
+
+    # per output token: one sample per token after the first, the same gaps as the ITL
+    assert _delta(after, before, "vllm:time_per_output_token_seconds_count") == n * (MAX_TOKENS - 1)
+    tpot_sum = _delta(after, before, "vllm:time_per_output_token_seconds_sum")
+    assert tpot_sum > 0
+    assert tpot_sum == pytest.approx(_delta(after, before, "vllm:inter_token_latency_seconds_sum"))
+
+    # one sample per request and phase; queue + prefill + decode is the whole request
+    for name in PHASES:
+        assert _delta(after, before, name + "_count") == n, name
+    queue, prefill, decode = (_delta(after, before, name + "_sum") for name in PHASES)
+    assert queue >= 0 and prefill > 0 and decode > 0
+    e2e = _delta(after, before, "vllm:e2e_request_latency_seconds_sum")
+    assert queue + prefill + decode == pytest.approx(e2e, abs=1e-6 * n)
+    ttft = _delta(after, before, "vllm:time_to_first_token_seconds_sum")
+    assert queue + prefill == pytest.approx(ttft, abs=1e-6 * n)
+
+
+def test_histogram_buckets_are_vllms(server):
+    from tests.server.http_util import get
+
+    text = get(server.port, "/metrics")[2].decode()
+
+    def les(name):
+        return [line.split('le="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+                if line.startswith(name + "_bucket{")]
+    assert les("vllm:iteration_tokens_total") == ["1.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0", "512.0",
+                                                  "1024.0", "2048.0", "4096.0", "8192.0", "16384.0", "+Inf"]
+    assert les("vllm:time_per_output_token_seconds")[:3] == ["0.01", "0.025", "0.05"]
+    for name in PHASES:
+        assert les(name)[0] == "0.3" and les(name)[-2] == "7680.0", name
