@@ -100,8 +100,7 @@ def parse_chat_request(raw: str, processor, sampling_params_cls, output_kind):
         text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + ("assistant:" if add_gen else "")
         if getattr(tokenizer, "bos_token", None):
             text = tokenizer.bos_token + text
-    processor.check_prompt_text(text, "messages")
-    prompt_ids = processor.encode(text, add_special_tokens=False)
+    prompt_ids = processor.encode_prompt(text, add_special_tokens=False, parameter="messages")
     if not prompt_ids:
         raise ChatRequestError("the rendered chat prompt is empty")
 

@@ -96,7 +96,9 @@ class LLM:
                                           add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message, tools=tools,
                                           chat_template_kwargs=chat_template_kwargs)
-            prompts.append(tok.encode(text, add_special_tokens=False))
+            # the engine's cheap character bound first: an over-long rendering is never tokenized
+            prompts.append(self.llm_engine.processor.encode_prompt(text, add_special_tokens=False,
+                                                                   parameter="messages"))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -425,3 +425,19 @@ def test_chat_bad_messages(chat_llm):
         with pytest.raises(ValueError, match=match):
             chat_llm.chat(bad, CHAT_SP, use_tqdm=False)
     assert not chat_llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_over_the_character_bound_refused_before_tokenizing(chat_llm, monkeypatch):
+    # issue 16 kind 2: the rendered chat meets the engine's cheap bound before the tokenizer
+    from pyengine import VLLMValidationError
+
+    proc = chat_llm.llm_engine.processor
+    encoded = []
+    encode = proc.encode
+    monkeypatch.setattr(proc, "encode", lambda text, *a, **k: encoded.append(len(text)) or encode(text, *a, **k))
+    with pytest.raises(VLLMValidationError) as ei:
+        chat_llm.chat([{"role": "user", "content": "fox " * (1 << 20)}], CHAT_SP, use_tqdm=False)
+    assert ei.value.parameter == "messages" and "characters" in str(ei.value) and not encoded
+    assert not chat_llm.llm_engine.has_unfinished_requests()
+    chat_llm.chat(CONVERSATIONS[0], CHAT_SP, use_tqdm=False)
+    assert encoded  # a chat within the bound is encoded by the same Processor.encode

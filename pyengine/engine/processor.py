@@ -195,6 +195,12 @@ class Processor:
         # verbose=False: the length check reports over-long prompts itself.
         return tok.encode(text, add_special_tokens=add_special_tokens, verbose=False)
 
+    def encode_prompt(self, text: str, add_special_tokens: bool = True, parameter: str = "prompt") -> list[int]:
+        """A text prompt's token ids: ``check_prompt_text`` (the cheap bound, naming
+        ``parameter``), then ``encode``. Raises ``VLLMValidationError``."""
+        self.check_prompt_text(text, parameter)
+        return self.encode(text, add_special_tokens)
+
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Returns (prompt text or None, prompt token ids). Raises ValueError."""
         if isinstance(prompt, dict):
@@ -207,8 +213,7 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("The prompt cannot be empty.")
-            self.check_prompt_text(prompt)
-            ids = self.encode(prompt)
+            ids = self.encode_prompt(prompt)
             if not ids:
                 raise ValueError("The prompt encodes to no tokens.")
             if max(ids) >= self.vocab_size or min(ids) < 0:
