@@ -78,7 +78,7 @@ def _chat_text(st, req: TokenizeChatRequest) -> str:
 
 def register_tokenization_routes(app: Flask, st) -> None:
     """Add ``/tokenize`` and ``/detokenize`` to ``app`` (``st``: its ``server.app.ServerState``)."""
-    from .app import APIError, _check_model, _check_token_ids, _json_response, _parse
+    from .app import APIError, _check_model, _check_token_ids, _json_response, _parse, _tokenize
 
     @app.post("/tokenize")
     def tokenize():
@@ -87,12 +87,13 @@ def register_tokenization_routes(app: Flask, st) -> None:
         tok = st.tokenizer
         if isinstance(req, TokenizeChatRequest):
             try:
-                text = _chat_text(st, req)
+                text = st.bridge.run_blocking(_chat_text, st, req)  # off the hub, as the tokenizer
             except ValueError as e:
                 raise APIError(400, str(e), "messages") from None
         else:
             text = req.prompt
-        ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        # no length bound here (the count is the answer, as vLLM's), but never on the hub
+        ids = _tokenize(st, [text], add_special_tokens=bool(req.add_special_tokens))[0]
         return _json_response({"count": len(ids), "max_model_len": st.cfg.max_model_len, "tokens": ids,
                                "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None})
 
