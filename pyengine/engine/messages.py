@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import cbor2
 
-from pyengine.sampling_params import RequestOutputKind, SamplingParams
+from pyengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -68,6 +68,7 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_steps: int = 0
     step_host_time_s: float = 0.0  # cumulative host time spent in schedule + launch + update, seconds
+    grammar_bitmask_time_s: float = 0.0  # cumulative host time filling structured-output bitmasks, seconds
 
 
 @dataclass
@@ -116,7 +117,8 @@ class UtilityOutput:
 
 _TYPES = {c.__name__: c for c in (EngineCoreRequest, EngineCoreAbort, LogprobsEntry, EngineCoreOutput,
                                   SchedulerStats, EngineCoreOutputs, EngineDeadMessage, SamplingParams,
-                                  EngineCoreReady, EngineCoreShutdown, UtilityRequest, UtilityOutput)}
+                                  EngineCoreReady, EngineCoreShutdown, UtilityRequest, UtilityOutput,
+                                  StructuredOutputsParams)}
 _OUTPUTS_FORMAT = "EngineCoreOutputs/columns-2"
 _STATS_FIELDS = [f.name for f in dataclasses.fields(SchedulerStats)]
 # A list of these is sent as it is: walking a prompt's token ids one by one cost ~150 us
