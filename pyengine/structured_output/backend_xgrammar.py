@@ -46,6 +46,11 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 # indentation), and a model stuck emitting blanks cannot run to max_tokens (OpenAI's JSON
 # mode warns about that failure; vLLM's unbounded default shows it).
 MAX_JSON_WHITESPACE = 32
+# xgrammar 0.2's character class for strings with minLength/maxLength (EBNF text), and the
+# JSON string character it should be (no control characters, no quote, no backslash).
+_XGR_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+_EBNF_CACHE_SIZE = 1024
 _XGR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -226,15 +231,17 @@ class XgrammarBackend:
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
+        self._ebnf_cache: dict = {}  # (schema text, any_whitespace) -> EBNF text (see _json_schema_ebnf)
 
     def compile(self, so: StructuredOutputsParams):
         """An ``xgrammar.CompiledGrammar`` for validated, normalized params (see
         ``validate_structured_outputs``). Raises ValueError if xgrammar refuses it."""
         kind, ws = so.kind, not so.disable_any_whitespace
         try:
-            if kind in ("json", "json_object"):
-                schema = so.json if kind == "json" else '{"type": "object"}'
-                return self.compiler.compile_json_schema(schema, any_whitespace=ws,
+            if kind == "json":
+                return self.compiler.compile_grammar(self._json_schema_ebnf(so.json, ws))
+            if kind == "json_object":
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=ws,
                                                          max_whitespace_cnt=MAX_JSON_WHITESPACE if ws else None)
             if kind == "regex":
                 return self.compiler.compile_regex(so.regex)
@@ -245,6 +252,21 @@ class XgrammarBackend:
         except Exception as e:  # noqa: BLE001 - reported as this request's error
             raise ValueError(f"Compiling structured_outputs.{kind} failed: {_clean(e)}") from None
         raise ValueError(f"structured_outputs.{kind} is not supported by vengine.")
+
+    def _json_schema_ebnf(self, schema: str, any_whitespace: bool) -> str:
+        """The EBNF grammar of a JSON schema, with xgrammar 0.2's length-bounded string
+        character class fixed: it lets raw control characters (U+0000-U+001F) into a string
+        with minLength/maxLength, which JSON forbids. Remembered per schema text."""
+        key = (schema, any_whitespace)
+        text = self._ebnf_cache.get(key)
+        if text is None:
+            grammar = _xgr().Grammar.from_json_schema(
+                schema, any_whitespace=any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
+            text = str(grammar).replace(_XGR_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+            if len(self._ebnf_cache) >= _EBNF_CACHE_SIZE:
+                self._ebnf_cache.pop(next(iter(self._ebnf_cache)))
+            self._ebnf_cache[key] = text
+        return text
 
     def new_grammar(self, compiled) -> XgrammarGrammar:
         return XgrammarGrammar(_xgr().GrammarMatcher(compiled))
