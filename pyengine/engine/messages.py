@@ -69,6 +69,8 @@ class SchedulerStats:
     num_steps: int = 0
     step_host_time_s: float = 0.0  # cumulative host time spent in schedule + launch + update, seconds
     grammar_bitmask_time_s: float = 0.0  # cumulative host time filling structured-output bitmasks, seconds
+    grammar_bitmask_steps: int = 0  # cumulative steps that had constrained rows (a bitmask filled)
+    grammar_bitmask_rows: int = 0  # cumulative constrained rows (one per constrained request per such step)
 
 
 @dataclass

@@ -74,7 +74,11 @@ class StructuredOutputManager:
         self._bitmasks: list[torch.Tensor] = []  # two host buffers, used in turn
         self._turn = 0
         self.num_live = 0  # constrained requests in the engine (0: skip all grammar work)
-        self.bitmask_time_s = 0.0  # cumulative host time in grammar_bitmask, seconds
+        # Cumulative figures of grammar_bitmask (SchedulerStats.grammar_bitmask_*): host
+        # seconds spent, steps and rows that got a bitmask.
+        self.bitmask_time_s = 0.0
+        self.bitmask_steps = 0
+        self.bitmask_rows = 0
 
     def backend(self):
         with self._backend_lock:
@@ -122,7 +126,7 @@ class StructuredOutputManager:
             return None
         t0 = time.perf_counter()
         rows: list[int] = []
-        fill = []
+        grammars = []
         row = 0
         for s in so.scheduled:
             if not s.sample:
@@ -132,7 +136,7 @@ class StructuredOutputManager:
             if (sor is not None and sor.grammar is not None and not req.is_finished()
                     and s.epoch == req.num_preemptions and not sor.grammar.is_terminated()):
                 rows.append(row)
-                fill.append((row, sor.grammar))
+                grammars.append(sor.grammar)
             row += 1
         if not rows:
             return None
@@ -142,9 +146,10 @@ class StructuredOutputManager:
             self._bitmasks = [self.backend().allocate_token_bitmask(n, pin) for _ in range(2)]
         bitmask = self._bitmasks[self._turn]
         self._turn ^= 1  # the other buffer may still be copying to the device
-        for r, grammar in fill:
-            grammar.fill_bitmask(bitmask, r)
+        self.backend().fill_bitmasks(grammars, bitmask, rows)
         self.bitmask_time_s += time.perf_counter() - t0
+        self.bitmask_steps += 1
+        self.bitmask_rows += len(rows)
         return GrammarOutput(rows, bitmask)
 
     def shutdown(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from typing import Any, Iterable, Optional
 
@@ -51,6 +52,8 @@ MAX_JSON_WHITESPACE = 32
 _XGR_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 _EBNF_CACHE_SIZE = 1024
+# From this many constrained rows in a step on, their bitmask rows are filled in parallel.
+BATCH_FILL_MIN_ROWS = 8
 _XGR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -223,15 +226,20 @@ class XgrammarBackend:
     (may exceed the tokenizer's: the extra ids are never allowed); ``stop_token_ids``: the
     ids that end a completed grammar (the model's EOS ids). Compiled grammars are cached by
     the compiler (keyed by the constraint's text), so each distinct schema compiles once.
+    ``max_threads``: the compiler's threads; ``fill_threads``: threads filling a large
+    batch's bitmask (None: half the machine's hardware threads).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], max_threads: int = 4):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], max_threads: int = 4,
+                 fill_threads: Optional[int] = None):
         xgr = _xgr()
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
         self._ebnf_cache: dict = {}  # (schema text, any_whitespace) -> EBNF text (see _json_schema_ebnf)
+        self.fill_threads = max(1, (os.cpu_count() or 1) // 2) if fill_threads is None else fill_threads
+        self._batch_matcher = None  # xgrammar.BatchGrammarMatcher, built on the first large batch
 
     def compile(self, so: StructuredOutputsParams):
         """An ``xgrammar.CompiledGrammar`` for validated, normalized params (see
@@ -267,6 +275,20 @@ class XgrammarBackend:
                 self._ebnf_cache.pop(next(iter(self._ebnf_cache)))
             self._ebnf_cache[key] = text
         return text
+
+    def fill_bitmasks(self, grammars: list[XgrammarGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Write ``grammars[i]``'s allowed next tokens into row ``rows[i]`` of ``bitmask``
+        (int32 [>= max(rows) + 1, ceil(V / 32)], host). From ``BATCH_FILL_MIN_ROWS`` rows on,
+        xgrammar's ``BatchGrammarMatcher`` fills them on its own threads (half the
+        hardware threads; this runs on the engine's critical path when the host cannot hide
+        it behind the device's forward), as vLLM does for large batches."""
+        if len(grammars) < BATCH_FILL_MIN_ROWS or self.fill_threads <= 1:
+            for g, r in zip(grammars, rows):
+                g.fill_bitmask(bitmask, r)
+            return
+        if self._batch_matcher is None:
+            self._batch_matcher = _xgr().BatchGrammarMatcher(self.fill_threads)
+        self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
 
     def new_grammar(self, compiled) -> XgrammarGrammar:
         return XgrammarGrammar(_xgr().GrammarMatcher(compiled))

@@ -130,3 +130,38 @@ def test_compiler_caches_a_schema(backend):
     size = backend.compiler.get_cache_size_bytes()
     backend.compile(so)
     assert backend.compiler.get_cache_size_bytes() == size > 0
+
+
+@pytest.mark.parametrize("n", [3, 12])  # below and above BATCH_FILL_MIN_ROWS
+def test_fill_bitmasks_matches_one_row_at_a_time(tokenizer, n):
+    """A step's rows filled together (on xgrammar's threads from BATCH_FILL_MIN_ROWS rows
+    on) give the bitmask each grammar fills alone, in its own row; other rows untouched."""
+    from pyengine.structured_output.backend_xgrammar import BATCH_FILL_MIN_ROWS
+
+    assert 3 < BATCH_FILL_MIN_ROWS <= 12
+    b = XgrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_threads=1, fill_threads=2)
+    compiled = b.compile(validate_structured_outputs(StructuredOutputsParams(
+        json={"type": "array", "minItems": 20, "items": {"type": "object", "properties": {"k": {"type": "string"}}}})))
+    gen = torch.Generator().manual_seed(0)
+    grammars = []
+    for i in range(n):  # each grammar i tokens into the output, at a different place
+        g = b.new_grammar(compiled)
+        one = b.allocate_token_bitmask(1)
+        for _ in range(i):
+            g.fill_bitmask(one, 0)
+            logits = torch.randn(1, b.vocab_size, generator=gen)
+            apply_token_bitmask(logits, one, [0])
+            logits[0, tokenizer.eos_token_id] = -float("inf")  # not finished: it fills nothing then
+            assert g.accept_token(int(logits[0].argmax()))
+        grammars.append(g)
+    rows = [2 * i + 1 for i in range(n)]
+    together = b.allocate_token_bitmask(2 * n + 1)
+    together.fill_(7)
+    b.fill_bitmasks(grammars, together, rows)
+    alone = b.allocate_token_bitmask(2 * n + 1)
+    alone.fill_(7)
+    for g, r in zip(grammars, rows):
+        g.fill_bitmask(alone, r)
+    assert torch.equal(together, alone)
+    assert (together[0::2] == 7).all()  # rows not listed are untouched
+    assert len({tuple(together[r].tolist()) for r in rows}) > 1  # the states differ

@@ -49,7 +49,15 @@ def test_json_schemas_validate_and_async_matches_sync(llms):
     assert len(params) >= 20
     tokens = {}
     for mode, llm in llms.items():
+        before = llm.llm_engine.get_stats()
         outs = llm.generate(_prompts(len(SCHEMAS)), params, use_tqdm=False)
+        after = llm.llm_engine.get_stats()
+        # one bitmask row per constrained token sampled (the stop token included)
+        assert after.grammar_bitmask_rows - before.grammar_bitmask_rows == sum(len(o.outputs[0].token_ids)
+                                                                               for o in outs)
+        steps = after.grammar_bitmask_steps - before.grammar_bitmask_steps
+        assert max(len(o.outputs[0].token_ids) for o in outs) <= steps <= after.num_steps - before.num_steps
+        assert after.grammar_bitmask_time_s > before.grammar_bitmask_time_s
         for schema, out in zip(SCHEMAS, outs):
             c = out.outputs[0]
             assert c.finish_reason == "stop", (schema, c.text)
@@ -57,7 +65,6 @@ def test_json_schemas_validate_and_async_matches_sync(llms):
         tokens[mode] = [o.outputs[0].token_ids for o in outs]
         _assert_no_leak(llm)
     assert tokens[True] == tokens[False]
-    assert llms[True].llm_engine.get_stats().grammar_bitmask_time_s > 0
 
 
 def test_any_whitespace_json(llms):

@@ -451,4 +451,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions, num_gpu_blocks=kv.block_pool.num_blocks - 1,
             num_free_blocks=kv.block_pool.get_num_free_blocks(), num_steps=self.num_steps,
             step_host_time_s=self.step_host_time_s,
-            grammar_bitmask_time_s=self.structured_output_manager.bitmask_time_s)
+            grammar_bitmask_time_s=self.structured_output_manager.bitmask_time_s,
+            grammar_bitmask_steps=self.structured_output_manager.bitmask_steps,
+            grammar_bitmask_rows=self.structured_output_manager.bitmask_rows)
