@@ -190,6 +190,17 @@ def validate_structured_outputs(so: StructuredOutputsParams) -> StructuredOutput
     return so
 
 
+def default_fill_threads() -> int:
+    """Threads for a large batch's bitmask: half the CPUs this process may run on (the
+    other half keeps the engine loop and the front end going), at most 8 (enough for a
+    few hundred rows at tens of µs each)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // 2))
+
+
 class XgrammarGrammar:
     """One request's grammar state: an ``xgrammar.GrammarMatcher``.
 
@@ -227,7 +238,7 @@ class XgrammarBackend:
     ids that end a completed grammar (the model's EOS ids). Compiled grammars are cached by
     the compiler (keyed by the constraint's text), so each distinct schema compiles once.
     ``max_threads``: the compiler's threads; ``fill_threads``: threads filling a large
-    batch's bitmask (None: half the machine's hardware threads).
+    batch's bitmask (None: ``default_fill_threads()``).
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], max_threads: int = 4,
@@ -238,7 +249,7 @@ class XgrammarBackend:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
         self._ebnf_cache: dict = {}  # (schema text, any_whitespace) -> EBNF text (see _json_schema_ebnf)
-        self.fill_threads = max(1, (os.cpu_count() or 1) // 2) if fill_threads is None else fill_threads
+        self.fill_threads = default_fill_threads() if fill_threads is None else fill_threads
         self._batch_matcher = None  # xgrammar.BatchGrammarMatcher, built on the first large batch
 
     def compile(self, so: StructuredOutputsParams):
@@ -279,9 +290,9 @@ class XgrammarBackend:
     def fill_bitmasks(self, grammars: list[XgrammarGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Write ``grammars[i]``'s allowed next tokens into row ``rows[i]`` of ``bitmask``
         (int32 [>= max(rows) + 1, ceil(V / 32)], host). From ``BATCH_FILL_MIN_ROWS`` rows on,
-        xgrammar's ``BatchGrammarMatcher`` fills them on its own threads (half the
-        hardware threads; this runs on the engine's critical path when the host cannot hide
-        it behind the device's forward), as vLLM does for large batches."""
+        xgrammar's ``BatchGrammarMatcher`` fills them on ``fill_threads`` threads of its own
+        (the fill is on the engine's critical path when the host cannot hide it behind the
+        device's forward), as vLLM does for large batches."""
         if len(grammars) < BATCH_FILL_MIN_ROWS or self.fill_threads <= 1:
             for g, r in zip(grammars, rows):
                 g.fill_bitmask(bitmask, r)
@@ -304,4 +315,6 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     whose bit in ``bitmask[r]`` is 0. ``logits``: float32 [B, V] on any device;
     ``bitmask``: int32 [B, ceil(V / 32)] on the logits' device (rows not in ``rows`` are
     not read). xgrammar's kernel: triton on CUDA, C++ on CPU."""
-    _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+    # every row constrained (the common case): no index list (on CUDA a host-to-device copy)
+    every = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
+    _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=None if every else rows)
