@@ -25,8 +25,8 @@ from pyengine import envs
 from .bridge import ClientDisconnected, GeventBridge, RequestGroup, ServerShuttingDown, is_engine_dead
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .tool_calling import (ToolCallingError, chat_tool_mode, make_extractor, request_structured_outputs,
-                           template_messages)
+from .tool_calling import (ToolCallingError, chat_tool_mode, make_extractor, refuse_tool_fields,
+                           request_structured_outputs, template_messages)
 
 logger = logging.getLogger("vengine.server")
 
@@ -717,6 +717,7 @@ def create_app(engine, args=None) -> Flask:
         _check_stream_options(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported.", "suffix")
+        refuse_tool_fields(req)
         prompts = _completion_prompts(st, req)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs).", "echo")

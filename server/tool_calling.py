@@ -25,6 +25,20 @@ def _refused(e: VLLMValidationError) -> ToolCallingError:
     return ToolCallingError(str(e), e.parameter)
 
 
+# Chat-only tool fields: on /v1/completions they could only be ignored, so they are refused.
+CHAT_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+
+
+def refuse_tool_fields(req) -> None:
+    """A completions request carrying tool fields (unknown there: pydantic's model_extra).
+    Raises ToolCallingError."""
+    extra = req.model_extra or {}
+    for name in CHAT_TOOL_FIELDS:
+        if extra.get(name) is not None:
+            raise ToolCallingError(f"{name} is not supported by /v1/completions; tool calling is served by "
+                                   "/v1/chat/completions.", name)
+
+
 def request_structured_outputs(req, mode: Optional[ToolCallMode] = None):
     """The request's constraint (response_format / structured_outputs / guided_*), or the
     one its ``tool_choice`` imposes. Raises ToolCallingError."""

@@ -181,6 +181,15 @@ def test_tool_errors_are_400(server, body, param, needle):
     assert needle in err["message"] and err["param"] == param, err
 
 
+@pytest.mark.parametrize("field, value", [("tools", TOOLS), ("tool_choice", "required"), ("parallel_tool_calls", False)])
+def test_tool_fields_on_completions_are_400(server, field, value):
+    status, _, data = post(server.port, "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4,
+                                                             field: value})
+    assert status == 400, data
+    err = json.loads(data)["error"]
+    assert err["param"] == field and "/v1/chat/completions" in err["message"], err
+
+
 def test_cli_flags():
     from server.cli import parse_args
 
