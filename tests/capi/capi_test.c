@@ -565,6 +565,17 @@ static void case_chat(int argc, char** argv) {
   p_vllm_engine_free(e);
 }
 
+/* vllm_complete under sp; prints the text as `key` (escaped) and frees it. */
+static void complete_print(vllm_engine* e, const char* key, const char* prompt, const vllm_sampling_params* sp) {
+  vllm_completion c;
+  vllm_status st = p_vllm_complete(e, prompt, sp, &c);
+  CHECK(st == VLLM_OK, "%s status %d: %s", key, st, p_vllm_last_error());
+  if (st == VLLM_OK) {
+    print_escaped(key, c.text);
+    p_vllm_completion_free(&c);
+  }
+}
+
 /* vllm.cpp's structured-output fields: argv = JSON schema, then a regex. Prints each
  * constrained text (escaped) and the messages of the refusals. */
 static void case_structured(int argc, char** argv) {
@@ -590,28 +601,13 @@ static void case_structured(int argc, char** argv) {
   print_escaped("CHOICE_STREAM", r.text);
   sp = greedy(200);
   sp.structured_json = argv[0];
-  st = p_vllm_complete(e, "data = ", &sp, &c);
-  CHECK(st == VLLM_OK, "json status %d: %s", st, p_vllm_last_error());
-  if (st == VLLM_OK) {
-    print_escaped("JSON", c.text);
-    p_vllm_completion_free(&c);
-  }
+  complete_print(e, "JSON", "data = ", &sp);
   sp = greedy(60);
   sp.structured_regex = argv[1];
-  st = p_vllm_complete(e, "id: ", &sp, &c);
-  CHECK(st == VLLM_OK, "regex status %d: %s", st, p_vllm_last_error());
-  if (st == VLLM_OK) {
-    print_escaped("REGEX", c.text);
-    p_vllm_completion_free(&c);
-  }
+  complete_print(e, "REGEX", "id: ", &sp);
   sp = greedy(60);
   sp.structured_grammar = "root ::= \"(\" [0-9] \")\"";
-  st = p_vllm_complete(e, "g: ", &sp, &c);
-  CHECK(st == VLLM_OK, "grammar status %d: %s", st, p_vllm_last_error());
-  if (st == VLLM_OK) {
-    print_escaped("GRAMMAR", c.text);
-    p_vllm_completion_free(&c);
-  }
+  complete_print(e, "GRAMMAR", "g: ", &sp);
   sp = greedy(4);
   sp.structured_regex = "a(";
   EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
@@ -628,9 +624,7 @@ static void case_structured(int argc, char** argv) {
   EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
   print_escaped("ERR_CHOICE", p_vllm_last_error());
   sp = greedy(4);
-  st = p_vllm_complete(e, "x", &sp, &c);
-  CHECK(st == VLLM_OK, "engine still serves: %d", st);
-  if (st == VLLM_OK) p_vllm_completion_free(&c);
+  complete_print(e, "AFTER", "x", &sp); /* the engine still serves */
   p_vllm_engine_free(e);
 }
 

@@ -439,6 +439,7 @@ def test_structured_output_fields(capi_test_bin, capi_lib, llama_dir):
     assert "Invalid regular expression" in line["ERR_REGEX"] and "'uniqueItems' at #" in line["ERR_JSON"]
     assert "at most one of" in line["ERR_TWO"] and "structured_regex, structured_json_object" in line["ERR_TWO"]
     assert "structured_choice is NULL" in line["ERR_CHOICE"]
+    assert "AFTER" in line  # the engine serves on
 
 
 def test_chat_response_format(capi_test_bin, capi_lib, llama_dir):

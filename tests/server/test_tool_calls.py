@@ -4,11 +4,10 @@ as OpenAI sends them, tool calls and tool results in the history, and 400s."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.conftest import MODEL_NAME, openai_client, serve_app
 from tests.server.http_util import collect_stream, post
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -27,20 +26,13 @@ MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def tool_server(engine):
     """An app over the session engine with the hermes parser and auto tool choice."""
-    from server import BackgroundServer, create_app
-
-    app = create_app(engine, SimpleNamespace(served_model_name=[MODEL_NAME], tool_call_parser="hermes",
-                                             enable_auto_tool_choice=True))
-    srv = BackgroundServer(app, port=0).start()
-    yield srv
-    srv.stop()
+    yield from serve_app(engine, served_model_name=[MODEL_NAME], tool_call_parser="hermes",
+                         enable_auto_tool_choice=True)
 
 
 @pytest.fixture(scope="module")
 def tool_client(tool_server):
-    import openai
-
-    return openai.OpenAI(base_url=tool_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(tool_server)
 
 
 def _check_calls(calls, names=None):
