@@ -42,9 +42,10 @@ setup(
         "pydantic>=2",
         "prometheus_client",
         "tqdm",
+        "xgrammar>=0.1.21",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "openai>=1.0", "requests", "hypothesis", "triton; platform_system=='Linux'"],
+        "test": ["pytest", "pytest-timeout", "openai>=1.0", "requests", "jsonschema", "hypothesis", "triton; platform_system=='Linux'"],
     },
     entry_points={"console_scripts": ["vengine=server.cli:main"]},
 )

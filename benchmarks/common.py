@@ -397,8 +397,18 @@ def write_json(path: Optional[str], payload: dict) -> None:
 
 
 def stats_delta(before, after) -> dict:
-    """Host time per step between two SchedulerStats snapshots."""
+    """Host time per step between two SchedulerStats snapshots, and the part of it spent
+    filling structured-output bitmasks: ms per step (all steps), ms per step that had
+    constrained rows, µs per constrained row."""
+    def per(x, n, scale):
+        return scale * x / n if n > 0 else float("nan")
     steps = after.num_steps - before.num_steps
     host = after.step_host_time_s - before.step_host_time_s
-    return {"num_steps": steps, "step_host_time_s": host,
-            "host_ms_per_step": (1e3 * host / steps) if steps > 0 else float("nan")}
+    gt = after.grammar_bitmask_time_s - before.grammar_bitmask_time_s
+    gsteps = after.grammar_bitmask_steps - before.grammar_bitmask_steps
+    grows = after.grammar_bitmask_rows - before.grammar_bitmask_rows
+    return {"num_steps": steps, "step_host_time_s": host, "host_ms_per_step": per(host, steps, 1e3),
+            "grammar_bitmask_time_s": gt, "grammar_bitmask_steps": gsteps, "grammar_bitmask_rows": grows,
+            "grammar_bitmask_ms_per_step": per(gt, steps, 1e3),
+            "grammar_bitmask_ms_per_constrained_step": per(gt, gsteps, 1e3),
+            "grammar_bitmask_us_per_row": per(gt, grows, 1e6)}

@@ -288,19 +288,24 @@ def run_http(base_url: str, reqs: list[Req], model: Optional[str], endpoint: str
 
 
 def run_in_process(engine, reqs: list[Req], max_concurrency: Optional[int], request_rate: float, seed: int,
-                   ignore_eos: bool = True) -> tuple[list, float]:
+                   ignore_eos: bool = True, sampling: Optional[dict] = None,
+                   token_ids: Optional[list] = None) -> tuple[list, float]:
+    """``reqs`` streamed through ``engine.generate`` (greedy, DELTA outputs); ``sampling``:
+    more SamplingParams fields; ``token_ids``: a list that gets each request's output ids."""
     import asyncio
     import uuid
 
     from pyengine import RequestOutputKind, SamplingParams
 
     results = [Result(False, len(r.prompt)) for r in reqs]
+    if token_ids is not None:
+        token_ids[:] = [[] for _ in reqs]
 
     async def one(i: int, r: Req, sem):
         async with sem:
             res = results[i]
             sp = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=ignore_eos,
-                                output_kind=RequestOutputKind.DELTA)
+                                output_kind=RequestOutputKind.DELTA, **(sampling or {}))
             res.start, t_send = time.time(), time.perf_counter()
             last = None
             try:
@@ -309,6 +314,8 @@ def run_in_process(engine, reqs: list[Req], max_concurrency: Optional[int], requ
                     o = out.outputs[0]
                     res.output_tokens += len(o.token_ids)
                     res.events += 1
+                    if token_ids is not None:
+                        token_ids[i].extend(o.token_ids)
                     if o.token_ids:
                         if last is None:
                             res.ttft = now - t_send

@@ -22,7 +22,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
+from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 from capi.chat import ChatRequestError, parse_chat_request
 
@@ -268,15 +268,45 @@ def _strings(arr, n: int, what: str) -> list[str]:
     return out
 
 
+def _cstr_field(sp, name: str):
+    """A ``const char*`` field of vllm_sampling_params as str (None when NULL)."""
+    v = getattr(sp, name)
+    if v == ffi.NULL:
+        return None
+    try:
+        return ffi.string(v).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Refused(f"vllm_sampling_params.{name} is not valid UTF-8: {e}") from None
+
+
+def _structured_outputs(sp):
+    """vllm.cpp's structured-output fields -> StructuredOutputsParams (None when unset).
+    The schema / regex / grammar itself is checked when the request is submitted (the
+    engine's input processing), with the same messages as Python and HTTP."""
+    if sp.structured_json_object not in (0, 1):
+        raise _Refused(f"vllm_sampling_params.structured_json_object must be 0 or 1, got {sp.structured_json_object}")
+    given = {"json": _cstr_field(sp, "structured_json"), "regex": _cstr_field(sp, "structured_regex"),
+             "grammar": _cstr_field(sp, "structured_grammar"),
+             "choice": _strings(sp.structured_choice, sp.n_structured_choice, "structured_choice") or None,
+             "json_object": True if sp.structured_json_object else None}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        names = {"json": "structured_json", "regex": "structured_regex", "grammar": "structured_grammar",
+                 "choice": "structured_choice", "json_object": "structured_json_object"}
+        raise _Refused("vllm_sampling_params: set at most one of structured_json, structured_regex, structured_choice, "
+                       f"structured_grammar, structured_json_object (got {', '.join(names[k] for k in given)})")
+    try:
+        return StructuredOutputsParams(**given)
+    except ValueError as e:
+        raise _Refused(str(e).replace("structured_outputs.", "vllm_sampling_params.structured_")) from None
+
+
 def _sampling(sp) -> tuple[SamplingParams, int]:
-    for name in ("structured_json", "structured_regex", "structured_grammar", "structured_choice",
-                 "logits_processor"):
-        if getattr(sp, name) != ffi.NULL:
-            raise _Refused(f"vllm_sampling_params.{name} is set, but vengine does not support it")
-    if sp.n_structured_choice != 0:
-        raise _Refused("vllm_sampling_params.n_structured_choice is set, but vengine does not support structured output")
-    if sp.structured_json_object != 0:
-        raise _Refused("vllm_sampling_params.structured_json_object is set, but vengine does not support it")
+    if sp.logits_processor != ffi.NULL:
+        raise _Refused("vllm_sampling_params.logits_processor is set, but vengine does not support it")
+    structured = _structured_outputs(sp)
     try:
         params = SamplingParams(
             temperature=float(sp.temperature), top_p=float(sp.top_p), top_k=int(sp.top_k),
@@ -285,7 +315,7 @@ def _sampling(sp) -> tuple[SamplingParams, int]:
             presence_penalty=float(sp.presence_penalty), frequency_penalty=float(sp.frequency_penalty),
             repetition_penalty=float(sp.repetition_penalty), min_tokens=int(sp.min_tokens),
             ignore_eos=bool(sp.ignore_eos), stop=_strings(sp.stop, sp.n_stop, "stop"),
-            output_kind=RequestOutputKind.DELTA)
+            output_kind=RequestOutputKind.DELTA, structured_outputs=structured)
     except _Refused:
         raise
     except ValueError as e:  # the engine's message, word for word (as HTTP and Python get it)

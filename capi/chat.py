@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pyengine.entrypoints.structured_outputs import structured_outputs_from_request
+from pyengine.exceptions import VLLMValidationError
+
 # Fields of an OpenAI chat request for features vengine does not have: refused, never
 # ignored. (name -> value that means "not used")
 _REFUSED = {
@@ -15,17 +18,11 @@ _REFUSED = {
     "functions": (None, []),
     "tool_choice": (None, "none"),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "audio": (None,),
     "prediction": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
 }
 # Keys of chat_template_kwargs that would replace what the renderer supplies.
 _RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "tools", "chat_template", "tokenize")
@@ -67,6 +64,10 @@ def parse_chat_request(raw: str, processor, sampling_params_cls, output_kind):
         raise ChatRequestError("request_json must be a JSON object")
     for name, unused in _REFUSED.items():
         if name in body and body[name] not in unused:
+            if name in ("tools", "functions", "tool_choice", "function_call"):
+                raise ChatRequestError(f"request field {name!r} is not supported by vllm_chat: tool calling is "
+                                       "served over HTTP (vengine serve --enable-auto-tool-choice "
+                                       "--tool-call-parser hermes)")
             raise ChatRequestError(f"request field {name!r} is not supported by vengine")
     n = body.get("n", 1)
     if n not in (None, 1):
@@ -106,7 +107,11 @@ def parse_chat_request(raw: str, processor, sampling_params_cls, output_kind):
 
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     stop = body.get("stop")
-    sp_kwargs = dict(output_kind=output_kind, max_tokens=max_tokens, stop=stop)
+    try:  # response_format, structured_outputs, guided_*: the HTTP server's rules
+        structured = structured_outputs_from_request(body)
+    except VLLMValidationError as e:
+        raise ChatRequestError(str(e)) from None
+    sp_kwargs = dict(output_kind=output_kind, max_tokens=max_tokens, stop=stop, structured_outputs=structured)
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
                  "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output"):

@@ -123,7 +123,11 @@ typedef struct vllm_sampling_params {
   int32_t ignore_eos;       /* 0/1 */
   const char* const* stop;  /* n_stop stop strings, may be NULL */
   int32_t n_stop;
-  /* structured output: not supported by vengine, must stay NULL / 0 */
+  /* structured output (xgrammar; docs/structured_outputs.md): at most one of
+   * structured_json (a JSON schema, as text), structured_regex, structured_choice
+   * (n_structured_choice UTF-8 strings), structured_grammar (EBNF / GBNF),
+   * structured_json_object = 1 (any JSON object). NULL / 0: unconstrained. An invalid
+   * or unsupported constraint is VLLM_ERR_INVALID_ARGUMENT with the engine's message. */
   const char* structured_json;
   const char* structured_regex;
   const char* const* structured_choice;
@@ -234,8 +238,9 @@ VLLM_API void vllm_request_free(vllm_request* request);
  * request_json: one /v1/chat/completions request (messages, max_tokens /
  * max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop,
  * penalties, ignore_eos, min_tokens, priority, chat_template_kwargs, ...;
- * `model` and `stream` are ignored; tools, response_format, logprobs and n > 1
- * are refused). The model's chat template is applied.
+ * response_format, structured_outputs and guided_* as over HTTP; `model` and
+ * `stream` are ignored; tools, logprobs and n > 1 are refused). The model's chat
+ * template is applied.
  * vllm_chat: *out_response_json is a malloc'd chat.completion object (free with
  * vllm_string_free). vllm_chat_stream: one chat.completion.chunk JSON object per
  * callback, then the final callback (finished == true, ""). */

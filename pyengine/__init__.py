@@ -8,7 +8,7 @@ from pyengine.engine.detokenizer import prompt_text_for_echo
 from pyengine.engine.output_processor import RequestOutputCollector
 from pyengine.exceptions import EngineDeadError, VLLMValidationError
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pyengine.sampling_params import RequestOutputKind, SamplingParams
+from pyengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -29,6 +29,6 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncLLM", "MPClient", "start_engine_core_process", "SamplingParams", "RequestOutputKind", "EngineArgs", "EngineConfig",
+__all__ = ["LLM", "AsyncLLM", "MPClient", "start_engine_core_process", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "EngineArgs", "EngineConfig",
            "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineDeadError",
            "RequestOutputCollector", "SchedulerStats", "FinishReason", "SchedulingPolicy", "VLLMValidationError", "prompt_text_for_echo", "__version__"]

@@ -11,13 +11,14 @@ from pyengine.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_FSM = 1  # its structured-output grammar is compiling; not in the waiting queue yet
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything after this is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6  # this request failed inside the engine core; the others go on
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # this request failed inside the engine core; the others go on
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -63,6 +64,13 @@ class Request:
         self.num_output_placeholders = 0
         self.num_preemptions = 0  # also the "epoch": outputs scheduled before a preemption are dropped
         self.block_hashes: list[int] = []
+        # Grammar state of a constrained request (pyengine.structured_output); set by the
+        # scheduler's StructuredOutputManager, None for unconstrained requests.
+        self.structured_output_request = None
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,81 @@ def _check_float(name: str, v, lo: float, hi: float, lo_open: bool) -> float:
     return v
 
 
+# The constraint fields of StructuredOutputsParams: exactly one is set per request.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (mirrors vllm/sampling_params.py's
+    ``StructuredOutputsParams``): exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is a JSON value that
+      validates against it;
+    - ``regex``: the output matches the regular expression (whole match);
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: an EBNF (GBNF-style, xgrammar's dialect) grammar whose ``root`` rule the
+      output matches;
+    - ``json_object=True``: the output is a JSON object (any keys);
+    - ``structural_tag``: not supported (refused).
+
+    Options: ``disable_any_whitespace`` (JSON without whitespace between tokens, instead
+    of any amount), ``disable_additional_properties`` (objects take only the schema's
+    properties; vengine always does this unless the schema allows more), and
+    ``whitespace_pattern`` (not supported with xgrammar: refused).
+
+    Raises:
+        ValueError (``VLLMValidationError``, ``parameter`` "structured_outputs"): none or
+            more than one constraint set, or a field of the wrong type. Whether the
+            schema / regex / grammar itself is valid is checked by the engine's input
+            processing (``Processor.process``), which compiles nothing it cannot honour.
+    """
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+    structural_tag: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.json_object is False:
+            self.json_object = None  # "not JSON mode" is no constraint
+        set_ = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None]
+        if len(set_) != 1:
+            raise VLLMValidationError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object "
+                f"(got {', '.join(set_) if set_ else 'none'}).", parameter="structured_outputs")
+        checks = {"json": (str, dict), "regex": str, "grammar": str, "json_object": bool,
+                  "structural_tag": str, "whitespace_pattern": str}
+        for name, types in checks.items():
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, types) or (types is str and not v)):
+                what = "a JSON schema object or its JSON text" if name == "json" else (
+                    "a boolean" if types is bool else "a non-empty string")
+                raise VLLMValidationError(f"structured_outputs.{name} must be {what}, got {v!r:.200}.",
+                                          parameter=f"structured_outputs.{name}")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if (not isinstance(self.choice, list) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise VLLMValidationError("structured_outputs.choice must be a non-empty list of non-empty "
+                                          f"strings, got {self.choice!r:.200}.",
+                                          parameter="structured_outputs.choice")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise VLLMValidationError(f"structured_outputs.{name} must be a boolean.",
+                                          parameter=f"structured_outputs.{name}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None)
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters for one request; defaults as vLLM's.
@@ -88,6 +163,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, text stays ""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrained decoding (JSON schema, regex, choice, grammar); see StructuredOutputsParams.
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Token ids that end generation by default (EOS etc.), filled from the model's
     # generation config by the engine; not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -140,6 +217,18 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise VLLMValidationError(f"{name} must be a boolean, got {getattr(self, name)!r}.",
                                           parameter=name, value=getattr(self, name))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                   StructuredOutputsParams):
+            if isinstance(self.structured_outputs, dict):
+                unknown = sorted(set(self.structured_outputs) - _SO_FIELDS)
+                if unknown:
+                    raise VLLMValidationError(f"Unknown structured_outputs field(s): {', '.join(unknown)}. "
+                                              f"Valid fields: {', '.join(sorted(_SO_FIELDS))}.",
+                                              parameter="structured_outputs")
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            else:
+                raise VLLMValidationError("structured_outputs must be a StructuredOutputsParams.",
+                                          parameter="structured_outputs")
         if self.n > 1 and self.sampling_type_greedy:
             raise VLLMValidationError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.",
                                       parameter="n", value=self.n)
@@ -162,6 +251,7 @@ class SamplingParams:
         return new
 
 
+_SO_FIELDS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.name != "all_stop_token_ids"}
 _DEFAULT_MAX_TOKENS = SamplingParams.max_tokens
 _MAX_TOKENS_POS = [f.name for f in dataclasses.fields(SamplingParams)].index("max_tokens")

@@ -25,6 +25,8 @@ from pyengine import envs
 from .bridge import ClientDisconnected, GeventBridge, RequestGroup, ServerShuttingDown, is_engine_dead
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .tool_calling import (ToolCallingError, chat_tool_mode, make_extractor, refuse_tool_fields,
+                           request_structured_outputs, template_messages)
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,8 @@ class ServerConfig:
     vocab_size: Optional[int] = None
     scheduling_policy: str = "fcfs"
     dev_mode: bool = False  # VENGINE_SERVER_DEV_MODE (vLLM's VLLM_SERVER_DEV_MODE): development endpoints (/reset_prefix_cache)
+    tool_call_parser: Optional[str] = None  # --tool-call-parser (pyengine.tool_parsers)
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
 
     @classmethod
     def from_args(cls, engine, args) -> "ServerConfig":
@@ -125,6 +129,8 @@ class ServerConfig:
                    max_model_len=int(getattr(ecfg, "max_model_len", 0) or 0),
                    vocab_size=getattr(hf, "vocab_size", None),
                    scheduling_policy=getattr(ecfg, "scheduling_policy", "fcfs"),
+                   tool_call_parser=getattr(args, "tool_call_parser", None) if args is not None else None,
+                   enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
                    dev_mode=envs.server_dev_mode())
 
 
@@ -252,7 +258,7 @@ def _completion_prompts(st: ServerState, req: CompletionRequest) -> list[tuple[O
 
 
 def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: Optional[int],
-                     prompt_lens: list[int], stream: bool):
+                     prompt_lens: list[int], stream: bool, structured_outputs=None):
     from pyengine import RequestOutputKind, SamplingParams
 
     _check_prompt_length(st, max(prompt_lens), "prompt" if hasattr(req, "prompt") else "messages")
@@ -263,7 +269,7 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
         raise APIError(400, "best_of is not supported (it must equal n).", "best_of")
     if req.priority not in (None, 0) and st.cfg.scheduling_policy != "priority":
         raise APIError(400, "priority is only supported with --scheduling-policy priority.", "priority")
-    kw = dict(n=n, logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
+    kw = dict(n=n, logprobs=logprobs, output_kind=RequestOutputKind.DELTA, structured_outputs=structured_outputs)
     if max_tokens is not _ENGINE_DEFAULT:  # else the engine's default, capped at the room left
         kw["max_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
@@ -283,16 +289,13 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
         raise APIError(400, str(e), param) from None
 
 
-def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    msgs = []
-    for m in req.messages:
-        d = {"role": m.role, "content": m.text()}
-        if m.name:
-            d["name"] = m.name
-        msgs.append(d)
+def _chat_prompt(st: ServerState, req: ChatCompletionRequest, tools: list) -> tuple[str, list[int]]:
+    msgs = template_messages(req)
     tok = st.tokenizer
     template = st.cfg.chat_template or getattr(tok, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
     kwargs = dict(req.chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
     try:
         text = st.bridge.run_blocking(  # off the hub, like the tokenization below
             tok.apply_chat_template, msgs, chat_template=template, tokenize=False,
@@ -394,7 +397,7 @@ class _Job:
 
     def __init__(self, st: ServerState, *, chat: bool, model: str, prompts, sp, priority: int,
                  want_logprobs: bool, num_top: Optional[int], echo_texts: Optional[list],
-                 include_usage: bool, continuous_usage: bool):
+                 include_usage: bool, continuous_usage: bool, tool_mode=None):
         self.st, self.chat, self.model = st, chat, model
         self.prompts, self.sp, self.priority = prompts, sp, priority
         self.n = sp.n
@@ -406,6 +409,9 @@ class _Job:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(len(prompts) * self.n)]
+        # chat: content and tool calls of each choice (server.tool_calling)
+        self.extractors = [make_extractor(tool_mode, st.cfg.tool_call_parser, st.tokenizer)
+                           for _ in self.choices] if tool_mode is not None else None
         if echo_texts is not None:  # text offsets count the echoed prompt
             for idx, ch in enumerate(self.choices):
                 ch.offset = len(echo_texts[idx // self.n])
@@ -516,9 +522,9 @@ class _Job:
                     start = len(self.echo_texts[idx // self.n]) if self.echo_texts is not None else 0
                     lp = self.fmt.completion_logprobs(ch, tids, lps, start)
             if self.chat:
-                choices.append({"index": idx, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": ch.finish_reason,
-                                "stop_reason": ch.stop_reason})
+                ext = self.extractors[idx]
+                choices.append({"index": idx, "message": ext.message(text), "logprobs": lp,
+                                "finish_reason": ext.finish_reason(ch.finish_reason), "stop_reason": ch.stop_reason})
             else:
                 choices.append({"index": idx, "text": text, "logprobs": lp,
                                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
@@ -549,7 +555,17 @@ class _Job:
                     else:
                         lp = self.fmt.completion_logprobs(ch, token_ids, lps, ch.offset)
                 if self.chat:
-                    c = {"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp,
+                    ext = self.extractors[idx]
+                    deltas = ext.stream(text) + (ext.finish() if finish is not None else [])
+                    if finish is not None:
+                        finish = ext.finish_reason(finish)
+                    # every delta but the last goes in a chunk of its own
+                    for d in deltas[:-1]:
+                        yield _sse(dict(head, choices=[{"index": idx, "delta": d, "logprobs": None,
+                                                        "finish_reason": None}]))
+                    if not deltas and finish is None and lp is None:
+                        continue  # held back (a tool call in progress)
+                    c = {"index": idx, "delta": deltas[-1] if deltas else {}, "logprobs": lp,
                          "finish_reason": finish}
                 else:
                     c = {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
@@ -634,6 +650,10 @@ def create_app(engine, args=None) -> Flask:
     @app.errorhandler(APIError)
     def _api_error(e: APIError):
         return error_response(e.status, e.message, e.param)
+
+    @app.errorhandler(ToolCallingError)
+    def _tool_calling_error(e: ToolCallingError):
+        return error_response(400, str(e), e.param)
 
     @app.errorhandler(ValidationError)
     def _validation_error(e: ValidationError):
@@ -724,12 +744,13 @@ def create_app(engine, args=None) -> Flask:
         _check_stream_options(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported.", "suffix")
+        refuse_tool_fields(req)
         prompts = _completion_prompts(st, req)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs).", "echo")
         max_tokens = _ENGINE_DEFAULT if req.max_tokens is None else req.max_tokens
         sp = _sampling_params(st, req, max_tokens, req.logprobs, [len(ids) for _, ids in prompts],
-                              bool(req.stream))
+                              bool(req.stream), request_structured_outputs(req))
         echo = None
         if req.echo:
             from pyengine import prompt_text_for_echo
@@ -746,17 +767,19 @@ def create_app(engine, args=None) -> Flask:
         req = _parse(ChatCompletionRequest)
         model = _check_model(st, req.model)
         _check_stream_options(req)
-        text, ids = _chat_prompt(st, req)
+        tools, tool_mode = chat_tool_mode(req, cfg.tool_call_parser, cfg.enable_auto_tool_choice)
+        constraint = request_structured_outputs(req, tool_mode)
+        text, ids = _chat_prompt(st, req, tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        sp = _sampling_params(st, req, max_tokens, num_top, [len(ids)], bool(req.stream))
+        sp = _sampling_params(st, req, max_tokens, num_top, [len(ids)], bool(req.stream), constraint)
         so = req.stream_options
         job = _Job(st, chat=True, model=model, prompts=[(text, ids)], sp=sp, priority=req.priority or 0,
                    want_logprobs=bool(req.logprobs), num_top=num_top, echo_texts=None,
                    include_usage=bool(so and so.include_usage),
-                   continuous_usage=bool(so and so.continuous_usage_stats))
+                   continuous_usage=bool(so and so.continuous_usage_stats), tool_mode=tool_mode)
         return _run_job(job, bool(req.stream))
 
     return app

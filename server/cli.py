@@ -12,6 +12,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from pyengine import envs
+from pyengine.tool_parsers import ToolParserManager
 
 from .app import DEFAULT_MAX_BODY_BYTES
 from .wsgi import (DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_REQUEST_READ_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT,
@@ -63,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Require 'Authorization: Bearer KEY' on /v1/* (default: $VENGINE_API_KEY or $VLLM_API_KEY, else none).")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template, or a file holding one (default: the tokenizer's).")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser.')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(ToolParserManager.tool_parsers),
+                   help="How tool calls are read from the model's output (hermes: <tool_call>{...}</tool_call>, "
+                        "the Qwen/Hermes format). tool_choice \"required\" and named functions work without it.")
     p.add_argument("--max-concurrent-streams", type=int, default=DEFAULT_MAX_CONCURRENT_STREAMS,
                    help="Most requests served at once (streams included; idle connections do not count, "
                         "nor do /health, /metrics, /version, /v1/models); one more gets 503 with "
@@ -103,6 +109,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.timeout_keep_alive = envs.http_timeout_keep_alive(DEFAULT_TIMEOUT_KEEP_ALIVE)
         except ValueError as e:
             build_parser().error(str(e))
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        build_parser().error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.max_concurrent_streams < 1:
         build_parser().error("--max-concurrent-streams must be >= 1")
     if args.api_server_count < 1:

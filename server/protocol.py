@@ -50,7 +50,25 @@ class _SamplingFields(_Schema):
     best_of: Optional[int] = None
     logit_bias: Optional[dict[str, float]] = None
     request_id: Optional[str] = None
+    # Structured outputs (pyengine.entrypoints.structured_outputs maps and checks them):
+    # OpenAI's response_format, vLLM's structured_outputs object and older guided_* fields.
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[dict] = None
+    guided_json: Optional[Union[str, dict]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
 
+    def structured_output_fields(self) -> dict:
+        """The fields that may ask for a constraint, as plain JSON values."""
+        return {k: getattr(self, k) for k in STRUCTURED_OUTPUT_FIELDS}
+
+
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                            "guided_choice", "guided_grammar", "guided_decoding_backend",
+                            "guided_whitespace_pattern")
 
 PromptType = Union[str, list[str], list[int], list[list[int]]]
 
@@ -68,10 +86,23 @@ class TextContentPart(_Schema):
     text: str
 
 
+class FunctionCall(_Schema):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Schema):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Schema):
     role: str
     content: Optional[Union[str, list[TextContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # role "tool": the call this answers
 
     def text(self) -> str:
         if self.content is None:
@@ -91,3 +122,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
     chat_template_kwargs: Optional[dict] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list] = None  # OpenAI's deprecated form: refused (use tools)
+    function_call: Optional[Union[str, dict]] = None

@@ -71,33 +71,59 @@ class EngineCore:
         return self.scheduler.has_requests() or bool(self.batch_queue)
 
     def step(self) -> Optional[EngineCoreOutputs]:
-        """Schedule, execute, sample, update: one synchronous step."""
+        """Schedule, execute, sample, update: one synchronous step. With constrained rows,
+        the bitmask is filled while the device runs the forward (sampling deferred)."""
         if not self.scheduler.has_unfinished_requests():
             return self.scheduler.take_pending_outputs()
         so = self.scheduler.schedule()
         if so.is_empty:
             return self.scheduler.take_pending_outputs()
-        return self.scheduler.update_from_output(so, self.model_executor.execute_model(so))
+        ex = self.model_executor
+        if so.has_structured_output:
+            ex.execute_model(so, defer_sampling=True)
+            out = ex.sample_tokens(self.scheduler.get_grammar_bitmask(so))
+        else:
+            out = ex.execute_model(so)
+        return self.scheduler.update_from_output(so, out)
 
     def step_with_batch_queue(self) -> Optional[EngineCoreOutputs]:
         """Async scheduling: launch batch N+1 before consuming batch N's sampled tokens.
 
         Returns None (or only abort outputs) right after a launch that left the queue
-        non-full, so the caller loops back and schedules the next batch at once."""
+        non-full, so the caller loops back and schedules the next batch at once.
+
+        Structured outputs (vLLM's deferred sampling): the bitmask of batch N+1 needs batch
+        N's tokens accepted by the grammars. So when N+1 has constrained rows and N is in
+        flight, N+1's forward is launched, then N's tokens are consumed, then N+1's bitmask
+        is filled on the host (the device still runs N+1's forward) and its sampling
+        launched. Every batch in the queue has been sampled (batch N+1's forward feeds N's
+        sampled ids)."""
+        ex = self.model_executor
+        deferred = None
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
             if not so.is_empty:
-                self.batch_queue.append((so, self.model_executor.execute_model(so, non_blocking=True)))
-                if len(self.batch_queue) < self.batch_queue_size:
-                    return self.scheduler.take_pending_outputs()
+                if so.has_structured_output and self.batch_queue:
+                    ex.execute_model(so, non_blocking=True, defer_sampling=True)
+                    deferred = so
+                else:
+                    grammar = self.scheduler.get_grammar_bitmask(so) if so.has_structured_output else None
+                    self.batch_queue.append((so, ex.execute_model(so, non_blocking=True, grammar_output=grammar)))
+                    if len(self.batch_queue) < self.batch_queue_size:
+                        return self.scheduler.take_pending_outputs()
         if not self.batch_queue:
             return self.scheduler.take_pending_outputs()
         so, pending = self.batch_queue.popleft()
-        return self.scheduler.update_from_output(so, pending.get_output())
+        outputs = self.scheduler.update_from_output(so, pending.get_output())
+        if deferred is not None:
+            grammar = self.scheduler.get_grammar_bitmask(deferred)
+            self.batch_queue.append((deferred, ex.sample_tokens(grammar)))
+        return outputs
 
     def shutdown(self) -> None:
         """Release device memory (model, KV cache, graphs); no more steps after this."""
         self.batch_queue.clear()
+        self.scheduler.structured_output_manager.shutdown()
         self.model_executor.shutdown()
 
     def step_fn(self):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import cbor2
 
-from pyengine.sampling_params import RequestOutputKind, SamplingParams
+from pyengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class FinishReason(enum.StrEnum):
@@ -93,6 +93,9 @@ class SchedulerStats:
     num_steps: int = 0
     step_host_time_s: float = 0.0  # cumulative host time spent in schedule + launch + update, seconds
     num_batched_tokens: int = 0
+    grammar_bitmask_time_s: float = 0.0  # cumulative host time filling structured-output bitmasks, seconds
+    grammar_bitmask_steps: int = 0  # cumulative steps that had constrained rows (a bitmask filled)
+    grammar_bitmask_rows: int = 0  # cumulative constrained rows (one per constrained request per such step)
 
 
 @dataclass
@@ -141,7 +144,8 @@ class UtilityOutput:
 
 _TYPES = {c.__name__: c for c in (EngineCoreRequest, EngineCoreAbort, LogprobsEntry, EngineCoreOutput,
                                   SchedulerStats, EngineCoreOutputs, EngineDeadMessage, SamplingParams,
-                                  EngineCoreReady, EngineCoreShutdown, UtilityRequest, UtilityOutput)}
+                                  EngineCoreReady, EngineCoreShutdown, UtilityRequest, UtilityOutput,
+                                  StructuredOutputsParams)}
 _OUTPUTS_FORMAT = "EngineCoreOutputs/columns-3"
 _STATS_FIELDS = [f.name for f in dataclasses.fields(SchedulerStats)]
 # A list of these is sent as it is: walking a prompt's token ids one by one cost ~150 us

@@ -3,6 +3,7 @@
 ValueError there and nothing reaches the engine."""
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import time
@@ -11,9 +12,12 @@ from typing import Any, Optional
 from pyengine.config import EngineConfig
 from pyengine.engine.messages import EngineCoreRequest
 from pyengine.exceptions import VLLMValidationError
-from pyengine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from pyengine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
+# Validated structured-output constraints remembered per Processor (a client usually sends
+# one schema many times).
+_SO_CACHE_SIZE = 256
 
 
 def eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
@@ -155,10 +159,34 @@ class Processor:
         self.tokenizer = tokenizer
         self.vocab_size = config.hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(config, tokenizer)
+        self._so_cache: collections.OrderedDict = collections.OrderedDict()
         # Longest text prompt that could fit (None: no cheap bound for this tokenizer).
         per_token = max_chars_per_token(tokenizer)
         self.max_prompt_chars: Optional[int] = (
             None if per_token is None else int((config.max_model_len - 1) * per_token))
+
+    def validate_structured_outputs(self, so: StructuredOutputsParams) -> StructuredOutputsParams:
+        """``so`` checked and normalized (a JSON schema as its JSON text) by the xgrammar
+        backend (``pyengine.structured_output.backend_xgrammar``). Raises
+        VLLMValidationError naming the field and the problem."""
+        from pyengine.structured_output.backend_xgrammar import validate_structured_outputs
+
+        value = getattr(so, so.kind)
+        try:
+            key = (so.kind, value if isinstance(value, (str, bool)) else json.dumps(value, sort_keys=True),
+                   so.disable_any_whitespace, so.disable_additional_properties, so.whitespace_pattern)
+        except (TypeError, ValueError):
+            key = None  # not JSON-serializable: validation reports it
+        hit = self._so_cache.get(key) if key is not None else None
+        if hit is not None:
+            self._so_cache.move_to_end(key)
+            return hit
+        checked = validate_structured_outputs(so)
+        if key is not None:
+            self._so_cache[key] = checked
+            if len(self._so_cache) > _SO_CACHE_SIZE:
+                self._so_cache.popitem(last=False)
+        return checked
 
     def check_prompt_text(self, text: str, parameter: str = "prompt") -> None:
         """The cheap bound, before a text prompt is tokenized: more characters than
@@ -272,7 +300,10 @@ class Processor:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        params = params.clone(all_stop_token_ids=stop_ids)
+        changes = {"all_stop_token_ids": stop_ids}
+        if params.structured_outputs is not None:
+            changes["structured_outputs"] = self.validate_structured_outputs(params.structured_outputs)
+        params = params.clone(**changes)
         max_tokens = self._resolve_max_tokens(len(ids), params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         suffix = f"-{next(self._counter)}"

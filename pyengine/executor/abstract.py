@@ -10,9 +10,11 @@ from pyengine.core.sched.output import SchedulerOutput
 class Executor(ABC):
     """Owns the model runner(s) of one engine. ``Executor.get_class(config)(config)`` loads
     the model; ``initialize_kv_cache()`` sizes and allocates the KV cache (returns the
-    number of blocks); ``execute_model(so, non_blocking)`` runs one step and returns what
-    ``ModelRunner.execute_model`` returns (rank 0's sampled tokens); ``shutdown()`` frees
-    everything. ``driver_runner``: the ModelRunner in this process (rank 0)."""
+    number of blocks); ``execute_model(so, non_blocking, grammar_output, defer_sampling)``
+    runs one step and returns what ``ModelRunner.execute_model`` returns (rank 0's sampled
+    tokens, or None when sampling is deferred to ``sample_tokens(grammar_output)``);
+    ``shutdown()`` frees everything. ``driver_runner``: the ModelRunner in this process
+    (rank 0)."""
 
     @staticmethod
     def get_class(config: EngineConfig) -> type["Executor"]:
@@ -30,7 +32,12 @@ class Executor(ABC):
         ...
 
     @abstractmethod
-    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False):
+    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False, grammar_output=None,
+                      defer_sampling: bool = False):
+        ...
+
+    @abstractmethod
+    def sample_tokens(self, grammar_output=None):
         ...
 
     @abstractmethod

@@ -107,6 +107,7 @@ class MultiprocExecutor(Executor):
         self.failure: Optional[str] = None
         self._ready = False
         self._closed = False
+        self._non_blocking = False  # of the step in progress (execute_model -> sample_tokens)
         self._stop_r, self._stop_w = multiprocessing.Pipe(duplex=False)
         self.driver = Worker(config, 0, self.world_size,
                              get_distributed_init_method(_HOST, get_open_port(_HOST)))
@@ -173,16 +174,28 @@ class MultiprocExecutor(Executor):
         self._ready = True
         return n
 
-    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False):
+    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False, grammar_output=None,
+                      defer_sampling: bool = False):
+        self._non_blocking = non_blocking
+        return self._checked(self.driver_runner.execute_model, so, non_blocking, grammar_output, defer_sampling)
+
+    def sample_tokens(self, grammar_output=None):
+        return self._checked(self.driver_runner.sample_tokens, grammar_output)
+
+    def _checked(self, fn, *args):
+        """``fn(*args)`` (a runner call), its failure turned into the worker's failure
+        message when a worker died; a non-blocking output wrapped in ``_CheckedOutput``."""
         self.check_alive()
         try:
-            out = self.driver_runner.execute_model(so, non_blocking)
+            out = fn(*args)
         except Exception as e:
             msg = self.failure or self._worker_failure(wait_s=1.0)
             if msg is None:
                 raise
             raise RuntimeError(msg) from e
-        if not non_blocking:
+        if out is None:  # sampling deferred
+            return None
+        if not self._non_blocking:
             self.check_alive()
             return out
         return _CheckedOutput(out, self)

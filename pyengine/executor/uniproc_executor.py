@@ -15,8 +15,12 @@ class UniProcExecutor(Executor):
     def initialize_kv_cache(self) -> int:
         return self.driver_runner.initialize_kv_cache()
 
-    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False):
-        return self.driver_runner.execute_model(so, non_blocking)
+    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False, grammar_output=None,
+                      defer_sampling: bool = False):
+        return self.driver_runner.execute_model(so, non_blocking, grammar_output, defer_sampling)
+
+    def sample_tokens(self, grammar_output=None):
+        return self.driver_runner.sample_tokens(grammar_output)
 
     def shutdown(self) -> None:
         self.driver_runner.release()

@@ -153,6 +153,7 @@ class ModelRunner:
         # Async scheduling: the previous launch's sampled ids (device) and row per request.
         self._prev_sampled: Optional[torch.Tensor] = None
         self._prev_rows: dict[str, int] = {}
+        self._deferred = None  # execute_model(defer_sampling=True) -> sample_tokens
         self._is_cuda = self.device.type == "cuda"
         self.graph_runner = None  # CUDAGraphRunner once captured (CUDA, triton backend, not enforce_eager)
         self.graph_capture_time_s = 0.0
@@ -419,9 +420,17 @@ class ModelRunner:
                 g.set_state(state)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False):
+    def execute_model(self, so: SchedulerOutput, non_blocking: bool = False, grammar_output=None,
+                      defer_sampling: bool = False):
         """Run one step. Returns ModelRunnerOutput, or AsyncModelRunnerOutput when
-        non_blocking (async scheduling)."""
+        non_blocking (async scheduling).
+
+        ``grammar_output`` (a ``pyengine.structured_output.GrammarOutput``): the token
+        bitmask of the constrained rows, applied to the logits (on their device) before
+        sampling. ``defer_sampling``: run the forward and the logits only and return None;
+        ``sample_tokens(grammar_output)`` samples later (vLLM's split), so the host can fill
+        the bitmask, which needs the previous step's tokens, while the device runs this
+        step's forward."""
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
             self._gen_state_before_draw.pop(rid, None)
@@ -434,10 +443,37 @@ class ModelRunner:
         meta_s = self._sampling_metadata(sampled, ph_flags) if sampled else None
         hidden = self._forward(ids, pos, meta)
         if not sampled:
-            return ModelRunnerOutput([], None) if not non_blocking else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None)
-        if rows_t is not None:  # only the last row of each sampling request
-            hidden = hidden[rows_t]
-        logits = self.model.compute_logits(hidden)
+            out = ModelRunnerOutput([], None) if not non_blocking else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None)
+        else:
+            if rows_t is not None:  # only the last row of each sampling request
+                hidden = hidden[rows_t]
+            logits = self.model.compute_logits(hidden)
+            if defer_sampling:
+                self._deferred = (logits, sampled, ph_flags, meta_s, non_blocking)
+                return None
+            out = self._sample(logits, sampled, ph_flags, meta_s, non_blocking, grammar_output)
+        if defer_sampling:
+            self._deferred = out
+            return None
+        return out
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output=None):
+        """Finish the step that ``execute_model(..., defer_sampling=True)`` started: apply
+        ``grammar_output``'s bitmask and sample. Returns what ``execute_model`` would have."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            raise RuntimeError("sample_tokens without a deferred execute_model")
+        if not isinstance(deferred, tuple):
+            return deferred  # the step sampled no row
+        return self._sample(*deferred, grammar_output)
+
+    def _sample(self, logits: torch.Tensor, sampled, ph_flags, meta_s, non_blocking: bool, grammar_output):
+        """Sample the step's rows from ``logits`` float32 [S, V] (device)."""
+        if grammar_output is not None:
+            from pyengine.structured_output.backend_xgrammar import apply_token_bitmask
+            bitmask = grammar_output.bitmask[:len(sampled)].to(self.device, non_blocking=True)
+            apply_token_bitmask(logits, bitmask, grammar_output.rows)
         if not meta_s.no_penalties and any(ph_flags):
             rows = [i for i, f in enumerate(ph_flags) if f]
             src = torch.tensor([self._prev_rows[sampled[i].request.request_id] for i in rows], device=self.device)

@@ -153,3 +153,21 @@ def test_preemption_smoke(tiny_dir, tmp_path):
     r = res["results"]["on"]
     assert r["preemptions_total"] > 0 and r["short_preemptions"]["max"] <= 1
     assert json.loads(out.read_text())["results"]["on"]["steps"] == r["steps"]
+
+
+def test_structured_smoke(tiny_dir, tmp_path):
+    from benchmarks import structured
+
+    out = tmp_path / "structured.json"
+    res = structured.main(["--smoke", "--model-dir", str(tiny_dir), "--json", str(out)])
+    run = res["runs"]["json_schema"][0]
+    n = res["args"]["num_prompts"]
+    # every request ran to its token limit under the schema, and its ids are ones the
+    # grammar accepts; the engine filled one bitmask row per constrained token
+    assert run["full_length_requests"] == run["grammar_accepts_output"] == n
+    assert run["grammar_bitmask_rows"] == run["output_tokens"] == n * res["args"]["output_len"]
+    assert run["grammar_bitmask_us_per_row"] > 0
+    free = res["runs"]["unconstrained"][0]
+    assert free["grammar_bitmask_steps"] == 0 and free["full_length_requests"] == n
+    assert res["ratio_json_schema_vs_unconstrained"] > 0
+    assert json.loads(out.read_text())["summary"].keys() == {"unconstrained", "json_schema"}

@@ -462,6 +462,7 @@ static void case_bad_args(int argc, char** argv) {
   EXPECT_ST(p_vllm_chat_stream(e, "{\"messages\":[]}", rec_cb, NULL), VLLM_ERR_INVALID_ARGUMENT);
   /* unsupported / bad sampling fields */
   sp.structured_regex = "a+";
+  sp.structured_grammar = "root ::= \"a\"";
   EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
   CHECK(strstr(p_vllm_last_error(), "structured_regex") != NULL, "names the field");
   sp = greedy(4);
@@ -587,6 +588,69 @@ static void case_chat(int argc, char** argv) {
   CHECK(st == VLLM_OK, "chat_stream status %d", st);
   CHECK(r.nfinal == 1 && r.after_final == 0, "chat finals %d", r.nfinal);
   printf("CHUNKS %d\n", r.ncalls - 1);
+  p_vllm_engine_free(e);
+}
+
+/* vllm_complete under sp; prints the text as `key` (escaped) and frees it. */
+static void complete_print(vllm_engine* e, const char* key, const char* prompt, const vllm_sampling_params* sp) {
+  vllm_completion c;
+  vllm_status st = p_vllm_complete(e, prompt, sp, &c);
+  CHECK(st == VLLM_OK, "%s status %d: %s", key, st, p_vllm_last_error());
+  if (st == VLLM_OK) {
+    print_escaped(key, c.text);
+    p_vllm_completion_free(&c);
+  }
+}
+
+/* vllm.cpp's structured-output fields: argv = JSON schema, then a regex. Prints each
+ * constrained text (escaped) and the messages of the refusals. */
+static void case_structured(int argc, char** argv) {
+  (void)argc;
+  vllm_engine* e = load_engine();
+  vllm_completion c;
+  vllm_status st;
+  const char* choices[] = {"yes", "no", "a \"quoted\" answer"};
+  vllm_sampling_params sp = greedy(40);
+  sp.structured_choice = choices;
+  sp.n_structured_choice = 3;
+  st = p_vllm_complete(e, "Is it? ", &sp, &c);
+  CHECK(st == VLLM_OK, "choice status %d: %s", st, p_vllm_last_error());
+  if (st == VLLM_OK) {
+    print_escaped("CHOICE", c.text);
+    printf("CHOICE_FINISH %s\n", c.finish_reason);
+    p_vllm_completion_free(&c);
+  }
+  rec r;
+  rec_init(&r);
+  st = p_vllm_complete_stream(e, "Is it? ", &sp, rec_cb, &r);
+  CHECK(st == VLLM_OK && r.nfinal == 1, "choice stream status %d", st);
+  print_escaped("CHOICE_STREAM", r.text);
+  sp = greedy(200);
+  sp.structured_json = argv[0];
+  complete_print(e, "JSON", "data = ", &sp);
+  sp = greedy(60);
+  sp.structured_regex = argv[1];
+  complete_print(e, "REGEX", "id: ", &sp);
+  sp = greedy(60);
+  sp.structured_grammar = "root ::= \"(\" [0-9] \")\"";
+  complete_print(e, "GRAMMAR", "g: ", &sp);
+  sp = greedy(4);
+  sp.structured_regex = "a(";
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("ERR_REGEX", p_vllm_last_error());
+  sp.structured_json_object = 1;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("ERR_TWO", p_vllm_last_error());
+  sp = greedy(4);
+  sp.structured_json = "{\"type\": \"array\", \"uniqueItems\": true}";
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("ERR_JSON", p_vllm_last_error());
+  sp = greedy(4);
+  sp.n_structured_choice = 1; /* with a NULL array */
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("ERR_CHOICE", p_vllm_last_error());
+  sp = greedy(4);
+  complete_print(e, "AFTER", "x", &sp); /* the engine still serves */
   p_vllm_engine_free(e);
 }
 
@@ -1059,6 +1123,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(c, "bad_args")) case_bad_args(n, a);
   else if (!strcmp(c, "chat")) case_chat(n, a);
   else if (!strcmp(c, "chat_chunks")) case_chat_chunks(n, a);
+  else if (!strcmp(c, "structured")) case_structured(n, a);
   else if (!strcmp(c, "exit_inflight")) case_exit_inflight(n, a);
   else if (!strcmp(c, "fork")) case_fork(n, a);
   else if (!strcmp(c, "load_fails")) case_load_fails(n, a);

@@ -425,3 +425,42 @@ def test_one_failing_request_ends_only_itself(capi_test_bin, capi_lib, llama_dir
     out = _check(_run(capi_test_bin, capi_lib, "request_fails", llama_dir, PROMPTS[0],
                       env={"PYTHONPATH": str(tmp_path)}, timeout=120))
     assert "COMPLETE_STATUS 3" in out and "failed inside the engine" in out and "OverflowError: injected" in out
+
+
+def test_structured_output_fields(capi_test_bin, capi_lib, llama_dir):
+    """vllm.cpp's structured_* fields constrain the output; a bad constraint is
+    VLLM_ERR_INVALID_ARGUMENT with the engine's message (as Python and HTTP give it)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "c": {"enum": ["x", "y"]}}, "required": ["n", "c"]}
+    out = _check(_run(capi_test_bin, capi_lib, "structured", llama_dir, json.dumps(schema), r"[a-z]{2}-[0-9]{2}"))
+    line = {m.group(1): _unescape(m.group(2)) for m in re.finditer(r"^([A-Z_]+) (.*)$", out, re.M)}
+    assert line["CHOICE"] in ("yes", "no", 'a "quoted" answer') and line["CHOICE_FINISH"] == "stop"
+    assert line["CHOICE_STREAM"] == line["CHOICE"]
+    jsonschema.validate(json.loads(line["JSON"]), schema)
+    assert re.fullmatch(r"[a-z]{2}-[0-9]{2}", line["REGEX"])
+    assert re.fullmatch(r"\([0-9]\)", line["GRAMMAR"])
+    # the engine's input processing decides; C gets its message word for word, as Python
+    # (ValueError) and HTTP (the 400's message) do
+    from pyengine import StructuredOutputsParams
+    from pyengine.structured_output.backend_xgrammar import validate_structured_outputs
+    for key, kw in (("ERR_REGEX", {"regex": "a("}), ("ERR_JSON", {"json": '{"type": "array", "uniqueItems": true}'})):
+        with pytest.raises(ValueError) as ei:
+            validate_structured_outputs(StructuredOutputsParams(**kw))
+        assert line[key] == str(ei.value)
+    assert "Invalid regular expression" in line["ERR_REGEX"] and "'uniqueItems' at #" in line["ERR_JSON"]
+    assert "at most one of" in line["ERR_TWO"] and "structured_regex, structured_json_object" in line["ERR_TWO"]
+    assert "structured_choice is NULL" in line["ERR_CHOICE"]
+    assert "AFTER" in line  # the engine serves on
+
+
+def test_chat_response_format(capi_test_bin, capi_lib, llama_dir):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    req = json.dumps({"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 100,
+                      "temperature": 0, "response_format": {"type": "json_schema",
+                                                            "json_schema": {"name": "r", "schema": schema}}})
+    out = _check(_run(capi_test_bin, capi_lib, "chat", llama_dir, req))
+    resp = json.loads(_unescape(next(x for x in out.splitlines() if x.startswith("CHAT "))[5:]))
+    assert resp["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(resp["choices"][0]["message"]["content"]), schema)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from capi.chat import ChatRequestError, parse_chat_request
-from pyengine import EngineArgs, RequestOutputKind, SamplingParams, VLLMValidationError
+from pyengine import EngineArgs, RequestOutputKind, SamplingParams, StructuredOutputsParams, VLLMValidationError
 from pyengine.engine.processor import Processor
 
 
@@ -35,7 +35,10 @@ def test_template_and_params(processor, tokenizer):
 @pytest.mark.parametrize("body, needle", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"},
+      "guided_regex": "a+"}, "Only one structured-output constraint"),
+    ({"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"}, "tool calling is served over HTTP"),
     ({"messages": [{"role": "user", "content": "a"}], "logprobs": True}, "logprobs"),
     ({"messages": [{"role": "user", "content": "a"}], "n": 2}, "n must be 1"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "image_url"),
@@ -60,6 +63,20 @@ def test_engine_range_errors_pass_unchanged(processor, raw, message):
     with pytest.raises(ValueError) as ei:
         parse_chat_request(body, processor, SamplingParams, RequestOutputKind.DELTA)
     assert str(ei.value).startswith(message)
+
+
+@pytest.mark.parametrize("fields, expect", [
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "integer"}}}},
+     StructuredOutputsParams(json={"type": "integer"})),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_choice": ["a", "b"]}, StructuredOutputsParams(choice=["a", "b"])),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutputsParams(regex="[0-9]+")),
+])
+def test_structured_output_fields(processor, fields, expect):
+    # the HTTP server's fields and rules (pyengine.entrypoints.structured_outputs)
+    _, sp, _, _ = _parse({"messages": [{"role": "user", "content": "a"}], **fields}, processor)
+    assert sp.structured_outputs == expect
 
 
 def test_not_json(processor):

@@ -119,3 +119,17 @@ def test_finish_reason_is_the_openai_string():
         assert json.dumps({"finish_reason": r}) == json.dumps({"finish_reason": r.value})
         assert {r.value: 1}[r] == 1
     assert FinishReason("length") is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("so", [
+    dict(json='{"type":"object","properties":{"a":{"type":"integer"}}}', disable_any_whitespace=True),
+    dict(regex=r"[0-9]{3}"), dict(choice=["yes", "no"]), dict(grammar='root ::= "a" | "b"'),
+    dict(json_object=True, disable_additional_properties=True)])
+def test_structured_outputs_params_roundtrip(so):
+    from pyengine.sampling_params import StructuredOutputsParams
+
+    sp = SamplingParams(structured_outputs=StructuredOutputsParams(**so), all_stop_token_ids={2})
+    out = roundtrip(EngineCoreRequest("r", [5], sp, 16, 0.0))
+    got = out.sampling_params.structured_outputs
+    assert isinstance(got, StructuredOutputsParams) and got == sp.structured_outputs
+    assert got.kind == sp.structured_outputs.kind

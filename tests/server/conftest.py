@@ -39,30 +39,33 @@ def engine(llama_dir):
     eng.shutdown()
 
 
-@pytest.fixture(scope="session")
-def server(engine):
+def serve_app(engine, **args):
+    """An app over ``engine`` with these CLI args, served on a free port until the
+    generator is closed (a fixture's body: ``yield from serve_app(...)``)."""
     from server import BackgroundServer, create_app
 
-    app = create_app(engine, SimpleNamespace(served_model_name=[MODEL_NAME, "alias"]))
-    srv = BackgroundServer(app, port=0).start()
+    srv = BackgroundServer(create_app(engine, SimpleNamespace(**args)), port=0).start()
     yield srv
     srv.stop()
+
+
+def openai_client(srv):
+    import openai
+
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def server(engine):
+    yield from serve_app(engine, served_model_name=[MODEL_NAME, "alias"])
 
 
 @pytest.fixture(scope="session")
 def keyed_server(engine):
     """A second app over the same engine: API key required, 4 KiB body limit."""
-    from server import BackgroundServer, create_app
-
-    app = create_app(engine, SimpleNamespace(served_model_name=[MODEL_NAME], api_key=API_KEY,
-                                             max_request_body_bytes=4096))
-    srv = BackgroundServer(app, port=0).start()
-    yield srv
-    srv.stop()
+    yield from serve_app(engine, served_model_name=[MODEL_NAME], api_key=API_KEY, max_request_body_bytes=4096)
 
 
 @pytest.fixture(scope="session")
 def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)

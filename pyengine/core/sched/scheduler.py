@@ -18,12 +18,15 @@ from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
 from pyengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 from pyengine.request import Request, RequestStatus
+from pyengine.structured_output import GrammarOutput, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 # Module aliases: enum member access is slow on Python 3.11 and these sit in per-request loops.
 _RUNNING = RequestStatus.RUNNING
 _PRIORITY = SchedulingPolicy.PRIORITY
+# While only grammars are compiling, schedule() waits this long for one (instead of spinning).
+_COMPILE_WAIT_S = 0.005
 # _try_admit's answers when a waiting request is not admitted.
 _NO_BUDGET, _NO_ROOM = -1, 0
 # How many steps ahead a re-admitted request's reserve looks (see _readmission_reserve):
@@ -51,13 +54,20 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self.step_host_time_s = 0.0
+        self.structured_output_manager = StructuredOutputManager(config)
+        self._waiting_for_fsm: list[Request] = []  # grammars compiling, in arrival order
 
     # ---- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Raises ValueError for a request id already in the scheduler."""
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in the engine core.")
-        self.waiting.add(request)
+        if request.use_structured_output:
+            self.structured_output_manager.grammar_init(request)
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self._waiting_for_fsm.append(request)
+        else:
+            self.waiting.add(request)
         self.requests[request.request_id] = request
 
     def fail_request(self, request_id: str, error: BaseException) -> None:
@@ -72,6 +82,8 @@ class Scheduler:
                 self.running.remove(req)
             if req in self.waiting:
                 self.waiting.remove(req)
+            if req in self._waiting_for_fsm:
+                self._waiting_for_fsm.remove(req)
             req.status = RequestStatus.FINISHED_ERROR
             try:
                 self._free_request(req)
@@ -90,6 +102,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_FSM:
+                self._waiting_for_fsm.remove(req)
             else:
                 self.waiting.remove(req)
             req.status = status
@@ -99,6 +113,7 @@ class Scheduler:
             self._free_request(req)
 
     def _free_request(self, req: Request) -> None:
+        self.structured_output_manager.finish_request(req)
         self.kv_cache_manager.free(req)
         self.requests.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
@@ -237,8 +252,36 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(req)
 
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar finished compiling to the waiting queue (a compile
+        error ends only that request)."""
+        if not self.running and not len(self.waiting):
+            # Nothing else to run: wait briefly for a grammar instead of spinning.
+            self.structured_output_manager.wait_for_compile(self._waiting_for_fsm, _COMPILE_WAIT_S)
+        pending, self._waiting_for_fsm = self._waiting_for_fsm, []
+        for req in pending:
+            sor = req.structured_output_request
+            if not sor.is_ready():
+                self._waiting_for_fsm.append(req)
+                continue
+            try:
+                sor.take_grammar(self.structured_output_manager.backend)
+            except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
+                self.fail_request(req.request_id, e)
+                continue
+            req.status = RequestStatus.WAITING
+            self.waiting.add(req)
+
+    def get_grammar_bitmask(self, so: SchedulerOutput) -> Optional[GrammarOutput]:
+        """The token bitmask of ``so``'s constrained rows (vLLM's
+        ``Scheduler.get_grammar_bitmask``). Call it once every token sampled before ``so``
+        went through ``update_from_output``; None when no row is constrained."""
+        return self.structured_output_manager.grammar_bitmask(so)
+
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
+        if self._waiting_for_fsm:
+            self._admit_compiled()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -303,6 +346,9 @@ class Scheduler:
 
         out = SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_prefill, preempted,
                               self.finished_req_ids, self._discarded_draws)
+        if self.structured_output_manager.num_live:
+            out.has_structured_output = any(s.sample and s.request.structured_output_request is not None
+                                            for s in scheduled)
         if scheduled:  # an empty output is not run; keep the ids for the next one
             self.finished_req_ids = set()
             self._discarded_draws = set()
@@ -351,6 +397,16 @@ class Scheduler:
                 self._on_token_consumed(req)
                 req.all_token_ids.append(tok)
                 finished = self._check_stop(req, tok)
+                sor = req.structured_output_request
+                if sor is not None:
+                    if not sor.grammar.accept_token(tok):
+                        raise ValueError(f"the structured-output grammar rejected token {tok} (output token "
+                                         f"{req.num_output_tokens}); this is a bug, please report it")
+                    if not finished and sor.grammar.is_terminated():
+                        # The grammar is complete and took a stop token that does not end the
+                        # request (ignore_eos): nothing else may follow.
+                        req.status = RequestStatus.FINISHED_STOPPED
+                        finished = True
                 first = req.num_output_tokens == 1
                 out = EngineCoreOutput(
                     req.request_id, [tok], [lp] if lp is not None else None,
@@ -398,4 +454,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_stats.queries, prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions, num_gpu_blocks=kv.block_pool.num_blocks - 1,
             num_free_blocks=kv.block_pool.get_num_free_blocks(), num_steps=self.num_steps,
-            step_host_time_s=self.step_host_time_s, num_batched_tokens=num_batched_tokens)
+            step_host_time_s=self.step_host_time_s, num_batched_tokens=num_batched_tokens,
+            grammar_bitmask_time_s=self.structured_output_manager.bitmask_time_s,
+            grammar_bitmask_steps=self.structured_output_manager.bitmask_steps,
+            grammar_bitmask_rows=self.structured_output_manager.bitmask_rows)
