@@ -24,6 +24,7 @@ from pyengine import envs
 
 from .bridge import ClientDisconnected, GeventBridge, RequestGroup, ServerShuttingDown, is_engine_dead
 from .metrics import RequestTimer, ServerMetrics
+from .page import create_page_blueprint
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("vengine.server")
@@ -597,10 +598,11 @@ def create_app(engine, args=None) -> Flask:
     ``max_request_body_bytes``); ``None`` takes the defaults."""
     cfg = ServerConfig.from_args(engine, args)
     st = ServerState(engine, cfg)
-    app = Flask("vengine.server")
+    app = Flask("vengine.server", static_folder=None)  # the page's blueprint serves /static
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_request_body_bytes
     app.json.sort_keys = False
     app.extensions["vengine"] = st
+    app.register_blueprint(create_page_blueprint())
 
     @app.errorhandler(APIError)
     def _api_error(e: APIError):
