@@ -198,3 +198,38 @@ def test_page_sends_pasted_api_key(keyed_server, browser):
     browser.find_element("id", "complete-btn").click()
     _finished_status(browser, "completion-status")
     assert browser.find_element("id", "completion-generated").get_attribute("textContent")
+
+
+def _aborted_requests(port: int) -> float:
+    _, _, data = get(port, "/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in data.decode().splitlines()
+               if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line)
+
+
+def test_page_stop_aborts_the_request(server, browser):
+    """Stop cancels the fetch; the server sees the disconnect and aborts the engine request,
+    which frees its KV blocks."""
+    _open(browser, server)
+    aborted = _aborted_requests(server.port)
+    _set(browser, "prompt", PROMPT)
+    _set(browser, "max-tokens", "400")  # far more than arrives before the first chunk
+    # click Stop from inside the page as soon as the first text shows (no round-trip delay)
+    browser.execute_script("""
+        const out = document.getElementById('completion-output');
+        const obs = new MutationObserver(() => {
+            const gen = document.getElementById('completion-generated');
+            if (gen && gen.textContent) { obs.disconnect(); document.getElementById('complete-stop').click(); }
+        });
+        obs.observe(out, {subtree: true, childList: true, characterData: true});""")
+    browser.find_element("id", "complete-btn").click()
+    status = browser.find_element("id", "completion-status")
+    _wait(browser, lambda d: "busy" not in status.get_attribute("class") and status.text, "never stopped")
+    assert status.text == "stopped"
+    assert browser.find_element("id", "complete-btn").is_enabled()
+    assert not browser.find_element("id", "complete-stop").is_enabled()
+    _wait(browser, lambda d: _aborted_requests(server.port) == aborted + 1, "the engine request was not aborted")
+
+    def idle(_):
+        s = json.loads(get(server.port, "/stats")[2])
+        return s["num_requests_running"] == 0 and s["num_free_blocks"] == s["num_gpu_blocks"]
+    _wait(browser, idle, "KV blocks not freed after the abort")
