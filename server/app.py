@@ -659,6 +659,9 @@ def create_app(engine, args=None) -> Flask:
             def release() -> None:
                 st.active_requests -= 1
             resp.call_on_close(release)
+            # werkzeug runs no close hook on a direct-passthrough response (send_file: the
+            # page's files); iterated like any other, it runs them.
+            resp.direct_passthrough = False
         return resp
 
     @app.get("/health")

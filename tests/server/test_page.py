@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -38,6 +39,27 @@ def test_index_is_public_with_api_key(keyed_server):
     assert status == 200 and headers["Content-Type"].startswith("text/css")
     assert get(port, "/stats")[0] == 200
     assert get(port, "/v1/models")[0] == 401
+
+
+@pytest.mark.timeout(120)
+def test_page_files_do_not_hold_up_the_shutdown_drain(engine):
+    """The page's files are file responses (send_file); they must stop counting as in
+    flight once served, or a SIGTERM drain waits its whole --shutdown-timeout for them."""
+    from types import SimpleNamespace
+
+    from server import BackgroundServer, create_app
+    from server.page import STATIC_DIR
+
+    app = create_app(engine, SimpleNamespace(served_model_name=["m"]))
+    srv = BackgroundServer(app, port=0, shutdown_timeout=60).start()
+    try:
+        for path, name in (("/", "index.html"), ("/static/page.js", "page.js"), ("/static/page.css", "page.css")):
+            status, _, body = get(srv.port, path)
+            assert status == 200 and body == (STATIC_DIR / name).read_bytes(), path
+    finally:
+        t0 = time.monotonic()
+        srv.stop()
+    assert time.monotonic() - t0 < 30, "the drain waited for requests that had been served"
 
 
 def test_static_files_stay_in_their_folder(server):
