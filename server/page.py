@@ -83,4 +83,4 @@ def create_page_blueprint() -> Blueprint:
     return bp
 
 
-__all__ = ["create_page_blueprint", "stats_snapshot", "STATS_FROM_METRICS"]
+__all__ = ["STATS_FROM_METRICS", "create_page_blueprint", "stats_snapshot"]
