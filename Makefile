@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 
 .PHONY: setup serve test clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/.chromium
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,14 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-serve: setup
+# Headless Chromium for the page test (tests/server/test_page.py), once per venv and best
+# effort: Debian's packages where apt-get and root (or passwordless sudo) are there; else a
+# message, and that test skips. `rm $(VENV)/.chromium` to try again.
+$(VENV)/.chromium: tools/install_chromium.sh | $(VENV)/.installed
+	bash tools/install_chromium.sh
+	touch $@
+
+serve: $(VENV)/.installed
 	$(VENV)/bin/vengine serve $(ARGS)
 
 # The second run takes the GPU compute path (triton attention + fused triton ops) through

@@ -26,7 +26,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["pyengine", "pyengine.*", "server", "server.*", "capi", "capi.*"])
     + ["pyengine.default_model"],
-    package_data={"pyengine.default_model": ["*"], "capi": ["*.c", "*.h"]},
+    package_data={"pyengine.default_model": ["*"], "capi": ["*.c", "*.h"], "server": ["static/*"]},
     cmdclass={"build_py": BuildPy},
     include_package_data=True,
     install_requires=[
@@ -45,7 +45,9 @@ setup(
         "xgrammar>=0.1.21",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "openai>=1.0", "requests", "jsonschema", "hypothesis", "triton; platform_system=='Linux'"],
+        "test": ["pytest", "pytest-timeout", "openai>=1.0", "requests", "jsonschema", "hypothesis", "triton; platform_system=='Linux'",
+                 # drives headless Chromium for the page test (tests/server/test_page.py)
+                 "selenium>=4.11"],
     },
     entry_points={"console_scripts": ["vengine=server.cli:main"]},
 )

@@ -24,6 +24,7 @@ from pyengine import envs
 
 from .bridge import ClientDisconnected, GeventBridge, RequestGroup, ServerShuttingDown, is_engine_dead
 from .metrics import RequestTimer, ServerMetrics
+from .page import create_page_blueprint
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .tool_calling import (ToolCallingError, chat_tool_mode, make_extractor, refuse_tool_fields,
                            request_structured_outputs, template_messages)
@@ -642,10 +643,11 @@ def create_app(engine, args=None) -> Flask:
     ``max_request_body_bytes``); ``None`` takes the defaults."""
     cfg = ServerConfig.from_args(engine, args)
     st = ServerState(engine, cfg)
-    app = Flask("vengine.server")
+    app = Flask("vengine.server", static_folder=None)  # the page's blueprint serves /static
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_request_body_bytes
     app.json.sort_keys = False
     app.extensions["vengine"] = st
+    app.register_blueprint(create_page_blueprint())
 
     @app.errorhandler(APIError)
     def _api_error(e: APIError):
@@ -706,6 +708,9 @@ def create_app(engine, args=None) -> Flask:
             def release() -> None:
                 st.active_requests -= 1
             resp.call_on_close(release)
+            # werkzeug runs no close hook on a direct-passthrough response (send_file: the
+            # page's files); iterated like any other, it runs them.
+            resp.direct_passthrough = False
         return resp
 
     @app.get("/health")
