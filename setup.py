@@ -42,7 +42,7 @@ setup(
         "pydantic>=2",
         "prometheus_client",
         "tqdm",
-        "xgrammar>=0.1.21",
+        "xgrammar>=0.2",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "openai>=1.0", "requests", "jsonschema", "hypothesis", "triton; platform_system=='Linux'",

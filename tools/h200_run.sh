@@ -8,6 +8,7 @@
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
 # STEP: gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
+#       serve_final2 structured
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
 # (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast (tools/tp_h200x2.sh).
@@ -47,6 +48,10 @@ step 330 serve_inproc python3 $SERVE --cores inproc --frontends asyncllm,http,ca
 # for the default decision, then a quick GPU correctness pass (one config per family + MP identity)
 step 400 serve_final_mp python3 $SERVE --profile-seconds 3 --cores mp --frontends offline,asyncllm,http,http-x4,capi --json "$OUT/serve_mp.json"
 step 150 serve_final_inproc python3 $SERVE --cores inproc --frontends asyncllm,http --concurrency 64,256 --profile 0 --json "$OUT/serve_inproc.json"
+# the second session's final run: every front end against both ceilings (LLM.generate, and the
+# closed-loop offline rate at each concurrency), then structured outputs (issue 15)
+step 420 serve_final2 python3 $SERVE --profile-seconds 3 --cores mp --frontends offline,asyncllm,http,http-x4,capi --json "$OUT/serve_final2.json"
+step 150 structured python3 benchmarks/structured.py --model-dir /tmp/q06 --json "$OUT/structured.json"
 step 110 gpu_quick python3 -m pytest -q -m gpu tests/test_llm.py tests/engine/test_core_client.py -k "default or identical" -p no:cacheprovider --tb=short -o faulthandler_timeout=100
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
