@@ -8,7 +8,7 @@
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
 # STEP: gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
-#       serve_final2 structured
+#       serve_final2 structured gpu_structured
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
 # (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast (tools/tp_h200x2.sh).
@@ -52,6 +52,7 @@ step 150 serve_final_inproc python3 $SERVE --cores inproc --frontends asyncllm,h
 # closed-loop offline rate at each concurrency), then structured outputs (issue 15)
 step 420 serve_final2 python3 $SERVE --profile-seconds 3 --cores mp --frontends offline,asyncllm,http,http-x4,capi --json "$OUT/serve_final2.json"
 step 150 structured python3 benchmarks/structured.py --model-dir /tmp/q06 --json "$OUT/structured.json"
+step 120 gpu_structured python3 -m pytest -q -m gpu tests/structured_output -p no:cacheprovider --tb=short -o faulthandler_timeout=100
 step 110 gpu_quick python3 -m pytest -q -m gpu tests/test_llm.py tests/engine/test_core_client.py -k "default or identical" -p no:cacheprovider --tb=short -o faulthandler_timeout=100
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
