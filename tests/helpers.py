@@ -83,6 +83,23 @@ def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
     return out
 
 
+def with_generation_config(model_dir, out_dir, **values) -> Path:
+    """A copy of ``model_dir`` (files linked, not copied) whose generation_config.json is
+    the original's updated with ``values`` (e.g. temperature=0.0, max_new_tokens=3): a
+    model whose creator recommends default sampling parameters. Returns ``out_dir``."""
+    import json
+
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "generation_config.json":
+            (out / f.name).symlink_to(f.resolve())
+    gen = json.loads((src / "generation_config.json").read_text())
+    gen.update(values)
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    return out
+
+
 # The scripted model's tokenizer: byte-level BPE over the 256 byte symbols, with the merges
 # below so that "DEF" and "HI" are single tokens (as in issue 17's stop-string case).
 SCRIPTED_MERGES = [("D", "E"), ("DE", "F"), ("H", "I")]
