@@ -83,12 +83,12 @@ json_object.__name__ = "JSON"
 
 
 def _choices_of(t) -> tuple[list, Any] | None:
+    """(choices, type) of a Literal (its values) or an Enum (its members, read by value)."""
     if get_origin(t) is Literal:
         values = list(get_args(t))
         return values, type(values[0])
     if isinstance(t, type) and issubclass(t, enum.Enum):
-        values = [m.value for m in t]
-        return values, type(values[0])
+        return list(t), t
     return None
 
 
@@ -105,6 +105,8 @@ def _type_kwargs(name: str, hint) -> dict:
     choices = next((c for c in map(_choices_of, members) if c is not None), None)
     if choices is not None:
         kw["choices"], convert = choices
+        if isinstance(convert, type) and issubclass(convert, enum.Enum):
+            kw["metavar"] = "{" + ",".join(str(m.value) for m in convert) + "}"
         if optional:
             kw["choices"] = kw["choices"] + [None]
     elif dict in members or any(get_origin(m) is dict for m in members):
