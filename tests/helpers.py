@@ -100,6 +100,20 @@ def with_generation_config(model_dir, out_dir, **values) -> Path:
     return out
 
 
+def self_signed_cert(out_dir, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """(key file, certificate file) of a fresh self-signed certificate for ``host`` (an IP
+    address), made with the openssl command (callers skip where it is missing)."""
+    import subprocess
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    key, cert = out / "key.pem", out / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={host}",
+                    "-addext", f"subjectAltName=IP:{host}"], check=True, capture_output=True, timeout=60)
+    return key, cert
+
+
 # The scripted model's tokenizer: byte-level BPE over the 256 byte symbols, with the merges
 # below so that "DEF" and "HI" are single tokens (as in issue 17's stop-string case).
 SCRIPTED_MERGES = [("D", "E"), ("DE", "F"), ("H", "I")]
