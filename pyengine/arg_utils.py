@@ -16,7 +16,8 @@ A field becomes ``--field-name`` (underscores as dashes):
 ``Optional[T]`` also accepts ``None`` (the word) for None. The help text is the field's
 attribute docstring (the string literal under it) or ``field(metadata={"help": ...})``.
 Field metadata may also give ``"flags"`` (extra option strings such as ``-tp``),
-``"choices"`` and ``"cli": False`` (no flag).
+``"choices"``, ``"human_readable": True`` (an integer that may be written ``32k``, as
+vLLM's sizes) and ``"cli": False`` (no flag).
 """
 from __future__ import annotations
 
@@ -66,6 +67,30 @@ def optional_type(convert):
         return None if value in ("", "None") else convert(value)
     parse.__name__ = getattr(convert, "__name__", "value")
     return parse
+
+
+_SUFFIXES = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+             "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def human_readable_int(value: str) -> int:
+    """An integer, or one with a size suffix as vLLM reads ``--max-model-len 32k``:
+    k/m/g/t are powers of 1000, K/M/G/T of 1024 (``1.5k`` = 1500, ``25.6k`` = 25600)."""
+    text = value.strip()
+    mult = _SUFFIXES.get(text[-1:], 1) if text else 1
+    number = text[:-1] if mult != 1 else text
+    try:
+        if mult == 1:
+            return int(number)
+        result = float(number) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer (or one with a k/m/g/K/M/G suffix): {value!r}") from None
+    if result != int(result):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
+    return int(result)
+
+
+human_readable_int.__name__ = "int"
 
 
 def json_object(value: str) -> dict:
@@ -140,6 +165,9 @@ def field_kwargs(cls: type) -> dict[str, dict]:
         else:
             default = None
         kw = _type_kwargs(f.name, hints[f.name])
+        if f.metadata.get("human_readable"):  # "32k" for an integer (vLLM's sizes)
+            optional = _members(hints[f.name])[1]
+            kw["type"] = optional_type(human_readable_int) if optional else human_readable_int
         if "choices" in f.metadata:
             kw["choices"] = list(f.metadata["choices"])
         kw["default"] = default

@@ -77,19 +77,20 @@ class EngineArgs:
     float32 instead of float16 on CPU)."""
     device: Device = "auto"
     """auto: CUDA when available, else CPU."""
-    max_model_len: Optional[int] = None
-    """Context length (prompt + output tokens) of a request; default: the model's."""
+    max_model_len: Optional[int] = field(default=None, metadata={"human_readable": True})
+    """Context length (prompt + output tokens) of a request, e.g. 32k; default: the
+    model's."""
     max_num_seqs: int = 256
     """Most requests running at once (one engine step's batch)."""
-    max_num_batched_tokens: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = field(default=None, metadata={"human_readable": True})
     """Token budget of one engine step (default: 8192, or max_model_len without chunked
     prefill if larger)."""
     block_size: int = 16
     """Tokens per KV cache block."""
     num_gpu_blocks_override: Optional[int] = None
     """KV cache blocks to allocate, instead of sizing the cache from memory."""
-    kv_cache_memory_bytes: Optional[int] = None
-    """KV cache size in bytes, instead of gpu_memory_utilization."""
+    kv_cache_memory_bytes: Optional[int] = field(default=None, metadata={"human_readable": True})
+    """KV cache size in bytes (e.g. 4G), instead of gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use (weights, activations, KV cache)."""
     enable_prefix_caching: bool = True

@@ -181,8 +181,7 @@ class ServeArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kw)
 
     def parse_known_args(self, args=None, namespace=None):
-        if args is not None:
-            args = [_dashes(a) for a in args]
+        args = [_dashes(a) for a in (sys.argv[1:] if args is None else args)]
         return super().parse_known_args(args, namespace)
 
     def error(self, message):

@@ -103,3 +103,21 @@ def test_engine_args_round_trip_through_the_command_line(tmp_path):
     # EngineArgs takes only its own fields from a namespace that has more
     assert EngineArgs.from_cli_args(p.parse_args(argv)) == EngineArgs(
         **{k: v for k, v in values.items() if k != "enable_log_requests"})
+
+
+@pytest.mark.parametrize("text, value", [("32768", 32768), ("32k", 32000), ("32K", 32768), ("1.5k", 1500),
+                                         ("25.6k", 25600), ("4G", 4 << 30), ("2m", 2_000_000)])
+def test_sizes_may_have_a_suffix(text, value):
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    args = EngineArgs.from_cli_args(p.parse_args(["--max-model-len", text, "--kv-cache-memory-bytes", text]))
+    assert args.max_model_len == value and args.kv_cache_memory_bytes == value
+    assert EngineArgs.from_cli_args(p.parse_args(["--max-model-len", "None"])).max_model_len is None
+
+
+@pytest.mark.parametrize("text", ["1.5", "1.0005k", "32x", "k"])
+def test_bad_sizes_are_refused(text):
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--max-model-len", text])
