@@ -1,6 +1,7 @@
 """Raw HTTP/SSE helpers for the server tests (stdlib only: exact bytes and arrival times)."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -182,3 +183,20 @@ def spawn_server(model_dir, name: str, *flags: str, env: Optional[dict] = None, 
     proc.kill()
     proc.wait()
     raise AssertionError("the server did not start:\n" + "".join(lines))
+
+
+@contextlib.contextmanager
+def served(model_dir, name: str, *flags: str, **kw):
+    """``spawn_server``'s ``(proc, port)`` for a with-block that must end with a clean
+    SIGTERM shutdown (exit status 0); the process is killed if anything fails."""
+    import signal
+
+    proc, port = spawn_server(model_dir, name, *flags, **kw)
+    try:
+        yield proc, port
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.server.http_util import get, post, request, spawn_server
+from tests.server.http_util import get, post, request, served
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -150,19 +149,12 @@ def test_connection_limit_flags(monkeypatch):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_serve_subprocess(llama_dir, tp):
-    proc, port = spawn_server(llama_dir, "cli-model", "--max-model-len", "256", "--num-gpu-blocks-override", "256",
-                              "--max-concurrent-streams", "8", "--disable-access-log",
-                              "--tensor-parallel-size", str(tp), env=_env(), cwd=REPO)
-    try:
+    with served(llama_dir, "cli-model", "--max-model-len", "256", "--num-gpu-blocks-override", "256",
+                "--max-concurrent-streams", "8", "--disable-access-log",
+                "--tensor-parallel-size", str(tp), env=_env(), cwd=REPO) as (_, port):
         assert get(port, "/health")[0] == 200
         status, _, body = post(port, "/v1/completions", {"model": "cli-model", "prompt": "hi", "max_tokens": 3})
         assert status == 200, body
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_bad_model_dir_is_a_clear_error(tmp_path):
@@ -208,7 +200,7 @@ def test_vllm_style_launch_line_serves(llama_greedy_dir, tmp_path):
     from tests.helpers import self_signed_cert
 
     key, cert = self_signed_cert(tmp_path)
-    proc, port = spawn_server(
+    with served(
         llama_greedy_dir, "vllm-style",
         "--host", "127.0.0.1", "--tensor-parallel-size", "1", "--trust-remote-code", "--generation-config", "auto",
         "--disable-log-requests", "--disable-log-stats", "--max-logprobs", "5", "--allowed-origins", "*",
@@ -216,9 +208,8 @@ def test_vllm_style_launch_line_serves(llama_greedy_dir, tmp_path):
         "--ssl-certfile", str(cert), "--uvicorn-log-level", "warning", "--api-key", "sk-test", "--dtype", "float32",
         "--max-model-len", "256", "--num-gpu-blocks-override", "256", "--max_num_seqs", "8", "--swap-space", "4",
         "--gpu-memory-utilization", "0.9", "--enforce-eager", "--disable-uvicorn-access-log",
-        "--kv-cache-dtype", "auto", env=_env(), cwd=REPO)
-    auth = {"Authorization": "Bearer sk-test"}
-    try:
+        "--kv-cache-dtype", "auto", env=_env(), cwd=REPO) as (_, port):
+        auth = {"Authorization": "Bearer sk-test"}
         # a browser's preflight: answered, without the key
         status, hdrs, _ = request(port, "OPTIONS", "/llm/v1/chat/completions", cafile=cert, headers={
             "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
@@ -241,9 +232,3 @@ def test_vllm_style_launch_line_serves(llama_greedy_dir, tmp_path):
                                   auth, cafile=cert)
         assert status == 400 and "logprobs must be at most 5" in json.loads(data)["error"]["message"]
         assert request(port, "GET", "/v1/models", cafile=cert)[0] == 401
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
