@@ -180,13 +180,11 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def add_dataclass_args(parser, cls: type, skip: tuple[str, ...] = ()):
-    """Add one flag per field of ``cls`` (but ``skip``) to ``parser`` (a parser or an
-    argument group); each stores into the field's name. Returns ``parser``."""
+def add_dataclass_args(parser, cls: type):
+    """Add one flag per field of ``cls`` to ``parser`` (a parser or an argument group);
+    each stores into the field's name. Returns ``parser``."""
     extra = {f.name: tuple(f.metadata.get("flags", ())) for f in dataclasses.fields(cls)}
     for name, kw in field_kwargs(cls).items():
-        if name in skip:
-            continue
         action = parser.add_argument(flag_name(name), *extra[name], dest=name, **kw)
         # (some Pythons' BooleanOptionalAction states the default itself)
         if action.default is not None and action.help and "%(default)" not in action.help:

@@ -14,6 +14,7 @@ import torch
 
 from pyengine import envs
 from pyengine.core.sched.request_queue import SchedulingPolicy
+from pyengine.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class EngineArgs:
     override_generation_config: Optional[dict] = None
     """JSON object of generation config values that override (or, with
     --generation-config vllm, set) the defaults, e.g. '{"temperature": 0.5}'."""
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_LOGPROBS
     """Most logprobs a request may ask for per token (-1: the vocabulary size)."""
     disable_log_stats: bool = False
     """No periodic stats log line (LLM(...) sets it unless given)."""

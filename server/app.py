@@ -146,8 +146,11 @@ class ServerState:
         self.cfg = cfg
         self.tokenizer = engine.tokenizer
         self.bridge = GeventBridge(engine)
-        # fields a request leaves out take the engine's defaults (--generation-config)
-        self.default_sampling_params = engine.get_default_sampling_params()
+        # fields a request leaves out take the engine's defaults (--generation-config);
+        # a completion's absent max_tokens is OpenAI's 16 at most, as a default
+        self.default_sampling_params = d = engine.get_default_sampling_params()
+        self.completion_default_sampling_params = d.with_default_max_tokens(
+            min(_COMPLETION_DEFAULT_MAX_TOKENS, d.max_tokens or _COMPLETION_DEFAULT_MAX_TOKENS))
         self.metrics = ServerMetrics(engine, cfg.served_model_names[0])
         self.created = int(time.time())
         # Shutdown drain (hub thread only): HTTP requests being served (admission and
@@ -278,7 +281,7 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
     kw = dict(n=n, logprobs=logprobs, output_kind=RequestOutputKind.DELTA, structured_outputs=structured_outputs)
     defaults = st.default_sampling_params
     if max_tokens is _ENGINE_DEFAULT:  # a default, capped at the room left (never refused)
-        defaults = defaults.with_default_max_tokens(min(_COMPLETION_DEFAULT_MAX_TOKENS, defaults.max_tokens))
+        defaults = st.completion_default_sampling_params
     else:
         kw["max_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
