@@ -252,7 +252,7 @@ def test_out_of_range_sampling_values_never_reach_the_engine(llama_dir, prompts,
     ({"n": 2, "temperature": 0}, "greedy"),
     ({"bogus_field": 1}, "bogus_field"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"logprobs": 50}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),  # more than max_logprobs: refused by the engine (test_processor)
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
