@@ -37,6 +37,7 @@ setup(
         "numpy",
         "cffi>=1.15",
         "flask>=3.0",
+        "flask-cors>=6.0",
         "gevent>=24.2",
         "cbor2",
         "pydantic>=2",

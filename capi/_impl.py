@@ -323,6 +323,16 @@ def _sampling(sp) -> tuple[SamplingParams, int]:
     return params, int(sp.priority)
 
 
+def _fill_sampling(out, params: SamplingParams) -> None:
+    """The fields of a ``vllm_sampling_params`` that default sampling parameters set
+    (``vllm_engine_sampling_params_default``); max_tokens None is 0 (the model length)."""
+    out.temperature, out.top_p, out.top_k = params.temperature, params.top_p, params.top_k
+    out.min_p, out.repetition_penalty = params.min_p, params.repetition_penalty
+    out.presence_penalty, out.frequency_penalty = params.presence_penalty, params.frequency_penalty
+    out.max_tokens = min(params.max_tokens or 0, (1 << 31) - 1)
+    out.min_tokens = min(params.min_tokens, (1 << 31) - 1)
+
+
 def _seed_bits(seed: int) -> int:
     """The C field is uint64_t (vllm.cpp's layout); the engine's seed range is int64
     (vLLM's). Every uint64 value is valid: it is read as the int64 with the same bits."""
@@ -417,8 +427,9 @@ def install(ffi_, lib_) -> None:
     def _vg_py_submit_chat(eng_id, req, num, raw, flags_out, err, errlen):
         try:
             br = _bridge(eng_id)
+            # fields the request leaves out: the engine's defaults (--generation-config)
             prompt_ids, params, priority, flags = parse_chat_request(
-                ffi.string(raw).decode("utf-8"), br.llm.processor, SamplingParams,
+                ffi.string(raw).decode("utf-8"), br.llm.processor, br.llm.get_default_sampling_params().clone,
                 RequestOutputKind.DELTA)
             flags_out[0] = flags
             br.submit(req, int(num), prompt_ids, params, priority)
@@ -429,6 +440,15 @@ def install(ffi_, lib_) -> None:
         except ChatRequestError as e:
             _write(err, errlen, f"chat request: {e}")
             return INVALID
+        except BaseException as e:
+            _write(err, errlen, _message(e))
+            return _status_of(e)
+
+    @ffi.def_extern(error=UNKNOWN)
+    def _vg_py_default_params(eng_id, out, err, errlen):
+        try:
+            _fill_sampling(out, _bridge(eng_id).llm.get_default_sampling_params())
+            return OK
         except BaseException as e:
             _write(err, errlen, _message(e))
             return _status_of(e)

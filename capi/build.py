@@ -69,6 +69,8 @@ extern "Python" int32_t _vg_py_submit(int64_t eng_id, void* req, uint64_t num, c
 extern "Python" int32_t _vg_py_submit_chat(int64_t eng_id, void* req, uint64_t num,
                                            const char* json, int32_t* flags, char* err,
                                            int32_t errlen);
+extern "Python" int32_t _vg_py_default_params(int64_t eng_id, vllm_sampling_params* out, char* err,
+                                              int32_t errlen);
 extern "Python" void _vg_py_abort(int64_t eng_id, const uint64_t* nums, int32_t n);
 extern "Python" void _vg_py_poll(int64_t eng_id);
 extern "Python" void _vg_py_engine_free(int64_t eng_id);

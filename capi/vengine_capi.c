@@ -71,6 +71,8 @@ static int32_t _vg_py_submit(int64_t eng_id, void* req, uint64_t num, const char
                              char* err, int32_t errlen);
 static int32_t _vg_py_submit_chat(int64_t eng_id, void* req, uint64_t num, const char* json,
                                   int32_t* flags, char* err, int32_t errlen);
+static int32_t _vg_py_default_params(int64_t eng_id, vllm_sampling_params* out, char* err,
+                                     int32_t errlen);
 static void _vg_py_abort(int64_t eng_id, const uint64_t* nums, int32_t n);
 static void _vg_py_poll(int64_t eng_id);
 static void _vg_py_engine_free(int64_t eng_id);
@@ -1143,6 +1145,30 @@ static vg_engine* vg_engine_acquire(vllm_engine* h, const char* fn, vllm_status*
     *st = VLLM_ERR_INVALID_ARGUMENT;
   }
   return e;
+}
+
+VG_EXPORT vllm_status vllm_engine_sampling_params_default(vllm_engine* h, vllm_sampling_params* out) {
+  static const char fn[] = "vllm_engine_sampling_params_default";
+  vg_clear_err();
+  if (!out) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_engine_sampling_params_default: out is NULL");
+  vllm_status st;
+  vg_engine* e = vg_engine_acquire(h, fn, &st);
+  if (!e) return st;
+  vllm_sampling_params p;
+  vllm_sampling_params_init(&p);
+  char err[VG_ERRLEN];
+  err[0] = '\0';
+  vg_sigpipe sp;
+  vg_sigpipe_block(&sp);
+  st = (vllm_status)_vg_py_default_params(e->id, &p, err, (int32_t)sizeof err);
+  vg_sigpipe_restore(&sp);
+  vg_engine_decref(e);
+  if (st != VLLM_OK) {
+    vg_set_err("%s: %s", fn, err[0] ? err : "failed");
+    return st;
+  }
+  *out = p; /* untouched on failure */
+  return VLLM_OK;
 }
 
 /* Start a request in the engine. On success the request is live and Python

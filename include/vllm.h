@@ -169,6 +169,14 @@ VLLM_API vllm_sampling_params vllm_sampling_params_default(void);
  * NULL is a no-op. */
 VLLM_API void vllm_model_params_init(vllm_model_params* params);
 VLLM_API void vllm_sampling_params_init(vllm_sampling_params* params);
+/* vengine addition: the engine's own defaults (vLLM's
+ * LLM.get_default_sampling_params): vllm_sampling_params_default() overridden by
+ * the model's generation_config.json (temperature, top_p, top_k, min_p,
+ * repetition_penalty; max_new_tokens as max_tokens), which is what requests
+ * that set none of these get on every other front end. Fills *out (left
+ * untouched on failure). Errors: VLLM_ERR_INVALID_ARGUMENT (out NULL, not an
+ * engine handle), VLLM_ERR_RUNTIME (freed engine). */
+VLLM_API vllm_status vllm_engine_sampling_params_default(vllm_engine* engine, vllm_sampling_params* out);
 
 /* ---- engine --------------------------------------------------------------- *
  * Starts the embedded Python (once per process), loads the model and starts

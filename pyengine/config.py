@@ -4,23 +4,37 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, Union, get_args
 
 import torch
 
 from pyengine import envs
 from pyengine.core.sched.request_queue import SchedulingPolicy
+from pyengine.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)
-DEVICES = ("auto", "cuda", "cpu")
+# Value sets of the enum-like settings: the Literal types give the command line its
+# choices (pyengine.arg_utils) and the validation below its valid values.
+Device = Literal["auto", "cuda", "cpu"]
+ModelDType = Literal["auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"]
+LoadFormat = Literal["auto", "dummy"]
+AttentionBackendName = Literal["torch", "triton"]
+DEVICES = get_args(Device)
+LOAD_FORMATS = get_args(LoadFormat)
+ATTENTION_BACKENDS = get_args(AttentionBackendName)
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
           "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+GENERATION_CONFIG_FILE = "generation_config.json"
+# The generation config entries that are default sampling parameters (vLLM's set).
+GENERATION_CONFIG_SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
+                                     "max_new_tokens")
 # Built-in default model shipped inside the package (see tools/train_default_model.py).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 # KV cache size on CPU when neither num_gpu_blocks_override nor kv_cache_memory_bytes is set.
@@ -49,40 +63,107 @@ def derive_max_model_len(hf_config) -> tuple[int, str]:
 
 @dataclass
 class EngineArgs:
-    """Engine arguments with vLLM's names. ``EngineArgs.create_engine_config()`` validates
-    them and raises ``ValueError`` naming the bad field."""
-    model: Optional[str] = None  # None: the built-in default model
+    """Engine arguments with vLLM's names (mirrors vllm/engine/arg_utils.py's
+    ``EngineArgs``). ``create_engine_config()`` validates them and raises ``ValueError``
+    naming the bad field. ``add_cli_args`` / ``from_cli_args`` turn every field into a
+    command-line flag (``vengine serve``) and back: the docstring under a field is its
+    ``--help`` text."""
+    model: Optional[str] = None
+    """Hugging Face model directory (config.json, *.safetensors, tokenizer files); None:
+    the built-in default model."""
     tokenizer: Optional[str] = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: Optional[int] = None
+    """Tokenizer directory (default: the model's)."""
+    dtype: ModelDType = "auto"
+    """Weights and activations dtype; auto: the model's (bfloat16 if it states none;
+    float32 instead of float16 on CPU)."""
+    device: Device = "auto"
+    """auto: CUDA when available, else CPU."""
+    max_model_len: Optional[int] = field(default=None, metadata={"human_readable": True})
+    """Context length (prompt + output tokens) of a request, e.g. 32k; default: the
+    model's."""
     max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
+    """Most requests running at once (one engine step's batch)."""
+    max_num_batched_tokens: Optional[int] = field(default=None, metadata={"human_readable": True})
+    """Token budget of one engine step (default: 8192, or max_model_len without chunked
+    prefill if larger)."""
     block_size: int = 16
+    """Tokens per KV cache block."""
     num_gpu_blocks_override: Optional[int] = None
-    kv_cache_memory_bytes: Optional[int] = None
+    """KV cache blocks to allocate, instead of sizing the cache from memory."""
+    kv_cache_memory_bytes: Optional[int] = field(default=None, metadata={"human_readable": True})
+    """KV cache size in bytes (e.g. 4G), instead of gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the engine may use (weights, activations, KV cache)."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes already computed."""
     enable_chunked_prefill: bool = True
-    # vLLM's fairness knob: a prefill takes at most this many tokens per step (0: no cap),
-    # so concurrent long prompts advance together and decodes keep their share.
+    """Split long prefills over several steps, mixed with decodes."""
     long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"  # a SchedulingPolicy value
+    """A prefill takes at most this many tokens per step (0: no cap), so concurrent long
+    prompts advance together and decodes keep their share."""
+    scheduling_policy: Union[SchedulingPolicy, str] = SchedulingPolicy.FCFS
+    """fcfs: arrival order; priority: by each request's priority (lower first), then
+    arrival."""
     seed: int = 0
-    async_scheduling: Optional[bool] = None  # None: on where compatible
+    """Random seed of the engine (requests without a seed)."""
+    async_scheduling: Optional[bool] = None
+    """Schedule step N+1 while step N runs on the device; default: on where compatible."""
     enforce_eager: bool = False
-    attention_backend: Optional[str] = None  # None: "triton" on CUDA, "torch" on CPU
-    served_model_name: Optional[str] = None
-    load_format: str = "auto"  # "dummy": random weights (benchmarks of a model shape)
-    # Streamed outputs (DELTA / CUMULATIVE) are sent every this many tokens of a request;
-    # its first token and its end go at once (vLLM's --stream-interval).
+    """No CUDA graphs (eager PyTorch only)."""
+    attention_backend: Optional[AttentionBackendName] = None
+    """Attention implementation; default: triton on CUDA (power-of-two head size), torch
+    otherwise."""
+    served_model_name: Optional[Union[str, list[str]]] = None
+    """Model name(s) the API accepts; the first is the one reported (default: the model
+    directory's name)."""
+    load_format: LoadFormat = "auto"
+    """auto: the model's safetensors; dummy: random weights of the model's shape
+    (benchmarks)."""
     stream_interval: int = 1
-    tensor_parallel_size: int = 1  # ranks (one process and, on CUDA, one GPU each)
-    # No periodic stats log line (vLLM's --disable-log-stats); LLM(...) sets it unless given.
+    """Streamed outputs are sent every this many tokens of a request; its first token and
+    its end go at once."""
+    tensor_parallel_size: int = field(default=1, metadata={"flags": ("-tp",)})
+    """Shard the model over this many ranks (one process and, on CUDA, one GPU each)."""
+    trust_remote_code: bool = False
+    """Let transformers run code shipped in the model directory when it loads the config
+    and the tokenizer (the model itself always runs on vengine's implementations)."""
+    generation_config: str = "auto"
+    """Default sampling parameters of requests that do not set them: auto: from the
+    model's generation_config.json (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_new_tokens); vllm: none (vLLM's neutral defaults); or a
+    directory holding a generation_config.json."""
+    override_generation_config: Optional[dict] = None
+    """JSON object of generation config values that override (or, with
+    --generation-config vllm, set) the defaults, e.g. '{"temperature": 0.5}'."""
+    max_logprobs: int = MAX_LOGPROBS
+    """Most logprobs a request may ask for per token (-1: the vocabulary size)."""
     disable_log_stats: bool = False
+    """No periodic stats log line (LLM(...) sets it unless given)."""
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
+
+    @classmethod
+    def add_cli_args(cls, parser):
+        """Add one flag per field to ``parser`` (an ``argparse`` parser or group), vLLM's
+        ``EngineArgs.add_cli_args``. Returns ``parser``."""
+        from pyengine.arg_utils import add_dataclass_args
+        return add_dataclass_args(parser, cls)
+
+    @classmethod
+    def from_cli_args(cls, args, **overrides) -> "EngineArgs":
+        """The engine arguments in ``args`` (an ``argparse.Namespace`` made by a parser
+        that ``add_cli_args`` filled); ``overrides`` win."""
+        from pyengine.arg_utils import from_namespace
+        return from_namespace(cls, args, **overrides)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """``EngineArgs`` plus the options of a serving front end (``AsyncLLM``), as vLLM's
+    class of the same name."""
+    enable_log_requests: bool = False
+    """Log one line per request (its id, prompt and sampling parameters)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +194,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     long_prefill_token_threshold: int = 0  # tokens; 0: no cap
     disable_log_stats: bool = False
+    trust_remote_code: bool = False
+    generation_config: str = "auto"  # "auto" | "vllm" | a directory (see EngineArgs)
+    override_generation_config: Optional[dict] = None
+    max_logprobs: int = 20  # already resolved: -1 became the vocabulary size
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -123,8 +208,11 @@ class EngineConfig:
             raise ValueError(f"model must be a Hugging Face model directory with a config.json; "
                              f"{model!r} is not one.")
         policy = SchedulingPolicy.parse(a.scheduling_policy)
-        if a.load_format not in ("auto", "dummy"):
-            raise ValueError(f"Unknown load_format {a.load_format!r}; valid: auto, dummy.")
+        if a.load_format not in LOAD_FORMATS:
+            raise ValueError(f"Unknown load_format {a.load_format!r}; valid: {', '.join(LOAD_FORMATS)}.")
+        if a.attention_backend is not None and a.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"Unknown attention_backend {a.attention_backend!r}; "
+                             f"valid: {', '.join(ATTENTION_BACKENDS)}.")
         if a.device not in DEVICES:
             raise ValueError(f"Unknown device {a.device!r}; valid devices: {', '.join(DEVICES)}.")
         if a.dtype not in DTYPES:
@@ -140,7 +228,7 @@ class EngineConfig:
             raise ValueError("device='cuda' was asked for but CUDA is not available.")
         device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
                               else "cpu")
-        hf_config = AutoConfig.from_pretrained(model)
+        hf_config = AutoConfig.from_pretrained(model, trust_remote_code=bool(a.trust_remote_code))
         _check_tensor_parallel(a.tensor_parallel_size, hf_config, device)
         dtype = DTYPES[a.dtype]
         if dtype is None:
@@ -191,9 +279,18 @@ class EngineConfig:
             # The triton kernels need a power-of-two head_dim >= 16.
             pow2 = hd >= 16 and hd & (hd - 1) == 0
             backend = "triton" if device.type == "cuda" and pow2 else "torch"
-        return cls(
+        max_logprobs = a.max_logprobs
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (the vocabulary size), "
+                             f"got {max_logprobs!r}.")
+        if max_logprobs == -1:
+            max_logprobs = hf_config.vocab_size
+        names = a.served_model_name
+        if isinstance(names, (list, tuple)):
+            names = names[0] if names else None
+        config = cls(
             model=model, tokenizer=a.tokenizer or model,
-            served_model_name=a.served_model_name or model.rstrip("/").split("/")[-1],
+            served_model_name=names or model.rstrip("/").split("/")[-1],
             hf_config=hf_config, dtype=dtype, device=device, max_model_len=max_model_len,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
@@ -205,10 +302,71 @@ class EngineConfig:
             enforce_eager=a.enforce_eager or device.type != "cuda", attention_backend=backend,
             load_format=a.load_format, stream_interval=a.stream_interval,
             tensor_parallel_size=a.tensor_parallel_size, long_prefill_token_threshold=thr,
-            disable_log_stats=bool(a.disable_log_stats))
+            disable_log_stats=bool(a.disable_log_stats),
+            trust_remote_code=bool(a.trust_remote_code), generation_config=a.generation_config,
+            override_generation_config=_check_override_generation_config(a.override_generation_config),
+            max_logprobs=max_logprobs)
+        config._check_generation_config()
+        return config
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    def try_get_generation_config(self) -> dict:
+        """The generation config file's values (``{}`` when there is none): the model's
+        ``generation_config.json``, or the one in the ``generation_config`` directory.
+        Mirrors vllm/config's ``ModelConfig.try_get_generation_config``."""
+        folder = self.model if self.generation_config in ("auto", "vllm") else self.generation_config
+        path = Path(folder) / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            return {}
+        try:
+            values = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"Cannot read {path}: {e}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} must hold a JSON object.")
+        return values
+
+    def get_diff_sampling_param(self) -> dict:
+        """The default sampling parameters that differ from vLLM's neutral ones, by
+        ``SamplingParams`` field name: from the generation config (none with
+        ``generation_config="vllm"``), then ``override_generation_config``; its
+        ``max_new_tokens`` becomes ``max_tokens``. Mirrors vllm/config's
+        ``ModelConfig.get_diff_sampling_param``."""
+        values = {} if self.generation_config == "vllm" else self.try_get_generation_config()
+        values = {**values, **(self.override_generation_config or {})}
+        diff = {name: values[name] for name in GENERATION_CONFIG_SAMPLING_FIELDS if values.get(name) is not None}
+        if "max_new_tokens" in diff:
+            diff["max_tokens"] = diff.pop("max_new_tokens")
+        return diff
+
+    def _check_generation_config(self) -> None:
+        """Raises ValueError unless the generation config exists (when it is a directory)
+        and its sampling defaults are valid sampling parameters."""
+        from pyengine.sampling_params import SamplingParams
+
+        if self.generation_config not in ("auto", "vllm") and not (
+                Path(self.generation_config) / GENERATION_CONFIG_FILE).is_file():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a "
+                             f"{GENERATION_CONFIG_FILE}; {self.generation_config!r} is none of these.")
+        diff = self.get_diff_sampling_param()
+        try:
+            SamplingParams(**diff)
+        except ValueError as e:
+            raise ValueError(f"The generation config gives invalid default sampling parameters {diff}: {e} "
+                             f"(--generation-config vllm ignores it).") from None
+        if diff:
+            logger.info("Default sampling parameters from the generation config: %s "
+                        "(--generation-config vllm ignores it).", diff)
+
+
+def _check_override_generation_config(values) -> Optional[dict]:
+    if values is None:
+        return None
+    if not isinstance(values, dict):
+        raise ValueError(f"override_generation_config must be a dict (a JSON object), got {values!r}.")
+    return dict(values)
 
 
 def _check_tensor_parallel(tp, hf_config, device: torch.device) -> None:

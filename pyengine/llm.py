@@ -23,13 +23,20 @@ class LLM:
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise ValueError(f"Unknown engine argument(s): {', '.join(unknown)}.")
-        kwargs.setdefault("disable_log_stats", True)
+        kwargs.setdefault("disable_log_stats", True)  # as vLLM's LLM: no periodic stats lines offline
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
         self._counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses when given no sampling parameters: vLLM's neutral
+        defaults overridden by the model's generation config (``generation_config``
+        engine argument: "auto", "vllm" or a directory), as vLLM's method of the same
+        name. A new object each call."""
+        return self.llm_engine.processor.get_default_sampling_params()
 
     @staticmethod
     def _normalize_prompts(prompts) -> list:
@@ -48,7 +55,7 @@ class LLM:
         Raises ValueError for any bad prompt or parameter before anything runs."""
         prompts = self._normalize_prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):

@@ -23,14 +23,14 @@ _GREEDY_EPS = 1e-5
 # Documented request limits (server/README.md, docs/capi.md), the same on every front end.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_N = 128  # OpenAI's documented maximum for n
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs maximum, vLLM's default max_logprobs
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs maximum, vLLM's default max_logprobs (EngineArgs.max_logprobs)
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024  # characters
 MAX_STOP_TOKEN_IDS = 1024
 
 # (name, min, max) of the integer fields; None allowed for those in _OPTIONAL.
 _INT_FIELDS = (("n", 1, MAX_N), ("top_k", 0, INT64_MAX), ("seed", INT64_MIN, INT64_MAX),
-               ("max_tokens", 1, INT64_MAX), ("min_tokens", 0, INT64_MAX), ("logprobs", 0, MAX_LOGPROBS))
+               ("max_tokens", 1, INT64_MAX), ("min_tokens", 0, INT64_MAX), ("logprobs", 0, INT64_MAX))
 _OPTIONAL = {"seed", "max_tokens", "logprobs"}
 _INT_WHAT = {"top_k": f"0 or -1 (disabled), or an integer in [1, {INT64_MAX}]"}
 # (name, min, max, min excluded) of the float fields: all must also be finite.
@@ -239,15 +239,38 @@ class SamplingParams:
 
     @property
     def max_tokens_is_default(self) -> bool:
-        """True when ``max_tokens`` was not given and still holds the default (16): the
-        engine then lowers it to the room the prompt leaves, whereas a given value that
-        does not fit is an error (see ``Processor.process``)."""
-        return not getattr(self, "_max_tokens_given", True) and self.max_tokens == _DEFAULT_MAX_TOKENS
+        """True when ``max_tokens`` was not given and still holds its default (16, or the
+        generation config's, see ``with_defaults``): the engine then lowers it to the
+        room the prompt leaves, whereas a given value that does not fit is an error (see
+        ``Processor.process``)."""
+        return (not getattr(self, "_max_tokens_given", True)
+                and self.max_tokens == getattr(self, "_max_tokens_default", _DEFAULT_MAX_TOKENS))
+
+    @classmethod
+    def with_defaults(cls, **defaults) -> "SamplingParams":
+        """``SamplingParams(**defaults)`` whose ``max_tokens``, if among them, is a default
+        (as if not given) rather than the caller's. The engine's default parameters
+        (``--generation-config``) are made this way. Raises ValueError as the
+        constructor."""
+        params = cls(**defaults)
+        return params.with_default_max_tokens(params.max_tokens)
+
+    def with_default_max_tokens(self, max_tokens: Optional[int]) -> "SamplingParams":
+        """A copy whose ``max_tokens`` is a default rather than a request: the engine caps
+        it at the room the prompt leaves instead of refusing a prompt it does not fit
+        (e.g. OpenAI's 16 of a completion request without max_tokens)."""
+        new = self.clone(max_tokens=max_tokens)
+        new._max_tokens_given = False
+        new._max_tokens_default = new.max_tokens
+        return new
 
     def clone(self, **changes) -> "SamplingParams":
+        """A copy with ``changes`` applied (validated as by the constructor); fields not
+        changed keep whether they were given."""
         new = dataclasses.replace(self, **changes)
         if "max_tokens" not in changes:
             new._max_tokens_given = getattr(self, "_max_tokens_given", True)
+            new._max_tokens_default = getattr(self, "_max_tokens_default", _DEFAULT_MAX_TOKENS)
         return new
 
 

@@ -59,7 +59,7 @@ def run_api_server(args, conn, listener: socket.socket, index: int, status, pare
     """Main of one API server process: an AsyncLLM attached to the shared engine process,
     the app, and the gevent server on the shared listening socket. Reports "ready" (or
     the start-up error) on ``status``."""
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level="DEBUG" if args.log_level == "trace" else args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api server {index}]: %(message)s")
     _watch_parent(parent_pid)
     from pyengine import AsyncLLM, MPClient
@@ -67,8 +67,9 @@ def run_api_server(args, conn, listener: socket.socket, index: int, status, pare
     from .cli import engine_args_from, serve_engine
 
     try:
-        config = engine_args_from(args).create_engine_config()
-        engine = AsyncLLM(config, client=MPClient.attach(conn))
+        engine_args = engine_args_from(args)
+        engine = AsyncLLM(engine_args.create_engine_config(), client=MPClient.attach(conn),
+                          log_requests=engine_args.enable_log_requests, log_stats=not engine_args.disable_log_stats)
     except Exception as e:  # noqa: BLE001 - reported by the supervisor
         status.put((index, f"{type(e).__name__}: {e}"))
         sys.exit(2)
@@ -112,8 +113,9 @@ def serve_api_servers(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     code = _await_ready(status, servers, engine, n, stop)
     if code == 0:
+        scheme = "https" if args.ssl_keyfile else "http"
         print(f"vengine: serving {', '.join(args.served_model_name or [config.served_model_name])} "
-              f"on http://{args.host}:{port} ({n} API servers)", flush=True)
+              f"on {scheme}://{args.host}:{port}{args.root_path or ''} ({n} API servers)", flush=True)
         code = _supervise(servers, engine, stop)
     _stop_all(servers, engine, args.shutdown_timeout + _STOP_GRACE_S)
     return code

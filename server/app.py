@@ -24,6 +24,7 @@ from pyengine import envs
 
 from .bridge import ClientDisconnected, GeventBridge, RequestGroup, ServerShuttingDown, is_engine_dead
 from .metrics import RequestTimer, ServerMetrics
+from .middleware import apply_http_options
 from .page import create_page_blueprint
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .tool_calling import (ToolCallingError, chat_tool_mode, make_extractor, refuse_tool_fields,
@@ -54,9 +55,11 @@ _UNION_HINTS = {
 }
 
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf
-# max_tokens not given on /v1/completions: SamplingParams' default (16, as OpenAI's), which
-# the engine caps at the room the prompt leaves; chat's absent max_tokens is None (the room).
+# max_tokens not given on /v1/completions: OpenAI's 16 (or the engine's default if lower,
+# --generation-config), which the engine caps at the room the prompt leaves; chat's absent
+# max_tokens is None (the room, within the engine's default).
 _ENGINE_DEFAULT = object()
+_COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 class APIError(Exception):
@@ -143,6 +146,11 @@ class ServerState:
         self.cfg = cfg
         self.tokenizer = engine.tokenizer
         self.bridge = GeventBridge(engine)
+        # fields a request leaves out take the engine's defaults (--generation-config);
+        # a completion's absent max_tokens is OpenAI's 16 at most, as a default
+        self.default_sampling_params = d = engine.get_default_sampling_params()
+        self.completion_default_sampling_params = d.with_default_max_tokens(
+            min(_COMPLETION_DEFAULT_MAX_TOKENS, d.max_tokens or _COMPLETION_DEFAULT_MAX_TOKENS))
         self.metrics = ServerMetrics(engine, cfg.served_model_names[0])
         self.created = int(time.time())
         # Shutdown drain (hub thread only): HTTP requests being served (admission and
@@ -260,7 +268,7 @@ def _completion_prompts(st: ServerState, req: CompletionRequest) -> list[tuple[O
 
 def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: Optional[int],
                      prompt_lens: list[int], stream: bool, structured_outputs=None):
-    from pyengine import RequestOutputKind, SamplingParams
+    from pyengine import RequestOutputKind
 
     _check_prompt_length(st, max(prompt_lens), "prompt" if hasattr(req, "prompt") else "messages")
     if req.logit_bias:
@@ -271,7 +279,10 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
     if req.priority not in (None, 0) and st.cfg.scheduling_policy != "priority":
         raise APIError(400, "priority is only supported with --scheduling-policy priority.", "priority")
     kw = dict(n=n, logprobs=logprobs, output_kind=RequestOutputKind.DELTA, structured_outputs=structured_outputs)
-    if max_tokens is not _ENGINE_DEFAULT:  # else the engine's default, capped at the room left
+    defaults = st.default_sampling_params
+    if max_tokens is _ENGINE_DEFAULT:  # a default, capped at the room left (never refused)
+        defaults = st.completion_default_sampling_params
+    else:
         kw["max_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
@@ -282,7 +293,7 @@ def _sampling_params(st: ServerState, req, max_tokens: Optional[int], logprobs: 
     if req.stop_token_ids:
         _check_token_ids(st, req.stop_token_ids, "stop_token_ids")
     try:
-        return SamplingParams(**kw)
+        return defaults.clone(**kw)
     except ValueError as e:  # the engine's one answer (VLLMValidationError names the field)
         param = getattr(e, "parameter", None)
         if param == "logprobs" and hasattr(req, "top_logprobs"):
@@ -432,7 +443,10 @@ class _Job:
                 self.group.add(f"{self.id}-{i}", ids, self.sp, self.priority)
         except ValueError as e:  # the engine's input processing refused it
             self.close()
-            raise APIError(400, str(e), getattr(e, "parameter", None)) from None
+            param = getattr(e, "parameter", None)
+            if param == "logprobs" and self.chat:
+                param = "top_logprobs"  # chat's name for the count
+            raise APIError(400, str(e), param) from None
         except Exception as e:
             self.close()
             if is_engine_dead(e, st.engine):
@@ -648,6 +662,7 @@ def create_app(engine, args=None) -> Flask:
     app.json.sort_keys = False
     app.extensions["vengine"] = st
     app.register_blueprint(create_page_blueprint())
+    apply_http_options(app, args)
 
     @app.errorhandler(APIError)
     def _api_error(e: APIError):
@@ -693,7 +708,7 @@ def create_app(engine, args=None) -> Flask:
             resp = error_response(503, "The server is shutting down.")
             resp.headers["Connection"] = "close"
             return resp
-        if cfg.api_keys and request.path.startswith("/v1") and not _authorized(
+        if cfg.api_keys and request.method != "OPTIONS" and request.path.startswith("/v1") and not _authorized(
                 request.headers.get("Authorization", ""), cfg.api_keys):
             return error_response(401, "Invalid or missing API key.")
         st.active_requests += 1

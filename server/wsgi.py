@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import socket as _stdsocket
 import threading
@@ -295,11 +296,12 @@ class VEngineServer(WSGIServer):
 
 def make_server(app, host: str = "127.0.0.1", port: int = 8000,
                 max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
-                access_log: bool = True, listener=None, limits: Optional[ConnectionLimits] = None) -> WSGIServer:
+                access_log: bool = True, listener=None, limits: Optional[ConnectionLimits] = None,
+                ssl_args: Optional[dict] = None) -> WSGIServer:
     """Build (not start) the gevent WSGI server for ``app``. Must be started on the thread
     whose hub will run it. ``listener``: a bound, listening socket to accept on instead of
     ``(host, port)``. ``limits`` (default: the defaults with ``max_concurrent_streams``):
-    the timeouts and the request cap."""
+    the timeouts and the request cap. ``ssl_args``: serve HTTPS (``ssl_args_from``)."""
     if limits is None:
         limits = ConnectionLimits(max_concurrent_streams=max_concurrent_streams)
     log = "default" if access_log else None
@@ -309,7 +311,35 @@ def make_server(app, host: str = "127.0.0.1", port: int = 8000,
     # The pool bounds sockets only by the descriptors there are: the request cap is the gate's.
     return VEngineServer(listener if listener is not None else (host, port), app, limits,
                          spawn=Pool(_max_connections()), log=log, error_log="default",
-                         backlog=None if listener is not None else _BACKLOG)
+                         backlog=None if listener is not None else _BACKLOG, **(ssl_args or {}))
+
+
+def ssl_args_from(args) -> Optional[dict]:
+    """gevent's SSL arguments (a server-side TLS context) from ``--ssl-keyfile`` /
+    ``--ssl-certfile`` / ``--ssl-ca-certs`` / ``--ssl-cert-reqs``; None: plain HTTP.
+    Raises ValueError when only one of the key and the certificate is given, or the
+    files cannot be read as such."""
+    import gevent.ssl
+
+    key, cert = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    if not key and not cert:
+        return None
+    if not key or not cert:
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile.")
+    ca = getattr(args, "ssl_ca_certs", None)
+    for flag, path in (("--ssl-keyfile", key), ("--ssl-certfile", cert), ("--ssl-ca-certs", ca)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag}: no such file: {path}")
+    ctx = gevent.ssl.SSLContext(gevent.ssl.PROTOCOL_TLS_SERVER)  # gevent's: cooperative sockets
+    try:
+        ctx.load_cert_chain(cert, key)
+        if ca:
+            ctx.load_verify_locations(ca)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        raise ValueError(f"cannot use --ssl-keyfile {key} / --ssl-certfile {cert}"
+                         f"{f' / --ssl-ca-certs {ca}' if ca else ''}: {e}") from None
+    ctx.verify_mode = gevent.ssl.VerifyMode(int(getattr(args, "ssl_cert_reqs", 0) or 0))
+    return {"ssl_context": ctx}
 
 
 def _wait_idle(state, timeout: float) -> None:
@@ -379,8 +409,9 @@ class BackgroundServer:
                  max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS, access_log: bool = False,
                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                  timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE,
-                 request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT):
+                 request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT, ssl_args: Optional[dict] = None):
         self.app, self.host, self.requested_port = app, host, port
+        self.ssl_args = ssl_args
         self.limits = ConnectionLimits(max_concurrent_streams, timeout_keep_alive, request_read_timeout)
         self.shutdown_timeout = shutdown_timeout
         self.access_log = access_log
@@ -392,7 +423,7 @@ class BackgroundServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ssl_args else 'http'}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "BackgroundServer":
         self._thread.start()
@@ -413,7 +444,7 @@ class BackgroundServer:
             self._ready.set()
         try:
             server = make_server(self.app, self.host, self.requested_port, access_log=self.access_log,
-                                 limits=self.limits)
+                                 limits=self.limits, ssl_args=self.ssl_args)
             serve_until_shutdown(server, self.app, self.shutdown_timeout, install)
         except BaseException as e:  # noqa: BLE001 - reported to start()
             if self._ready.is_set():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import (build_scripted_model, build_scripted_tokenizer, build_tiny_model, build_tokenizer,
-                           scripted_script)
+                           scripted_script, with_generation_config)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,6 +34,14 @@ def tokenizer(tokenizer_dir):
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory, tokenizer_dir):
     return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tokenizer_dir, seed=1)
+
+
+@pytest.fixture(scope="session")
+def llama_greedy_dir(tmp_path_factory, llama_dir):
+    """The tiny llama whose generation_config.json recommends greedy sampling and at most
+    3 new tokens (and a top_k), as a model creator's defaults (--generation-config)."""
+    return with_generation_config(llama_dir, tmp_path_factory.mktemp("llama_greedy"),
+                                  temperature=0.0, top_k=7, max_new_tokens=3)
 
 
 @pytest.fixture(scope="session")

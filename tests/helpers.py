@@ -83,6 +83,37 @@ def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
     return out
 
 
+def with_generation_config(model_dir, out_dir, **values) -> Path:
+    """A copy of ``model_dir`` (files linked, not copied) whose generation_config.json is
+    the original's updated with ``values`` (e.g. temperature=0.0, max_new_tokens=3): a
+    model whose creator recommends default sampling parameters. Returns ``out_dir``."""
+    import json
+
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "generation_config.json":
+            (out / f.name).symlink_to(f.resolve())
+    gen = json.loads((src / "generation_config.json").read_text())
+    gen.update(values)
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    return out
+
+
+def self_signed_cert(out_dir, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """(key file, certificate file) of a fresh self-signed certificate for ``host`` (an IP
+    address), made with the openssl command (callers skip where it is missing)."""
+    import subprocess
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    key, cert = out / "key.pem", out / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={host}",
+                    "-addext", f"subjectAltName=IP:{host}"], check=True, capture_output=True, timeout=60)
+    return key, cert
+
+
 # The scripted model's tokenizer: byte-level BPE over the 256 byte symbols, with the merges
 # below so that "DEF" and "HI" are single tokens (as in issue 17's stop-string case).
 SCRIPTED_MERGES = [("D", "E"), ("DE", "F"), ("H", "I")]

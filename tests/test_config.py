@@ -106,3 +106,51 @@ def test_linear_rope_scaling_extends_the_models_length(llama_dir, tmp_path, monk
     assert EngineArgs(model=str(d), device="cpu").create_engine_config().max_model_len == 2048
     with pytest.raises(ValueError, match="linear RoPE scaling factor 2"):
         EngineArgs(model=str(d), device="cpu", max_model_len=2049).create_engine_config()
+
+
+def test_generation_config_gives_the_default_sampling_params(llama_dir, llama_greedy_dir, tmp_path):
+    # auto: the model's generation_config.json (its max_new_tokens is vLLM's max_tokens)
+    auto = EngineArgs(model=str(llama_greedy_dir), device="cpu").create_engine_config()
+    assert auto.get_diff_sampling_param() == {"temperature": 0.0, "top_k": 7, "max_tokens": 3}
+    # vllm: vLLM's neutral defaults; override_generation_config still applies
+    vllm = EngineArgs(model=str(llama_greedy_dir), device="cpu", generation_config="vllm",
+                      override_generation_config={"top_p": 0.5}).create_engine_config()
+    assert vllm.get_diff_sampling_param() == {"top_p": 0.5}
+    # a directory: its generation_config.json, for a model that has none of these
+    assert EngineArgs(model=str(llama_dir), device="cpu").create_engine_config().get_diff_sampling_param() == {}
+    folder = EngineArgs(model=str(llama_dir), device="cpu",
+                        generation_config=str(llama_greedy_dir)).create_engine_config()
+    assert folder.get_diff_sampling_param() == {"temperature": 0.0, "top_k": 7, "max_tokens": 3}
+    over = EngineArgs(model=str(llama_greedy_dir), device="cpu",
+                      override_generation_config={"temperature": 0.7, "max_new_tokens": 9}).create_engine_config()
+    assert over.get_diff_sampling_param() == {"temperature": 0.7, "top_k": 7, "max_tokens": 9}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"generation_config": "/nonexistent/dir"}, "generation_config must be 'auto', 'vllm' or a directory"),
+    ({"override_generation_config": {"temperature": -1}}, r"invalid default sampling parameters.*temperature"),
+    ({"override_generation_config": [1]}, "override_generation_config must be a dict"),
+    ({"max_logprobs": -2}, "max_logprobs must be an integer >= 0, or -1"),
+    ({"attention_backend": "flash"}, "Unknown attention_backend 'flash'; valid: torch, triton"),
+])
+def test_generation_and_logprob_settings_refused(llama_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=str(llama_dir), device="cpu", **kwargs).create_engine_config()
+
+
+def test_max_logprobs_minus_one_is_the_vocabulary(llama_dir):
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", max_logprobs=-1).create_engine_config()
+    assert cfg.max_logprobs == cfg.hf_config.vocab_size
+
+
+def test_served_model_names_first_is_reported(llama_dir):
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", served_model_name=["a", "b"]).create_engine_config()
+    assert cfg.served_model_name == "a"
+
+
+def test_value_sets_match_the_literal_types():
+    from typing import get_args
+
+    from pyengine.config import DTYPES, ModelDType
+
+    assert list(DTYPES) == list(get_args(ModelDType))

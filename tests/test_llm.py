@@ -252,7 +252,7 @@ def test_out_of_range_sampling_values_never_reach_the_engine(llama_dir, prompts,
     ({"n": 2, "temperature": 0}, "greedy"),
     ({"bogus_field": 1}, "bogus_field"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"logprobs": 50}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),  # more than max_logprobs: refused by the engine (test_processor)
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -441,3 +441,12 @@ def test_chat_over_the_character_bound_refused_before_tokenizing(chat_llm, monke
     assert not chat_llm.llm_engine.has_unfinished_requests()
     chat_llm.chat(CONVERSATIONS[0], CHAT_SP, use_tqdm=False)
     assert encoded  # a chat within the bound is encoded by the same Processor.encode
+def test_default_sampling_params_from_the_generation_config(llama_greedy_dir, llama_dir, prompts, references):
+    # the model recommends greedy, top_k 7 and 3 new tokens (generation_config.json)
+    llm = LLM(str(llama_greedy_dir), device="cpu")
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.max_tokens) == (0.0, 7, 3)
+    outs = llm.generate(prompts[:3], use_tqdm=False)  # no sampling params: the model's defaults
+    assert [list(o.outputs[0].token_ids) for o in outs] == [list(r[:3]) for r in references["llama"][:3]]
+    # generation_config="vllm" ignores the file
+    assert LLM(str(llama_greedy_dir), device="cpu", generation_config="vllm").get_default_sampling_params().temperature == 1.0

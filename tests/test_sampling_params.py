@@ -20,7 +20,7 @@ NAN, INF = math.nan, math.inf
     ({"n": 10 ** 20}, f"n must be an integer in [1, {MAX_N}], got 100000000000000000000."),
     ({"n": MAX_N + 1}, "n must be an integer in [1, 128]"),
     ({"n": True}, "n must be an integer"),
-    ({"logprobs": MAX_LOGPROBS + 1}, "logprobs must be an integer in [0, 20]"),
+    ({"logprobs": -1}, "logprobs must be an integer in [0, "),  # the most allowed is the engine's max_logprobs
     ({"top_k": 2 ** 64}, "top_k must be 0 or -1 (disabled)"),
     ({"top_k": -2}, "top_k must be 0 or -1 (disabled)"),
     ({"max_tokens": 2 ** 63}, "max_tokens must be an integer in [1, "),

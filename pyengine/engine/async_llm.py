@@ -45,7 +45,7 @@ def load_tokenizer(config: EngineConfig):
     empty vocabulary that turns every prompt into no tokens."""
     from transformers import AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(config.tokenizer)
+        tok = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"Cannot load a tokenizer from {config.tokenizer}: {e}") from e
     try:
@@ -111,8 +111,13 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess: Optional[bool] = None,
-                         log_requests: bool = False) -> "AsyncLLM":
-        """Stats are logged unless ``engine_args.disable_log_stats``."""
+                         log_requests: Optional[bool] = None) -> "AsyncLLM":
+        """Stats are logged unless ``engine_args.disable_log_stats``; requests if
+        ``log_requests``, else (None) if ``engine_args`` is an ``AsyncEngineArgs`` with
+        ``enable_log_requests`` (``vengine serve --enable-log-requests``). Raises
+        ValueError for bad engine arguments."""
+        if log_requests is None:
+            log_requests = bool(getattr(engine_args, "enable_log_requests", False))
         return cls(engine_args.create_engine_config(), multiprocess, log_requests=log_requests)
 
     @property
@@ -122,6 +127,12 @@ class AsyncLLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a request that sets none (vLLM's neutral defaults
+        overridden by ``--generation-config``); front ends apply a request's own fields
+        over them (``clone``). A new object each call."""
+        return self.processor.get_default_sampling_params()
 
     async def check_health(self) -> None:
         """vLLM's health probe: returns when the engine can serve; raises EngineDeadError

@@ -21,13 +21,10 @@ _SO_CACHE_SIZE = 256
 
 
 def eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
-    """EOS ids from generation_config.json (may list several), else the config / tokenizer."""
+    """EOS ids from the generation config (may list several; ``--generation-config``),
+    else the model config / tokenizer."""
     ids: set[int] = set()
-    try:
-        from transformers import GenerationConfig
-        eos = GenerationConfig.from_pretrained(config.model).eos_token_id
-    except Exception:  # no generation_config.json
-        eos = None
+    eos = config.try_get_generation_config().get("eos_token_id")
     if eos is None:
         eos = getattr(config.hf_config, "eos_token_id", None)
     if eos is None and tokenizer is not None:
@@ -164,6 +161,19 @@ class Processor:
         per_token = max_chars_per_token(tokenizer)
         self.max_prompt_chars: Optional[int] = (
             None if per_token is None else int((config.max_model_len - 1) * per_token))
+        # --generation-config: the defaults of requests that do not set these fields
+        self.default_sampling_fields = config.get_diff_sampling_param()
+        # its max_new_tokens caps every request that gives no max_tokens of its own
+        self.default_max_tokens: Optional[int] = self.default_sampling_fields.get("max_tokens")
+        self.max_logprobs = min(config.max_logprobs, self.vocab_size)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a request that sets none: vLLM's neutral defaults
+        overridden by the generation config (``--generation-config``), as vLLM's
+        ``LLM.get_default_sampling_params``. A ``max_tokens`` from the generation config
+        counts as not given (capped at the room the prompt leaves, never refused)."""
+        fields = self.default_sampling_fields
+        return SamplingParams.with_defaults(**fields) if fields else SamplingParams()
 
     def validate_structured_outputs(self, so: StructuredOutputsParams) -> StructuredOutputsParams:
         """``so`` checked and normalized (a JSON schema as its JSON text) by the xgrammar
@@ -261,15 +271,17 @@ class Processor:
         raise ValueError(f"A prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The request's token limit. Not given (``None``, or the default 16 left as is):
-        capped at the room the prompt leaves. Given and larger than that room: refused
-        (as vLLM's OpenAI server does), with the numbers the user needs."""
+        """The request's token limit. Not given (``None``, or the default left as is):
+        capped at the room the prompt leaves and at the generation config's
+        ``max_new_tokens``. Given and larger than that room: refused (as vLLM's OpenAI
+        server does), with the numbers the user needs."""
         max_len = self.config.max_model_len
         room = max_len - num_prompt_tokens
+        cap = room if self.default_max_tokens is None else min(room, self.default_max_tokens)
         if params.max_tokens is None:
-            return room
+            return cap
         if params.max_tokens_is_default:
-            return min(params.max_tokens, room)
+            return min(params.max_tokens, cap)
         if params.max_tokens > room:
             raise VLLMValidationError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
@@ -286,9 +298,13 @@ class Processor:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string.")
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise VLLMValidationError(
+                f"logprobs must be at most {self.max_logprobs} (the engine's max_logprobs), got {params.logprobs}.",
+                parameter="logprobs", value=params.logprobs)
         if not isinstance(priority, int) or isinstance(priority, bool) or not INT64_MIN <= priority <= INT64_MAX:
             raise VLLMValidationError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got {priority!r}.",
                                       parameter="priority", value=priority)

@@ -45,7 +45,8 @@
   X(vllm_request_error)        \
   X(vllm_request_free)         \
   X(vllm_chat)                 \
-  X(vllm_chat_stream)
+  X(vllm_chat_stream)          \
+  X(vllm_engine_sampling_params_default)
 
 #define DECL(name) static __typeof__(&name) p_##name;
 API(DECL)
@@ -669,6 +670,41 @@ static void case_chat_chunks(int argc, char** argv) {
   p_vllm_engine_free(e);
 }
 
+/* the engine's default sampling parameters (the model's generation_config.json):
+ * printed, used for a completion as they are, and applied to a chat request that
+ * sets no sampling field; then the argument errors */
+static void case_engine_defaults(int argc, char** argv) {
+  (void)argc;
+  vllm_engine* e = load_engine();
+  vllm_sampling_params sp = p_vllm_sampling_params_default();
+  vllm_status st = p_vllm_engine_sampling_params_default(e, &sp);
+  CHECK(st == VLLM_OK, "defaults status %d", st);
+  printf("DEFAULTS temperature=%g top_p=%g top_k=%d min_p=%g repetition_penalty=%g max_tokens=%d\n",
+         sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty, sp.max_tokens);
+  vllm_completion c;
+  st = p_vllm_complete(e, argv[0], &sp, &c);
+  CHECK(st == VLLM_OK, "complete status %d", st);
+  if (st == VLLM_OK) {
+    print_escaped("TEXT", c.text);
+    printf("COMPLETION_TOKENS %d\n", c.completion_tokens);
+    p_vllm_completion_free(&c);
+  }
+  char* js = NULL;
+  st = p_vllm_chat(e, argv[1], &js);
+  CHECK(st == VLLM_OK && js, "chat status %d", st);
+  if (js) print_escaped("CHAT", js);
+  p_vllm_string_free(js);
+  vllm_sampling_params untouched = p_vllm_sampling_params_default();
+  st = p_vllm_engine_sampling_params_default(NULL, &untouched);
+  printf("ERR %d :: %s\n", st, p_vllm_last_error());
+  st = p_vllm_engine_sampling_params_default(e, NULL);
+  printf("ERR %d :: %s\n", st, p_vllm_last_error());
+  p_vllm_engine_free(e);
+  st = p_vllm_engine_sampling_params_default(e, &untouched);
+  printf("ERR %d :: %s\n", st, p_vllm_last_error());
+  CHECK(untouched.temperature == 1.0f && untouched.max_tokens == 16, "out changed on failure");
+}
+
 /* exit with requests in flight and without freeing anything */
 static void case_exit_inflight(int argc, char** argv) {
   (void)argc;
@@ -1133,6 +1169,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(c, "slow_pool")) case_slow_pool(n, a);
   else if (!strcmp(c, "freed_engine")) case_freed_engine(n, a);
   else if (!strcmp(c, "fork_exit")) case_fork_exit(n, a);
+  else if (!strcmp(c, "engine_defaults")) case_engine_defaults(n, a);
   else {
     printf("FAIL unknown case %s\n", c);
     return 2;

@@ -34,7 +34,7 @@ EXPORTS = {
     "vllm_engine_load", "vllm_engine_free", "vllm_complete", "vllm_complete_tokens",
     "vllm_completion_free", "vllm_string_free", "vllm_complete_stream", "vllm_request_submit",
     "vllm_request_cancel", "vllm_request_wait", "vllm_request_done", "vllm_request_error",
-    "vllm_request_free", "vllm_chat", "vllm_chat_stream",
+    "vllm_request_free", "vllm_chat", "vllm_chat_stream", "vllm_engine_sampling_params_default",
 }
 
 # vllm.cpp's field order (the list), then vengine's additions.
@@ -315,6 +315,24 @@ def test_chat_matches_python_api_with_template(capi_test_bin, capi_lib, llama_di
     assert content == reference["chat"][0]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_engine_defaults_come_from_the_generation_config(capi_test_bin, capi_lib, llama_greedy_dir):
+    # the model recommends greedy sampling, top_k 7 and 3 new tokens (generation_config.json)
+    from pyengine import LLM, SamplingParams
+
+    chat = json.dumps({"messages": [{"role": "user", "content": "Write a haiku about tests."}]})
+    out = _check(_run(capi_test_bin, capi_lib, "engine_defaults", llama_greedy_dir, PROMPTS[0], chat))
+    assert "DEFAULTS temperature=0 top_p=1 top_k=7 min_p=0 repetition_penalty=1 max_tokens=3" in out
+    text = _unescape(re.search(r"^TEXT (.*)$", out, re.M).group(1))
+    llm = LLM(str(llama_greedy_dir), device="cpu")
+    want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert text == want.text and "COMPLETION_TOKENS 3" in out
+    resp = json.loads(_unescape(re.search(r"^CHAT (.*)$", out, re.M).group(1)))
+    assert resp["usage"]["completion_tokens"] == 3 and resp["choices"][0]["finish_reason"] == "length"
+    errs = [line for line in out.splitlines() if line.startswith("ERR ")]
+    assert [e.split(" :: ")[0] for e in errs] == ["ERR 1", "ERR 1", "ERR 3"]
+    assert "engine is NULL" in errs[0] and "out is NULL" in errs[1] and "freed" in errs[2]
 
 
 def test_exit_with_requests_in_flight(capi_test_bin, capi_lib, llama_dir):

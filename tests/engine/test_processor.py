@@ -258,3 +258,57 @@ def test_encode_matches_the_tokenizer(llama_dir, tokenizer, scripted_tokenizer):
             for special in (True, False):
                 assert proc.encode(text, special) == tok(text, add_special_tokens=special).input_ids, (text, special)
     assert Processor(cfg, with_bos).encode("x")[0] == bos
+def test_generation_config_defaults_when_no_params(llama_greedy_dir, tokenizer):
+    # --generation-config: temperature 0, top_k 7, max_new_tokens 3 in the model's file
+    cfg = EngineArgs(model=str(llama_greedy_dir), device="cpu", max_model_len=64).create_engine_config()
+    proc = Processor(cfg, tokenizer)
+    d = proc.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.max_tokens, d.top_p) == (0.0, 7, 3, 1.0)
+    _, _, params, reqs = proc.process("gd1", [5] * 10, None)
+    assert params.temperature == 0.0 and params.top_k == 7 and reqs[0].max_tokens == 3
+    # the generation config's max_tokens is a default: capped at the room left, not refused
+    _, _, _, reqs = proc.process("gd2", [5] * 62, None)
+    assert reqs[0].max_tokens == 2
+    # it also caps requests that give no number of their own (chat's absent max_tokens is
+    # None; a completion's is the default 16) ...
+    assert proc.process("gd3", [5] * 10, SamplingParams(max_tokens=None))[3][0].max_tokens == 3
+    assert proc.process("gd4", [5] * 10, SamplingParams())[3][0].max_tokens == 3
+    # ... but not an explicit one, and explicit params are taken as they are (as vLLM's LLM)
+    _, _, params, reqs = proc.process("gd5", [5] * 10, SamplingParams(max_tokens=20))
+    assert reqs[0].max_tokens == 20 and params.temperature == 1.0
+    # fields a front end sets over the defaults
+    _, _, params, reqs = proc.process("gd6", [5] * 10, d.clone(top_k=2))
+    assert (params.temperature, params.top_k, reqs[0].max_tokens) == (0.0, 2, 3)
+    # --generation-config vllm: vLLM's neutral defaults
+    neutral = Processor(cfg.replace(generation_config="vllm"), tokenizer)
+    d = neutral.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.max_tokens) == (1.0, 0, 16)
+
+
+def test_eos_ids_come_from_the_chosen_generation_config(llama_dir, tmp_path, tokenizer):
+    from tests.helpers import with_generation_config
+
+    gen = with_generation_config(llama_dir, tmp_path / "gen", eos_token_id=[11, 12])
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=64,
+                     generation_config=str(gen)).create_engine_config()
+    assert Processor(cfg, tokenizer).eos_token_ids == {11, 12}
+
+
+def test_max_logprobs_is_enforced(llama_dir, tokenizer):
+    from pyengine import VLLMValidationError
+
+    cfg = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=64).create_engine_config()
+    proc = Processor(cfg, tokenizer)
+    proc.process("lp1", [5, 6], SamplingParams(logprobs=20))
+    with pytest.raises(VLLMValidationError) as ei:
+        proc.process("lp2", [5, 6], SamplingParams(logprobs=21))
+    assert str(ei.value) == "logprobs must be at most 20 (the engine's max_logprobs), got 21."
+    assert ei.value.parameter == "logprobs"
+    wide = Processor(cfg.replace(max_logprobs=50), tokenizer)
+    wide.process("lp3", [5, 6], SamplingParams(logprobs=50))
+    with pytest.raises(VLLMValidationError, match="at most 50"):
+        wide.process("lp4", [5, 6], SamplingParams(logprobs=51))
+    # never past the vocabulary, whatever max_logprobs says
+    huge = Processor(cfg.replace(max_logprobs=10 ** 9), tokenizer)
+    with pytest.raises(VLLMValidationError, match=f"at most {cfg.hf_config.vocab_size} "):
+        huge.process("lp5", [5, 6], SamplingParams(logprobs=10 ** 8))

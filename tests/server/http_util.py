@@ -1,6 +1,7 @@
 """Raw HTTP/SSE helpers for the server tests (stdlib only: exact bytes and arrival times)."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -9,13 +10,19 @@ from typing import Optional
 
 
 def request(port: int, method: str, path: str, body=None, headers: Optional[dict] = None,
-            timeout: float = 60.0) -> tuple[int, dict, bytes]:
-    """One request; ``body`` may be bytes/str (sent as is) or an object (sent as JSON)."""
+            timeout: float = 60.0, cafile=None) -> tuple[int, dict, bytes]:
+    """One request; ``body`` may be bytes/str (sent as is) or an object (sent as JSON).
+    ``cafile``: over HTTPS, trusting that certificate file."""
     h = {"Content-Type": "application/json"}
     h.update(headers or {})
     if body is not None and not isinstance(body, (bytes, str)):
         body = json.dumps(body)
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    if cafile is None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    else:
+        import ssl
+        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout,
+                                           context=ssl.create_default_context(cafile=str(cafile)))
     try:
         conn.request(method, path, body=body, headers={k: v for k, v in h.items() if v is not None})
         r = conn.getresponse()
@@ -170,9 +177,26 @@ def spawn_server(model_dir, name: str, *flags: str, env: Optional[dict] = None, 
         if not line and proc.poll() is not None:
             break
         lines.append(line)
-        m = re.search(rf"serving {re.escape(name)} on http://127\.0\.0\.1:(\d+)", line)
+        m = re.search(rf"serving {re.escape(name)} on https?://127\.0\.0\.1:(\d+)", line)
         if m:
             return proc, int(m.group(1))
     proc.kill()
     proc.wait()
     raise AssertionError("the server did not start:\n" + "".join(lines))
+
+
+@contextlib.contextmanager
+def served(model_dir, name: str, *flags: str, **kw):
+    """``spawn_server``'s ``(proc, port)`` for a with-block that must end with a clean
+    SIGTERM shutdown (exit status 0); the process is killed if anything fails."""
+    import signal
+
+    proc, port = spawn_server(model_dir, name, *flags, **kw)
+    try:
+        yield proc, port
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
