@@ -149,12 +149,14 @@ def test_connection_limit_flags(monkeypatch):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_serve_subprocess(llama_dir, tp):
+    # --enable-log-requests reaches AsyncLLM(log_requests=True): one log line per request
     with served(llama_dir, "cli-model", "--max-model-len", "256", "--num-gpu-blocks-override", "256",
-                "--max-concurrent-streams", "8", "--disable-access-log",
-                "--tensor-parallel-size", str(tp), env=_env(), cwd=REPO) as (_, port):
+                "--max-concurrent-streams", "8", "--disable-access-log", "--enable-log-requests",
+                "--tensor-parallel-size", str(tp), env=_env(), cwd=REPO) as (proc, port):
         assert get(port, "/health")[0] == 200
         status, _, body = post(port, "/v1/completions", {"model": "cli-model", "prompt": "hi", "max_tokens": 3})
         assert status == 200, body
+    assert "Received request cmpl-" in proc.stdout.read()
 
 
 def test_bad_model_dir_is_a_clear_error(tmp_path):
@@ -228,7 +230,7 @@ def test_vllm_style_launch_line_serves(llama_greedy_dir, tmp_path):
                                   {"model": "vllm-style", "prompt": "hi", "ignore_eos": True}, auth, cafile=cert)
         assert json.loads(data)["usage"]["completion_tokens"] == 3  # min(OpenAI's 16, the model's 3)
         # --max-logprobs is the engine's limit
-        status, _, data = request(port, "POST", "/v1/completions", {"model": "vllm-style", "prompt": "hi", "logprobs": 6},
-                                  auth, cafile=cert)
+        status, _, data = request(port, "POST", "/v1/completions",
+                                  {"model": "vllm-style", "prompt": "hi", "logprobs": 6}, auth, cafile=cert)
         assert status == 400 and "logprobs must be at most 5" in json.loads(data)["error"]["message"]
         assert request(port, "GET", "/v1/models", cafile=cert)[0] == 401
