@@ -3,7 +3,8 @@
 # the GPU test suite, then every benchmark. Results land in $OUT (the device tool's folder):
 # all.log (every command's tail) plus one JSON per benchmark — 8 files at most come back.
 #
-#   run this on the device with `.whl` carried (../shared/tools/device-wheels.sh):
+#   run this on the device with `.whl` carried (`bash ../shared/tools/device-wheels.sh flask-cors xgrammar
+#   apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
 # STEP: gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
