@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # wheel; on a GPU machine PyPI's wheel of the same version is the CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup serve test clean
+.PHONY: setup serve test lint clean
 
 setup: $(VENV)/.installed $(VENV)/.chromium
 
@@ -34,6 +34,10 @@ test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/ops tests/attention
 	TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_llm_triton_interpret.py
+
+# ruff with the repository's ruff.toml (tests/test_code_shape.py runs it too)
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,10 @@
-import sys, time, random, json, tempfile, gc, os
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
 sys.path.insert(0, ".")
 import torch
 from pathlib import Path
@@ -46,5 +52,6 @@ for async_on in [True, False]:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
         del eng, prof
     del llm, outs
-    gc.collect(); torch.cuda.empty_cache()
+    gc.collect()
+    torch.cuda.empty_cache()
 json.dump(res, open(os.environ.get("OUT", ".") + "/quick_tp.json", "w"), indent=1)

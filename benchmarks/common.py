@@ -218,7 +218,7 @@ def parse_ints(text: str) -> list[int]:
     try:
         vals = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals

@@ -18,11 +18,14 @@ given to ``install``.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import traceback
 from pathlib import Path
 
 from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+from pyengine.entrypoints.openai.serving_chat import ChatStream
 
 from capi.chat import ChatRequestError, parse_chat_request
 
@@ -60,11 +63,18 @@ def _request_id(num: int) -> str:
 
 
 class _Live:
-    __slots__ = ("req", "coll")
+    __slots__ = ("req", "coll", "chat")
 
-    def __init__(self, req):
+    def __init__(self, req, chat: ChatStream | None = None):
         self.req = req   # cdata void*: the C vllm_request, alive until its final delta
         self.coll = None
+        self.chat = chat  # vllm_chat*: its OpenAI JSON, one object per line of the delta text
+
+
+def _chat_text(chat: ChatStream, c, finish_reason) -> bytes:
+    """A chat request's delta as the lines of OpenAI JSON the C side passes on."""
+    objs = chat.feed(c.text, len(c.token_ids), finish_reason, c.stop_reason)
+    return "".join(json.dumps(o, separators=(",", ":")) + "\n" for o in objs).encode("utf-8", "replace")
 
 
 def _push(batch) -> None:
@@ -105,8 +115,9 @@ def _push(batch) -> None:
 class _Bridge:
     """One loaded engine as seen from the C ABI."""
 
-    def __init__(self, llm: AsyncLLM):
+    def __init__(self, llm: AsyncLLM, model_name: str = ""):
         self.llm = llm
+        self.model_name = model_name  # the "model" of chat responses
         self.lock = threading.Lock()  # guards live; drains + pushes happen under it (order)
         self.live: dict[str, _Live] = {}
         self.closed = False
@@ -146,14 +157,19 @@ class _Bridge:
             del self.live[rid]
         # finish_reason "error": this request failed inside the engine (the others go on)
         failed = c.finish_reason == "error"
-        batch.append((ent.req, c.text.encode("utf-8", "replace"), c.token_ids, out.finished,
+        if ent.chat is not None:
+            text = _chat_text(ent.chat, c, None if failed else c.finish_reason)
+        else:
+            text = c.text.encode("utf-8", "replace")
+        batch.append((ent.req, text, c.token_ids, out.finished,
                       RUNTIME if failed else OK, plen, c.finish_reason,
                       f"the request failed inside the engine: {c.error}" if failed else None))
 
     # -- host threads ---------------------------------------------------------
-    def submit(self, req, num: int, prompt, params: SamplingParams, priority: int) -> None:
+    def submit(self, req, num: int, prompt, params: SamplingParams, priority: int,
+               chat: ChatStream | None = None) -> None:
         rid = _request_id(num)
-        ent = _Live(req)
+        ent = _Live(req, chat)
         with self.lock:
             if self.closed:
                 raise _Freed("the engine was freed (vllm_engine_free)")
@@ -346,6 +362,12 @@ def _bridge(eng_id: int) -> _Bridge:
     return br
 
 
+def _fail(err, errlen: int, message: str, status: int) -> int:
+    """Write ``message`` into the C error buffer; returns ``status``."""
+    _write(err, errlen, message)
+    return status
+
+
 def _status_of(e: BaseException) -> int:
     if isinstance(e, (_Refused, ValueError, UnicodeDecodeError)):
         return INVALID
@@ -363,120 +385,117 @@ def _message(e: BaseException) -> str:
 # ---------------------------------------------------------------------------
 # the functions C calls (extern "Python")
 
+def _vg_py_load(p, eng_id_out, name_buf, namelen, err, errlen):
+    try:
+        args = _engine_args(p)
+        model = Path(args.model)
+        if not model.is_dir():
+            return _fail(err, errlen, f"vllm_engine_load: model_path {args.model!r} is not a directory", MODEL_LOAD)
+        if not (model / "config.json").is_file():
+            return _fail(err, errlen, f"vllm_engine_load: model_path {args.model!r} has no config.json", MODEL_LOAD)
+        try:
+            args.create_engine_config()  # argument errors -> INVALID_ARGUMENT
+        except ValueError as e:
+            return _fail(err, errlen, f"vllm_engine_load: {e}", INVALID)
+        llm = AsyncLLM.from_engine_args(args)
+    except _Refused as e:
+        return _fail(err, errlen, f"vllm_engine_load: {e}", INVALID)
+    except BaseException as e:
+        return _fail(err, errlen, f"vllm_engine_load: loading the model failed: {_message(e)}", MODEL_LOAD)
+    try:
+        eid = next(_NEXT_ID)
+        cfg = getattr(llm, "config", None)
+        name = str(getattr(cfg, "served_model_name", None) or model.name)
+        _ENGINES[eid] = _Bridge(llm, name)
+        eng_id_out[0] = eid
+        _write(name_buf, namelen, name)
+        return OK
+    except BaseException as e:
+        try:
+            llm.shutdown()
+        except BaseException:
+            pass
+        return _fail(err, errlen, f"vllm_engine_load: {_message(e)}", UNKNOWN)
+
+
+def _vg_py_submit(eng_id, req, num, prompt, toks, ntoks, sp, err, errlen):
+    try:
+        br = _bridge(eng_id)
+        params, priority = _sampling(sp)
+        if prompt != ffi.NULL:
+            try:
+                text = ffi.string(prompt).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _Refused(f"prompt is not valid UTF-8: {e}") from None
+        else:
+            text = list(ffi.unpack(toks, ntoks))
+        br.submit(req, int(num), text, params, priority)
+        return OK
+    except BaseException as e:
+        return _fail(err, errlen, _message(e), _status_of(e))
+
+
+def _vg_py_submit_chat(eng_id, req, num, raw, stream, err, errlen):
+    try:
+        br = _bridge(eng_id)
+        prompt_ids, params, priority, flags = parse_chat_request(
+            ffi.string(raw).decode("utf-8"), br.llm.processor, RequestOutputKind.DELTA)
+        chat = ChatStream(f"chatcmpl-vengine-{int(num)}", br.model_name, len(prompt_ids), stream=bool(stream),
+                          include_usage=bool(flags & 1))
+        br.submit(req, int(num), prompt_ids, params, priority, chat)
+        return OK
+    except UnicodeDecodeError as e:
+        return _fail(err, errlen, f"chat request: request_json is not valid UTF-8: {e}", INVALID)
+    except ChatRequestError as e:
+        return _fail(err, errlen, f"chat request: {e}", INVALID)
+    except BaseException as e:
+        return _fail(err, errlen, _message(e), _status_of(e))
+
+
+def _vg_py_default_params(eng_id, out, err, errlen):
+    try:
+        _fill_sampling(out, _bridge(eng_id).llm.get_default_sampling_params())
+        return OK
+    except BaseException as e:
+        return _fail(err, errlen, _message(e), _status_of(e))
+
+
+def _vg_py_abort(eng_id, nums, n):
+    br = _ENGINES.get(eng_id)
+    if br is None or br.closed:
+        return
+    try:
+        br.llm.abort([_request_id(x) for x in ffi.unpack(nums, n)])
+    except BaseException:
+        pass  # a dead engine is caught by the poll below
+
+
+def _vg_py_poll(eng_id):
+    br = _ENGINES.get(eng_id)
+    if br is None or br.closed:
+        return
+    if getattr(br.llm, "errored", False):
+        err = getattr(br.llm, "dead_error", None)
+        br.fail_all(RUNTIME, f"engine dead: {err!r}" if err is not None else "engine dead")
+
+
+def _vg_py_engine_free(eng_id):
+    br = _ENGINES.pop(eng_id, None)
+    if br is not None:
+        try:
+            br.close()
+        except BaseException:
+            traceback.print_exc()
+
+
 def install(ffi_, lib_) -> None:
+    """Bind the functions C calls (extern "Python") to the library's ``ffi``/``lib``."""
     global ffi, lib
     ffi, lib = ffi_, lib_
-
-    @ffi.def_extern(error=UNKNOWN)
-    def _vg_py_load(p, eng_id_out, name_buf, namelen, err, errlen):
-        try:
-            args = _engine_args(p)
-            model = Path(args.model)
-            if not model.is_dir():
-                _write(err, errlen, f"vllm_engine_load: model_path {args.model!r} is not a directory")
-                return MODEL_LOAD
-            if not (model / "config.json").is_file():
-                _write(err, errlen, f"vllm_engine_load: model_path {args.model!r} has no config.json")
-                return MODEL_LOAD
-            try:
-                args.create_engine_config()  # argument errors -> INVALID_ARGUMENT
-            except ValueError as e:
-                _write(err, errlen, f"vllm_engine_load: {e}")
-                return INVALID
-            llm = AsyncLLM.from_engine_args(args)
-        except _Refused as e:
-            _write(err, errlen, f"vllm_engine_load: {e}")
-            return INVALID
-        except BaseException as e:
-            _write(err, errlen, f"vllm_engine_load: loading the model failed: {_message(e)}")
-            return MODEL_LOAD
-        try:
-            eid = next(_NEXT_ID)
-            _ENGINES[eid] = _Bridge(llm)
-            eng_id_out[0] = eid
-            cfg = getattr(llm, "config", None)
-            _write(name_buf, namelen, str(getattr(cfg, "served_model_name", None) or model.name))
-            return OK
-        except BaseException as e:
-            try:
-                llm.shutdown()
-            except BaseException:
-                pass
-            _write(err, errlen, f"vllm_engine_load: {_message(e)}")
-            return UNKNOWN
-
-    @ffi.def_extern(error=UNKNOWN)
-    def _vg_py_submit(eng_id, req, num, prompt, toks, ntoks, sp, err, errlen):
-        try:
-            br = _bridge(eng_id)
-            params, priority = _sampling(sp)
-            if prompt != ffi.NULL:
-                try:
-                    text = ffi.string(prompt).decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise _Refused(f"prompt is not valid UTF-8: {e}") from None
-            else:
-                text = list(ffi.unpack(toks, ntoks))
-            br.submit(req, int(num), text, params, priority)
-            return OK
-        except BaseException as e:
-            _write(err, errlen, _message(e))
-            return _status_of(e)
-
-    @ffi.def_extern(error=UNKNOWN)
-    def _vg_py_submit_chat(eng_id, req, num, raw, flags_out, err, errlen):
-        try:
-            br = _bridge(eng_id)
-            # fields the request leaves out: the engine's defaults (--generation-config)
-            prompt_ids, params, priority, flags = parse_chat_request(
-                ffi.string(raw).decode("utf-8"), br.llm.processor, br.llm.get_default_sampling_params().clone,
-                RequestOutputKind.DELTA)
-            flags_out[0] = flags
-            br.submit(req, int(num), prompt_ids, params, priority)
-            return OK
-        except UnicodeDecodeError as e:
-            _write(err, errlen, f"chat request: request_json is not valid UTF-8: {e}")
-            return INVALID
-        except ChatRequestError as e:
-            _write(err, errlen, f"chat request: {e}")
-            return INVALID
-        except BaseException as e:
-            _write(err, errlen, _message(e))
-            return _status_of(e)
-
-    @ffi.def_extern(error=UNKNOWN)
-    def _vg_py_default_params(eng_id, out, err, errlen):
-        try:
-            _fill_sampling(out, _bridge(eng_id).llm.get_default_sampling_params())
-            return OK
-        except BaseException as e:
-            _write(err, errlen, _message(e))
-            return _status_of(e)
-
-    @ffi.def_extern()
-    def _vg_py_abort(eng_id, nums, n):
-        br = _ENGINES.get(eng_id)
-        if br is None or br.closed:
-            return
-        try:
-            br.llm.abort([_request_id(x) for x in ffi.unpack(nums, n)])
-        except BaseException:
-            pass  # a dead engine is caught by the poll below
-
-    @ffi.def_extern()
-    def _vg_py_poll(eng_id):
-        br = _ENGINES.get(eng_id)
-        if br is None or br.closed:
-            return
-        if getattr(br.llm, "errored", False):
-            err = getattr(br.llm, "dead_error", None)
-            br.fail_all(RUNTIME, f"engine dead: {err!r}" if err is not None else "engine dead")
-
-    @ffi.def_extern()
-    def _vg_py_engine_free(eng_id):
-        br = _ENGINES.pop(eng_id, None)
-        if br is not None:
-            try:
-                br.close()
-            except BaseException:
-                traceback.print_exc()
+    ffi.def_extern(name="_vg_py_load", error=UNKNOWN)(_vg_py_load)
+    ffi.def_extern(name="_vg_py_submit", error=UNKNOWN)(_vg_py_submit)
+    ffi.def_extern(name="_vg_py_submit_chat", error=UNKNOWN)(_vg_py_submit_chat)
+    ffi.def_extern(name="_vg_py_default_params", error=UNKNOWN)(_vg_py_default_params)
+    ffi.def_extern(name="_vg_py_abort")(_vg_py_abort)
+    ffi.def_extern(name="_vg_py_poll")(_vg_py_poll)
+    ffi.def_extern(name="_vg_py_engine_free")(_vg_py_engine_free)

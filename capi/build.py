@@ -67,7 +67,7 @@ extern "Python" int32_t _vg_py_submit(int64_t eng_id, void* req, uint64_t num, c
                                       const int32_t* toks, int32_t ntoks,
                                       const vllm_sampling_params* sp, char* err, int32_t errlen);
 extern "Python" int32_t _vg_py_submit_chat(int64_t eng_id, void* req, uint64_t num,
-                                           const char* json, int32_t* flags, char* err,
+                                           const char* json, int32_t stream, char* err,
                                            int32_t errlen);
 extern "Python" int32_t _vg_py_default_params(int64_t eng_id, vllm_sampling_params* out, char* err,
                                               int32_t errlen);

@@ -70,7 +70,7 @@ static int32_t _vg_py_submit(int64_t eng_id, void* req, uint64_t num, const char
                              const int32_t* toks, int32_t ntoks, const vllm_sampling_params* sp,
                              char* err, int32_t errlen);
 static int32_t _vg_py_submit_chat(int64_t eng_id, void* req, uint64_t num, const char* json,
-                                  int32_t* flags, char* err, int32_t errlen);
+                                  int32_t stream, char* err, int32_t errlen);
 static int32_t _vg_py_default_params(int64_t eng_id, vllm_sampling_params* out, char* err,
                                      int32_t errlen);
 static void _vg_py_abort(int64_t eng_id, const uint64_t* nums, int32_t n);
@@ -1176,14 +1176,14 @@ VG_EXPORT vllm_status vllm_engine_sampling_params_default(vllm_engine* h, vllm_s
  * error is set. */
 static vllm_status vg_start(vllm_request* r, const char* prompt, const int32_t* toks,
                             int32_t ntoks, const vllm_sampling_params* sp, const char* chat_json,
-                            int32_t* chat_flags) {
+                            int32_t chat_stream) {
   char err[VG_ERRLEN];
   err[0] = '\0';
   vllm_status st;
   vg_sigpipe sig;
   vg_sigpipe_block(&sig);
   if (chat_json)
-    st = (vllm_status)_vg_py_submit_chat(r->eng->id, r, r->num, chat_json, chat_flags, err,
+    st = (vllm_status)_vg_py_submit_chat(r->eng->id, r, r->num, chat_json, chat_stream, err,
                                          (int32_t)sizeof err);
   else
     st = (vllm_status)_vg_py_submit(r->eng->id, r, r->num, prompt, toks, ntoks, sp, err,
@@ -1224,7 +1224,7 @@ VG_EXPORT vllm_status vllm_request_submit(vllm_engine* e, const char* prompt,
   }
   vllm_request* r = vg_req_new(g, VG_MODE_POOL, cb, user_data);
   if (!r) return vg_fail(VLLM_ERR_RUNTIME, "vllm_request_submit: out of memory");
-  st = vg_start(r, prompt, NULL, 0, params, NULL, NULL);
+  st = vg_start(r, prompt, NULL, 0, params, NULL, 0);
   if (st != VLLM_OK) return st;
   *out = r;
   return VLLM_OK;
@@ -1325,7 +1325,7 @@ static vllm_status vg_complete_impl(vllm_engine* h, const char* fn, const char* 
     vg_set_err("%s: out of memory", fn);
     return VLLM_ERR_RUNTIME;
   }
-  st = vg_start(r, prompt, ptoks, nptoks, params, NULL, NULL);
+  st = vg_start(r, prompt, ptoks, nptoks, params, NULL, 0);
   if (st != VLLM_OK) return st;
   vg_collect c;
   memset(&c, 0, sizeof c);
@@ -1395,7 +1395,7 @@ VG_EXPORT vllm_status vllm_complete_stream(vllm_engine* e, const char* prompt,
   if (!g) return st;
   vllm_request* r = vg_req_new(g, VG_MODE_PUMP, cb, user_data);
   if (!r) return vg_fail(VLLM_ERR_RUNTIME, "vllm_complete_stream: out of memory");
-  st = vg_start(r, prompt, NULL, 0, params, NULL, NULL);
+  st = vg_start(r, prompt, NULL, 0, params, NULL, 0);
   if (st != VLLM_OK) return st;
   vg_deliver(r, vg_host_handler, NULL);
   return vg_finish_pump(r);
@@ -1403,113 +1403,31 @@ VG_EXPORT vllm_status vllm_complete_stream(vllm_engine* e, const char* prompt,
 
 /* ---- chat ----------------------------------------------------------------- */
 
-static void vg_json_str(vg_buf* b, const char* s, size_t n) {
-  static const char hex[] = "0123456789abcdef";
-  vg_buf_add(b, "\"", 1);
-  size_t start = 0;
-  for (size_t i = 0; i < n; i++) {
-    unsigned char c = (unsigned char)s[i];
-    if (c >= 0x20 && c != '"' && c != '\\') continue;
-    if (i > start) vg_buf_add(b, s + start, i - start);
-    start = i + 1;
-    switch (c) {
-      case '"': vg_buf_add(b, "\\\"", 2); break;
-      case '\\': vg_buf_add(b, "\\\\", 2); break;
-      case '\n': vg_buf_add(b, "\\n", 2); break;
-      case '\r': vg_buf_add(b, "\\r", 2); break;
-      case '\t': vg_buf_add(b, "\\t", 2); break;
-      default: {
-        char u[6] = {'\\', 'u', '0', '0', hex[c >> 4], hex[c & 15]};
-        vg_buf_add(b, u, 6);
-      }
-    }
-  }
-  if (n > start) vg_buf_add(b, s + start, n - start);
-  vg_buf_add(b, "\"", 1);
-}
-
-static void vg_json_int(vg_buf* b, long long v) {
-  char t[32];
-  snprintf(t, sizeof t, "%lld", v);
-  vg_buf_str(b, t);
-}
-
-/* {"id":"chatcmpl-N","object":OBJ,"created":T,"model":M, */
-static void vg_chat_head(vg_buf* b, vllm_request* r, const char* obj, long long created) {
-  char id[48];
-  snprintf(id, sizeof id, "chatcmpl-vengine-%llu", (unsigned long long)r->num);
-  vg_buf_str(b, "{\"id\":\"");
-  vg_buf_str(b, id);
-  vg_buf_str(b, "\",\"object\":\"");
-  vg_buf_str(b, obj);
-  vg_buf_str(b, "\",\"created\":");
-  vg_json_int(b, created);
-  vg_buf_str(b, ",\"model\":");
-  vg_json_str(b, r->eng->model_name, strlen(r->eng->model_name));
-  vg_buf_str(b, ",");
-}
-
-static void vg_chat_usage(vg_buf* b, vllm_request* r) {
-  long long p = r->prompt_tokens < 0 ? 0 : r->prompt_tokens, c = r->completion_tokens;
-  vg_buf_str(b, "\"usage\":{\"prompt_tokens\":");
-  vg_json_int(b, p);
-  vg_buf_str(b, ",\"completion_tokens\":");
-  vg_json_int(b, c);
-  vg_buf_str(b, ",\"total_tokens\":");
-  vg_json_int(b, p + c);
-  vg_buf_str(b, "}");
-}
+/* The chat request's OpenAI JSON is built in Python by the protocol layer the HTTP server
+ * uses (pyengine.entrypoints.openai.serving_chat.ChatStream): a streamed request's deltas
+ * carry its chat.completion.chunk objects, one per line; a plain one's final delta carries
+ * the chat.completion object. */
 
 typedef struct vg_chat_stream_ctx {
-  long long created;
-  int include_usage;
-  int sent_role;
   int stopped; /* the host returned false */
 } vg_chat_stream_ctx;
 
-static bool vg_chat_emit(vllm_request* r, vg_buf* b) {
-  bool keep = b->oom ? true : r->cb(b->p, false, r->ud);
-  free(b->p);
-  memset(b, 0, sizeof *b);
-  return keep;
-}
-
 static bool vg_chat_stream_handler(void* ctx, vllm_request* r, const vg_node* n, bool cancelled) {
   vg_chat_stream_ctx* c = (vg_chat_stream_ctx*)ctx;
-  vg_buf b;
-  memset(&b, 0, sizeof b);
   bool keep = true;
-  if (!cancelled && !c->stopped) {
-    if (!c->sent_role) {
-      c->sent_role = 1;
-      vg_chat_head(&b, r, "chat.completion.chunk", c->created);
-      vg_buf_str(&b, "\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},"
-                     "\"logprobs\":null,\"finish_reason\":null}]}");
-      keep = vg_chat_emit(r, &b);
+  size_t start = 0;
+  while (!cancelled && !c->stopped && start < n->text_len) {
+    const char* nl = memchr(n->text + start, '\n', n->text_len - start);
+    size_t end = nl ? (size_t)(nl - n->text) : n->text_len;
+    if (end > start) {
+      vg_buf b;
+      memset(&b, 0, sizeof b);
+      vg_buf_add(&b, n->text + start, end - start);
+      keep = b.oom ? true : r->cb(b.p, false, r->ud);
+      free(b.p);
+      if (!keep) c->stopped = 1;
     }
-    if (keep && n->text_len > 0) {
-      vg_chat_head(&b, r, "chat.completion.chunk", c->created);
-      vg_buf_str(&b, "\"choices\":[{\"index\":0,\"delta\":{\"content\":");
-      vg_json_str(&b, n->text, n->text_len);
-      vg_buf_str(&b, "},\"logprobs\":null,\"finish_reason\":null}]}");
-      keep = vg_chat_emit(r, &b);
-    }
-    if (keep && n->finished && n->status == VLLM_OK) {
-      vg_chat_head(&b, r, "chat.completion.chunk", c->created);
-      vg_buf_str(&b, "\"choices\":[{\"index\":0,\"delta\":{},\"logprobs\":null,\"finish_reason\":");
-      vg_json_str(&b, n->finish_reason ? n->finish_reason : "stop",
-                  strlen(n->finish_reason ? n->finish_reason : "stop"));
-      vg_buf_str(&b, "}]}");
-      keep = vg_chat_emit(r, &b);
-      if (keep && c->include_usage) {
-        vg_chat_head(&b, r, "chat.completion.chunk", c->created);
-        vg_buf_str(&b, "\"choices\":[],");
-        vg_chat_usage(&b, r);
-        vg_buf_str(&b, "}");
-        keep = vg_chat_emit(r, &b);
-      }
-    }
-    if (!keep) c->stopped = 1;
+    start = end + 1;
   }
   if (n->finished) r->cb("", true, r->ud);
   return keep;
@@ -1517,7 +1435,7 @@ static bool vg_chat_stream_handler(void* ctx, vllm_request* r, const vg_node* n,
 
 static vllm_status vg_chat_start(vllm_engine* h, const char* fn, const char* json,
                                  vllm_token_callback cb, void* ud, vllm_request** rr,
-                                 int32_t* flags) {
+                                 int32_t stream) {
   if (!json) {
     vg_set_err("%s: request_json is NULL", fn);
     return VLLM_ERR_INVALID_ARGUMENT;
@@ -1530,7 +1448,7 @@ static vllm_status vg_chat_start(vllm_engine* h, const char* fn, const char* jso
     vg_set_err("%s: out of memory", fn);
     return VLLM_ERR_RUNTIME;
   }
-  st = vg_start(r, NULL, NULL, 0, NULL, json, flags);
+  st = vg_start(r, NULL, NULL, 0, NULL, json, stream);
   if (st != VLLM_OK) return st;
   *rr = r;
   return VLLM_OK;
@@ -1543,33 +1461,21 @@ VG_EXPORT vllm_status vllm_chat(vllm_engine* e, const char* request_json, char**
   if (!out_response_json)
     return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_chat: out_response_json is NULL");
   vllm_request* r = NULL;
-  int32_t flags = 0;
-  long long created = (long long)time(NULL);
-  vllm_status st = vg_chat_start(e, "vllm_chat", request_json, NULL, NULL, &r, &flags);
+  vllm_status st = vg_chat_start(e, "vllm_chat", request_json, NULL, NULL, &r, 0);
   if (st != VLLM_OK) return st;
   vg_collect c;
   memset(&c, 0, sizeof c);
   c.raw = 1;
   vg_deliver(r, vg_collect_handler, &c);
   if (r->status == VLLM_OK) {
-    vg_buf b;
-    memset(&b, 0, sizeof b);
-    vg_chat_head(&b, r, "chat.completion", created);
-    vg_buf_str(&b, "\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
-    vg_json_str(&b, c.text.p ? c.text.p : "", c.text.n);
-    vg_buf_str(&b, "},\"logprobs\":null,\"finish_reason\":");
-    const char* fr = r->finish_reason ? r->finish_reason : "stop";
-    vg_json_str(&b, fr, strlen(fr));
-    vg_buf_str(&b, "}],");
-    vg_chat_usage(&b, r);
-    vg_buf_str(&b, "}");
-    if (b.oom || c.text.oom) {
-      free(b.p);
+    if (c.text.oom || !c.text.p) {
       free(c.text.p);
       vg_req_decref(r);
-      return vg_fail(VLLM_ERR_RUNTIME, "vllm_chat: out of memory");
+      return vg_fail(VLLM_ERR_RUNTIME, c.text.oom ? "vllm_chat: out of memory" : "vllm_chat: no response");
     }
-    *out_response_json = b.p;
+    while (c.text.n > 0 && c.text.p[c.text.n - 1] == '\n') c.text.p[--c.text.n] = '\0';
+    *out_response_json = c.text.p;
+    c.text.p = NULL;
   }
   free(c.text.p);
   return vg_finish_pump(r);
@@ -1581,13 +1487,10 @@ VG_EXPORT vllm_status vllm_chat_stream(vllm_engine* e, const char* request_json,
   if (!e) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_chat_stream: engine is NULL");
   if (!cb) return vg_fail(VLLM_ERR_INVALID_ARGUMENT, "vllm_chat_stream: cb is NULL");
   vllm_request* r = NULL;
-  int32_t flags = 0;
   vg_chat_stream_ctx ctx;
   memset(&ctx, 0, sizeof ctx);
-  ctx.created = (long long)time(NULL);
-  vllm_status st = vg_chat_start(e, "vllm_chat_stream", request_json, cb, user_data, &r, &flags);
+  vllm_status st = vg_chat_start(e, "vllm_chat_stream", request_json, cb, user_data, &r, 1);
   if (st != VLLM_OK) return st;
-  ctx.include_usage = flags & 1;
   vg_deliver(r, vg_chat_stream_handler, &ctx);
   return vg_finish_pump(r);
 }

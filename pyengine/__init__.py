@@ -29,6 +29,7 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncLLM", "MPClient", "start_engine_core_process", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "EngineArgs", "EngineConfig",
-           "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineDeadError",
-           "RequestOutputCollector", "SchedulerStats", "FinishReason", "SchedulingPolicy", "VLLMValidationError", "prompt_text_for_echo", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "MPClient", "start_engine_core_process", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutputKind", "EngineArgs", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob",
+           "RequestMetrics", "EngineDeadError", "RequestOutputCollector", "SchedulerStats", "FinishReason",
+           "SchedulingPolicy", "VLLMValidationError", "prompt_text_for_echo", "__version__"]

@@ -47,7 +47,8 @@ class LLM:
             return [prompts]  # one tokenized prompt
         return prompts
 
-    def generate(self, prompts: Union[str, Sequence], sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+    def generate(self, prompts: Union[str, Sequence],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of strings, or a list of token-id
         lists); returns one finished RequestOutput per prompt, in input order.

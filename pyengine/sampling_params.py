@@ -165,6 +165,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrained decoding (JSON schema, regex, choice, grammar); see StructuredOutputsParams.
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # vLLM's per-token logit bias: not supported, so refused when given (never ignored).
+    logit_bias: Optional[dict] = None
     # Token ids that end generation by default (EOS etc.), filled from the model's
     # generation config by the engine; not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -229,6 +231,8 @@ class SamplingParams:
             else:
                 raise VLLMValidationError("structured_outputs must be a StructuredOutputsParams.",
                                           parameter="structured_outputs")
+        if self.logit_bias:
+            raise VLLMValidationError("logit_bias is not supported.", parameter="logit_bias")
         if self.n > 1 and self.sampling_type_greedy:
             raise VLLMValidationError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.",
                                       parameter="n", value=self.n)

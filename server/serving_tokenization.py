@@ -19,7 +19,7 @@ from pydantic import ConfigDict, Field
 
 from pyengine.chat_utils import apply_hf_chat_template, parse_chat_messages
 
-from .protocol import ChatMessage, _Schema
+from pyengine.entrypoints.openai.protocol import ChatMessage, _Schema
 
 
 class _Request(_Schema):
@@ -78,7 +78,7 @@ def _chat_text(st, req: TokenizeChatRequest) -> str:
 
 def register_tokenization_routes(app: Flask, st) -> None:
     """Add ``/tokenize`` and ``/detokenize`` to ``app`` (``st``: its ``server.app.ServerState``)."""
-    from .app import APIError, _check_model, _check_token_ids, _json_response, _parse, _tokenize
+    from .app import APIError, _check_model, _json_response, _parse, _tokenize
 
     @app.post("/tokenize")
     def tokenize():
@@ -101,5 +101,5 @@ def register_tokenization_routes(app: Flask, st) -> None:
     def detokenize():
         req = _parse(DetokenizeRequest)
         _check_model(st, req.model)
-        _check_token_ids(st, req.tokens, "tokens")
+        st.engine.processor.check_token_ids(req.tokens, "tokens")
         return _json_response({"prompt": st.tokenizer.decode(req.tokens)})

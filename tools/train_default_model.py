@@ -328,9 +328,9 @@ def main() -> None:
         model.eval()
         with torch.no_grad(), amp:
             lg = model(input_ids=eval_x, use_cache=False).logits.float()
-            l = F.cross_entropy(lg[:, :-1].reshape(-1, vocab), eval_x[:, 1:].reshape(-1))
+            loss = F.cross_entropy(lg[:, :-1].reshape(-1, vocab), eval_x[:, 1:].reshape(-1))
         model.train()
-        return l.item()
+        return loss.item()
 
     budget = min(args.minutes * 60.0, args.deadline_minutes * 60.0 - 75.0 - (time.time() - T_START))
     log(f"training: batch {B}x{T} = {B * T} tokens/step, lr {args.lr} warmup {args.warmup} cosine to {args.min_lr_frac}x, "

@@ -325,7 +325,7 @@ def run_engine_core(config: EngineConfig, conns, log_level: int = logging.WARNIN
     ``EngineCoreReady``, or an ``EngineDeadMessage`` with ``during_startup`` if EngineCore
     could not be built. End of input from every front end (they exited or were killed)
     shuts the process down. Exit status 0 after a requested shutdown, 1 after a failure."""
-    from pyengine.engine.messages import EngineCoreReady, encode
+    from pyengine.engine.messages import EngineCoreReady
     from pyengine.utils import freeze_gc_heap
 
     conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]

@@ -10,6 +10,7 @@ import time
 from typing import Any, Optional
 
 from pyengine.config import EngineConfig
+from pyengine.core.sched.request_queue import SchedulingPolicy
 from pyengine.engine.messages import EngineCoreRequest
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
@@ -239,36 +240,89 @@ class Processor:
         self.check_prompt_text(text, parameter)
         return self.encode(text, add_special_tokens)
 
-    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        """Returns (prompt text or None, prompt token ids). Raises ValueError."""
+    def check_token_ids(self, ids, parameter: str = "prompt") -> list[int]:
+        """``ids`` as a list of ints, each a token id of the model's vocabulary. Raises
+        ``VLLMValidationError`` naming ``parameter``."""
+        ids = list(ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise VLLMValidationError(f"{parameter} must be a list of token ids (integers).", parameter=parameter)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise VLLMValidationError(f"Token id {bad[0]} in {parameter} is out of vocabulary (valid ids: "
+                                      f"0..{self.vocab_size - 1}).", parameter=parameter, value=bad[0])
+        return ids
+
+    def check_prompt(self, prompt: PromptType, parameter: str = "prompt") -> None:
+        """The rules a prompt must meet that need no tokenization: not empty, token ids in
+        the vocabulary and leaving room for one generated token, text under the cheap
+        character bound (``check_prompt_text``). Front ends run it on every prompt of a
+        request before tokenizing any. Raises ``VLLMValidationError`` naming ``parameter``."""
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        if isinstance(prompt, (str, list, tuple)) and not prompt:
+            raise VLLMValidationError("The prompt cannot be empty.", parameter=parameter)
+        if isinstance(prompt, str):
+            self.check_prompt_text(prompt, parameter)
+        elif isinstance(prompt, (list, tuple)):
+            self.check_token_ids(prompt, parameter)
+            self.check_prompt_length(len(prompt), parameter)
+
+    def check_encoded(self, ids: list[int], parameter: str = "prompt") -> list[int]:
+        """A text prompt's token ids: at least one, all in the model's vocabulary (a
+        tokenizer larger than the model's vocabulary is refused here, not in the model).
+        Raises ``VLLMValidationError`` naming ``parameter``."""
+        if not ids:
+            raise VLLMValidationError("The prompt encodes to no tokens.", parameter=parameter)
+        if max(ids) >= self.vocab_size or min(ids) < 0:
+            raise VLLMValidationError(f"The prompt encodes to token id {max(ids)}, outside the model's "
+                                      f"vocabulary (size {self.vocab_size}); the tokenizer does not match the "
+                                      "model.", parameter=parameter)
+        return ids
+
+    def tokenize(self, prompt: PromptType, parameter: str = "prompt",
+                 add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
+        """Returns (prompt text or None, prompt token ids): ``check_prompt``, then the text
+        encoded and ``check_encoded``. Raises ValueError (``VLLMValidationError`` naming
+        ``parameter``)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("A prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
+                raise VLLMValidationError("A prompt dict needs a 'prompt' or 'prompt_token_ids' key.",
+                                          parameter=parameter)
+        if not isinstance(prompt, (str, list, tuple)):
+            raise VLLMValidationError(f"A prompt must be a string or a list of token ids, got {type(prompt).__name__}.",
+                                      parameter=parameter)
+        self.check_prompt(prompt, parameter)
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("The prompt cannot be empty.")
-            ids = self.encode_prompt(prompt)
-            if not ids:
-                raise ValueError("The prompt encodes to no tokens.")
-            if max(ids) >= self.vocab_size or min(ids) < 0:
-                # a tokenizer larger than the model's vocabulary: refused here, not in the model
-                raise ValueError(f"The prompt encodes to token id {max(ids)}, outside the model's "
-                                 f"vocabulary (size {self.vocab_size}); the tokenizer does not match the model.")
-            return prompt, ids
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError("The prompt cannot be empty.")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("Prompt token ids must be integers.")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"Prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size}).")
-            return None, list(prompt)
-        raise ValueError(f"A prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
+            return prompt, self.check_encoded(self.encode(prompt, add_special_tokens), parameter)
+        return None, list(prompt)
+
+    def check_priority(self, priority) -> None:
+        """A 64-bit integer; other than 0 only under the priority scheduling policy (under
+        fcfs it would be silently meaningless). Raises ``VLLMValidationError``."""
+        if not isinstance(priority, int) or isinstance(priority, bool) or not INT64_MIN <= priority <= INT64_MAX:
+            raise VLLMValidationError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got {priority!r}.",
+                                      parameter="priority", value=priority)
+        if priority != 0 and self.config.scheduling_policy != SchedulingPolicy.PRIORITY:
+            raise VLLMValidationError(f"priority is only supported with the priority scheduling policy "
+                                      f"(--scheduling-policy priority); this engine uses "
+                                      f"{SchedulingPolicy(self.config.scheduling_policy).value!r}, got priority={priority}.",
+                                      parameter="priority", value=priority)
+
+    def check_logprobs(self, params: SamplingParams, parameter: str = "logprobs") -> None:
+        """``params.logprobs`` at most the engine's ``max_logprobs``. Raises
+        ``VLLMValidationError`` naming ``parameter`` (chat's ``top_logprobs``)."""
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise VLLMValidationError(
+                f"logprobs must be at most {self.max_logprobs} (the engine's max_logprobs), got {params.logprobs}.",
+                parameter=parameter, value=params.logprobs)
+
+    def check_stop_token_ids(self, params: SamplingParams) -> None:
+        """``params.stop_token_ids`` in the vocabulary. Raises ``VLLMValidationError``."""
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The request's token limit. Not given (``None``, or the default left as is):
@@ -301,18 +355,11 @@ class Processor:
             params = self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise VLLMValidationError(
-                f"logprobs must be at most {self.max_logprobs} (the engine's max_logprobs), got {params.logprobs}.",
-                parameter="logprobs", value=params.logprobs)
-        if not isinstance(priority, int) or isinstance(priority, bool) or not INT64_MIN <= priority <= INT64_MAX:
-            raise VLLMValidationError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got {priority!r}.",
-                                      parameter="priority", value=priority)
+        self.check_logprobs(params)
+        self.check_priority(priority)
         text, ids = self.tokenize(prompt)
         self.check_prompt_length(len(ids))
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary (size {self.vocab_size}).")
+        self.check_stop_token_ids(params)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids

@@ -443,7 +443,8 @@ class ModelRunner:
         meta_s = self._sampling_metadata(sampled, ph_flags) if sampled else None
         hidden = self._forward(ids, pos, meta)
         if not sampled:
-            out = ModelRunnerOutput([], None) if not non_blocking else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None)
+            out = (ModelRunnerOutput([], None) if not non_blocking
+                   else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None))
         else:
             if rows_t is not None:  # only the last row of each sampling request
                 hidden = hidden[rows_t]

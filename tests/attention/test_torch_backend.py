@@ -73,7 +73,7 @@ def _run(query_lens, seq_lens, num_padded, dtype=torch.float32, seed=0):
 def test_matches_naive(query_lens, seq_lens, num_padded):
     r = _run(query_lens, seq_lens, num_padded)
     row = 0
-    for s, q, fk, fv in zip(seq_lens, query_lens, r["full_k"], r["full_v"]):
+    for _s, q, fk, fv in zip(seq_lens, query_lens, r["full_k"], r["full_v"]):
         ref = naive_attention(r["qs"][row: row + q], fk, fv, r["scale"])
         torch.testing.assert_close(r["out"][row: row + q].double(), ref, atol=1e-5, rtol=1e-5)
         row += q
@@ -100,7 +100,7 @@ def test_cache_writes_and_padding_rows_skipped():
 def test_bfloat16():
     r = _run([4, 1], [6, 3], 1, dtype=torch.bfloat16)
     row = 0
-    for s, q, fk, fv in zip([6, 3], [4, 1], r["full_k"], r["full_v"]):
+    for _s, q, fk, fv in zip([6, 3], [4, 1], r["full_k"], r["full_v"]):
         ref = naive_attention(r["qs"][row: row + q], fk, fv, r["scale"])
         assert r["out"].dtype == torch.bfloat16
         torch.testing.assert_close(r["out"][row: row + q].double(), ref, atol=2e-2, rtol=2e-2)

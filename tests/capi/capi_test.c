@@ -706,6 +706,47 @@ static void case_engine_defaults(int argc, char** argv) {
 }
 
 /* exit with requests in flight and without freeing anything */
+/* The same bad requests as the Python API and HTTP (tests/test_request_rules.py): each
+ * argument is "chat:<request json>" (vllm_chat), "prompt:<max_tokens>:<text>"
+ * (vllm_complete) or "tokens:<max_tokens>:<id,id,...>" (vllm_complete_tokens). Prints
+ * "STATUS_<i> <status>" and "ERROR_<i> <vllm_last_error(), escaped>" for each. */
+static void case_reject(int argc, char** argv) {
+  vllm_engine* e = load_engine();
+  for (int i = 0; i < argc; i++) {
+    const char* a = argv[i];
+    vllm_status st = VLLM_OK;
+    vllm_completion c;
+    if (!strncmp(a, "chat:", 5)) {
+      char* js = NULL;
+      st = p_vllm_chat(e, a + 5, &js);
+      p_vllm_string_free(js);
+    } else {
+      int kind_tokens = !strncmp(a, "tokens:", 7);
+      const char* rest = a + 7; /* "tokens:" and "prompt:" are 7 characters */
+      char* end = NULL;
+      vllm_sampling_params sp = greedy((int)strtol(rest, &end, 10));
+      const char* body = end + 1;
+      if (kind_tokens) {
+        static int32_t ids[4096];
+        int32_t n = 0, n_out = 0, out[4];
+        while (*body && n < 4096) {
+          ids[n++] = (int32_t)strtol(body, &end, 10);
+          body = *end == ',' ? end + 1 : end;
+        }
+        st = p_vllm_complete_tokens(e, ids, n, &sp, out, 4, &n_out, &c);
+      } else {
+        st = p_vllm_complete(e, body, &sp, &c);
+      }
+      if (st == VLLM_OK) p_vllm_completion_free(&c);
+    }
+    char key[32];
+    printf("STATUS_%d %d\n", i, (int)st);
+    snprintf(key, sizeof key, "ERROR_%d", i);
+    print_escaped(key, st == VLLM_OK ? "" : p_vllm_last_error());
+  }
+  p_vllm_engine_free(e);
+}
+
 static void case_exit_inflight(int argc, char** argv) {
   (void)argc;
   vllm_engine* e = load_engine();
@@ -1158,6 +1199,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(c, "callbacks")) case_callbacks(n, a);
   else if (!strcmp(c, "bad_args")) case_bad_args(n, a);
   else if (!strcmp(c, "chat")) case_chat(n, a);
+  else if (!strcmp(c, "reject")) case_reject(n, a);
   else if (!strcmp(c, "chat_chunks")) case_chat_chunks(n, a);
   else if (!strcmp(c, "structured")) case_structured(n, a);
   else if (!strcmp(c, "exit_inflight")) case_exit_inflight(n, a);

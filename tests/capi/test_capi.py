@@ -13,11 +13,12 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.capi.conftest import _cc
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -55,21 +56,6 @@ SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed
 # fixtures
 
 @pytest.fixture(scope="session")
-def capi_lib(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(ROOT))
-    from capi.build import build
-    return build(tmp_path_factory.mktemp("capi_lib"))
-
-
-@pytest.fixture(scope="session")
-def capi_test_bin(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("capi_bin") / "capi_test"
-    _cc(["gcc", "-std=c11", "-D_GNU_SOURCE", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-pthread",
-         f"-I{HEADER_DIR}", str(HERE / "capi_test.c"), "-o", str(out), "-ldl"])
-    return out
-
-
-@pytest.fixture(scope="session")
 def reference(llama_dir):
     """Greedy outputs of the Python API (AsyncLLM, as the C ABI uses) for PROMPTS and
     for the pre-tokenized prompt [1, 2, 3, 4]."""
@@ -93,11 +79,6 @@ def reference(llama_dir):
         return ref
     finally:
         llm.shutdown()
-
-
-def _cc(cmd):
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
 
 
 def _run(binary, lib, case, model, *args, mode="local", env=None, timeout=180):
@@ -298,6 +279,8 @@ def test_chat_matches_python_api_with_template(capi_test_bin, capi_lib, llama_di
                       "stream_options": {"include_usage": True}})
     out = _check(_run(capi_test_bin, capi_lib, "chat", llama_dir, req))
     resp = json.loads(_unescape(next(x for x in out.splitlines() if x.startswith("CHAT "))[5:]))
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    ChatCompletion.model_validate(resp)  # the protocol layer's objects, as HTTP's
     assert resp["object"] == "chat.completion"
     choice = resp["choices"][0]
     assert choice["message"]["role"] == "assistant"
@@ -309,6 +292,8 @@ def test_chat_matches_python_api_with_template(capi_test_bin, capi_lib, llama_di
     out = _check(_run(capi_test_bin, capi_lib, "chat_chunks", llama_dir, req))
     chunks = [json.loads(_unescape(x[6:])) for x in out.splitlines() if x.startswith("CHUNK ")]
     assert out.count("CHUNK_FINAL") == 1
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c)
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])

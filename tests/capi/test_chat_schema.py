@@ -4,19 +4,20 @@ import json
 
 import pytest
 
-from capi.chat import ChatRequestError, parse_chat_request
-from pyengine import EngineArgs, RequestOutputKind, SamplingParams, StructuredOutputsParams, VLLMValidationError
+from capi.chat import parse_chat_request
+from pyengine import EngineArgs, RequestOutputKind, StructuredOutputsParams, VLLMValidationError
 from pyengine.engine.processor import Processor
 
 
 @pytest.fixture(scope="module")
 def processor(llama_dir, tokenizer):
-    return Processor(EngineArgs(model=str(llama_dir), device="cpu", max_model_len=256).create_engine_config(),
+    return Processor(EngineArgs(model=str(llama_dir), device="cpu", max_model_len=256,
+                                scheduling_policy="priority").create_engine_config(),
                      tokenizer)
 
 
 def _parse(body, processor):
-    return parse_chat_request(json.dumps(body), processor, SamplingParams, RequestOutputKind.DELTA)
+    return parse_chat_request(json.dumps(body), processor, RequestOutputKind.DELTA)
 
 
 def test_template_and_params(processor, tokenizer):
@@ -38,15 +39,21 @@ def test_template_and_params(processor, tokenizer):
     ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"},
       "guided_regex": "a+"}, "Only one structured-output constraint"),
-    ({"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"}, "tool calling is served over HTTP"),
+    ({"messages": [{"role": "user", "content": "a"}], "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+     "tool calling is served over HTTP"),
+    # the protocol layer's rule first, with HTTP's message
+    ({"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"}, "tool_choice 'required' needs tools"),
     ({"messages": [{"role": "user", "content": "a"}], "logprobs": True}, "logprobs"),
     ({"messages": [{"role": "user", "content": "a"}], "n": 2}, "n must be 1"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "content is a string or a list of text parts"),
     ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"messages": []}}, "messages"),
     ({"messages": [{"role": "user", "content": "a"}], "priority": "high"}, "priority"),
 ])
 def test_refusals(processor, body, needle):
-    with pytest.raises(ChatRequestError, match=needle):
+    # ChatRequestError (what only vllm_chat refuses) or the protocol layer's VLLMValidationError
+    with pytest.raises(ValueError, match=needle):
         _parse(body, processor)
 
 
@@ -55,13 +62,13 @@ def test_refusals(processor, body, needle):
     ('"temperature": NaN', "temperature must be a finite number >= 0, got nan."),
     ('"temperature": Infinity', "temperature must be a finite number >= 0, got inf."),
     ('"seed": 18446744073709551616', "seed must be an integer in [-9223372036854775808, 9223372036854775807]"),
-    ('"max_tokens": 1e400', "max_tokens must be an integer"),
+    ('"max_tokens": 1e400', "max_tokens: Input should be a valid integer"),  # the schema's answer, as HTTP's
 ])
 def test_engine_range_errors_pass_unchanged(processor, raw, message):
     # JSON's NaN / Infinity literals and integers past 64 bits: the engine's own message
     body = '{"messages": [{"role": "user", "content": "a"}], ' + raw + "}"
     with pytest.raises(ValueError) as ei:
-        parse_chat_request(body, processor, SamplingParams, RequestOutputKind.DELTA)
+        parse_chat_request(body, processor, RequestOutputKind.DELTA)
     assert str(ei.value).startswith(message)
 
 
@@ -80,8 +87,8 @@ def test_structured_output_fields(processor, fields, expect):
 
 
 def test_not_json(processor):
-    with pytest.raises(ChatRequestError, match="JSON"):
-        parse_chat_request("{nope", processor, SamplingParams, RequestOutputKind.DELTA)
+    with pytest.raises(VLLMValidationError, match="Invalid JSON body"):  # HTTP's message
+        parse_chat_request("{nope", processor, RequestOutputKind.DELTA)
 
 
 def test_huge_chat_refused_before_it_is_tokenized(processor, monkeypatch):
@@ -93,6 +100,7 @@ def test_huge_chat_refused_before_it_is_tokenized(processor, monkeypatch):
         _parse({"messages": [{"role": "user", "content": "fox " * (1 << 20)}]}, processor)
     assert ei.value.parameter == "messages" and not encoded
     assert "characters" in str(ei.value) and "256 tokens" in str(ei.value)
-    # within the bound: tokenized (the token count is checked when the ids are submitted)
-    ids, _, _, _ = _parse({"messages": [{"role": "user", "content": "fox " * 300}]}, processor)
-    assert encoded and len(ids) > 256
+    # within the bound: tokenized, then refused for its token count (still naming messages)
+    with pytest.raises(VLLMValidationError) as ei:
+        _parse({"messages": [{"role": "user", "content": "fox " * 300}]}, processor)
+    assert encoded and ei.value.parameter == "messages" and "maximum context length is 256" in str(ei.value)

@@ -215,12 +215,15 @@ def test_preemption_victim_and_exactness(llama_dir, prompts, policy, expected_vi
     sched._preempt = record
     p = [x[:20] + x[:20] for x in prompts[:3]]  # 40-token prompts: 3 blocks each
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    engine.add_request("low", p[0], sp, priority=2)
+
+    def prio(value):  # fcfs refuses priorities (Processor.check_priority): arrival order only
+        return value if policy == "priority" else 0
+    engine.add_request("low", p[0], sp, priority=prio(2))
     outs = {}
     for _ in range(3):
         outs.update({o.request_id: o for o in engine.step()})
-    engine.add_request("high", p[1], sp, priority=0)
-    engine.add_request("mid", p[2], sp, priority=1)
+    engine.add_request("high", p[1], sp, priority=prio(0))
+    engine.add_request("mid", p[2], sp, priority=prio(1))
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert victims and victims[0] == expected_victim
@@ -241,7 +244,8 @@ def test_greedy_identical_sync_async_fcfs_priority(model_dirs, prompts, policy, 
         max_model_len=96, max_num_seqs=4))
     try:
         sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-        cs = [engine.add_request(f"q{i}", p, sp, priority=i % 3) for i, p in enumerate(prompts)]
+        cs = [engine.add_request(f"q{i}", p, sp, priority=i % 3 if policy == "priority" else 0)
+              for i, p in enumerate(prompts)]
         got = [drain(c)[-1].outputs[0].token_ids for c in cs]
         assert got == hf_greedy(llama_dir, prompts, 30, ignore_eos=True)
         wait_idle(engine)

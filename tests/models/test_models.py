@@ -101,14 +101,14 @@ def test_mixed_batch_matches_hf(family_dir, tokenizer):
     tables = [random_blocks(7, rng, pool) for _ in prompts]
     # Warm-up step: requests 1..3 get part of their prompt cached.
     warm = [(prompts[i], 0, c, tables[i]) for i, c in [(1, 5), (2, len(prompts[2]) - 1), (3, len(prompts[3]) - 1)]]
-    for (i, c), lg in zip([(1, 5), (2, None), (3, None)], run_step(model, warm)):
+    for (i, _c), lg in zip([(1, 5), (2, None), (3, None)], run_step(model, warm)):
         n = lg.shape[0]
         torch.testing.assert_close(lg, refs[i][:n], atol=ATOL, rtol=1e-4)
     step = [(prompts[0], 0, len(prompts[0]), tables[0]),          # fresh prefill
             (prompts[1], 5, len(prompts[1]) - 5, tables[1]),      # chunk over cached prefix
             (prompts[2], len(prompts[2]) - 1, 1, tables[2]),      # decode
             (prompts[3], len(prompts[3]) - 1, 1, tables[3])]      # decode
-    for (toks, done, new, _), lg, ref in zip(step, run_step(model, step), refs):
+    for (_toks, done, new, _), lg, ref in zip(step, run_step(model, step), refs):
         torch.testing.assert_close(lg, ref[done: done + new], atol=ATOL, rtol=1e-4)
 
 

@@ -39,7 +39,7 @@ def test_disconnect_mid_stream(server, engine):
                   {"model": MODEL_NAME, "prompt": "while True:", "max_tokens": 400, "temperature": 0,
                    "ignore_eos": True, "stream": True})
     n = 0
-    for _, data in s.events():
+    for _ in s.events():
         n += 1
         if n == 3:
             break

@@ -278,7 +278,7 @@ def test_tokenization_and_templating_run_off_the_hub(slow_server, monkeypatch):
     results, during, outside = _gaps_around(srv.port, tokenize_all)
     during, outside = max(during), max(outside)
     print(f"largest inter-token gap: {during * 1e3:.0f} ms while tokenizing, {outside * 1e3:.0f} ms otherwise")
-    for (path, param, _), (status, body, _) in zip(payloads, results):
+    for (_path, param, _), (status, body, _) in zip(payloads, results):
         if param is None:
             assert status == 200 and body["count"] > 512 and body["max_model_len"] == 512, status
             continue

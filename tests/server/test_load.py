@@ -49,7 +49,7 @@ def test_256_concurrent_streams(server):
     elapsed = time.monotonic() - t0
     bad = [(i, r) for i, r in enumerate(out) if r is None or r[0] != 200]
     assert not bad, bad[:3]
-    for i, (status, evs, _) in enumerate(out):
+    for i, (_status, evs, _) in enumerate(out):
         assert evs[-1][1] == "[DONE]"
         assert completion_text(evs) == {0: expected[PROMPTS[i % len(PROMPTS)]]}, i
     assert elapsed < 90, elapsed
@@ -80,7 +80,7 @@ def test_slow_reader_does_not_delay_others(server):
         time.sleep(0.3)
         out, took = _run_batch(server.port, 16, 16)
         assert all(r[0] == 200 for r in out), out
-        for i, (status, evs, _) in enumerate(out):
+        for _status, evs, _ in out:
             assert evs[-1][1] == "[DONE]"
         # generous: the dev box is shared; a stalled writer would hold them for the whole run
         assert took < 3 * base_s + 5.0, (took, base_s)

@@ -34,7 +34,8 @@ SCHEMAS = [
     {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}}, "required": ["id"]},
     {"type": "object", "properties": {"day": {"type": "string", "format": "date"}}, "required": ["day"]},
     {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "name": NAME, "address": {"type": "object", "properties": {"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        "name": NAME,
+        "address": {"type": "object", "properties": {"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                                   "required": ["city", "zip"]}}, "required": ["name", "address"]}}, "required": ["user"]},
     {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 3},
                                       "b": {"type": "integer", "minimum": 0, "maximum": 3}}, "required": ["a"]},

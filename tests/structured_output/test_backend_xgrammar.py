@@ -120,7 +120,7 @@ def test_bitmask_walk_gives_schema_valid_json(backend, tokenizer):
         gen = torch.Generator().manual_seed(seed)
         # sample among the allowed tokens, so the walk visits raw bytes a greedy walk never does
         text = _walk(backend, tokenizer, StructuredOutputsParams(json=schema, disable_any_whitespace=True),
-                     lambda x: int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen)))
+                     lambda x, gen=gen: int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen)))
         jsonschema.validate(json.loads(text), schema)  # strict JSON: no raw control characters
 
 

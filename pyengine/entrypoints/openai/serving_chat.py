@@ -1,0 +1,213 @@
+"""``/v1/chat/completions`` (mirrors vllm/entrypoints/openai/serving_chat.py): requests ->
+engine inputs (tools and ``tool_choice``, the structured-output
+constraint, the conversation rendered with the chat template (transformers'
+``apply_chat_template``, refused without a template, as vLLM) and encoded by the engine's
+``Processor``, and the ``SamplingParams``), and outputs -> ``chat.completion`` objects and
+``chat.completion.chunk`` chunks. Used by the HTTP server and by the C ABI's ``vllm_chat``
+/ ``vllm_chat_stream``; every refusal is a ``VLLMValidationError``."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from pyengine.chat_utils import apply_hf_chat_template
+from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
+from pyengine.entrypoints.openai.serving_engine import (ChoiceState, LogprobsFormatter, ResponseBuilder,
+                                                       check_stream_options, to_sampling_params, usage)
+from pyengine.entrypoints.structured_outputs import structured_outputs_from_request
+from pyengine.entrypoints.tool_calls import (ToolCallExtractor, ToolCallMode, messages_for_template, normalize_tools,
+                                             resolve_tool_choice)
+from pyengine.exceptions import VLLMValidationError
+from pyengine.sampling_params import RequestOutputKind, SamplingParams
+from pyengine.tool_parsers import ToolParserManager
+
+
+def request_structured_outputs(req, mode: Optional[ToolCallMode] = None):
+    """The request's constraint (response_format / structured_outputs / guided_*), or the
+    one its ``tool_choice`` imposes. Raises VLLMValidationError."""
+    so = structured_outputs_from_request(req.structured_output_fields())
+    if mode is not None and mode.structured_outputs is not None:
+        if so is not None:
+            raise VLLMValidationError(f"tool_choice {mode.kind!r} cannot be combined with response_format or "
+                                      "structured outputs.", parameter="tool_choice")
+        so = mode.structured_outputs
+    return so
+
+
+def chat_tool_mode(req: ChatCompletionRequest, tool_call_parser: Optional[str],
+                   enable_auto_tool_choice: bool) -> tuple[list, ToolCallMode]:
+    """(normalized tools, ToolCallMode) of a chat request. Raises VLLMValidationError."""
+    for old in ("functions", "function_call"):
+        if getattr(req, old) is not None:
+            raise VLLMValidationError(f"{old} is not supported; use tools and tool_choice.", parameter=old)
+    tools = normalize_tools(req.tools)
+    mode = resolve_tool_choice(tools, req.tool_choice, req.parallel_tool_calls,
+                               enable_auto_tool_choice and tool_call_parser is not None)
+    return tools, mode
+
+
+def template_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as chat templates expect them (tool calls' arguments as
+    objects; ``tool_call_id`` and ``name`` kept)."""
+    msgs = []
+    for m in req.messages:
+        d = {"role": m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        msgs.append(d)
+    return messages_for_template(msgs)
+
+
+def make_extractor(mode: ToolCallMode, tool_call_parser: Optional[str], tokenizer) -> ToolCallExtractor:
+    """Per-choice content / tool-call extraction for ``mode``."""
+    parser = ToolParserManager.get_tool_parser(tool_call_parser)(tokenizer) \
+        if mode.kind == "auto" and tool_call_parser else None
+    return ToolCallExtractor(mode, parser)
+
+
+def render_chat_prompt(processor, req: ChatCompletionRequest, chat_template: Optional[str] = None,
+                       tools: Optional[list] = None) -> tuple[str, list[int]]:
+    """(prompt text, prompt token ids): the conversation rendered with ``chat_template``
+    (else the tokenizer's), then the engine's prompt rules under the name ``messages``:
+    the cheap character bound before encoding, then at least one token, all in the
+    vocabulary, leaving room for one generated token. Raises VLLMValidationError."""
+    try:
+        text = apply_hf_chat_template(
+            processor.tokenizer, template_messages(req), chat_template,
+            add_generation_prompt=bool(req.add_generation_prompt) and not req.continue_final_message,
+            continue_final_message=bool(req.continue_final_message), tools=tools or None,
+            chat_template_kwargs=req.chat_template_kwargs)
+    except VLLMValidationError:
+        raise
+    except ValueError as e:  # no template, reserved kwargs, the template failed on this input
+        raise VLLMValidationError(str(e), parameter="messages") from None
+    ids = processor.encode_prompt(text, add_special_tokens=False, parameter="messages")
+    processor.check_encoded(ids, "messages")
+    processor.check_prompt_length(len(ids), "messages")
+    return text, ids
+
+
+@dataclass
+class ChatInputs:
+    """One chat request as the engine takes it."""
+    text: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int
+    tool_mode: ToolCallMode
+    num_top_logprobs: Optional[int]  # None: no logprobs
+
+
+def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: Optional[str] = None,
+                tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
+                output_kind: RequestOutputKind = RequestOutputKind.DELTA, stream: Optional[bool] = None,
+                run: Callable = lambda fn: fn()) -> ChatInputs:
+    """Every rule of a chat request, in the order the front ends report them (the
+    request's own fields first, then the rendered prompt). ``run(fn)``: how to call the
+    rendering and tokenization (the HTTP server runs them off its event loop); ``stream``:
+    whether the response is streamed, where the front end decides it (the C ABI's two
+    functions) rather than the request's ``stream`` field. Raises
+    VLLMValidationError."""
+    check_stream_options(req, stream)
+    tools, mode = chat_tool_mode(req, tool_call_parser, enable_auto_tool_choice)
+    constraint = request_structured_outputs(req, mode)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise VLLMValidationError("top_logprobs requires logprobs to be true.", parameter="top_logprobs")
+    num_top = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = to_sampling_params(processor, req, max_tokens=max_tokens, logprobs=num_top,
+                                structured_outputs=constraint, output_kind=output_kind,
+                                logprobs_param="top_logprobs")
+    text, ids = run(lambda: render_chat_prompt(processor, req, chat_template, tools))
+    return ChatInputs(text, ids, params, req.priority or 0, mode, num_top)
+
+
+# ---------------------------------------------------------------------------------------
+# Responses
+
+
+class ChatResponseBuilder(ResponseBuilder):
+    """``chat.completion`` objects and ``chat.completion.chunk`` chunks (OpenAI's
+    ``ChatCompletion`` / ``ChatCompletionChunk``), content and tool calls per choice from
+    ``extractors`` (one ``ToolCallExtractor`` per choice)."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
+                 extractors: list[ToolCallExtractor]):
+        super().__init__(request_id, model, created, formatter)
+        self.extractors = extractors
+
+    def first_chunks(self, num_choices: int) -> list[dict]:
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for i in range(num_choices)]
+
+    def delta_chunks(self, idx: int, ch: ChoiceState, text: str, token_ids, logprobs,
+                     finish: Optional[str]) -> list[dict]:
+        lp = None
+        if self.formatter is not None and token_ids:
+            lp = self.formatter.chat_logprobs(token_ids, logprobs or [None] * len(token_ids))
+        ext = self.extractors[idx]
+        deltas = ext.stream(text) + (ext.finish() if finish is not None else [])
+        if finish is not None:
+            finish = ext.finish_reason(finish)
+        # every delta but the last goes in a chunk of its own
+        chunks = [self.chunk([{"index": idx, "delta": d, "logprobs": None, "finish_reason": None}])
+                  for d in deltas[:-1]]
+        if not deltas and finish is None and lp is None:
+            return chunks  # held back (a tool call in progress)
+        c = {"index": idx, "delta": deltas[-1] if deltas else {}, "logprobs": lp, "finish_reason": finish}
+        if finish is not None:
+            c["stop_reason"] = ch.stop_reason
+        return chunks + [self.chunk([c])]
+
+    def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
+        lp = self.formatter.chat_logprobs(token_ids, logprobs) if self.formatter is not None else None
+        ext = self.extractors[idx]
+        return {"index": idx, "message": ext.message("".join(ch.text)), "logprobs": lp,
+                "finish_reason": ext.finish_reason(ch.finish_reason), "stop_reason": ch.stop_reason}
+
+
+class ChatStream:
+    """One single-choice chat request's OpenAI JSON, for a front end that only passes
+    text on (the C ABI's ``vllm_chat`` / ``vllm_chat_stream``): ``feed`` each output
+    delta; streamed, it returns the chunks to send now (the role first, the finish, then
+    ``usage`` when ``include_usage``); not streamed, the ``chat.completion`` object once
+    finished. The same builder as the HTTP server's."""
+
+    def __init__(self, request_id: str, model: str, prompt_tokens: int, *, stream: bool,
+                 include_usage: bool = False, tool_mode: Optional[ToolCallMode] = None, created: Optional[int] = None):
+        mode = tool_mode or resolve_tool_choice([], None)
+        self.builder = ChatResponseBuilder(request_id, model, int(time.time()) if created is None else created,
+                                           None, [ToolCallExtractor(mode, None)])
+        self.prompt_tokens, self.stream, self.include_usage = prompt_tokens, stream, include_usage
+        self.choice = ChoiceState()
+        self.started = False
+
+    def feed(self, text: str, num_tokens: int, finish_reason: Optional[str], stop_reason=None) -> list[dict]:
+        """The objects to emit for this delta (``finish_reason`` None: more follows)."""
+        ch = self.choice
+        ch.num_tokens += num_tokens
+        if finish_reason is not None:
+            ch.finish_reason, ch.stop_reason = finish_reason, stop_reason
+        out: list[dict] = []
+        if self.stream:
+            if not self.started:
+                out += self.builder.first_chunks(1)
+            if text or finish_reason is not None:
+                out += self.builder.delta_chunks(0, ch, text, (), None, finish_reason)
+            if finish_reason is not None and self.include_usage:
+                out.append(self.builder.chunk([], usage=usage(self.prompt_tokens, ch.num_tokens)))
+        self.started = True
+        if text:
+            ch.text.append(text)
+        if not self.stream and finish_reason is not None:
+            out.append(self.builder.response([self.builder.choice(0, ch, [], [])], self.prompt_tokens,
+                                             ch.num_tokens))
+        return out

@@ -1,0 +1,107 @@
+"""``/v1/completions`` (mirrors vllm/entrypoints/openai/serving_completion.py): requests ->
+engine inputs (the prompts checked and tokenized by the engine's ``Processor``, the
+``SamplingParams``), and outputs -> ``text_completion`` objects and chunks. Every refusal
+is a ``VLLMValidationError``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from pyengine.entrypoints.openai.protocol import CompletionRequest
+from pyengine.entrypoints.openai.serving_chat import request_structured_outputs
+from pyengine.entrypoints.openai.serving_engine import (ENGINE_DEFAULT, ChoiceState, LogprobsFormatter,
+                                                       ResponseBuilder, check_stream_options, to_sampling_params)
+from pyengine.exceptions import VLLMValidationError
+from pyengine.sampling_params import RequestOutputKind, SamplingParams
+
+# Chat-only tool fields: on /v1/completions they could only be ignored, so they are refused.
+CHAT_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+
+
+def refuse_tool_fields(req: CompletionRequest) -> None:
+    """A completions request carrying tool fields (unknown there: pydantic's model_extra).
+    Raises VLLMValidationError."""
+    extra = req.model_extra or {}
+    for name in CHAT_TOOL_FIELDS:
+        if extra.get(name) is not None:
+            raise VLLMValidationError(f"{name} is not supported by /v1/completions; tool calling is served by "
+                                      "/v1/chat/completions.", parameter=name)
+
+
+def completion_prompts(processor, req: CompletionRequest,
+                       run: Callable = lambda fn: fn()) -> list[tuple[Optional[str], list[int]]]:
+    """(text or None, token ids) of each prompt. The rules that need no tokenization run
+    on every prompt first (``Processor.check_prompt``), then the texts are tokenized
+    together through ``run(fn)``. Raises VLLMValidationError."""
+    p = req.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        items: list = [p]
+    else:
+        items = list(p)
+    if not items:
+        raise VLLMValidationError("The prompt cannot be empty.", parameter="prompt")
+    for item in items:
+        processor.check_prompt(item, "prompt")
+    texts = [item for item in items if isinstance(item, str)]
+    encoded = iter(run(lambda: [processor.tokenize(t)[1] for t in texts]) if texts else [])
+    return [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items]
+
+
+@dataclass
+class CompletionInputs:
+    """One completions request as the engine takes it."""
+    prompts: list[tuple[Optional[str], list[int]]]
+    sampling_params: SamplingParams
+    priority: int
+
+
+def completion_inputs(processor, req: CompletionRequest, *, output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                      run: Callable = lambda fn: fn()) -> CompletionInputs:
+    """Every rule of a completions request. Raises VLLMValidationError."""
+    check_stream_options(req)
+    if req.suffix:
+        raise VLLMValidationError("suffix is not supported.", parameter="suffix")
+    refuse_tool_fields(req)
+    if req.echo and req.logprobs is not None:
+        raise VLLMValidationError("echo together with logprobs is not supported (no prompt logprobs).",
+                                  parameter="echo")
+    params = to_sampling_params(processor, req, max_tokens=ENGINE_DEFAULT if req.max_tokens is None else req.max_tokens,
+                                logprobs=req.logprobs, structured_outputs=request_structured_outputs(req),
+                                output_kind=output_kind)
+    prompts = completion_prompts(processor, req, run)
+    return CompletionInputs(prompts, params, req.priority or 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Responses
+
+
+class CompletionResponseBuilder(ResponseBuilder):
+    """``text_completion`` objects and chunks (OpenAI's ``Completion``). ``echo_lens``:
+    per choice, the characters of the echoed prompt its text starts with (logprobs'
+    ``text_offset`` counts them), or None without echo."""
+
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
+                 echo_lens: Optional[list[int]] = None):
+        super().__init__(request_id, model, created, formatter)
+        self.echo_lens = echo_lens
+
+    def delta_chunks(self, idx: int, ch: ChoiceState, text: str, token_ids, logprobs,
+                     finish: Optional[str]) -> list[dict]:
+        lp = None
+        if self.formatter is not None and token_ids:
+            lp = self.formatter.completion_logprobs(ch, token_ids, logprobs or [None] * len(token_ids), ch.offset)
+        c = {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
+        if finish is not None:
+            c["stop_reason"] = ch.stop_reason
+        return [self.chunk([c])]
+
+    def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
+        lp = None
+        if self.formatter is not None:
+            start = self.echo_lens[idx] if self.echo_lens is not None else 0
+            lp = self.formatter.completion_logprobs(ch, token_ids, logprobs, start)
+        return {"index": idx, "text": "".join(ch.text), "logprobs": lp, "finish_reason": ch.finish_reason,
+                "stop_reason": ch.stop_reason}

@@ -1,0 +1,208 @@
+"""The generation driver both OpenAI endpoints share (the HTTP half of vLLM's
+``OpenAIServing``): one HTTP request's engine requests (one per prompt, ``n`` choices
+each), per-choice state, metrics, and its response or SSE stream. What the objects look
+like is the endpoint's ``ResponseBuilder`` (``pyengine.entrypoints.openai``), the same
+one the C ABI's chat uses."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional
+
+from flask import Response, request
+
+from pyengine.entrypoints.openai.serving_engine import ChoiceState, ResponseBuilder, usage
+
+from .app import (SOCKET_ENVIRON_KEY, APIError, RequestFailed, ServerState, _json_response, error_body,
+                  error_response)
+from .bridge import ClientDisconnected, RequestGroup, ServerShuttingDown, is_engine_dead
+from .metrics import RequestTimer
+
+logger = logging.getLogger(__name__)
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
+
+
+class GenerationJob:
+    """One HTTP request's generation. ``prompts``: (text or None, token ids) each;
+    ``echo_texts``: per prompt, the text its choices start with (completions' ``echo``)."""
+
+    def __init__(self, st: ServerState, builder: ResponseBuilder, prompts, sp, priority: int, *,
+                 echo_texts: Optional[list] = None, include_usage: bool = False, continuous_usage: bool = False):
+        self.st, self.builder = st, builder
+        self.prompts, self.sp, self.priority = prompts, sp, priority
+        self.n = sp.n
+        self.want_logprobs = builder.formatter is not None
+        self.echo_texts = echo_texts
+        self.include_usage, self.continuous_usage = include_usage, continuous_usage
+        self.id = builder.id
+        # text offsets count the echoed prompt
+        self.choices = [ChoiceState(len(echo_texts[idx // self.n]) if echo_texts is not None else 0)
+                        for idx in range(len(prompts) * self.n)]
+        self.prompt_tokens = sum(len(ids) for _, ids in prompts)
+        self.timers = [RequestTimer(st.metrics) for _ in prompts]
+        self.group: Optional[RequestGroup] = None
+        self._recorded: set[int] = set()
+
+    def start(self, sock) -> None:
+        st = self.st
+        if st.cut_message is not None:
+            raise APIError(503, st.cut_message)
+        self.group = RequestGroup(st.bridge, st.engine, sock)
+        st.jobs.add(self)
+        try:
+            for i, (_, ids) in enumerate(self.prompts):
+                self.group.add(f"{self.id}-{i}", ids, self.sp, self.priority)
+        except ValueError as e:  # the engine's input processing refused it
+            self.close()
+            raise APIError(400, str(e), getattr(e, "parameter", None)) from None
+        except Exception as e:
+            self.close()
+            if is_engine_dead(e, st.engine):
+                raise APIError(503, f"The engine is dead: {e}") from None
+            raise
+
+    def cut(self, message: str) -> None:
+        if self.group is not None:
+            self.group.cancel(message)
+
+    def close(self) -> None:
+        self.st.jobs.discard(self)
+        if self.group is not None:
+            self.group.close()
+            # requests whose end the handler never saw (client gone, engine dead)
+            for i in range(len(self.group.request_ids)):
+                if i not in self._recorded:
+                    self._recorded.add(i)
+                    self.st.metrics.finished("abort")
+
+    def _record_finished(self, i: int, out) -> None:
+        self._recorded.add(i)
+        m = self.st.metrics
+        m.prompt_tokens.inc(len(self.prompts[i][1]))
+        m.req_prompt.observe(len(self.prompts[i][1]))
+        chosen = self.choices[i * self.n:(i + 1) * self.n]
+        reason = next((ch.finish_reason for ch in chosen if ch.finish_reason), None)
+        m.req_gen.observe(sum(ch.num_tokens for ch in chosen))
+        m.finished(reason or "abort")
+        if reason != "abort":
+            self.timers[i].finish(out)
+
+    def _delta(self, i: int, o):
+        """One CompletionOutput delta of prompt ``i``: the choice's state updated, and the
+        event ``(choice_index, choice, text, token_ids, logprobs, finish_reason)``."""
+        idx = i * self.n + o.index
+        ch = self.choices[idx]
+        text = o.text
+        if self.echo_texts is not None and ch.num_tokens == 0 and not ch.text:
+            text = self.echo_texts[i] + text
+        ch.num_tokens += len(o.token_ids)
+        if o.finish_reason == "error":
+            self._recorded.add(i)
+            self.st.metrics.finished("error")
+            raise RequestFailed(o.error)  # the job's close() aborts its other requests
+        if o.finish_reason is not None:
+            ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+        return idx, ch, text, o.token_ids, o.logprobs, o.finish_reason
+
+    def events(self):
+        """Yield ``(choice_index, choice, delta_text, token_ids, logprobs, finish_reason)``
+        for each CompletionOutput delta, in arrival order; the choice's text is extended
+        after the event is handled."""
+        m = self.st.metrics
+        for i, out in self.group.outputs():
+            for o in out.outputs:
+                event = self._delta(i, o)
+                yield event
+                if event[2]:
+                    event[1].text.append(event[2])
+            newest = max((len(o.token_ids) for o in out.outputs), default=0)
+            if newest:
+                m.generation_tokens.inc(sum(len(o.token_ids) for o in out.outputs))
+                self.timers[i].observe(out, newest)
+            if out.finished:
+                self._record_finished(i, out)
+
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def usage(self, completion_tokens: Optional[int] = None) -> dict:
+        return usage(self.prompt_tokens, self.completion_tokens() if completion_tokens is None else completion_tokens)
+
+    def run_to_end(self) -> dict:
+        """The whole response object."""
+        lp_acc: dict[int, list] = {}
+        for idx, _, _, token_ids, logprobs, _ in self.events():
+            if self.want_logprobs and token_ids:
+                lp_acc.setdefault(idx, []).append((token_ids, logprobs))
+        choices = []
+        for idx, ch in enumerate(self.choices):
+            parts = lp_acc.get(idx, [])
+            tids = [t for p in parts for t in p[0]]
+            lps = [x for p in parts for x in (p[1] or [None] * len(p[0]))]
+            choices.append(self.builder.choice(idx, ch, tids, lps))
+        return self.builder.response(choices, self.prompt_tokens, self.completion_tokens())
+
+    def _chunks(self):
+        for chunk in self.builder.first_chunks(len(self.choices)):
+            if self.continuous_usage:
+                chunk["usage"] = self.usage(0)
+            yield chunk
+        for idx, ch, text, token_ids, logprobs, finish in self.events():
+            if not text and finish is None and not (self.want_logprobs and token_ids):
+                continue
+            chunks = self.builder.delta_chunks(idx, ch, text, token_ids, logprobs, finish)
+            if chunks and self.continuous_usage:
+                chunks[-1]["usage"] = self.usage()
+            yield from chunks
+        if self.include_usage:
+            yield self.builder.chunk([], usage=self.usage())
+
+    def stream(self):
+        """The SSE stream: the chunks, then ``[DONE]``; an error once streaming began is an
+        error event (OpenAI's error body) before ``[DONE]``."""
+        try:
+            for chunk in self._chunks():
+                yield _sse(chunk)
+        except ClientDisconnected:
+            return
+        except RequestFailed as e:
+            yield _sse(error_body(500, str(e)))
+        except ServerShuttingDown as e:
+            yield _sse(error_body(503, str(e)))
+        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+            if is_engine_dead(e, self.st.engine):
+                status, msg = 503, f"The engine is dead: {e}"
+            else:
+                logger.exception("error while streaming %s", self.id)
+                status, msg = 500, f"Internal error while streaming: {type(e).__name__}: {e}"
+            yield _sse(error_body(status, msg))
+        yield _SSE_DONE
+
+
+def run_job(job: GenerationJob, stream: bool) -> Response:
+    """Start ``job`` and answer: an SSE stream, or the whole response once finished."""
+    job.start(request.environ.get(SOCKET_ENVIRON_KEY))
+    if stream:
+        resp = Response(job.stream(), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        resp.call_on_close(job.close)
+        return resp
+    try:
+        return _json_response(job.run_to_end())
+    except ClientDisconnected:
+        return Response(status=499)
+    except RequestFailed as e:
+        return error_response(500, str(e))
+    except ServerShuttingDown as e:
+        return error_response(503, str(e))
+    except Exception as e:
+        if is_engine_dead(e, job.st.engine):
+            return error_response(503, f"The engine is dead: {e}")
+        raise
+    finally:
+        job.close()

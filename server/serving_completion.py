@@ -1,0 +1,39 @@
+"""``POST /v1/completions`` (the HTTP half of vllm/entrypoints/openai/serving_completion.py):
+the request's rules and inputs, and its response objects, come from
+``pyengine.entrypoints.openai.serving_completion``."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from flask import Flask
+
+from pyengine import prompt_text_for_echo
+from pyengine.entrypoints.openai.protocol import CompletionRequest
+from pyengine.entrypoints.openai.serving_completion import CompletionResponseBuilder, completion_inputs
+from pyengine.entrypoints.openai.serving_engine import LogprobsFormatter
+
+
+def register_completion_routes(app: Flask, st) -> None:
+    """Add ``/v1/completions`` to ``app`` (``st``: its ``server.app.ServerState``)."""
+    from .app import _check_model, _parse
+    from .generation import GenerationJob, run_job
+
+    @app.post("/v1/completions")
+    def completions():
+        req = _parse(CompletionRequest)
+        model = _check_model(st, req.model)
+        inputs = completion_inputs(st.engine.processor, req, run=st.bridge.run_blocking)
+        echo = None
+        if req.echo:
+            echo = [text if text is not None else prompt_text_for_echo(st.tokenizer, ids)
+                    for text, ids in inputs.prompts]
+        n = inputs.sampling_params.n
+        formatter = LogprobsFormatter(st.tokenizer, req.logprobs) if req.logprobs is not None else None
+        builder = CompletionResponseBuilder("cmpl-" + uuid.uuid4().hex, model, int(time.time()), formatter,
+                                            [len(echo[i // n]) for i in range(len(echo) * n)] if echo else None)
+        so = req.stream_options
+        job = GenerationJob(st, builder, inputs.prompts, inputs.sampling_params, inputs.priority, echo_texts=echo,
+                            include_usage=bool(so and so.include_usage),
+                            continuous_usage=bool(so and so.continuous_usage_stats))
+        return run_job(job, bool(req.stream))

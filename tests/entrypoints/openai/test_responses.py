@@ -1,0 +1,69 @@
+"""The protocol layer's response objects (pyengine/entrypoints/openai): what the HTTP server
+and the C ABI's chat send validates against the ``openai`` package's own types."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from pyengine.entrypoints.openai.serving_chat import ChatResponseBuilder, ChatStream
+from pyengine.entrypoints.openai.serving_completion import CompletionResponseBuilder
+from pyengine.entrypoints.openai.serving_engine import ChoiceState, LogprobsFormatter
+from pyengine.entrypoints.tool_calls import ToolCallExtractor, resolve_tool_choice
+from pyengine.outputs import Logprob
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chat_stream_chunks(include_usage):
+    s = ChatStream("chatcmpl-1", "m", 7, stream=True, include_usage=include_usage, created=5)
+    out = s.feed("Hel", 1, None) + s.feed("lo", 1, None) + s.feed("", 1, "length")
+    for chunk in out:
+        ChatCompletionChunk.model_validate(chunk)
+    assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in out if c["choices"]) == "Hello"
+    assert [c["choices"][0]["finish_reason"] for c in out if c["choices"]][-1] == "length"
+    assert {c["id"] for c in out} == {"chatcmpl-1"} and {c["created"] for c in out} == {5}
+    if include_usage:
+        assert out[-1]["choices"] == [] and out[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 3,
+                                                                 "total_tokens": 10}
+    else:
+        assert all("usage" not in c for c in out)
+
+
+def test_chat_stream_response():
+    s = ChatStream("chatcmpl-2", "m", 4, stream=False)
+    assert s.feed("a", 1, None) == []
+    (resp,) = s.feed("b", 1, "stop", None)
+    ChatCompletion.model_validate(resp)
+    assert resp["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert resp["usage"]["completion_tokens"] == 2 and resp["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_logprobs_and_completion_objects(tokenizer):
+    ids = tokenizer("hello world", add_special_tokens=False)["input_ids"][:2]
+    lps = [{t: Logprob(-0.5, 1), t + 1: Logprob(-math.inf, 2)} for t in ids]
+    fmt = LogprobsFormatter(tokenizer, 2)
+    chat = ChatResponseBuilder("chatcmpl-3", "m", 1, fmt, [ToolCallExtractor(resolve_tool_choice([], None), None)])
+    ch = ChoiceState()
+    ch.text.append("hi")
+    ch.finish_reason = "length"
+    resp = chat.response([chat.choice(0, ch, ids, lps)], 3, 2)
+    ChatCompletion.model_validate(resp)
+    top = resp["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert [t["logprob"] for t in top] == [-0.5, -9999.0]  # JSON has no -inf
+    for chunk in chat.delta_chunks(0, ChoiceState(), "hi", ids, lps, "length"):
+        ChatCompletionChunk.model_validate(chunk)
+
+    comp = CompletionResponseBuilder("cmpl-1", "m", 1, fmt, echo_lens=[3])
+    ch = ChoiceState(offset=3)
+    ch.text.append("ab hi")
+    ch.finish_reason = "stop"
+    resp = comp.response([comp.choice(0, ch, ids, lps)], 3, 2)
+    Completion.model_validate(resp)
+    assert resp["choices"][0]["logprobs"]["text_offset"][0] == 3  # after the echoed prompt
+    # openai's Completion has no null finish_reason (its stream parser does not validate):
+    # the last chunk validates
+    (chunk,) = comp.delta_chunks(0, ChoiceState(), "x", ids, lps, "length")
+    Completion.model_validate(chunk)
