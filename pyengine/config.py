@@ -162,8 +162,9 @@ class EngineArgs:
 class AsyncEngineArgs(EngineArgs):
     """``EngineArgs`` plus the options of a serving front end (``AsyncLLM``), as vLLM's
     class of the same name."""
-    enable_log_requests: bool = False
-    """Log one line per request (its id, prompt and sampling parameters)."""
+    enable_log_requests: bool = True
+    """Log one line per request (its id, prompt length and sampling parameters); on unless
+    turned off, as older vLLM had it."""
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def test_vllm_spellings_are_accepted():
     assert args.enable_log_requests and args.max_logprobs == 7 and args.generation_config == "vllm"
     assert args.trust_remote_code and args.served_model_name == ["a", "b"]
     assert not parse_args(["m", "--enable-log-requests", "--disable-log-requests"]).enable_log_requests
-    assert not parse_args(["m"]).enable_log_requests  # vLLM's default: no request log lines
+    assert parse_args(["m"]).enable_log_requests  # a request log line unless disabled
 
 
 def test_vllm_flags_that_cannot_apply_are_one_line_errors(capsys):
