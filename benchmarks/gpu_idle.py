@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gap-us", type=float, default=5.0, help="report gaps longer than this (microseconds)")
     p.add_argument("--trace-dir", default=None, help="keep the chrome traces here")
     p.add_argument("--verbose", action="store_true", help="engine INFO logs")
+    p.add_argument("--structured", action="store_true",
+                   help="constrain every request with structured.py's JSON schema (greedy), and record the "
+                        "host timeline too: the engine core's phases and CUDA runtime waits per step")
     return p
 
 
@@ -132,6 +135,48 @@ def top_gaps(ops: list[tuple[float, float]], markers: list[tuple[float, float]],
             for a, b in longest]
 
 
+HOST_PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("scheduler", "get_grammar_bitmask"),
+               ("model_executor", "execute_model"), ("model_executor", "sample_tokens"))
+CUDA_WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
+              "cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def wrap_host_phases(core) -> None:
+    """Wrap the engine core's step phases in ``record_function`` ranges named
+    ``phase:<method>`` (instance attributes: only this benchmark's engine is affected)."""
+    from torch.profiler import record_function
+
+    def wrapped(fn, label):
+        def call(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+        return call
+    for owner, name in HOST_PHASES:
+        obj = getattr(core, owner)
+        setattr(obj, name, wrapped(getattr(obj, name), f"phase:{name}"))
+
+
+def host_timeline(path: str, steps: int, window) -> dict:
+    """Host-side figures of a CPU+CUDA trace inside the marker window: ms per step in each
+    ``phase:*`` range and each CUDA runtime call of ``CUDA_WAITS`` (count per step too)."""
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    ws, we = window if window else (float("-inf"), float("inf"))
+    out: dict = {}
+    for ev in events:
+        name = str(ev.get("name", ""))
+        if ev.get("ph") != "X" or not (name.startswith("phase:") or name in CUDA_WAITS):
+            continue
+        ts = float(ev.get("ts", 0.0))
+        if not ws <= ts <= we:
+            continue
+        d = out.setdefault(name, {"ms_per_step": 0.0, "calls_per_step": 0.0})
+        d["ms_per_step"] += float(ev.get("dur", 0.0)) / 1e3 / steps
+        d["calls_per_step"] += 1.0 / steps
+    return out
+
+
 MARKER_KERNEL = "bitwise_not"  # the marker's kernel name contains this; no engine step runs one
 
 
@@ -188,8 +233,13 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
     max_tokens = min(total_steps, args.max_model_len - args.input_len - 1)
     if max_tokens < total_steps:
         raise SystemExit(f"error: {total_steps} decode steps do not fit max_model_len {args.max_model_len}")
-    sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens, detokenize=False,
-                        output_kind=RequestOutputKind.DELTA)
+    so = None
+    if args.structured:
+        from benchmarks.structured import make_schema
+        from pyengine import StructuredOutputsParams
+        so = StructuredOutputsParams(json=make_schema(48, 64), disable_any_whitespace=True)
+    sp = SamplingParams(temperature=0.0 if so else 0.6, ignore_eos=True, max_tokens=max_tokens, detokenize=False,
+                        output_kind=RequestOutputKind.DELTA, structured_outputs=so)
     ids = [f"idle{i}" for i in range(args.batch)]
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, p, sp)
@@ -237,7 +287,10 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
         trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="vengine_idle_")
         os.makedirs(trace_dir, exist_ok=True)
         path = os.path.join(trace_dir, f"decode_async_{'on' if cfg.async_scheduling else 'off'}.json")
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.structured else [])
+        if args.structured:
+            wrap_host_phases(eng.engine_core)
+        with profile(activities=acts) as prof:
             steps(args.profile_steps, mark=True)
             torch.cuda.synchronize()
         prof.export_chrome_trace(path)
@@ -267,6 +320,9 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
             "trace": path if args.trace_dir else None,
         })
         res["gpu_ops_per_step"] = len(iv) / args.profile_steps
+        if args.structured:
+            res["host_timeline"] = host_timeline(path, max(len(markers) - 1, 1), win)
+            res["grammar"] = {k: v for k, v in sd.items() if "grammar" in k}
         res["graph_replay_idle_fraction"] = graph_replay_idle(llm, args.batch, args.profile_steps, trace_dir)
         if len(iv) < 5 * args.profile_steps:
             print(f"warning: the profiler recorded only {len(iv)} GPU ops over {args.profile_steps} steps; kernels "
@@ -319,6 +375,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
         for g in r.get("longest_gaps_whole_trace") or []:
             print(f"async {m}: gap {g['gap_us']:,.0f} us at {g['at_ms']:.2f} ms into the trace, "
                   f"after {g['markers_before']} step markers")
+    for m, r in results.items():
+        for name, d in sorted((r.get("host_timeline") or {}).items()):
+            print(f"async {m}: host {name}: {d['ms_per_step']:.3f} ms/step, {d['calls_per_step']:.1f} calls/step")
+        if r.get("grammar"):
+            print(f"async {m}: grammar {r['grammar']}")
     if ratio is not None:
         print(f"\nasync on / off (decode tok/s): {ratio:.3f}x")
     print()

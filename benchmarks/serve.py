@@ -387,9 +387,9 @@ def parse_py_spy_raw(text: str, top: int = 12) -> dict:
             t["leaf"][leaf] = t["leaf"].get(leaf, 0) + n
             for f in set(re.sub(r" \(.*", "", x) for x in code):
                 t["inclusive"][f] = t["inclusive"].get(f, 0) + n
-    for t in threads.values():
-        for k in ("leaf", "inclusive"):
-            t[k] = dict(sorted(t[k].items(), key=lambda kv: -kv[1])[:top])
+    for t in threads.values():  # inclusive: deeper, the first frames are every stack's bootstrap
+        for k, n in (("leaf", top), ("inclusive", 3 * top)):
+            t[k] = dict(sorted(t[k].items(), key=lambda kv: -kv[1])[:n])
     return threads
 
 

@@ -41,7 +41,7 @@ if _REPO not in sys.path:  # run as a script from a checkout
 
 from benchmarks.common import (add_common_args, finish, header_md, md_table, prepare_model_dir,  # noqa: E402
                                resolve_dtype, shutdown_llm, start, stats_delta)
-from benchmarks.serve import make_workload, run_in_process, summarize  # noqa: E402
+from benchmarks.serve import _Profiler, find_py_spy, make_workload, run_in_process, summarize  # noqa: E402
 
 MODES = ("unconstrained", "json_schema")
 
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="engine INFO logs")
+    p.add_argument("--profile-seconds", type=float, default=0.0,
+                   help="py-spy each mode's run for this long (two passes: GIL holders, on-CPU threads), "
+                        "front end and engine process, 0.5 s into the run")
     return p
 
 
@@ -112,6 +115,8 @@ def run_mode(engine, args, mode: str, so, prompt_seed: int, check) -> dict:
     reqs = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, prompt_seed)
     sampling = {"structured_outputs": so} if mode == "json_schema" else None
     ids: list = []
+    prof = (_Profiler(os.getpid(), find_py_spy(), args.profile_seconds, delay=0.5)
+            if args.profile_seconds > 0 else None)
     before = engine.get_stats()
     res, dur = run_in_process(engine, reqs, args.concurrency, math.inf, args.seed,
                               ignore_eos=mode == "unconstrained", sampling=sampling, token_ids=ids)
@@ -121,6 +126,8 @@ def run_mode(engine, args, mode: str, so, prompt_seed: int, check) -> dict:
         raise RuntimeError(f"{mode}: {len(failed)} requests failed, e.g. {failed[0]}")
     out = summarize(res, dur)
     out.update(stats_delta(before, after))
+    if prof is not None:  # per thread of both processes: GIL and on-CPU shares, hottest frames
+        out["profile"] = prof.join()
     out["full_length_requests"] = sum(r.output_tokens == args.output_len for r in res)
     if mode == "json_schema":
         out["grammar_accepts_output"] = sum(check(t) for t in ids)
