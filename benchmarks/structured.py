@@ -166,7 +166,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         check = _grammar_checker(engine, so)
         vocab = engine.config.hf_config.vocab_size
         for m in MODES:  # warm-up: first-use costs, CUDA graphs, the schema's compilation
-            warm = make_workload(min(8, args.num_prompts), args.input_len, 8, vocab, args.seed + 99)
+            # as many at once as the measured runs hold: the bitmask kernel's triton
+            # specializations for that batch size compile here, not inside a measured run
+            warm = make_workload(min(args.concurrency, args.num_prompts), args.input_len, 8, vocab, args.seed + 99)
             run_in_process(engine, warm, len(warm), math.inf, args.seed, ignore_eos=m == "unconstrained",
                            sampling={"structured_outputs": so} if m == "json_schema" else None)
         for r in range(args.rounds):

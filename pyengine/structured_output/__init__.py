@@ -70,7 +70,8 @@ class StructuredOutputManager:
         self.config = config
         self._backend = None
         self._backend_lock = threading.Lock()
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None  # compiles
+        self._fill_executor: Optional[concurrent.futures.ThreadPoolExecutor] = None  # bitmask fills
         self._bitmasks: list[torch.Tensor] = []  # two host buffers, used in turn
         self._turn = 0
         self.num_live = 0  # constrained requests in the engine (0: skip all grammar work)
@@ -122,11 +123,29 @@ class StructuredOutputManager:
         state (every token sampled before this step must have been accepted). Rows of
         requests that finished or were preempted since ``so`` was scheduled are left
         unconstrained: their tokens are dropped. None when no row is constrained."""
-        if not self.num_live:
-            return None
-        t0 = time.perf_counter()
+        rows, grammars = self._constrained_rows(so)
+        return self._fill(rows, grammars) if rows else None
+
+    def submit_grammar_bitmask(self, so: "SchedulerOutput") -> concurrent.futures.Future:
+        """``grammar_bitmask(so)`` as a future: the rows are picked on the calling thread,
+        the fill runs on the grammar thread (xgrammar releases the GIL while it fills), so
+        the engine's host work goes on meanwhile. No grammar may accept a token until the
+        future is done."""
+        rows, grammars = self._constrained_rows(so)
+        if not rows:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.set_result(None)
+            return fut
+        if self._fill_executor is None:
+            self._fill_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
+        return self._fill_executor.submit(self._fill, rows, grammars)
+
+    def _constrained_rows(self, so: "SchedulerOutput") -> tuple[list[int], list]:
+        """(sampled-row indices, grammars) of ``so``'s rows that are still constrained."""
         rows: list[int] = []
         grammars = []
+        if not self.num_live:
+            return rows, grammars
         row = 0
         for s in so.scheduled:
             if not s.sample:
@@ -138,8 +157,10 @@ class StructuredOutputManager:
                 rows.append(row)
                 grammars.append(sor.grammar)
             row += 1
-        if not rows:
-            return None
+        return rows, grammars
+
+    def _fill(self, rows: list[int], grammars: list) -> GrammarOutput:
+        t0 = time.perf_counter()
         if not self._bitmasks:
             pin = self.config.device.type == "cuda"
             n = self.config.max_num_seqs
@@ -156,3 +177,6 @@ class StructuredOutputManager:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        if self._fill_executor is not None:
+            self._fill_executor.shutdown(wait=True)  # a fill writes into buffers we are about to drop
+            self._fill_executor = None

@@ -301,6 +301,23 @@ class XgrammarBackend:
             self._batch_matcher = _xgr().BatchGrammarMatcher(self.fill_threads)
         self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
 
+    @staticmethod
+    def accept_tokens(grammars: list[XgrammarGrammar], tokens: list[int]) -> list[bool]:
+        """``[g.accept_token(t) for g, t in zip(grammars, tokens)]`` in one call into
+        xgrammar (this sits between a step's tokens landing and the next bitmask fill)."""
+        ok = [True] * len(grammars)
+        idx = [i for i, g in enumerate(grammars) if not g.matcher.is_terminated()]
+        if not idx:
+            return ok
+        got = _xgr().BatchGrammarMatcher.batch_accept_token([grammars[i].matcher for i in idx],
+                                                            [tokens[i] for i in idx])
+        for i, accepted in zip(idx, got):
+            if accepted:
+                grammars[i].num_processed_tokens += 1
+            else:
+                ok[i] = False
+        return ok
+
     def new_grammar(self, compiled) -> XgrammarGrammar:
         return XgrammarGrammar(_xgr().GrammarMatcher(compiled))
 

@@ -165,3 +165,18 @@ def test_fill_bitmasks_matches_one_row_at_a_time(tokenizer, n):
     assert torch.equal(together, alone)
     assert (together[0::2] == 7).all()  # rows not listed are untouched
     assert len({tuple(together[r].tolist()) for r in rows}) > 1  # the states differ
+
+
+def test_accept_tokens_matches_one_at_a_time(backend, tokenizer):
+    """One batched call advances each grammar as its own accept_token would: a token the
+    grammar forbids is refused (that grammar unchanged), a terminated grammar takes anything."""
+    compiled = backend.compile(validate_structured_outputs(StructuredOutputsParams(regex=r"ab+")))
+    a_id = tokenizer.convert_tokens_to_ids("a")
+    b_id = tokenizer.convert_tokens_to_ids("b")
+    ga, gb, done = (backend.new_grammar(compiled) for _ in range(3))
+    assert done.accept_token(a_id) and done.accept_token(b_id) and done.accept_token(tokenizer.eos_token_id)
+    assert done.is_terminated()
+    assert backend.accept_tokens([ga, gb, done], [a_id, b_id, b_id]) == [True, False, True]
+    assert (ga.num_processed_tokens, gb.num_processed_tokens) == (1, 0)
+    assert gb.accept_token(a_id)  # the refused token left gb where it was
+    assert backend.accept_tokens([ga, gb], [b_id, b_id]) == [True, True]

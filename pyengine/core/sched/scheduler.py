@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from pyengine.config import EngineConfig
 from pyengine.core.kv_cache_manager import KVCacheManager, cdiv
@@ -278,6 +278,11 @@ class Scheduler:
         went through ``update_from_output``; None when no row is constrained."""
         return self.structured_output_manager.grammar_bitmask(so)
 
+    def submit_grammar_bitmask(self, so: SchedulerOutput):
+        """``get_grammar_bitmask`` filled on the grammar thread: a ``concurrent.futures.Future``
+        of the ``GrammarOutput`` (or None). No token may be accepted until it is done."""
+        return self.structured_output_manager.submit_grammar_bitmask(so)
+
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         if self._waiting_for_fsm:
@@ -368,45 +373,36 @@ class Scheduler:
         s.request.num_computed_tokens += s.num_new_tokens
 
     # ---- results -------------------------------------------------------------------
-    def update_from_output(self, so: SchedulerOutput, runner_output) -> EngineCoreOutputs:
+    def update_from_output(self, so: SchedulerOutput, runner_output,
+                           tokens_accepted: Optional[Callable[[], None]] = None) -> EngineCoreOutputs:
         """Append sampled tokens, check stop conditions, free finished requests.
 
         runner_output: ModelRunnerOutput with ``sampled_token_ids`` (host list, one per
         sampled row, in the order of ``so.scheduled`` rows with ``sample=True``) and
-        ``logprobs`` (None or a list of LogprobsEntry per row)."""
+        ``logprobs`` (None or a list of LogprobsEntry per row). ``tokens_accepted``: called
+        once the structured-output grammars have taken this step's tokens, before the
+        per-request bookkeeping — the engine core starts the next batch's bitmask fill
+        there, so the fill overlaps the bookkeeping."""
         t0 = time.perf_counter()
+        live = self._live_rows(so, runner_output)
+        rejected = self._accept_structured(live) if self.structured_output_manager.num_live else ()
+        if tokens_accepted is not None:
+            tokens_accepted()
         outputs: list[EngineCoreOutput] = []
-        row = 0
-        tokens = runner_output.sampled_token_ids
-        lps = runner_output.logprobs
-        for s in so.scheduled:
-            if not s.sample:
-                continue
-            tok, lp = tokens[row], (lps[row] if lps is not None else None)
-            row += 1
-            req = s.request
-            if req.is_finished() or req.request_id not in self.requests:
-                continue  # finished while this batch was in flight
-            if s.epoch != req.num_preemptions:
-                # Preempted while this batch was in flight: the token is dropped, and the
-                # runner rewinds the request's seeded generator past the draw (see
-                # ModelRunner._rewind_generators) so its tokens match sync scheduling.
-                self._discarded_draws.add(req.request_id)
-                continue
+        for req, tok, lp in live:
             try:
                 self._on_token_consumed(req)
                 req.all_token_ids.append(tok)
                 finished = self._check_stop(req, tok)
+                if req.request_id in rejected:
+                    raise ValueError(f"the structured-output grammar rejected token {tok} (output token "
+                                     f"{req.num_output_tokens}); this is a bug, please report it")
                 sor = req.structured_output_request
-                if sor is not None:
-                    if not sor.grammar.accept_token(tok):
-                        raise ValueError(f"the structured-output grammar rejected token {tok} (output token "
-                                         f"{req.num_output_tokens}); this is a bug, please report it")
-                    if not finished and sor.grammar.is_terminated():
-                        # The grammar is complete and took a stop token that does not end the
-                        # request (ignore_eos): nothing else may follow.
-                        req.status = RequestStatus.FINISHED_STOPPED
-                        finished = True
+                if sor is not None and not finished and sor.grammar.is_terminated():
+                    # The grammar is complete and took a stop token that does not end the
+                    # request (ignore_eos): nothing else may follow.
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    finished = True
                 first = req.num_output_tokens == 1
                 out = EngineCoreOutput(
                     req.request_id, [tok], [lp] if lp is not None else None,
@@ -424,6 +420,44 @@ class Scheduler:
         self.num_steps += 1
         self.step_host_time_s += time.perf_counter() - t0
         return self._make_outputs(outputs, so.total_num_scheduled_tokens)
+
+    def _live_rows(self, so: SchedulerOutput, runner_output) -> list[tuple[Request, int, object]]:
+        """(request, sampled token, logprobs entry) of the step's sampled rows whose request
+        still wants the token: not finished meanwhile, not preempted since scheduling."""
+        live = []
+        tokens = runner_output.sampled_token_ids
+        lps = runner_output.logprobs
+        row = 0
+        for s in so.scheduled:
+            if not s.sample:
+                continue
+            tok, lp = tokens[row], (lps[row] if lps is not None else None)
+            row += 1
+            req = s.request
+            if req.is_finished() or req.request_id not in self.requests:
+                continue  # finished while this batch was in flight
+            if s.epoch != req.num_preemptions:
+                # Preempted while this batch was in flight: the token is dropped, and the
+                # runner rewinds the request's seeded generator past the draw (see
+                # ModelRunner._rewind_generators) so its tokens match sync scheduling.
+                self._discarded_draws.add(req.request_id)
+                continue
+            live.append((req, tok, lp))
+        return live
+
+    def _accept_structured(self, live) -> set:
+        """Advance each constrained request's grammar by its token; the ids it rejected."""
+        reqs, grammars, toks = [], [], []
+        for req, tok, _ in live:
+            sor = req.structured_output_request
+            if sor is not None:
+                reqs.append(req)
+                grammars.append(sor.grammar)
+                toks.append(tok)
+        if not grammars:
+            return set()
+        ok = self.structured_output_manager.backend().accept_tokens(grammars, toks)
+        return {r.request_id for r, accepted in zip(reqs, ok) if not accepted}
 
     def _on_token_consumed(self, req: Request) -> None:
         pass  # async scheduler: one placeholder resolved
