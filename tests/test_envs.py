@@ -47,3 +47,16 @@ def test_log_stats_interval(monkeypatch):
         monkeypatch.setenv("VENGINE_LOG_STATS_INTERVAL", bad)
         with pytest.raises(ValueError, match="VENGINE_LOG_STATS_INTERVAL="):
             envs.log_stats_interval()
+
+
+def test_grammar_fill_threads(monkeypatch):
+    from pyengine.structured_output.backend_xgrammar import default_fill_threads
+    monkeypatch.delenv("VENGINE_GRAMMAR_FILL_THREADS", raising=False)
+    assert envs.grammar_fill_threads() is None
+    assert 1 <= default_fill_threads() <= 16
+    monkeypatch.setenv("VENGINE_GRAMMAR_FILL_THREADS", "5")
+    assert default_fill_threads() == 5
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("VENGINE_GRAMMAR_FILL_THREADS", bad)
+        with pytest.raises(ValueError, match="VENGINE_GRAMMAR_FILL_THREADS"):
+            envs.grammar_fill_threads()

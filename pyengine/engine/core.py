@@ -172,7 +172,7 @@ class _DeferredSample:
 
     def launch(self):
         if self._pending is None:
-            grammar = (self._fill.result() if self._fill is not None
+            grammar = (self._scheduler.take_grammar_bitmask(self._fill) if self._fill is not None
                        else self._scheduler.get_grammar_bitmask(self.so))
             self._pending = self._executor.sample_tokens(grammar)
         return self._pending

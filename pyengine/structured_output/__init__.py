@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from pyengine.request import Request
 
 logger = logging.getLogger("pyengine")
+
+# The interpreter's switch interval while a bitmask fill runs on the grammar thread (s).
+_FILL_SWITCH_INTERVAL_S = 5e-5
 
 
 @dataclass
@@ -72,6 +76,7 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None  # compiles
         self._fill_executor: Optional[concurrent.futures.ThreadPoolExecutor] = None  # bitmask fills
+        self._saved_switch_interval: Optional[float] = None  # while a fill is in flight
         self._bitmasks: list[torch.Tensor] = []  # two host buffers, used in turn
         self._turn = 0
         self.num_live = 0  # constrained requests in the engine (0: skip all grammar work)
@@ -138,7 +143,22 @@ class StructuredOutputManager:
             return fut
         if self._fill_executor is None:
             self._fill_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
+        # The fill thread needs the GIL to start the fill and to hand it back, while this
+        # thread runs Python; at the default 5 ms switch interval it would wait until this
+        # thread blocks, and nothing would overlap. Shortened until take_grammar_bitmask.
+        if self._saved_switch_interval is None:
+            self._saved_switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._saved_switch_interval, _FILL_SWITCH_INTERVAL_S))
         return self._fill_executor.submit(self._fill, rows, grammars)
+
+    def take_grammar_bitmask(self, fut: concurrent.futures.Future) -> Optional[GrammarOutput]:
+        """The result of ``submit_grammar_bitmask`` (waits for the fill; raises its error)."""
+        try:
+            return fut.result()
+        finally:
+            if self._saved_switch_interval is not None:
+                sys.setswitchinterval(self._saved_switch_interval)
+                self._saved_switch_interval = None
 
     def _constrained_rows(self, so: "SchedulerOutput") -> tuple[list[int], list]:
         """(sampled-row indices, grammars) of ``so``'s rows that are still constrained."""

@@ -283,6 +283,10 @@ class Scheduler:
         of the ``GrammarOutput`` (or None). No token may be accepted until it is done."""
         return self.structured_output_manager.submit_grammar_bitmask(so)
 
+    def take_grammar_bitmask(self, fut):
+        """The ``GrammarOutput`` (or None) of a ``submit_grammar_bitmask`` future."""
+        return self.structured_output_manager.take_grammar_bitmask(fut)
+
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         if self._waiting_for_fsm:
