@@ -94,20 +94,18 @@ class EngineCore:
 
         Structured outputs (vLLM's deferred sampling): the bitmask of batch N+1 needs batch
         N's tokens accepted by the grammars. So when N+1 has constrained rows and N is in
-        flight, N+1's forward is launched and N+1 queued as a ``_DeferredSample``; once
-        N's tokens are accepted, N+1's bitmask is filled on the grammar thread while this
-        thread finishes N's bookkeeping, returns N's outputs and schedules N+2; N+1's
-        sampling is launched just before anything else reaches the device (N+2's forward
-        feeds on N+1's sampled ids), or when N+1's output is wanted."""
+        flight, N+1's forward is launched, then N's tokens are consumed, then N+1's bitmask
+        is filled on the host (the device still runs N+1's forward) and its sampling
+        launched. Every batch in the queue has been sampled (batch N+1's forward feeds N's
+        sampled ids)."""
         ex = self.model_executor
         deferred = None
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
             if not so.is_empty:
-                self._launch_deferred_sampling()
                 if so.has_structured_output and self.batch_queue:
                     ex.execute_model(so, non_blocking=True, defer_sampling=True)
-                    deferred = _DeferredSample(so, self.scheduler, ex)
+                    deferred = so
                 else:
                     grammar = self.scheduler.get_grammar_bitmask(so) if so.has_structured_output else None
                     self.batch_queue.append((so, ex.execute_model(so, non_blocking=True, grammar_output=grammar)))
@@ -116,16 +114,11 @@ class EngineCore:
         if not self.batch_queue:
             return self.scheduler.take_pending_outputs()
         so, pending = self.batch_queue.popleft()
-        outputs = self.scheduler.update_from_output(
-            so, pending.get_output(), tokens_accepted=deferred.start_fill if deferred is not None else None)
+        outputs = self.scheduler.update_from_output(so, pending.get_output())
         if deferred is not None:
-            self.batch_queue.append((deferred.so, deferred))
+            grammar = self.scheduler.get_grammar_bitmask(deferred)
+            self.batch_queue.append((deferred, ex.sample_tokens(grammar)))
         return outputs
-
-    def _launch_deferred_sampling(self) -> None:
-        """Enqueue the newest batch's deferred sampling, if any (waits for its bitmask)."""
-        if self.batch_queue and isinstance(self.batch_queue[-1][1], _DeferredSample):
-            self.batch_queue[-1][1].launch()
 
     def shutdown(self) -> None:
         """Release device memory (model, KV cache, graphs); no more steps after this."""
@@ -151,34 +144,6 @@ class EngineCore:
             return UtilityOutput(msg.call_id, getattr(self, msg.method)(*msg.args))
         except Exception as e:  # noqa: BLE001 - reported to the caller
             return UtilityOutput(msg.call_id, None, f"{type(e).__name__}: {e}")
-
-
-class _DeferredSample:
-    """A batch whose forward is on the device and whose sampling waits for its token
-    bitmask. ``start_fill`` starts the fill on the grammar thread (once the previous
-    batch's tokens are accepted); ``launch`` enqueues the sampling (once; the bitmask is
-    filled here if ``start_fill`` was never called); ``get_output`` launches, then waits
-    like the runner's own pending output."""
-
-    __slots__ = ("so", "_scheduler", "_executor", "_fill", "_pending")
-
-    def __init__(self, so, scheduler, executor):
-        self.so, self._scheduler, self._executor = so, scheduler, executor
-        self._fill = None  # Future of the GrammarOutput
-        self._pending = None  # the runner's pending output once sampling is launched
-
-    def start_fill(self) -> None:
-        self._fill = self._scheduler.submit_grammar_bitmask(self.so)
-
-    def launch(self):
-        if self._pending is None:
-            grammar = (self._scheduler.take_grammar_bitmask(self._fill) if self._fill is not None
-                       else self._scheduler.get_grammar_bitmask(self.so))
-            self._pending = self._executor.sample_tokens(grammar)
-        return self._pending
-
-    def get_output(self):
-        return self.launch().get_output()
 
 
 def _log_engine_ready(config: EngineConfig, num_kv_blocks: int) -> None:

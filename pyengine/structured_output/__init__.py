@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -28,9 +27,6 @@ if TYPE_CHECKING:
     from pyengine.request import Request
 
 logger = logging.getLogger("pyengine")
-
-# The interpreter's switch interval while a bitmask fill runs on the grammar thread (s).
-_FILL_SWITCH_INTERVAL_S = 5e-5
 
 
 @dataclass
@@ -74,9 +70,7 @@ class StructuredOutputManager:
         self.config = config
         self._backend = None
         self._backend_lock = threading.Lock()
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None  # compiles
-        self._fill_executor: Optional[concurrent.futures.ThreadPoolExecutor] = None  # bitmask fills
-        self._saved_switch_interval: Optional[float] = None  # while a fill is in flight
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._bitmasks: list[torch.Tensor] = []  # two host buffers, used in turn
         self._turn = 0
         self.num_live = 0  # constrained requests in the engine (0: skip all grammar work)
@@ -128,44 +122,11 @@ class StructuredOutputManager:
         state (every token sampled before this step must have been accepted). Rows of
         requests that finished or were preempted since ``so`` was scheduled are left
         unconstrained: their tokens are dropped. None when no row is constrained."""
-        rows, grammars = self._constrained_rows(so)
-        return self._fill(rows, grammars) if rows else None
-
-    def submit_grammar_bitmask(self, so: "SchedulerOutput") -> concurrent.futures.Future:
-        """``grammar_bitmask(so)`` as a future: the rows are picked on the calling thread,
-        the fill runs on the grammar thread (xgrammar releases the GIL while it fills), so
-        the engine's host work goes on meanwhile. No grammar may accept a token until the
-        future is done."""
-        rows, grammars = self._constrained_rows(so)
-        if not rows:
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            fut.set_result(None)
-            return fut
-        if self._fill_executor is None:
-            self._fill_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
-        # The fill thread needs the GIL to start the fill and to hand it back, while this
-        # thread runs Python; at the default 5 ms switch interval it would wait until this
-        # thread blocks, and nothing would overlap. Shortened until take_grammar_bitmask.
-        if self._saved_switch_interval is None:
-            self._saved_switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._saved_switch_interval, _FILL_SWITCH_INTERVAL_S))
-        return self._fill_executor.submit(self._fill, rows, grammars)
-
-    def take_grammar_bitmask(self, fut: concurrent.futures.Future) -> Optional[GrammarOutput]:
-        """The result of ``submit_grammar_bitmask`` (waits for the fill; raises its error)."""
-        try:
-            return fut.result()
-        finally:
-            if self._saved_switch_interval is not None:
-                sys.setswitchinterval(self._saved_switch_interval)
-                self._saved_switch_interval = None
-
-    def _constrained_rows(self, so: "SchedulerOutput") -> tuple[list[int], list]:
-        """(sampled-row indices, grammars) of ``so``'s rows that are still constrained."""
+        if not self.num_live:
+            return None
+        t0 = time.perf_counter()
         rows: list[int] = []
         grammars = []
-        if not self.num_live:
-            return rows, grammars
         row = 0
         for s in so.scheduled:
             if not s.sample:
@@ -177,10 +138,8 @@ class StructuredOutputManager:
                 rows.append(row)
                 grammars.append(sor.grammar)
             row += 1
-        return rows, grammars
-
-    def _fill(self, rows: list[int], grammars: list) -> GrammarOutput:
-        t0 = time.perf_counter()
+        if not rows:
+            return None
         if not self._bitmasks:
             pin = self.config.device.type == "cuda"
             n = self.config.max_num_seqs
@@ -197,6 +156,3 @@ class StructuredOutputManager:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-        if self._fill_executor is not None:
-            self._fill_executor.shutdown(wait=True)  # a fill writes into buffers we are about to drop
-            self._fill_executor = None

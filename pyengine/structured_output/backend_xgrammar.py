@@ -191,10 +191,10 @@ def validate_structured_outputs(so: StructuredOutputsParams) -> StructuredOutput
 
 
 def default_fill_threads() -> int:
-    """Threads for a large batch's bitmask (``VENGINE_GRAMMAR_FILL_THREADS`` if set): the
-    CPUs this process may run on but four (the engine loop, its output writer and a front
-    end keep going), 1 to 16. The fill sits on the engine's critical path, ~85 µs per
-    row on one thread for a 152k vocabulary: 64 rows take ~0.7 ms on 8 threads."""
+    """Threads for a large batch's bitmask (``VENGINE_GRAMMAR_FILL_THREADS`` if set): half
+    the CPUs this process may run on (the other half keeps the engine loop and the front
+    end going), at most 8 — 12 threads filled 64 rows slower than 8 on the H200's 16-core
+    host (docs/benchmarks.md)."""
     from pyengine import envs
 
     n = envs.grammar_fill_threads()
@@ -204,7 +204,7 @@ def default_fill_threads() -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    return max(1, min(16, cpus - 4))
+    return max(1, min(8, cpus // 2))
 
 
 class XgrammarGrammar:

@@ -247,25 +247,3 @@ def test_abort_while_compiling_and_while_running(qwen2_dir):
     finally:
         eng.shutdown()
 
-
-def test_async_fill_runs_on_the_grammar_thread(llms, monkeypatch):
-    """With async scheduling, a decode batch's bitmask is filled on the grammar thread
-    (overlapping the previous batch's bookkeeping); without, on the engine's own thread.
-    Tokens stay identical either way (the test above)."""
-    from pyengine.structured_output.backend_xgrammar import XgrammarBackend
-    import threading
-    seen = {True: set(), False: set()}
-    real = XgrammarBackend.fill_bitmasks
-    mode_now = []
-
-    def spy(self, grammars, bitmask, rows):
-        seen[mode_now[-1]].add(threading.current_thread().name.split("_")[0])
-        return real(self, grammars, bitmask, rows)
-    monkeypatch.setattr(XgrammarBackend, "fill_bitmasks", spy)
-    params = [_greedy(_so(json=s), max_tokens=32) for s in SCHEMAS[:3]]
-    for mode, llm in llms.items():
-        mode_now.append(mode)
-        llm.generate(_prompts(3), params, use_tqdm=False)
-        _assert_no_leak(llm)
-    assert "grammar-bitmask" in seen[True]
-    assert seen[False] and "grammar-bitmask" not in seen[False]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from pyengine.config import EngineConfig
 from pyengine.core.kv_cache_manager import KVCacheManager, cdiv
@@ -278,15 +278,6 @@ class Scheduler:
         went through ``update_from_output``; None when no row is constrained."""
         return self.structured_output_manager.grammar_bitmask(so)
 
-    def submit_grammar_bitmask(self, so: SchedulerOutput):
-        """``get_grammar_bitmask`` filled on the grammar thread: a ``concurrent.futures.Future``
-        of the ``GrammarOutput`` (or None). No token may be accepted until it is done."""
-        return self.structured_output_manager.submit_grammar_bitmask(so)
-
-    def take_grammar_bitmask(self, fut):
-        """The ``GrammarOutput`` (or None) of a ``submit_grammar_bitmask`` future."""
-        return self.structured_output_manager.take_grammar_bitmask(fut)
-
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         if self._waiting_for_fsm:
@@ -377,21 +368,16 @@ class Scheduler:
         s.request.num_computed_tokens += s.num_new_tokens
 
     # ---- results -------------------------------------------------------------------
-    def update_from_output(self, so: SchedulerOutput, runner_output,
-                           tokens_accepted: Optional[Callable[[], None]] = None) -> EngineCoreOutputs:
+    def update_from_output(self, so: SchedulerOutput, runner_output) -> EngineCoreOutputs:
         """Append sampled tokens, check stop conditions, free finished requests.
 
         runner_output: ModelRunnerOutput with ``sampled_token_ids`` (host list, one per
         sampled row, in the order of ``so.scheduled`` rows with ``sample=True``) and
-        ``logprobs`` (None or a list of LogprobsEntry per row). ``tokens_accepted``: called
-        once the structured-output grammars have taken this step's tokens, before the
-        per-request bookkeeping — the engine core starts the next batch's bitmask fill
-        there, so the fill overlaps the bookkeeping."""
+        ``logprobs`` (None or a list of LogprobsEntry per row). The structured-output
+        grammars take the step's tokens first, in one call into the grammar backend."""
         t0 = time.perf_counter()
         live = self._live_rows(so, runner_output)
         rejected = self._accept_structured(live) if self.structured_output_manager.num_live else ()
-        if tokens_accepted is not None:
-            tokens_accepted()
         outputs: list[EngineCoreOutput] = []
         for req, tok, lp in live:
             try:
