@@ -52,8 +52,6 @@ MAX_JSON_WHITESPACE = 32
 _XGR_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 _EBNF_CACHE_SIZE = 1024
-# From this many constrained rows in a step on, their bitmask rows are filled in parallel.
-BATCH_FILL_MIN_ROWS = 8
 _XGR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -295,16 +293,12 @@ class XgrammarBackend:
 
     def fill_bitmasks(self, grammars: list[XgrammarGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Write ``grammars[i]``'s allowed next tokens into row ``rows[i]`` of ``bitmask``
-        (int32 [>= max(rows) + 1, ceil(V / 32)], host). From ``BATCH_FILL_MIN_ROWS`` rows on,
-        xgrammar's ``BatchGrammarMatcher`` fills them on ``fill_threads`` threads of its own
-        (the fill is on the engine's critical path when the host cannot hide it behind the
-        device's forward), as vLLM does for large batches."""
-        if len(grammars) < BATCH_FILL_MIN_ROWS or self.fill_threads <= 1:
-            for g, r in zip(grammars, rows):
-                g.fill_bitmask(bitmask, r)
-            return
+        (int32 [>= max(rows) + 1, ceil(V / 32)], host), in one call into xgrammar's
+        ``BatchGrammarMatcher`` on ``fill_threads`` threads (one call, not one per row: the
+        fill sits on the engine's critical path, and a call per row costs ~5× more on one
+        thread, docs/benchmarks.md)."""
         if self._batch_matcher is None:
-            self._batch_matcher = _xgr().BatchGrammarMatcher(self.fill_threads)
+            self._batch_matcher = _xgr().BatchGrammarMatcher(max(1, self.fill_threads))
         self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
 
     @staticmethod

@@ -132,14 +132,11 @@ def test_compiler_caches_a_schema(backend):
     assert backend.compiler.get_cache_size_bytes() == size > 0
 
 
-@pytest.mark.parametrize("n", [3, 12])  # below and above BATCH_FILL_MIN_ROWS
-def test_fill_bitmasks_matches_one_row_at_a_time(tokenizer, n):
-    """A step's rows filled together (on xgrammar's threads from BATCH_FILL_MIN_ROWS rows
-    on) give the bitmask each grammar fills alone, in its own row; other rows untouched."""
-    from pyengine.structured_output.backend_xgrammar import BATCH_FILL_MIN_ROWS
-
-    assert 3 < BATCH_FILL_MIN_ROWS <= 12
-    b = XgrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_threads=1, fill_threads=2)
+@pytest.mark.parametrize("n,threads", [(3, 1), (12, 1), (12, 2)])
+def test_fill_bitmasks_matches_one_row_at_a_time(tokenizer, n, threads):
+    """A step's rows filled together (one xgrammar call, on one or more threads) give the
+    bitmask each grammar fills alone, in its own row; other rows untouched."""
+    b = XgrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_threads=1, fill_threads=threads)
     compiled = b.compile(validate_structured_outputs(StructuredOutputsParams(
         json={"type": "array", "minItems": 20, "items": {"type": "object", "properties": {"k": {"type": "string"}}}})))
     gen = torch.Generator().manual_seed(0)
