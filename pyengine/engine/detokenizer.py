@@ -363,6 +363,22 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
             return None
         return super().update(new_token_ids, stop_terminated)
 
+    def step_delta(self, token_id: int) -> Optional[str]:
+        """``update([token_id], False)`` then ``get_next_output_text(False, True)`` in one
+        call, for a streamed request with no stop strings whose text so far was all
+        reported; returns None (and changes nothing) when that does not hold, and the
+        caller takes the general path."""
+        if (self.stop or self._skip or self._decode is None
+                or self._last_output_text_offset != len(self.output_text)):
+            return None
+        self.output_token_ids.append(token_id)
+        text = self._stream.step(self._backend, token_id)
+        if text:
+            self.output_text += text
+            self._last_output_text_offset = len(self.output_text)
+            return text
+        return ""
+
     def _decode_next(self) -> str:
         text = self._stream.step(self._backend, self._ids.pop()) or ""
         if self._skip and text:
