@@ -26,6 +26,7 @@ from pyengine.sampling_params import SamplingParams
 __all__ = [
     "IncrementalDetokenizer",
     "FastIncrementalDetokenizer",
+    "TokenTexts",
     "make_incremental_detokenizer",
     "prompt_text_for_echo",
     "decode_output",
@@ -313,6 +314,51 @@ class IncrementalDetokenizer:
         return ""
 
 
+class TokenTexts:
+    """The text of single tokens of a byte-level BPE tokenizer (GPT-2 / Llama 3 / Qwen
+    style: a ``ByteLevel`` decoder), filled lazily and shared by the requests of one
+    output processor: ``get(id)`` is the token's text when its bytes are whole UTF-8
+    characters, else None (part of a character, an added or special token, an unknown
+    id). A ``ByteLevel`` decoder turns a token sequence into the concatenation of its
+    tokens' bytes, so after a character boundary such a token's next text in any stream
+    is exactly this text: ``FastIncrementalDetokenizer`` looks it up instead of a
+    ``DecodeStream`` step (a call into Rust per token). Used on one thread at a time."""
+
+    _MISSING = object()
+
+    def __init__(self, backend):
+        self._backend = backend
+        self._added = set(backend.get_added_tokens_decoder())
+        self._texts: dict[int, Optional[str]] = {}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> Optional["TokenTexts"]:
+        """A cache for ``tokenizer``, or None when its decoder is not plain ``ByteLevel``
+        (e.g. SentencePiece's, whose first-token space rule depends on context)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        try:
+            from tokenizers.decoders import ByteLevel
+        except ImportError:
+            return None
+        if backend is None or not isinstance(backend.decoder, ByteLevel):
+            return None
+        return cls(backend)
+
+    def get(self, token_id: int) -> Optional[str]:
+        text = self._texts.get(token_id, self._MISSING)
+        if text is self._MISSING:
+            text = None
+            if token_id not in self._added:
+                try:
+                    text = self._backend.decode([token_id], skip_special_tokens=False) or None
+                except Exception:  # noqa: BLE001 - an id outside the vocabulary: the stream decides
+                    text = None
+                if text is not None and _REPLACEMENT_CHAR in text:
+                    text = None
+            self._texts[token_id] = text
+        return text
+
+
 class FastIncrementalDetokenizer(IncrementalDetokenizer):
     """``IncrementalDetokenizer`` for fast (Rust) tokenizers: the same contract, decoding
     with ``tokenizers``' ``DecodeStream`` (one call into Rust per token, instead of two
@@ -321,9 +367,14 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     character that starts in the prompt stay buffered until an output token completes it.
     Mirrors vllm/v1/engine/detokenizer.py's FastIncrementalDetokenizer."""
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 token_texts: Optional[TokenTexts] = None) -> None:
         super().__init__(tokenizer, prompt_token_ids, params)
         self._skip = 0
+        # token_texts: single-token texts to use instead of stream steps while the stream
+        # holds no partial character (_pending False: its last step emitted text)
+        self._token_texts = token_texts
+        self._pending = True
         if tokenizer is None:  # token ids only, as the base class
             return
         from tokenizers.decoders import DecodeStream
@@ -331,7 +382,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         ctx = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
-        emitted = (self._stream.step(self._backend, ctx) or "") if ctx else ""
+        emitted = self._step(ctx) if ctx else ""
+        self._pending = bool(ctx) and not emitted
         # The prompt's own text is not output. A tail that ends inside a character stays
         # pending in the stream, complete text before it included, and comes out with the
         # output token that completes the character: the first deltas drop that complete
@@ -357,11 +409,27 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
                 and self._decode is not None):
             tid = new_token_ids[0]
             self.output_token_ids.append(tid)
-            text = self._stream.step(self._backend, tid)
+            text = self._next_text(tid)
             if text:
                 self.output_text += text
             return None
         return super().update(new_token_ids, stop_terminated)
+
+    def _step(self, ids) -> str:
+        """One ``DecodeStream`` step (a token id or a list); "" while a character is
+        incomplete (then the token-text cache waits for the stream to catch up)."""
+        text = self._stream.step(self._backend, ids) or ""
+        self._pending = not text
+        return text
+
+    def _next_text(self, token_id: int) -> str:
+        """The text ``token_id`` completes: from the token-text cache at a character
+        boundary (the same text, see TokenTexts), else from the stream."""
+        if not self._pending and self._token_texts is not None:
+            text = self._token_texts.get(token_id)
+            if text is not None:
+                return text
+        return self._step(token_id)
 
     def step_delta(self, token_id: int) -> Optional[str]:
         """``update([token_id], False)`` then ``get_next_output_text(False, True)`` in one
@@ -372,7 +440,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
                 or self._last_output_text_offset != len(self.output_text)):
             return None
         self.output_token_ids.append(token_id)
-        text = self._stream.step(self._backend, token_id)
+        text = self._next_text(token_id)
         if text:
             self.output_text += text
             self._last_output_text_offset = len(self.output_text)
@@ -380,7 +448,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         return ""
 
     def _decode_next(self) -> str:
-        text = self._stream.step(self._backend, self._ids.pop()) or ""
+        text = self._next_text(self._ids.pop())
         if self._skip and text:
             cut = min(self._skip, len(text))
             text, self._skip = text[cut:], self._skip - cut
@@ -388,8 +456,10 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 
 
 def make_incremental_detokenizer(tokenizer, prompt_token_ids: Sequence[int],
-                                 params: SamplingParams) -> IncrementalDetokenizer:
-    """The fast detokenizer where the tokenizer allows it, else the window-based one."""
+                                 params: SamplingParams,
+                                 token_texts: Optional[TokenTexts] = None) -> IncrementalDetokenizer:
+    """The fast detokenizer where the tokenizer allows it, else the window-based one.
+    ``token_texts``: ``TokenTexts.for_tokenizer(tokenizer)``, shared by many requests."""
     if tokenizer is not None and FastIncrementalDetokenizer.supports(tokenizer):
-        return FastIncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        return FastIncrementalDetokenizer(tokenizer, prompt_token_ids, params, token_texts)
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)

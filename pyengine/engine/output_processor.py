@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-from pyengine.engine.detokenizer import (FastIncrementalDetokenizer, decode_logprob_token, decode_output,
-                                         make_incremental_detokenizer)
+from pyengine.engine.detokenizer import (FastIncrementalDetokenizer, TokenTexts, decode_logprob_token,
+                                         decode_output, make_incremental_detokenizer)
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pyengine.metrics.stats import IterationStats
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -164,7 +164,8 @@ def _merge_delta(cur: RequestOutput, new: RequestOutput) -> None:
 class _Child:
     """State of one of the n completions (one engine-core request)."""
 
-    def __init__(self, parent: "_Parent", index: int, core_req: EngineCoreRequest, tokenizer):
+    def __init__(self, parent: "_Parent", index: int, core_req: EngineCoreRequest, tokenizer,
+                 token_texts: Optional[TokenTexts] = None):
         self.parent = parent
         self.index = index
         self.core_id = core_req.request_id
@@ -179,7 +180,7 @@ class _Child:
         self.final_text: Optional[str] = None
         self.prompt_token_ids = core_req.prompt_token_ids
         self.detok = make_incremental_detokenizer(tokenizer if params.detokenize and not self.deferred else None,
-                                            core_req.prompt_token_ids, params)
+                                            core_req.prompt_token_ids, params, token_texts)
         self.want_logprobs = params.logprobs is not None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.want_logprobs else None
         self.cumulative_logprob: Optional[float] = 0.0 if self.want_logprobs else None
@@ -275,6 +276,7 @@ class OutputProcessor:
         self.stream_interval = stream_interval
         self.parents: dict[str, _Parent] = {}
         self.children: dict[str, _Child] = {}
+        self.token_texts = TokenTexts.for_tokenizer(tokenizer) if tokenizer is not None else None
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents
@@ -289,7 +291,7 @@ class OutputProcessor:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         parent = _Parent(request_id, prompt, prompt_token_ids, params, collector, core_reqs[0].arrival_time)
         for i, r in enumerate(core_reqs):
-            child = _Child(parent, i, r, self.tokenizer)
+            child = _Child(parent, i, r, self.tokenizer, self.token_texts)
             parent.children.append(child)
             self.children[r.request_id] = child
         if len(core_reqs) == 1 and self.stream_interval <= 1 and parent.kind == _DELTA:
