@@ -316,20 +316,17 @@ class IncrementalDetokenizer:
 
 class TokenTexts:
     """The text of single tokens of a byte-level BPE tokenizer (GPT-2 / Llama 3 / Qwen
-    style: a ``ByteLevel`` decoder), filled lazily and shared by the requests of one
-    output processor: ``get(id)`` is the token's text when its bytes are whole UTF-8
-    characters, else None (part of a character, an added or special token, an unknown
-    id). A ``ByteLevel`` decoder turns a token sequence into the concatenation of its
-    tokens' bytes, so after a character boundary such a token's next text in any stream
-    is exactly this text: ``FastIncrementalDetokenizer`` looks it up instead of a
-    ``DecodeStream`` step (a call into Rust per token). Used on one thread at a time."""
-
-    _MISSING = object()
+    style: a ``ByteLevel`` decoder), shared by the requests of one output processor and
+    learnt from their streams. A ``ByteLevel`` decoder turns a token sequence into the
+    concatenation of its tokens' bytes, so when a ``DecodeStream`` at a character
+    boundary steps over a token and emits text, that text is the token's own, and is the
+    token's text at every character boundary of every stream: ``texts[id]``. Tokens whose
+    bytes end inside a character, or make invalid UTF-8 (text with U+FFFD), and added or
+    special tokens are never stored. Used on one thread at a time."""
 
     def __init__(self, backend):
-        self._backend = backend
-        self._added = set(backend.get_added_tokens_decoder())
-        self._texts: dict[int, Optional[str]] = {}
+        self.added = frozenset(backend.get_added_tokens_decoder())
+        self.texts: dict[int, str] = {}
 
     @classmethod
     def for_tokenizer(cls, tokenizer) -> Optional["TokenTexts"]:
@@ -340,23 +337,14 @@ class TokenTexts:
             from tokenizers.decoders import ByteLevel
         except ImportError:
             return None
-        if backend is None or not isinstance(backend.decoder, ByteLevel):
+        if backend is None or not isinstance(getattr(backend, "decoder", None), ByteLevel):
             return None
         return cls(backend)
 
-    def get(self, token_id: int) -> Optional[str]:
-        text = self._texts.get(token_id, self._MISSING)
-        if text is self._MISSING:
-            text = None
-            if token_id not in self._added:
-                try:
-                    text = self._backend.decode([token_id], skip_special_tokens=False) or None
-                except Exception:  # noqa: BLE001 - an id outside the vocabulary: the stream decides
-                    text = None
-                if text is not None and _REPLACEMENT_CHAR in text:
-                    text = None
-            self._texts[token_id] = text
-        return text
+    def learn(self, token_id: int, text: str) -> None:
+        """``text``: what a stream at a character boundary emitted for ``token_id`` alone."""
+        if text and token_id not in self.added and _REPLACEMENT_CHAR not in text:
+            self.texts[token_id] = text
 
 
 class FastIncrementalDetokenizer(IncrementalDetokenizer):
@@ -425,11 +413,14 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     def _next_text(self, token_id: int) -> str:
         """The text ``token_id`` completes: from the token-text cache at a character
         boundary (the same text, see TokenTexts), else from the stream."""
-        if not self._pending and self._token_texts is not None:
-            text = self._token_texts.get(token_id)
-            if text is not None:
-                return text
-        return self._step(token_id)
+        cache = self._token_texts
+        if self._pending or cache is None:
+            return self._step(token_id)
+        text = cache.texts.get(token_id)
+        if text is None:
+            text = self._step(token_id)
+            cache.learn(token_id, text)
+        return text
 
     def step_delta(self, token_id: int) -> Optional[str]:
         """``update([token_id], False)`` then ``get_next_output_text(False, True)`` in one

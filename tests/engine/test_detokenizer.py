@@ -361,8 +361,10 @@ def test_token_text_cache_gives_the_streams_text(bpe_tokenizer, skip_special):
             i += n
         assert plain.output_text == cached.output_text
         assert plain.get_next_output_text(True, True) == cached.get_next_output_text(True, True)
-    hits = [t for t in cache._texts.values() if t is not None]
-    assert len(hits) > vocab // 2  # most single tokens are whole characters
+    assert len(cache.texts) > vocab // 2  # most single tokens are whole characters, and were learnt
+    for tid, text in cache.texts.items():
+        assert text == bpe_tokenizer.decode([tid]) and "\ufffd" not in text
+    assert not set(cache.texts) & cache.added
 
 
 def test_token_text_cache_only_for_byte_level_decoders(bpe_tokenizer, scripted_tokenizer):
@@ -370,6 +372,7 @@ def test_token_text_cache_only_for_byte_level_decoders(bpe_tokenizer, scripted_t
 
     from tokenizers import decoders
     assert detok_module.TokenTexts.for_tokenizer(bpe_tokenizer) is not None
-    metaspace = SimpleNamespace(backend_tokenizer=SimpleNamespace(decoder=decoders.Metaspace()))
+    metaspace = SimpleNamespace(backend_tokenizer=SimpleNamespace(decoder=decoders.Metaspace(),
+                                                                  get_added_tokens_decoder=dict))
     assert detok_module.TokenTexts.for_tokenizer(metaspace) is None
     assert detok_module.TokenTexts.for_tokenizer(SimpleNamespace()) is None
