@@ -207,6 +207,25 @@ class IncrementalDetokenizer:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    # output_text is kept as pieces, joined when read: appending a token's text to one
+    # growing str copies the whole text each time (quadratic in a long stream's length).
+    @property
+    def output_text(self) -> str:
+        parts = self._text_parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        self._text_parts = [text] if text else []
+        self._text_len = len(text)
+
+    def _append_text(self, text: str) -> None:
+        if text:
+            self._text_parts.append(text)
+            self._text_len += len(text)
+
     def _decode_next(self) -> str:
         """Emit the text completed by the window's pending tokens ("" if none yet)."""
         ids = self._ids
@@ -255,21 +274,21 @@ class IncrementalDetokenizer:
                 self.output_token_ids.append(skipped_stop_token)
             return None
 
-        stop_check_offset = len(self.output_text)
+        stop_check_offset = self._text_len
         for tid in new_token_ids:
             self.output_token_ids.append(tid)
             self._ids.append(tid)
-            self.output_text += self._decode_next()
+            self._append_text(self._decode_next())
             if self.min_tokens and len(self.output_token_ids) <= self.min_tokens:
                 # Text of the first min_tokens tokens is never searched for stops.
-                stop_check_offset = len(self.output_text)
+                stop_check_offset = self._text_len
         if skipped_stop_token is not None:
             self.output_token_ids.append(skipped_stop_token)
 
         if not self.stop or len(self.output_token_ids) <= self.min_tokens:
             return None
         match = check_stop_strings(self.output_text,
-                                   len(self.output_text) - stop_check_offset,
+                                   self._text_len - stop_check_offset,
                                    self.stop, self.include_stop_str_in_output)
         if match is None:
             return None
@@ -304,7 +323,7 @@ class IncrementalDetokenizer:
         are held back, so a client never sees text a stop string later removes.
         """
         held = 0 if finished else self._held_back()
-        length = len(self.output_text) - held
+        length = self._text_len - held
         if not delta:
             return self.output_text[:length]
         last = self._last_output_text_offset
@@ -397,9 +416,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
                 and self._decode is not None):
             tid = new_token_ids[0]
             self.output_token_ids.append(tid)
-            text = self._next_text(tid)
-            if text:
-                self.output_text += text
+            self._append_text(self._next_text(tid))
             return None
         return super().update(new_token_ids, stop_terminated)
 
@@ -428,15 +445,15 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         reported; returns None (and changes nothing) when that does not hold, and the
         caller takes the general path."""
         if (self.stop or self._skip or self._decode is None
-                or self._last_output_text_offset != len(self.output_text)):
+                or self._last_output_text_offset != self._text_len):
             return None
         self.output_token_ids.append(token_id)
         text = self._next_text(token_id)
         if text:
-            self.output_text += text
-            self._last_output_text_offset = len(self.output_text)
-            return text
-        return ""
+            self._text_parts.append(text)
+            self._text_len += len(text)
+            self._last_output_text_offset = self._text_len
+        return text
 
     def _decode_next(self) -> str:
         text = self._next_text(self._ids.pop())

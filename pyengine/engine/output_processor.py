@@ -95,11 +95,12 @@ class RequestOutputCollector:
                 fut = asyncio.get_running_loop().create_future()
                 waiter = self._aio_waiter = (fut.get_loop(), fut)
             try:
-                await fut
-            finally:
+                await fut  # put() took the waiter off before resolving it
+            except BaseException:
                 with self._lock:
                     if self._aio_waiter is waiter:  # cancelled: do not leave a stale waiter
                         self._aio_waiter = None
+                raise
 
     def __iter__(self):
         while not self.finished:
