@@ -106,9 +106,8 @@ class GeventBridge:
         hub = gevent.get_hub()
         watcher = hub.loop.async_()
         watcher.start(self._on_wake)
-        # One health poll for every waiting handler (a dead engine might never call the
-        # listener again), instead of a timeout on each handler's wait (a Timeout object
-        # per wait, i.e. per engine step per stream).
+        # One periodic wake-up of every waiting handler instead of a timeout on each
+        # handler's wait (a Timeout object per wait, i.e. per engine step per stream).
         timer = hub.loop.timer(_POLL_S, _POLL_S)
         timer.ref = False  # never keeps the hub's loop alive
         timer.start(self._on_health_poll)
@@ -147,8 +146,10 @@ class GeventBridge:
                     ev.set()
 
     def _on_health_poll(self) -> None:
-        if getattr(self._engine, "errored", False):
-            self.wake_all()
+        # Every waiting handler re-checks its collectors and the engine's health once per
+        # _POLL_S, as a timeout on its own wait would make it (a dead engine might never
+        # call the listener again).
+        self.wake_all()
 
     def wake_all(self) -> None:
         """Wake every waiter (hub thread), e.g. when the engine died."""
@@ -291,7 +292,7 @@ class RequestGroup:
                 if self.cancelled:
                     raise ServerShuttingDown(self.cancelled)
             if not got and len(done) < len(collectors):
-                if woken:  # woken with nothing to read: the bridge's health poll, maybe
+                if woken:  # woken with nothing to read: the bridge's periodic poll
                     self._check_engine()
                 # No switch happened since the get_nowait calls above, so a fill after
                 # them is followed by a listener call that sets the event after clear().
