@@ -6,11 +6,16 @@ A stand-in engine core (``FakeCore``, an ``EngineCoreClient``) answers every
 cbor2 codec as the multi-process client receives it, optionally paced to one step per
 ``--step-ms`` (a GPU step). Everything after that is the real front end: ``AsyncLLM``'s
 output handler (OutputProcessor: detokenization, stop checks; collectors), then the
-readers: asyncio ``generate`` streams, or the HTTP server (``server.wsgi``) streaming
-SSE to clients in other processes. The figure is the front end's own ceiling, in tokens
+readers: asyncio ``generate`` streams, the HTTP server (``server.wsgi``) streaming
+SSE to clients in other processes, or the C ABI's Python side (``capi._impl._Bridge``:
+the per-step drain of the collectors into one ``vg_push`` batch; ``vg_push`` itself, and
+the C delivery threads that run without the GIL, are replaced by a recorder). The figure is the front end's own ceiling, in tokens
 per second and microseconds of front-end time per token, independent of the GPU:
 
-    python benchmarks/frontend.py --streams 256 --tokens 256 --readers asyncio,http
+    python benchmarks/frontend.py --streams 256 --tokens 256 --readers asyncio,http,capi
+
+``--step-ms`` paces the stand-in core (one step per that many ms, as a GPU step); unpaced,
+readers that fall behind get merged deltas (see tokens/event).
 
 Per-thread CPU time of the process (``/proc/self/task``) is printed for each run:
 which thread the time goes to.
@@ -171,9 +176,79 @@ def run_http(engine, streams: int, tokens: int, prompt_len: int, clients: int) -
     try:
         reqs = make_workload(streams, prompt_len, tokens, engine.config.hf_config.vocab_size, 0)
         res, dur = _http_level(srv.base_url, {"http_clients": clients, "seed": 0}, reqs, streams)
-        return summarize(res, dur)
+        s = summarize(res, dur)
+        s["thread_cpu"] = thread_cpu()  # before the server's thread ends (its time goes with it)
+        return s
     finally:
         srv.stop()
+
+
+def run_capi(engine, streams: int, tokens: int, prompt_len: int) -> dict:
+    """``vllm_request_submit`` streams as the C ABI's Python side serves them: a host
+    thread submits every request through ``_Bridge.submit``; the output thread's listener
+    drains the collectors and calls ``vg_push`` once per step, here a recorder of each
+    delta's request, token count, finish flag and time (the real one copies into C and
+    returns; the C delivery threads need no GIL)."""
+    import cffi
+
+    from benchmarks.serve import Result, make_workload, summarize
+    from capi import _impl
+    from capi.build import _CDEF_TAIL
+    from pyengine import RequestOutputKind, SamplingParams
+
+    ffi = cffi.FFI()
+    ffi.cdef(_CDEF_TAIL.split("void vg_push", 1)[0])
+    steps: list = []  # (time, vg_delta[] kept alive, n)
+    done = threading.Event()
+    left = [streams]
+
+    class Lib:
+        @staticmethod
+        def vg_push(arr, n):
+            steps.append((time.perf_counter(), arr, n))
+            for i in range(n):
+                if arr[i].finished:
+                    left[0] -= 1
+            if left[0] <= 0:
+                done.set()
+
+    old = _impl.ffi, _impl.lib
+    _impl.ffi, _impl.lib = ffi, Lib
+    bridge = _impl._Bridge(engine)
+    try:
+        reqs = make_workload(streams, prompt_len, tokens, engine.config.hf_config.vocab_size, 0)
+        results = [Result(False, len(r.prompt)) for r in reqs]
+        sent: list = [0.0] * len(reqs)
+        t0 = time.perf_counter()
+        for i, r in enumerate(reqs):
+            sp = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+            sent[i] = time.perf_counter()
+            results[i].start = time.time()
+            bridge.submit(ffi.cast("void*", i + 1), i, r.prompt, sp, 0)
+        if not done.wait(600):
+            raise RuntimeError("C ABI streams did not finish")
+        dur = time.perf_counter() - t0
+        last: list = [None] * len(reqs)
+        for t, arr, n in steps:
+            for j in range(n):
+                d = arr[j]
+                i = int(ffi.cast("intptr_t", d.req)) - 1
+                res = results[i]
+                res.events += 1
+                if d.n_tokens:
+                    res.output_tokens += d.n_tokens
+                    if last[i] is None:
+                        res.ttft = t - sent[i]
+                    else:
+                        res.itls.append(t - last[i])
+                    last[i] = t
+                if d.finished:
+                    res.ok, res.e2e, res.end = d.status == 0, t - sent[i], time.time()
+        return summarize(results, dur)
+    finally:
+        bridge.unsubscribe()
+        _impl.ffi, _impl.lib = old
 
 
 def main(argv=None) -> dict:
@@ -198,10 +273,16 @@ def main(argv=None) -> dict:
             cpu0, t0 = thread_cpu(), time.perf_counter()
             fake = engine.engine_core
             steps0, core0 = fake.steps, fake.core_time_s
-            s = (run_asyncio(engine, a.streams, a.tokens, a.prompt_len) if reader == "asyncio"
-                 else run_http(engine, a.streams, a.tokens, a.prompt_len, a.http_clients))
+            if reader == "asyncio":
+                s = run_asyncio(engine, a.streams, a.tokens, a.prompt_len)
+            elif reader == "http":
+                s = run_http(engine, a.streams, a.tokens, a.prompt_len, a.http_clients)
+            elif reader == "capi":
+                s = run_capi(engine, a.streams, a.tokens, a.prompt_len)
+            else:
+                raise SystemExit(f"unknown reader {reader!r} (asyncio, http, capi)")
             wall = time.perf_counter() - t0
-            cpu1 = thread_cpu()
+            cpu1 = s.pop("thread_cpu", None) or thread_cpu()
             cpu = {k: round(v - cpu0.get(k, 0.0), 3) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) > 0.005}
             toks = s["output_tokens"]
             r = {"output_tok_s": s["output_throughput"], "tokens": toks, "wall_s": wall,
@@ -211,7 +292,9 @@ def main(argv=None) -> dict:
                  "p50_ttft_ms": s["p50_ttft_ms"], "failed": s["failed"]}
             results[reader] = r
             print(f"{reader}: {r['output_tok_s']:,.0f} tok/s, {r['us_per_token_cpu']:.1f} us CPU/token, "
-                  f"{r['tokens_per_event']:.2f} tok/event, steps {r['steps']}, threads {cpu}", flush=True)
+                  f"{r['tokens_per_event']:.2f} tok/event, TTFT p50 {r['p50_ttft_ms']:.0f} ms, "
+                  f"ITL p50 {r['p50_itl_ms']:.1f} ms, steps {r['steps']}, failed {r['failed']}, threads {cpu}",
+                  flush=True)
         finally:
             engine.shutdown()
     if a.json_out:

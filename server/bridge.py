@@ -57,6 +57,7 @@ class GeventBridge:
         self._pending: deque = deque()  # filled by the output thread, drained on the hub
         self._waiters: dict[str, Event] = {}  # request id -> Event; hub thread only
         self._watcher = None
+        self._health_timer = None
         self._hub = None
         self._unsubscribe = None
         self._abort_q: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -105,7 +106,12 @@ class GeventBridge:
         hub = gevent.get_hub()
         watcher = hub.loop.async_()
         watcher.start(self._on_wake)
-        self._hub, self._watcher = hub, watcher
+        # One periodic wake-up of every waiting handler instead of a timeout on each
+        # handler's wait (a Timeout object per wait, i.e. per engine step per stream).
+        timer = hub.loop.timer(_POLL_S, _POLL_S)
+        timer.ref = False  # never keeps the hub's loop alive
+        timer.start(self._on_health_poll)
+        self._hub, self._watcher, self._health_timer = hub, watcher, timer
         self._unsubscribe = self._engine.add_output_listener(self._listener)
 
     def close(self) -> None:
@@ -118,10 +124,11 @@ class GeventBridge:
             except Exception:  # noqa: BLE001 - engine may be gone already
                 pass
             self._unsubscribe = None
-        w, self._watcher = self._watcher, None
-        if w is not None:
-            w.stop()
-            w.close()
+        for w in (self._watcher, self._health_timer):
+            if w is not None:
+                w.stop()
+                w.close()
+        self._watcher = self._health_timer = None
 
     def register(self, request_id: str, event: Event) -> None:
         self._waiters[request_id] = event
@@ -137,6 +144,12 @@ class GeventBridge:
                 ev = waiters.get(rid)
                 if ev is not None:
                     ev.set()
+
+    def _on_health_poll(self) -> None:
+        # Every waiting handler re-checks its collectors and the engine's health once per
+        # _POLL_S, as a timeout on its own wait would make it (a dead engine might never
+        # call the listener again).
+        self.wake_all()
 
     def wake_all(self) -> None:
         """Wake every waiter (hub thread), e.g. when the engine died."""
@@ -257,6 +270,7 @@ class RequestGroup:
         died.
         """
         collectors, done, event = self.collectors, self._done, self.event
+        woken = False  # the last pass followed a wake-up
         while len(done) < len(collectors):
             if self.disconnected:
                 raise ClientDisconnected()
@@ -278,11 +292,15 @@ class RequestGroup:
                 if self.cancelled:
                     raise ServerShuttingDown(self.cancelled)
             if not got and len(done) < len(collectors):
+                if woken:  # woken with nothing to read: the bridge's periodic poll
+                    self._check_engine()
                 # No switch happened since the get_nowait calls above, so a fill after
                 # them is followed by a listener call that sets the event after clear().
                 event.clear()
-                if not event.wait(_POLL_S):
-                    self._check_engine()
+                event.wait()
+                woken = True
+            else:
+                woken = False
 
     def _check_engine(self) -> None:
         if getattr(self.engine, "errored", False):

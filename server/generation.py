@@ -21,10 +21,13 @@ from .metrics import RequestTimer
 logger = logging.getLogger(__name__)
 
 _SSE_DONE = "data: [DONE]\n\n"
+# a str's JSON (what json.dumps gives for it: ASCII, escaped), the C function json uses
+_json_str = json.encoder.encode_basestring_ascii
 
 
 def _sse(obj) -> str:
-    return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
+    """One SSE event: ``obj``'s compact JSON, or ``obj`` itself when it is that already."""
+    return "data: " + (obj if type(obj) is str else json.dumps(obj, separators=(",", ":"))) + "\n\n"
 
 
 class GenerationJob:
@@ -47,6 +50,7 @@ class GenerationJob:
         self.timers = [RequestTimer(st.metrics) for _ in prompts]
         self.group: Optional[RequestGroup] = None
         self._recorded: set[int] = set()
+        self._templates: dict[int, Optional[tuple[str, str]]] = {}  # choice -> text chunk template
 
     def start(self, sock) -> None:
         st = self.st
@@ -148,13 +152,23 @@ class GenerationJob:
         return self.builder.response(choices, self.prompt_tokens, self.completion_tokens())
 
     def _chunks(self):
+        """The stream's chunks: dicts, or (the common text delta) their JSON text."""
         for chunk in self.builder.first_chunks(len(self.choices)):
             if self.continuous_usage:
                 chunk["usage"] = self.usage(0)
             yield chunk
+        templates = self._templates
+        plain = not self.want_logprobs and not self.continuous_usage
         for idx, ch, text, token_ids, logprobs, finish in self.events():
             if not text and finish is None and not (self.want_logprobs and token_ids):
                 continue
+            if plain and finish is None:
+                # the common streamed delta: the builder's chunk JSON around the text's JSON
+                t = templates[idx] if idx in templates else templates.setdefault(
+                    idx, self.builder.text_delta_template(idx))
+                if t is not None:
+                    yield t[0] + _json_str(text) + t[1]
+                    continue
             chunks = self.builder.delta_chunks(idx, ch, text, token_ids, logprobs, finish)
             if chunks and self.continuous_usage:
                 chunks[-1]["usage"] = self.usage()

@@ -10,6 +10,7 @@ handlers from ``RequestOutput.metrics`` timestamps.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -134,6 +135,21 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def observe_many(histogram, amount: float, n: int) -> None:
+    """``n`` observations of the same ``amount`` on a prometheus_client ``Histogram``
+    (a labelled child): one bucket update and one sum update instead of ``n`` full
+    ``observe`` calls (a delta of many tokens has one ITL sample per token). Falls back to
+    ``observe`` per sample if the library's histogram lacks the fields this relies on."""
+    bounds, buckets, total = (getattr(histogram, "_upper_bounds", None), getattr(histogram, "_buckets", None),
+                              getattr(histogram, "_sum", None))
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for _ in range(n):
+            histogram.observe(amount)
+        return
+    total.inc(amount * n)
+    buckets[bisect_left(bounds, amount)].inc(n)  # the first bucket whose bound >= amount
+
+
 class RequestTimer:
     """Turns the ``RequestOutput.metrics`` of one engine request's outputs into
     TTFT / ITL / e2e observations (one ITL sample per token of each delta)."""
@@ -158,9 +174,12 @@ class RequestTimer:
             new_tokens -= 1
         if new_tokens > 0 and ltt is not None and self._last_token_time is not None:
             gap = max(0.0, ltt - self._last_token_time) / new_tokens
-            for _ in range(new_tokens):
+            if new_tokens == 1:
                 self.m.itl.observe(gap)
                 self.m.tpot.observe(gap)
+            else:
+                observe_many(self.m.itl, gap, new_tokens)
+                observe_many(self.m.tpot, gap, new_tokens)
         if ltt is not None:
             self._last_token_time = ltt
 

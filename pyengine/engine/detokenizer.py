@@ -26,6 +26,7 @@ from pyengine.sampling_params import SamplingParams
 __all__ = [
     "IncrementalDetokenizer",
     "FastIncrementalDetokenizer",
+    "TokenTexts",
     "make_incremental_detokenizer",
     "prompt_text_for_echo",
     "decode_output",
@@ -206,6 +207,25 @@ class IncrementalDetokenizer:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    # output_text is kept as pieces, joined when read: appending a token's text to one
+    # growing str copies the whole text each time (quadratic in a long stream's length).
+    @property
+    def output_text(self) -> str:
+        parts = self._text_parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        self._text_parts = [text] if text else []
+        self._text_len = len(text)
+
+    def _append_text(self, text: str) -> None:
+        if text:
+            self._text_parts.append(text)
+            self._text_len += len(text)
+
     def _decode_next(self) -> str:
         """Emit the text completed by the window's pending tokens ("" if none yet)."""
         ids = self._ids
@@ -254,21 +274,21 @@ class IncrementalDetokenizer:
                 self.output_token_ids.append(skipped_stop_token)
             return None
 
-        stop_check_offset = len(self.output_text)
+        stop_check_offset = self._text_len
         for tid in new_token_ids:
             self.output_token_ids.append(tid)
             self._ids.append(tid)
-            self.output_text += self._decode_next()
+            self._append_text(self._decode_next())
             if self.min_tokens and len(self.output_token_ids) <= self.min_tokens:
                 # Text of the first min_tokens tokens is never searched for stops.
-                stop_check_offset = len(self.output_text)
+                stop_check_offset = self._text_len
         if skipped_stop_token is not None:
             self.output_token_ids.append(skipped_stop_token)
 
         if not self.stop or len(self.output_token_ids) <= self.min_tokens:
             return None
         match = check_stop_strings(self.output_text,
-                                   len(self.output_text) - stop_check_offset,
+                                   self._text_len - stop_check_offset,
                                    self.stop, self.include_stop_str_in_output)
         if match is None:
             return None
@@ -303,7 +323,7 @@ class IncrementalDetokenizer:
         are held back, so a client never sees text a stop string later removes.
         """
         held = 0 if finished else self._held_back()
-        length = len(self.output_text) - held
+        length = self._text_len - held
         if not delta:
             return self.output_text[:length]
         last = self._last_output_text_offset
@@ -311,6 +331,39 @@ class IncrementalDetokenizer:
             self._last_output_text_offset = length
             return self.output_text[last:length]
         return ""
+
+
+class TokenTexts:
+    """The text of single tokens of a byte-level BPE tokenizer (GPT-2 / Llama 3 / Qwen
+    style: a ``ByteLevel`` decoder), shared by the requests of one output processor and
+    learnt from their streams. A ``ByteLevel`` decoder turns a token sequence into the
+    concatenation of its tokens' bytes, so when a ``DecodeStream`` at a character
+    boundary steps over a token and emits text, that text is the token's own, and is the
+    token's text at every character boundary of every stream: ``texts[id]``. Tokens whose
+    bytes end inside a character, or make invalid UTF-8 (text with U+FFFD), and added or
+    special tokens are never stored. Used on one thread at a time."""
+
+    def __init__(self, backend):
+        self.added = frozenset(backend.get_added_tokens_decoder())
+        self.texts: dict[int, str] = {}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> Optional["TokenTexts"]:
+        """A cache for ``tokenizer``, or None when its decoder is not plain ``ByteLevel``
+        (e.g. SentencePiece's, whose first-token space rule depends on context)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        try:
+            from tokenizers.decoders import ByteLevel
+        except ImportError:
+            return None
+        if backend is None or not isinstance(getattr(backend, "decoder", None), ByteLevel):
+            return None
+        return cls(backend)
+
+    def learn(self, token_id: int, text: str) -> None:
+        """``text``: what a stream at a character boundary emitted for ``token_id`` alone."""
+        if text and token_id not in self.added and _REPLACEMENT_CHAR not in text:
+            self.texts[token_id] = text
 
 
 class FastIncrementalDetokenizer(IncrementalDetokenizer):
@@ -321,9 +374,14 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     character that starts in the prompt stay buffered until an output token completes it.
     Mirrors vllm/v1/engine/detokenizer.py's FastIncrementalDetokenizer."""
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 token_texts: Optional[TokenTexts] = None) -> None:
         super().__init__(tokenizer, prompt_token_ids, params)
         self._skip = 0
+        # token_texts: single-token texts to use instead of stream steps while the stream
+        # holds no partial character (_pending False: its last step emitted text)
+        self._token_texts = token_texts
+        self._pending = True
         if tokenizer is None:  # token ids only, as the base class
             return
         from tokenizers.decoders import DecodeStream
@@ -331,7 +389,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         ctx = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
-        emitted = (self._stream.step(self._backend, ctx) or "") if ctx else ""
+        emitted = self._step(ctx) if ctx else ""
+        self._pending = bool(ctx) and not emitted
         # The prompt's own text is not output. A tail that ends inside a character stays
         # pending in the stream, complete text before it included, and comes out with the
         # output token that completes the character: the first deltas drop that complete
@@ -357,14 +416,47 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
                 and self._decode is not None):
             tid = new_token_ids[0]
             self.output_token_ids.append(tid)
-            text = self._stream.step(self._backend, tid)
-            if text:
-                self.output_text += text
+            self._append_text(self._next_text(tid))
             return None
         return super().update(new_token_ids, stop_terminated)
 
+    def _step(self, ids) -> str:
+        """One ``DecodeStream`` step (a token id or a list); "" while a character is
+        incomplete (then the token-text cache waits for the stream to catch up)."""
+        text = self._stream.step(self._backend, ids) or ""
+        self._pending = not text
+        return text
+
+    def _next_text(self, token_id: int) -> str:
+        """The text ``token_id`` completes: from the token-text cache at a character
+        boundary (the same text, see TokenTexts), else from the stream."""
+        cache = self._token_texts
+        if self._pending or cache is None:
+            return self._step(token_id)
+        text = cache.texts.get(token_id)
+        if text is None:
+            text = self._step(token_id)
+            cache.learn(token_id, text)
+        return text
+
+    def step_delta(self, token_id: int) -> Optional[str]:
+        """``update([token_id], False)`` then ``get_next_output_text(False, True)`` in one
+        call, for a streamed request with no stop strings whose text so far was all
+        reported; returns None (and changes nothing) when that does not hold, and the
+        caller takes the general path."""
+        if (self.stop or self._skip or self._decode is None
+                or self._last_output_text_offset != self._text_len):
+            return None
+        self.output_token_ids.append(token_id)
+        text = self._next_text(token_id)
+        if text:
+            self._text_parts.append(text)
+            self._text_len += len(text)
+            self._last_output_text_offset = self._text_len
+        return text
+
     def _decode_next(self) -> str:
-        text = self._stream.step(self._backend, self._ids.pop()) or ""
+        text = self._next_text(self._ids.pop())
         if self._skip and text:
             cut = min(self._skip, len(text))
             text, self._skip = text[cut:], self._skip - cut
@@ -372,8 +464,10 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 
 
 def make_incremental_detokenizer(tokenizer, prompt_token_ids: Sequence[int],
-                                 params: SamplingParams) -> IncrementalDetokenizer:
-    """The fast detokenizer where the tokenizer allows it, else the window-based one."""
+                                 params: SamplingParams,
+                                 token_texts: Optional[TokenTexts] = None) -> IncrementalDetokenizer:
+    """The fast detokenizer where the tokenizer allows it, else the window-based one.
+    ``token_texts``: ``TokenTexts.for_tokenizer(tokenizer)``, shared by many requests."""
     if tokenizer is not None and FastIncrementalDetokenizer.supports(tokenizer):
-        return FastIncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        return FastIncrementalDetokenizer(tokenizer, prompt_token_ids, params, token_texts)
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)

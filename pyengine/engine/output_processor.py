@@ -6,7 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-from pyengine.engine.detokenizer import decode_logprob_token, decode_output, make_incremental_detokenizer
+from pyengine.engine.detokenizer import (FastIncrementalDetokenizer, TokenTexts, decode_logprob_token,
+                                         decode_output, make_incremental_detokenizer)
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pyengine.metrics.stats import IterationStats
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -26,7 +27,12 @@ class RequestOutputCollector:
     def __init__(self, request_id: str, output_kind: RequestOutputKind):
         self.request_id = request_id
         self.aggregate = output_kind == RequestOutputKind.DELTA
-        self._cond = threading.Condition(threading.Lock())
+        # put() takes the bare lock (a C-level context manager) and notifies only when a
+        # blocking reader waits: Condition.notify_all's Python-level ownership check costs
+        # more than the rest of a put, once per request per step.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._blocked = 0  # readers waiting in get()
         self._output: Optional[RequestOutput | BaseException] = None
         self._aio_waiter = None  # (loop, asyncio.Event) of a waiting asyncio reader
         self.finished = False  # the final output has been taken
@@ -34,17 +40,20 @@ class RequestOutputCollector:
     def put(self, output: RequestOutput | BaseException, wake_asyncio: bool = True):
         """Hand ``output`` over (merging into an unread DELTA output). With
         ``wake_asyncio=False`` a waiting asyncio reader is not woken but returned as a
-        ``(loop, event)`` pair, for ``wake_asyncio_readers`` to wake many with one
+        ``(loop, future)`` pair, for ``wake_asyncio_readers`` to wake many with one
         cross-thread call per event loop."""
-        with self._cond:
+        with self._lock:
             cur = self._output
-            if cur is None or isinstance(output, BaseException) or isinstance(cur, BaseException):
+            if cur is None:
+                self._output = output
+            elif isinstance(output, BaseException) or isinstance(cur, BaseException):
                 self._output = output if not isinstance(cur, BaseException) else cur
             elif self.aggregate:
                 _merge_delta(cur, output)
             else:
                 self._output = output
-            self._cond.notify_all()
+            if self._blocked:
+                self._cond.notify_all()
             waiter, self._aio_waiter = self._aio_waiter, None
         if waiter is None or not wake_asyncio:
             return waiter
@@ -62,44 +71,51 @@ class RequestOutputCollector:
 
     def get_nowait(self) -> Optional[RequestOutput]:
         """The pending output or None. Raises EngineDeadError if the engine died."""
-        with self._cond:
+        with self._lock:
             return self._take()
 
     def get(self, timeout: Optional[float] = None) -> RequestOutput:
         """Blocks for the next output. Raises EngineDeadError, or TimeoutError after timeout seconds."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._output is not None, timeout):
-                raise TimeoutError(f"no output for request {self.request_id} within {timeout} s")
+        with self._lock:
+            self._blocked += 1
+            try:
+                if not self._cond.wait_for(lambda: self._output is not None, timeout):
+                    raise TimeoutError(f"no output for request {self.request_id} within {timeout} s")
+            finally:
+                self._blocked -= 1
             return self._take()
 
     async def get_async(self) -> RequestOutput:
         import asyncio
         while True:
-            with self._cond:
+            with self._lock:
                 if self._output is not None:
                     return self._take()
-                event = asyncio.Event()
-                waiter = self._aio_waiter = (asyncio.get_running_loop(), event)
+                # a bare future (cheaper than an asyncio.Event), resolved by _set_events
+                fut = asyncio.get_running_loop().create_future()
+                waiter = self._aio_waiter = (fut.get_loop(), fut)
             try:
-                await event.wait()
-            finally:
-                with self._cond:
+                await fut  # put() took the waiter off before resolving it
+            except BaseException:
+                with self._lock:
                     if self._aio_waiter is waiter:  # cancelled: do not leave a stale waiter
                         self._aio_waiter = None
+                raise
 
     def __iter__(self):
         while not self.finished:
             yield self.get()
 
 
-def _set_events(events) -> None:
-    for e in events:
-        e.set()
+def _set_events(futures) -> None:
+    for f in futures:
+        if not f.done():  # a cancelled reader's future
+            f.set_result(None)
 
 
 def wake_asyncio_readers(waiters) -> None:
-    """Wake ``(loop, asyncio.Event)`` waiters: one ``call_soon_threadsafe`` per event loop
-    (each is a write to the loop's self-pipe), not one per request."""
+    """Wake ``(loop, asyncio.Future)`` waiters: one ``call_soon_threadsafe`` per event
+    loop (each is a write to the loop's self-pipe), not one per request."""
     by_loop: dict = {}
     for loop, event in waiters:
         by_loop.setdefault(loop, []).append(event)
@@ -111,6 +127,20 @@ def wake_asyncio_readers(waiters) -> None:
 
 
 def _merge_delta(cur: RequestOutput, new: RequestOutput) -> None:
+    """Fold ``new`` into the unread ``cur`` (the collector owns both: lists are extended
+    in place)."""
+    outs, news = cur.outputs, new.outputs
+    if len(outs) == 1 and len(news) == 1 and outs[0].index == news[0].index:  # n == 1
+        old, c = outs[0], news[0]
+        old.text += c.text
+        old.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob, old.finish_reason, old.stop_reason, old.error = (
+            c.cumulative_logprob, c.finish_reason, c.stop_reason, c.error)
+        cur.finished, cur.metrics = new.finished, new.metrics
+        cur.num_cached_tokens = max(cur.num_cached_tokens, new.num_cached_tokens)
+        return
     by_index = {c.index: c for c in cur.outputs}
     for c in new.outputs:
         old = by_index.get(c.index)
@@ -135,7 +165,8 @@ def _merge_delta(cur: RequestOutput, new: RequestOutput) -> None:
 class _Child:
     """State of one of the n completions (one engine-core request)."""
 
-    def __init__(self, parent: "_Parent", index: int, core_req: EngineCoreRequest, tokenizer):
+    def __init__(self, parent: "_Parent", index: int, core_req: EngineCoreRequest, tokenizer,
+                 token_texts: Optional[TokenTexts] = None):
         self.parent = parent
         self.index = index
         self.core_id = core_req.request_id
@@ -150,7 +181,7 @@ class _Child:
         self.final_text: Optional[str] = None
         self.prompt_token_ids = core_req.prompt_token_ids
         self.detok = make_incremental_detokenizer(tokenizer if params.detokenize and not self.deferred else None,
-                                            core_req.prompt_token_ids, params)
+                                            core_req.prompt_token_ids, params, token_texts)
         self.want_logprobs = params.logprobs is not None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.want_logprobs else None
         self.cumulative_logprob: Optional[float] = 0.0 if self.want_logprobs else None
@@ -160,6 +191,10 @@ class _Child:
         self.sent_tokens = 0
         self.sent_logprobs = 0
         self.emitted_tokens = 0  # output tokens when this child was last reported (stream_interval)
+        # The streamed common case (set by OutputProcessor.add_request): the only child of
+        # a DELTA request, no logprobs, no stop strings, fast detokenizer, every token
+        # reported. Its mid-stream one-token steps skip the general bookkeeping.
+        self.fast = False
 
     def finish_deferred(self, stop_terminated: bool) -> None:
         ids = self.detok.output_token_ids
@@ -242,6 +277,7 @@ class OutputProcessor:
         self.stream_interval = stream_interval
         self.parents: dict[str, _Parent] = {}
         self.children: dict[str, _Child] = {}
+        self.token_texts = TokenTexts.for_tokenizer(tokenizer) if tokenizer is not None else None
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents
@@ -256,9 +292,13 @@ class OutputProcessor:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         parent = _Parent(request_id, prompt, prompt_token_ids, params, collector, core_reqs[0].arrival_time)
         for i, r in enumerate(core_reqs):
-            child = _Child(parent, i, r, self.tokenizer)
+            child = _Child(parent, i, r, self.tokenizer, self.token_texts)
             parent.children.append(child)
             self.children[r.request_id] = child
+        if len(core_reqs) == 1 and self.stream_interval <= 1 and parent.kind == _DELTA:
+            child = parent.children[0]
+            child.fast = (not child.want_logprobs and not child.deferred
+                          and type(child.detok) is FastIncrementalDetokenizer and not child.detok.stop)
         self.parents[request_id] = parent
 
     def core_ids(self, request_id: str) -> list[str]:
@@ -299,13 +339,34 @@ class OutputProcessor:
         """Returns ([(collector, RequestOutput)] in arrival order of outputs, core request
         ids to abort because a stop string finished them). Adds this step's token counts
         to ``iteration_stats`` when one is given."""
-        changed: list[_Parent] = []  # in order of their first output this step
+        # parents with news, in order of their first output this step; a (collector,
+        # RequestOutput) pair where the fast path built the output at once
+        changed: list = []
         to_abort: list[str] = []
+        children = self.children
         for eco in outputs:
-            child = self.children.get(eco.request_id)
+            child = children.get(eco.request_id)
             if child is None:
                 continue  # already finished here (stop string) or unknown
             parent = child.parent
+            if child.fast and eco.finish_reason is None and eco.new_logprobs is None and not parent.changed:
+                # A mid-stream step of the streamed common case: the same RequestOutput the
+                # general path makes (see _Child.completion and _Parent.make_output).
+                ids = eco.new_token_ids
+                m = parent.metrics
+                if len(ids) == 1 and m.first_token_time is not None:
+                    text = child.detok.step_delta(ids[0])
+                    if text is not None:
+                        m.last_token_time = timestamp
+                        child.sent_tokens += 1
+                        if iteration_stats is not None:
+                            iteration_stats.num_generation_tokens += 1
+                        changed.append((parent.collector, RequestOutput(
+                            parent.request_id, parent.prompt, parent.prompt_token_ids,
+                            [CompletionOutput(child.index, text, ids)], False,
+                            RequestMetrics(m.arrival_time, m.first_token_time, timestamp, None,
+                                           m.first_scheduled_time), parent.num_cached_tokens)))
+                        continue
             if eco.new_token_ids:
                 m = parent.metrics
                 if m.first_token_time is None:
@@ -342,6 +403,9 @@ class OutputProcessor:
         deliveries = []
         interval = self.stream_interval
         for parent in changed:
+            if type(parent) is tuple:
+                deliveries.append(parent)
+                continue
             out = parent.make_output(parent.changed, interval)
             parent.changed = []
             if parent.finished:

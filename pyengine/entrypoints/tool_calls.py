@@ -258,6 +258,13 @@ class ToolCallExtractor:
             msg["tool_calls"] = calls
         return msg
 
+    @property
+    def plain(self) -> bool:
+        """Streamed text is content as it comes (no tool calls to look for): ``stream``
+        keeps no state and gives ``[{"content": delta_text}]``."""
+        kind = self.mode.kind
+        return kind not in ("named", "required") and not (kind == "auto" and self.parser is not None)
+
     def stream(self, delta_text: str) -> list[dict]:
         kind = self.mode.kind
         if kind == "named":

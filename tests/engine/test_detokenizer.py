@@ -10,11 +10,23 @@ from pyengine.engine.detokenizer import (IncrementalDetokenizer, check_stop_stri
 from pyengine.sampling_params import SamplingParams
 
 
-@pytest.fixture(autouse=True, params=["window", "fast"])
+class _CachedFast(detok_module.FastIncrementalDetokenizer):
+    """The DecodeStream detokenizer with a token-text cache, as the output processor
+    makes it for byte-level BPE tokenizers."""
+
+    def __init__(self, tokenizer, prompt_token_ids, params, token_texts=None):
+        if token_texts is None and tokenizer is not None:
+            token_texts = detok_module.TokenTexts.for_tokenizer(tokenizer)
+        super().__init__(tokenizer, prompt_token_ids, params, token_texts)
+
+
+@pytest.fixture(autouse=True, params=["window", "fast", "fast+cache"])
 def detokenizer_class(request, monkeypatch):
-    """Every test runs against both implementations (the window-based one and the
-    DecodeStream one the output processor picks for fast tokenizers): same contract."""
-    cls = {"window": detok_module.IncrementalDetokenizer, "fast": detok_module.FastIncrementalDetokenizer}[request.param]
+    """Every test runs against each implementation (the window-based one, the
+    DecodeStream one the output processor picks for fast tokenizers, and that one with
+    the token-text cache): same contract."""
+    cls = {"window": detok_module.IncrementalDetokenizer, "fast": detok_module.FastIncrementalDetokenizer,
+           "fast+cache": _CachedFast}[request.param]
     monkeypatch.setitem(globals(), "IncrementalDetokenizer", cls)
     return cls
 
@@ -318,3 +330,49 @@ def test_check_stop_token():
     q = SamplingParams(ignore_eos=True, max_tokens=10)
     assert check_stop_token(q, [1, 0], eos_token_id=0) is None
     assert check_stop_token(q, [1, 2, 3], eos_token_id=0, max_tokens=3) == ("length", None)
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_token_text_cache_gives_the_streams_text(bpe_tokenizer, skip_special):
+    """Random token ids (pieces of multi-byte characters, special tokens, whole words),
+    one at a time and in chunks: the detokenizer with the token-text cache gives the
+    deltas the plain DecodeStream one gives, and serves most tokens from the cache."""
+    cache = detok_module.TokenTexts.for_tokenizer(bpe_tokenizer)
+    assert cache is not None  # a ByteLevel decoder
+    vocab = len(bpe_tokenizer)
+    rng = random.Random(0)
+    params = SamplingParams(skip_special_tokens=skip_special)
+    for trial in range(30):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+        out = [rng.randrange(vocab) for _ in range(60)]
+        chunks = [1] * 60 if trial % 2 == 0 else None
+        if chunks is None:
+            chunks, left = [], 60
+            while left:
+                chunks.append(min(left, rng.randrange(1, 4)))
+                left -= chunks[-1]
+        plain = detok_module.FastIncrementalDetokenizer(bpe_tokenizer, prompt, params)
+        cached = detok_module.FastIncrementalDetokenizer(bpe_tokenizer, prompt, params, cache)
+        i = 0
+        for n in chunks:
+            a = plain.update(out[i:i + n], False), plain.get_next_output_text(False, True)
+            b = cached.update(out[i:i + n], False), cached.get_next_output_text(False, True)
+            assert a == b, (trial, i)
+            i += n
+        assert plain.output_text == cached.output_text
+        assert plain.get_next_output_text(True, True) == cached.get_next_output_text(True, True)
+    assert len(cache.texts) > vocab // 2  # most single tokens are whole characters, and were learnt
+    for tid, text in cache.texts.items():
+        assert text == bpe_tokenizer.decode([tid]) and "\ufffd" not in text
+    assert not set(cache.texts) & cache.added
+
+
+def test_token_text_cache_only_for_byte_level_decoders(bpe_tokenizer, scripted_tokenizer):
+    from types import SimpleNamespace
+
+    from tokenizers import decoders
+    assert detok_module.TokenTexts.for_tokenizer(bpe_tokenizer) is not None
+    metaspace = SimpleNamespace(backend_tokenizer=SimpleNamespace(decoder=decoders.Metaspace(),
+                                                                  get_added_tokens_decoder=dict))
+    assert detok_module.TokenTexts.for_tokenizer(metaspace) is None
+    assert detok_module.TokenTexts.for_tokenizer(SimpleNamespace()) is None

@@ -514,3 +514,64 @@ def test_iteration_stats_count_computed_prompt_and_generated_tokens(tokenizer):
     it = IterationStats()
     op.process_outputs([EngineCoreOutput(a, [], finish_reason="abort")], 3.0, it)
     assert (it.num_prompt_tokens, it.num_generation_tokens) == (0, 0)
+
+
+def _stream(op, tokenizer, params, steps, prompt):
+    """Every (collector, RequestOutput) of one request fed ``steps`` (lists of token ids,
+    the last one finishing it), as (text, token_ids, finished, metrics fields)."""
+    _, (cid,) = add(op, tokenizer, "s", params, prompt)
+    seen = []
+    for k, ids in enumerate(steps):
+        last = k == len(steps) - 1
+        deliveries, _ = op.process_outputs(
+            [EngineCoreOutput(cid, list(ids), finish_reason="length" if last else None,
+                              first_scheduled_time=1.5 if k == 0 else None)], 2.0 + k)
+        for _, out in deliveries:
+            (c,) = out.outputs
+            m = out.metrics
+            seen.append((c.index, c.text, c.token_ids, c.finish_reason, c.cumulative_logprob, c.logprobs,
+                         out.finished, out.prompt, out.prompt_token_ids, out.num_cached_tokens,
+                         (m.arrival_time, m.first_token_time, m.last_token_time, m.finished_time,
+                          m.first_scheduled_time)))
+    return seen
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "naïve caf\u00e9 \u4f60"])
+def test_streamed_fast_path_equals_general_path(tokenizer, prompt):
+    """The one-token step of a streamed n=1 request (OutputProcessor's fast path) gives
+    the RequestOutputs the general path gives, multi-byte characters split over tokens
+    included (a step whose token completes no character has empty text)."""
+    params = SamplingParams(max_tokens=64, output_kind=DELTA)
+    ids = enc(tokenizer, " le caf\u00e9 \u4f60\u597d \U0001f600 ok, done.")
+    steps = [[t] for t in ids]
+    fast_op = OutputProcessor(tokenizer)
+    fast = _stream(fast_op, tokenizer, params, steps, prompt)
+    slow_op = OutputProcessor(tokenizer)
+    orig = slow_op.add_request
+
+    def add_slow(*a, **kw):
+        orig(*a, **kw)
+        for c in slow_op.children.values():
+            c.fast = False
+    slow_op.add_request = add_slow
+    slow = _stream(slow_op, tokenizer, params, steps, prompt)
+    assert fast == slow
+    assert "".join(s[1] for s in fast) == tokenizer.decode(ids)
+    assert any(s[1] == "" for s in fast)  # a byte-level token inside a character
+    assert fast_op.get_num_unfinished_requests() == 0
+
+
+def test_fast_path_only_for_streamed_single_completions(tokenizer):
+    op = OutputProcessor(tokenizer)
+    cases = {"delta": (SamplingParams(output_kind=DELTA), True),
+             "cumulative": (SamplingParams(output_kind=CUMULATIVE), False),
+             "final": (SamplingParams(output_kind=FINAL_ONLY), False),
+             "stop": (SamplingParams(output_kind=DELTA, stop=["x"]), False),
+             "logprobs": (SamplingParams(output_kind=DELTA, logprobs=1), False),
+             "n2": (SamplingParams(output_kind=DELTA, n=2, temperature=1.0), False)}
+    for rid, (params, fast) in cases.items():
+        add(op, tokenizer, rid, params)
+        assert all(c.fast == fast for c in op.parents[rid].children), rid
+    op2 = OutputProcessor(tokenizer, stream_interval=2)
+    add(op2, tokenizer, "r", SamplingParams(output_kind=DELTA))
+    assert not op2.parents["r"].children[0].fast

@@ -67,3 +67,27 @@ def test_histogram_buckets_are_vllms(server):
     assert les("vllm:time_per_output_token_seconds")[:3] == ["0.01", "0.025", "0.05"]
     for name in PHASES:
         assert les(name)[0] == "0.3" and les(name)[-2] == "7680.0", name
+
+
+def test_observe_many_equals_repeated_observe():
+    """``observe_many(h, v, n)`` leaves a histogram as ``n`` calls of ``h.observe(v)`` do,
+    bucket bounds included (a value equal to a bound counts in that bucket)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from server.metrics import observe_many
+
+    buckets = (0.01, 0.025, 0.05, 1.0)
+    regs = [CollectorRegistry(auto_describe=False) for _ in range(2)]
+    many, loop = (Histogram("h", "doc", ["m"], buckets=buckets, registry=r).labels("x") for r in regs)
+    for v, n in ((0.0, 3), (0.01, 2), (0.02, 5), (0.05, 1), (0.5, 4), (7.0, 6)):
+        observe_many(many, v, n)
+        for _ in range(n):
+            loop.observe(v)
+
+    def samples(r, kind):
+        return sorted((s.name, tuple(sorted(s.labels.items())), s.value)
+                      for m in r.collect() for s in m.samples if s.name.endswith(kind))
+    assert samples(regs[0], "_bucket") == samples(regs[1], "_bucket")
+    assert samples(regs[0], "_count") == samples(regs[1], "_count")
+    assert samples(regs[0], "_sum")[0][2] == pytest.approx(samples(regs[1], "_sum")[0][2])
+    assert b'h_bucket{le="0.01",m="x"} 5.0' in generate_latest(regs[0])

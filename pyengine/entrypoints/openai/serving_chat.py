@@ -167,6 +167,9 @@ class ChatResponseBuilder(ResponseBuilder):
             c["stop_reason"] = ch.stop_reason
         return chunks + [self.chunk([c])]
 
+    def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
+        return self._template_of(idx) if self.formatter is None and self.extractors[idx].plain else None
+
     def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
         lp = self.formatter.chat_logprobs(token_ids, logprobs) if self.formatter is not None else None
         ext = self.extractors[idx]

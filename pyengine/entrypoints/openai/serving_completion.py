@@ -98,6 +98,9 @@ class CompletionResponseBuilder(ResponseBuilder):
             c["stop_reason"] = ch.stop_reason
         return [self.chunk([c])]
 
+    def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
+        return self._template_of(idx) if self.formatter is None else None
+
     def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
         lp = None
         if self.formatter is not None:

@@ -6,6 +6,7 @@ response side's common parts (``usage``, logprobs objects, per-choice state, the
 ``ResponseBuilder`` base of each endpoint's response and chunk objects)."""
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any, Optional
@@ -109,6 +110,7 @@ def to_sampling_params(processor, req, *, max_tokens, logprobs: Optional[int], s
 # Responses: what both endpoints' response and chunk objects share
 
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+_TEXT_MARK = "\ue000vengine-delta-text\ue000"  # stands for the text in a chunk template
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -213,6 +215,25 @@ class ResponseBuilder:
     def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
         """Choice ``idx`` of the whole (non-streamed) response."""
         raise NotImplementedError
+
+    def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
+        """``(head, tail)``: ``head + json_string(text) + tail`` is the compact JSON of
+        the one chunk ``delta_chunks`` gives for a text delta of choice ``idx`` that has
+        no logprobs and no finish (the streamed common case, serialized without building
+        the chunk each time); None where that chunk depends on more than the text (then
+        ``delta_chunks``). Subclasses that allow it call ``_template_of``."""
+        return None
+
+    def _template_of(self, idx: int) -> Optional[tuple[str, str]]:
+        chunks = self.delta_chunks(idx, ChoiceState(), _TEXT_MARK, (), None, None)
+        if len(chunks) != 1:
+            return None
+        text = json.dumps(chunks[0], separators=(",", ":"))
+        mark = json.dumps(_TEXT_MARK)
+        if text.count(mark) != 1:
+            return None
+        head, tail = text.split(mark)
+        return head, tail
 
     def response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         return dict(self.head(chunk=False), choices=choices, usage=usage(prompt_tokens, completion_tokens))

@@ -67,3 +67,43 @@ def test_chat_logprobs_and_completion_objects(tokenizer):
     # the last chunk validates
     (chunk,) = comp.delta_chunks(0, ChoiceState(), "x", ids, lps, "length")
     Completion.model_validate(chunk)
+
+
+TEMPLATE_TEXTS = ["Hello", " world", 'quote " and \\ backslash', "line\nbreak\ttab", "caf\u00e9 \u65e5\u672c \U0001f600",
+                  "\x00\x1f control", "</script>", "\u2028\u2029"]
+
+
+def _chat_builder(n: int, mode):
+    return ChatResponseBuilder("chatcmpl-9", "the-model", 123, None, [ToolCallExtractor(mode) for _ in range(n)])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: CompletionResponseBuilder("cmpl-9", "the-model", 123, None),
+    lambda: _chat_builder(3, resolve_tool_choice([], None)),
+])
+def test_text_delta_template_is_the_chunks_json(make):
+    """The server's streamed common case (a text delta, no logprobs, no finish) is sent
+    as the template around the text's JSON: byte for byte what json.dumps of the
+    builder's own chunk gives, for any text and choice index."""
+    import json
+    from json.encoder import encode_basestring_ascii
+
+    builder = make()
+    for idx in range(3):
+        head, tail = builder.text_delta_template(idx)
+        for text in TEMPLATE_TEXTS:
+            (chunk,) = builder.delta_chunks(idx, ChoiceState(), text, [1, 2], None, None)
+            assert head + encode_basestring_ascii(text) + tail == json.dumps(chunk, separators=(",", ":"))
+
+
+def test_text_delta_template_only_where_the_chunk_is_the_text_alone(tokenizer):
+    fmt = LogprobsFormatter(tokenizer, 1)
+    assert CompletionResponseBuilder("cmpl-9", "m", 1, fmt).text_delta_template(0) is None
+    assert _chat_builder(1, resolve_tool_choice([], None)).text_delta_template(0) is not None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert _chat_builder(1, resolve_tool_choice(tools, "required")).text_delta_template(0) is None
+    named = resolve_tool_choice(tools, {"type": "function", "function": {"name": "f"}})
+    assert _chat_builder(1, named).text_delta_template(0) is None
+    chat = ChatResponseBuilder("c", "m", 1, LogprobsFormatter(tokenizer, 0),
+                               [ToolCallExtractor(resolve_tool_choice([], None))])
+    assert chat.text_delta_template(0) is None
