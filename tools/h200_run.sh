@@ -12,7 +12,7 @@
 #       serve_final2 structured gpu_structured
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
-# (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast (tools/tp_h200x2.sh).
+# (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast tp_profile (tools/tp_h200x2.sh).
 # A device call is capped at 10 minutes: split the steps over two calls
 # (e.g. `gpu_ops gpu_e2e latency gpu_idle attention` then the rest).
 set -u
@@ -68,3 +68,7 @@ step 120 attention python3 benchmarks/attention_kernels.py --verbose --json "$OU
 step 270 gpu_tp python3 -m pytest -q -m gpu tests/distributed tests/executor -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
 step 300 tp python3 benchmarks/tp.py --timeout 100 --throughput-shapes llama-3.1-8b --json "$OUT/tp.json"
 step 45 tp_step_broadcast python3 benchmarks/tp_step_broadcast.py --json "$OUT/tp_step_broadcast.json"
+# where a TP decode step's time goes (TP=1, TP=2 over NCCL, TP=2 with VENGINE_SYMM_MEM_ALLREDUCE=1, each its own
+# process): per-rank GPU busy/idle, gaps, kernel classes, host phases; the chrome traces come back as one tar
+step 420 tp_profile bash -c "python3 benchmarks/tp_profile.py --timeout 130 --trace-dir /tmp/tp_profile \
+  --json '$OUT/tp_profile.json'; rc=\$?; tar -cf '$OUT/tp_profile_traces.tar' -C /tmp tp_profile; exit \$rc"

@@ -182,17 +182,24 @@ class MultiprocExecutor(Executor):
     def sample_tokens(self, grammar_output=None):
         return self._checked(self.driver_runner.sample_tokens, grammar_output)
 
-    def _checked(self, fn, *args):
+    def profile(self, is_start: bool, out_dir: str = "", trace: bool = True):
+        return self._call(super().profile, is_start, out_dir, trace)
+
+    def _call(self, fn, *args):
         """``fn(*args)`` (a runner call), its failure turned into the worker's failure
-        message when a worker died; a non-blocking output wrapped in ``_CheckedOutput``."""
+        message when a worker died."""
         self.check_alive()
         try:
-            out = fn(*args)
+            return fn(*args)
         except Exception as e:
             msg = self.failure or self._worker_failure(wait_s=1.0)
             if msg is None:
                 raise
             raise RuntimeError(msg) from e
+
+    def _checked(self, fn, *args):
+        """``_call(fn, *args)``; a non-blocking output wrapped in ``_CheckedOutput``."""
+        out = self._call(fn, *args)
         if out is None:  # sampling deferred
             return None
         if not self._non_blocking:
