@@ -14,7 +14,7 @@ and closes it at the same step; pyengine/worker/profiler.py):
   ``schedule``, ``wait`` (for the oldest in-flight step's sampled ids), ``update`` and
   ``output`` (the output processor) are timed here around the engine's calls; the
   runner's own phases (``pack``, ``send``, ``prepare``, ``forward``, ``logits``,
-  ``sample``, ``token_bcast``; other ranks ``recv_wait``, ``recv_payload``, ``prepare``,
+  ``sample``, ``token_bcast``; other ranks ``recv`` (waiting for the step, then reading it), ``prepare``,
   ``forward``, ``logits``, ``token_bcast``) inside the runner;
 * profiled (``--profile-steps``, torch.profiler with CPU and CUDA activity on every
   rank): a one-byte marker kernel ends each step on each rank; per rank, GPU idle in

@@ -364,15 +364,21 @@ class ModelRunner:
 
     # ---- tensor parallelism: rank 0 sends each step, the other ranks follow ------------
     def _broadcast_step(self, step: "PackedStep") -> None:
-        """Rank 0: a fixed-size header (the step's shape) then the two buffers as one byte
-        payload, over the cpu group."""
-        self.tp.broadcast_cpu(torch.tensor(step.shape.header(), dtype=torch.int64))
-        payload = np.concatenate([step.buf64.view(np.uint8), step.buf32.view(np.uint8)])
-        self.tp.broadcast_cpu(torch.from_numpy(payload))
+        """Rank 0: a fixed-size header (the step's shape) and the two buffers, one message
+        (``GroupCoordinator.send_step``)."""
+        self.tp.send_step(np.array(step.shape.header(), dtype=np.int64), step.buf64, step.buf32)
 
     def broadcast_stop(self) -> None:
         """Rank 0: tell the other ranks' ``execute_follower_step`` loops to return False."""
-        self.tp.broadcast_cpu(torch.tensor(StepShape.stop_header(), dtype=torch.int64))
+        self.tp.send_step(np.array(StepShape.stop_header(), dtype=np.int64))
+
+    @staticmethod
+    def _payload_bytes(head: list[int]) -> int:
+        """Size of the payload that follows a step message's header."""
+        if head[0] == StepShape.KIND_STEP:
+            sh = StepShape(*head[1:])
+            return sh.n64 * 8 + sh.n32 * 4
+        return head[2] if head[0] == StepShape.KIND_CONTROL else 0
 
     # ---- profiling windows (pyengine/worker/profiler.py) ---------------------------------
     _PROFILE_START, _PROFILE_START_TRACE, _PROFILE_STOP = 1, 2, 3
@@ -385,10 +391,8 @@ class ModelRunner:
             raise RuntimeError("a profiling window is already open")
         if self.tp is not None:
             op = self._PROFILE_START_TRACE if trace else self._PROFILE_START
-            data = os.fsencode(out_dir)
-            self.tp.broadcast_cpu(torch.tensor([StepShape.KIND_CONTROL, op, len(data)] + [0] * (StepShape.HEADER_LEN - 3),
-                                               dtype=torch.int64))
-            self.tp.broadcast_cpu(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            data = np.frombuffer(os.fsencode(out_dir), dtype=np.uint8)
+            self.tp.send_step(self._control_header(op, data.nbytes), data)
         self._open_profile(out_dir, trace)
 
     def stop_profile(self) -> dict:
@@ -397,19 +401,22 @@ class ModelRunner:
         if self.profiler is None:
             raise RuntimeError("no profiling window is open")
         if self.tp is not None:
-            self.tp.broadcast_cpu(torch.tensor([StepShape.KIND_CONTROL, self._PROFILE_STOP]
-                                               + [0] * (StepShape.HEADER_LEN - 2), dtype=torch.int64))
+            self.tp.send_step(self._control_header(self._PROFILE_STOP, 0))
         summary, self.profiler = self.profiler.stop(), None
         if self.tp is not None:
             self.tp.barrier()  # the other ranks' files are written
         return summary
+
+    @staticmethod
+    def _control_header(op: int, n: int) -> np.ndarray:
+        return np.array([StepShape.KIND_CONTROL, op, n] + [0] * (StepShape.HEADER_LEN - 3), dtype=np.int64)
 
     def _open_profile(self, out_dir: str, trace: bool) -> None:
         rank = self.tp.rank if self.tp is not None else 0
         self.profiler = RankProfiler(rank, out_dir, self._profile_windows, trace, self.device)
         self._profile_windows += 1
 
-    def _follow_control(self, op: int, n: int) -> None:
+    def _follow_control(self, op: int, data: np.ndarray) -> None:
         """Ranks > 0: rank 0's ``start_profile`` / ``stop_profile``."""
         if op == self._PROFILE_STOP:
             if self.profiler is not None:
@@ -417,8 +424,7 @@ class ModelRunner:
                 prof.stop()
             self.tp.barrier()
             return
-        data = self.tp.broadcast_cpu(torch.empty(n, dtype=torch.uint8)).numpy().tobytes()
-        self._open_profile(os.fsdecode(data), op == self._PROFILE_START_TRACE)
+        self._open_profile(os.fsdecode(data.tobytes()), op == self._PROFILE_START_TRACE)
 
     @torch.inference_mode()
     def execute_follower_step(self) -> bool:
@@ -427,20 +433,17 @@ class ModelRunner:
         False when rank 0 sent stop."""
         prof = self.profiler
         if prof is not None:
-            prof.phase("recv_wait")
-        head = self.tp.broadcast_cpu(torch.empty(StepShape.HEADER_LEN, dtype=torch.int64)).tolist()
+            prof.phase("recv")
+        head, payload = self.tp.recv_step(StepShape.HEADER_LEN, self._payload_bytes)
         if head[0] == StepShape.KIND_CONTROL:
-            self._follow_control(head[1], head[2])
+            self._follow_control(head[1], payload)
             return True
         shape = StepShape.from_header(head)
         if shape is None:
             return False
         if prof is not None:
-            prof.phase("recv_payload")
-        payload = self.tp.broadcast_cpu(torch.empty(shape.n64 * 8 + shape.n32 * 4, dtype=torch.uint8)).numpy()
-        step = PackedStep(shape, payload[:shape.n64 * 8].view(np.int64), payload[shape.n64 * 8:].view(np.int32))
-        if prof is not None:
             prof.phase("prepare")
+        step = PackedStep(shape, payload[:shape.n64 * 8].view(np.int64), payload[shape.n64 * 8:].view(np.int32))
         ids, pos, meta, rows_t = self._step_tensors(step)
         if prof is not None:
             prof.phase("forward")

@@ -7,7 +7,7 @@ the request down the step stream, so the ranks' windows cover the same steps) an
 
 * ``rank{R}-w{W}.phases.json``: per phase, count, total ms and mean µs (``perf_counter``
   laps; the phases are named by the runner: rank 0 ``pack``, ``send``, ``prepare``,
-  ``forward``, ``logits``, ``sample``; the other ranks ``recv_wait``, ``recv_payload``,
+  ``forward``, ``logits``, ``sample``; the other ranks ``recv`` (waiting for the step, then reading it),
   ``prepare``, ``forward``, ``logits``, ``token_bcast``), steps, window wall time;
 * ``rank{R}-w{W}.trace.json.gz`` (with ``trace``): the chrome trace, CPU activity (each
   phase is a ``record_function`` range) plus CUDA activity on a GPU, where a one-byte

@@ -184,7 +184,7 @@ def test_tp_profile_smoke(tmp_path):
     ph = r["timed"]["rank_phases"]
     # each rank timed its own phases in its own process, once per step
     assert set(ph["0"]) >= {"pack", "send", "prepare", "forward", "logits", "sample", "token_bcast"}
-    assert set(ph["1"]) >= {"recv_wait", "recv_payload", "prepare", "forward", "logits", "token_bcast"}
+    assert set(ph["1"]) >= {"recv", "prepare", "forward", "logits", "token_bcast"}
     assert ph["1"]["forward"]["count"] == 6
     assert set(r["timed"]["rank0_engine_phases"]) >= {"schedule", "wait", "update", "output"}
     # both ranks wrote a trace with the phases as record_function ranges
