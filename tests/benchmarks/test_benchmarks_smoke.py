@@ -143,7 +143,7 @@ def test_tp_step_broadcast_smoke(tmp_path):
 
     res = tp_step_broadcast.main(["--iters", "2", "--json", str(tmp_path / "b.json")])
     assert set(res["results"]) == set(tp_step_broadcast.SCENARIOS)
-    assert all(r["pack_us"] > 0 and "packed_us" in r and "cbor2_total_us" in r for r in res["results"].values())
+    assert all(r["pack_us"] > 0 and "packed_us" in r and "shm_us" in r and "cbor2_total_us" in r for r in res["results"].values())
 
 
 def test_preemption_smoke(tiny_dir, tmp_path):
