@@ -145,7 +145,7 @@ def analyze_trace(path: str, top_k: int = 8) -> dict:
         out["note"] = "no GPU activity in the trace (CPU run)"
         out["host_phases_from_trace_ms"] = _range_totals(ranges)
         return out
-    gpu.sort()
+    gpu.sort(key=lambda g: (g[0], g[1]))
     markers = [(a, b) for a, b, n, _ in gpu if MARKER_KERNEL in n]
     ops = [(a, b) for a, b, n, _ in gpu if MARKER_KERNEL not in n]
     iv, win = clip_to_markers(ops, markers)
