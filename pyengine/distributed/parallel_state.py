@@ -128,18 +128,20 @@ class GroupCoordinator:
         dist.broadcast(x, src=src, group=self.cpu_group)
         return x
 
-    def init_message_queue(self, check: Optional[Callable[[], None]] = None) -> bool:
+    def init_message_queue(self, check: Optional[Callable[[], None]] = None, slot_bytes: int = 1 << 20) -> bool:
         """Collective (cpu group): rank 0 creates a shared-memory queue for its step
         messages and the other ranks attach to it; every rank must be on rank 0's host.
         ``check`` (rank 0): called while rank 0 waits for a slot, to raise when a peer
-        died. If any rank fails to set it up, none uses it. Returns whether it is on."""
+        died. ``slot_bytes``: the largest message (bytes, with its 8-byte length) the
+        queue carries; a larger step's payload goes over gloo. If any rank fails to set
+        it up, none uses it. Returns whether it is on."""
         if self.world_size == 1 or not envs.tp_shm_broadcast():
             return False
         mq, err = None, None
         handle = torch.zeros(256, dtype=torch.uint8)
         if self.is_first_rank:
             try:
-                mq = ShmMessageQueue(self.world_size - 1)
+                mq = ShmMessageQueue(self.world_size - 1, slot_bytes=slot_bytes)
                 name = mq.handle().encode()
                 handle[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
             except Exception as e:  # no /dev/shm: gloo carries the steps
