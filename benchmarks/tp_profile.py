@@ -21,8 +21,8 @@ and closes it at the same step; pyengine/worker/profiler.py):
   the window from its first marker to its last (split into between steps, where a
   marker falls in the gap, and inside steps), the ``--top-gaps`` longest gaps with the
   kernel before and after each and the host phase (``record_function`` range) that
-  launched the one after, and GPU time per kernel class (GEMM, attention, all-reduce,
-  logits gather, token broadcast, sampling, copies, other). The all-reduce row also
+  launched the one after, and GPU time per kernel class (GEMM, attention, norms / RoPE /
+  SiLU, all-reduce, logits gather, token broadcast, sampling, copies, other). The all-reduce row also
   gives count x its fastest instance: the rest of its time is waiting for the other
   rank (a collective's kernel spins until every rank has joined).
 
@@ -66,7 +66,9 @@ KERNEL_CLASSES = (
     ("broadcast", re.compile(r"nccl.*Broadcast", re.I)),
     ("nccl_other", re.compile(r"nccl", re.I)),
     ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitK|dot_kernel", re.I)),
-    ("attention", re.compile(r"attn|attention|paged|decode_kernel|extend|flash", re.I)),
+    ("attention", re.compile(r"attn|attention|paged|_decode_split|_decode_reduce|_extend_kernel|reshape_and_cache"
+                             r"|flash", re.I)),
+    ("norm_rope_act", re.compile(r"rms_norm|rmsnorm|_rope|rotary|silu_and_mul|act_and_mul", re.I)),
     ("sampling", re.compile(r"ArgMax|argmax|sort|topk|softmax|multinomial|exponential|sampl|cumsum", re.I)),
     ("copy", re.compile(r"^Memcpy|^Memset|copy_kernel|CatArrayBatchedCopy|cat_", re.I)),
 )
@@ -136,7 +138,7 @@ def analyze_trace(path: str, top_k: int = 8) -> dict:
         args = ev.get("args") or {}
         if cat in GPU_CATEGORIES:
             gpu.append((ts, ts + dur, str(ev.get("name", "")), args.get("correlation")))
-        elif cat == "cuda_runtime" and args.get("correlation") is not None:
+        elif cat in ("cuda_runtime", "cuda_driver") and args.get("correlation") is not None:
             launches[args["correlation"]] = (ts, ev.get("tid"), str(ev.get("name", "")))
         elif cat == "user_annotation":
             ranges.setdefault(ev.get("tid"), []).append((ts, ts + dur, str(ev.get("name", ""))))

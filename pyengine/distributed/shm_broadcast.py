@@ -14,7 +14,7 @@ reader has read it; clear "written", copy the message, clear every "read" flag, 
 the message out, sets its "read" flag. Stores are ordered by a lock round trip (a full
 barrier), as vLLM does, for hosts whose memory model reorders stores.
 
-Waiting spins (yielding the core) for ``spin_s``, then sleeps with a growing interval up
+Waiting (``SpinWaiter``) spins (yielding the core) for ``spin_s``, then sleeps with a growing interval up
 to ``_MAX_SLEEP_S``: steady decode keeps the readers in the spin, while an idle engine
 costs its worker ranks no core.
 """
@@ -47,12 +47,14 @@ def _attach_untracked(name: str) -> shared_memory.SharedMemory:
         resource_tracker.register = register
 
 
-class _Waiter:
-    """Spin (sched_yield) for ``spin_s``, then sleep with a growing interval; ``check`` is
-    called every ~10 ms of waiting (it raises to give up)."""
+class SpinWaiter:
+    """One wait: call ``wait()`` between looks at a condition. Spins (``sched_yield``, which
+    lets other threads and processes run) for ``spin_s``, then sleeps with a growing
+    interval up to ``max_sleep_s``; ``check`` is called every ~10 ms of waiting (it raises
+    to give up)."""
 
-    def __init__(self, spin_s: float, check: Optional[Callable[[], None]]):
-        self.spin_s, self.check = spin_s, check
+    def __init__(self, spin_s: float, check: Optional[Callable[[], None]], max_sleep_s: float = _MAX_SLEEP_S):
+        self.spin_s, self.check, self.max_sleep_s = spin_s, check, max_sleep_s
         self.t0 = time.perf_counter()
         self.sleep = 0.0
         self.next_check = self.t0 + 0.01
@@ -65,7 +67,7 @@ class _Waiter:
         if now - self.t0 < self.spin_s:
             os.sched_yield()
             return
-        self.sleep = min(_MAX_SLEEP_S, max(2 * self.sleep, 20e-6))
+        self.sleep = min(self.max_sleep_s, max(2 * self.sleep, 20e-6))
         time.sleep(self.sleep)
 
 
@@ -122,7 +124,7 @@ class ShmMessageQueue:
             raise ValueError(f"message of {n} bytes exceeds the slot's {self.max_message_bytes}")
         i = self._idx
         flags = self._flags[i]
-        w = _Waiter(self.spin_s, self.check)
+        w = SpinWaiter(self.spin_s, self.check)
         while flags[0] and not flags[1:].all():  # written and not yet read by every reader
             w.wait()
         flags[0] = 0
@@ -141,7 +143,7 @@ class ShmMessageQueue:
     def dequeue(self) -> np.ndarray:
         i, r = self._idx, 1 + self.reader_index
         flags = self._flags[i]
-        w = _Waiter(self.spin_s, self.check)
+        w = SpinWaiter(self.spin_s, self.check)
         while not flags[0] or flags[r]:
             w.wait()
         self._fence()

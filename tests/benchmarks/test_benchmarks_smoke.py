@@ -228,3 +228,6 @@ def test_tp_profile_analyze_trace(tmp_path):
     assert tp_profile.kernel_class("ncclDevKernel_SendRecv") == "gather"
     assert tp_profile.kernel_class("ncclDevKernel_Broadcast_RING_LL") == "broadcast"
     assert tp_profile.kernel_class("one_shot_all_reduce_kernel") == "all_reduce"
+    assert tp_profile.kernel_class("_decode_split_kernel") == "attention"
+    assert tp_profile.kernel_class("_rope_cache_kernel") == "norm_rope_act"
+    assert tp_profile.kernel_class("_rms_norm_kernel") == "norm_rope_act"
