@@ -113,9 +113,17 @@ class GroupCoordinator:
         """Concatenate every rank's ``x`` (same shape on all ranks) along ``dim`` on rank
         ``dst``, rank order; returns the result on ``dst`` and None elsewhere."""
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
-        dist.gather(x, parts, dst=dst, group=self.device_group)
-        return torch.cat(parts, dim=dim) if parts is not None else None
+        if self.rank != dst:
+            dist.gather(x, None, dst=dst, group=self.device_group)
+            return None
+        # The parts land in one buffer [world, *x.shape]; moving the rank axis next to
+        # ``dim`` and merging them is a view when every dimension before ``dim`` has size
+        # 1 (one logits row at batch 1): no concatenation kernel on the decode path.
+        buf = x.new_empty((self.world_size, *x.shape))
+        dist.gather(x, list(buf.unbind(0)), dst=dst, group=self.device_group)
+        d = dim % x.dim()
+        out = buf.movedim(0, d)
+        return out.reshape(*x.shape[:d], self.world_size * x.shape[d], *x.shape[d + 1:])
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` into every rank's ``x`` (in place); returns ``x``."""
