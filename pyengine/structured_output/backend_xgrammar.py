@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from typing import Any, Iterable, Optional
 
