@@ -2,8 +2,10 @@
 busy/idle, the largest idle gaps and what precedes them, GPU time per kernel class, and
 host time per step phase on every rank.
 
-Each ``--configs`` entry (``1``, ``2``, ``2-symm-mem``: tensor-parallel size, the latter
-with ``VENGINE_SYMM_MEM_ALLREDUCE=1``) runs in a process of its own (one engine per
+Each ``--configs`` entry (``1``, ``2``, ``2-symm-mem``, ``2-symm-mem-gloo``: the
+tensor-parallel size; ``symm-mem``: ``VENGINE_SYMM_MEM_ALLREDUCE=1``; ``gloo``: the steps
+over gloo instead of the shared-memory ring, ``VENGINE_TP_SHM_BROADCAST=0``) runs in a
+process of its own (one engine per
 process; a hang costs only its entry). In each: ``--batch`` (1) requests of a
 ``--input-len``-token prompt, greedy, ``ignore_eos``, are prefilled and decoded
 ``--warmup-steps``, then two windows opened with ``EngineCore.profile`` (every rank opens
@@ -78,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, default_shape="llama-3.1-8b")
-    p.add_argument("--configs", default="1,2,2-symm-mem",
-                   help="comma-separated: a tensor-parallel size, optionally -symm-mem (own process each)")
+    p.add_argument("--configs", default="1,2,2-symm-mem,2-symm-mem-gloo",
+                   help="comma-separated: a tensor-parallel size, optionally -symm-mem, -gloo (own process each)")
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)  # one config, in this process
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--input-len", type=int, default=32)
@@ -378,7 +380,8 @@ def run_config(args, config: str) -> dict:
         for f in Path(out_dir).iterdir():
             f.unlink()
         os.rmdir(out_dir)
-    return {"config": config, "tensor_parallel_size": tp, "symm_mem": "symm" in config, "startup_s": startup,
+    return {"config": config, "tensor_parallel_size": tp, "symm_mem": "symm" in config,
+            "step_transport": "gloo" if "gloo" in config else "shm", "startup_s": startup,
             "async_scheduling": cfg.async_scheduling, "enforce_eager": cfg.enforce_eager,
             "dtype": str(cfg.dtype).replace("torch.", ""), "timed": timed, "profiled": profiled,
             "trace_dir": out_dir if args.trace_dir else None}
@@ -424,7 +427,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         print(f"config {c} ...", flush=True)
         argv_c = [a for a in (sys.argv[1:] if argv is None else argv)]
         argv_c = _drop_opt(_drop_opt(argv_c, "--json"), "--configs") + ["--config", c]
-        env = {"VENGINE_SYMM_MEM_ALLREDUCE": "1" if "symm" in c else "0"}
+        env = {"VENGINE_SYMM_MEM_ALLREDUCE": "1" if "symm" in c else "0",
+               "VENGINE_TP_SHM_BROADCAST": "0" if "gloo" in c else "1"}
         r = _run("tp_profile.py", argv_c, args.timeout, env)
         results[c] = r.get("results", {}).get(c, r)
         finish("tp_profile", args, hw, cmd, results=results)  # after each: a later hang loses nothing
