@@ -4,9 +4,12 @@ of getting one step's inputs from rank 0 to rank 1 over the gloo group (two proc
 Three ways, for a decode step of batch 1 and of batch 256 (600-token contexts) and an
 8192-token prefill step (8 x 1024):
 
-* ``packed``: what vengine does. Rank 0 already packs every integer input of the step
-  into two buffers for its own forward (``ModelRunner._pack_inputs``); it broadcasts a
-  fixed header and those bytes, which the other ranks copy to their device as they are.
+* ``packed``: rank 0 already packs every integer input of the step into two buffers for
+  its own forward (``ModelRunner._pack_inputs``); it broadcasts a fixed header and those
+  bytes over gloo (``GroupCoordinator.send_step`` without the shared-memory queue), which
+  the other ranks copy to their device as they are.
+* ``shm``: the same header and bytes as one message through the shared-memory queue
+  (``ShmMessageQueue``; what vengine does when every rank is on rank 0's host).
 * ``cbor2``: the step's SchedulerOutput as the model needs it (per request: id, computed
   and new token counts, block ids, sample / placeholder flags, the token ids fed) encoded
   with cbor2, broadcast as a length then the bytes, decoded; the receiving rank must then
@@ -37,7 +40,7 @@ if str(_REPO) not in sys.path:
 from benchmarks.common import finish, hardware_info, header_md, md_table  # noqa: E402
 
 SCENARIOS = {"decode b=1": (1, 1, 600), "decode b=256": (256, 1, 600), "prefill 8192": (8, 1024, 0)}
-METHODS = ("packed", "cbor2", "object_list")
+METHODS = ("packed", "shm", "cbor2", "object_list")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,16 +76,15 @@ def scheduler_view(so) -> list:
             for s in so.scheduled]
 
 
-def _send(method: str, group, so, step) -> None:
+def _send(method: str, group, so, step, tp, mq) -> None:
     import cbor2
     import numpy as np
     import torch
     import torch.distributed as dist
 
-    if method == "packed":  # rank 0 packs ``step`` for its own forward anyway: not counted
-        dist.broadcast(torch.tensor(step.shape.header(), dtype=torch.int64), 0, group=group)
-        dist.broadcast(torch.from_numpy(np.concatenate([step.buf64.view(np.uint8), step.buf32.view(np.uint8)])),
-                       0, group=group)
+    if method in ("packed", "shm"):  # rank 0 packs ``step`` for its own forward anyway: not counted
+        tp.mq = mq if method == "shm" else None
+        tp.send_step(np.array(step.shape.header(), dtype=np.int64), step.buf64, step.buf32)
     elif method == "cbor2":
         data = cbor2.dumps(scheduler_view(so))
         dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), 0, group=group)
@@ -91,19 +93,16 @@ def _send(method: str, group, so, step) -> None:
         dist.broadcast_object_list([scheduler_view(so)], 0, group=group)
 
 
-def _recv(method: str, group) -> None:
+def _recv(method: str, group, tp, mq) -> None:
     import cbor2
     import torch
     import torch.distributed as dist
 
-    from pyengine.worker.model_runner import StepShape
+    from pyengine.worker.model_runner import ModelRunner, StepShape
 
-    if method == "packed":
-        head = torch.empty(StepShape.HEADER_LEN, dtype=torch.int64)
-        dist.broadcast(head, 0, group=group)
-        shape = StepShape.from_header(head.tolist())
-        payload = torch.empty(shape.n64 * 8 + shape.n32 * 4, dtype=torch.uint8)
-        dist.broadcast(payload, 0, group=group)
+    if method in ("packed", "shm"):
+        tp.mq = mq if method == "shm" else None
+        tp.recv_step(StepShape.HEADER_LEN, ModelRunner._payload_bytes)
     elif method == "cbor2":
         n = torch.empty(1, dtype=torch.int64)
         dist.broadcast(n, 0, group=group)
@@ -120,8 +119,16 @@ def _rank_main(rank: int, init_method: str, iters: int, conn) -> None:
 
     from pyengine.worker.model_runner import ModelRunner
 
+    import torch
+
+    from pyengine.distributed import GroupCoordinator
+
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     group = dist.group.WORLD
+    tp = GroupCoordinator(rank, 2, torch.device("cpu"), group, group)
+    if not tp.init_message_queue():
+        raise SystemExit("the shared-memory queue could not be set up (VENGINE_TP_SHM_BROADCAST=0?)")
+    mq = tp.mq
     pack = ModelRunner._pack_inputs
     results: dict = {}
     for name, (reqs, new, ctx) in SCENARIOS.items():
@@ -143,9 +150,9 @@ def _rank_main(rank: int, init_method: str, iters: int, conn) -> None:
                 t0 = time.perf_counter()
                 if method != "barrier":
                     if rank == 0:
-                        _send(method, group, so, step)
+                        _send(method, group, so, step, tp, mq)
                     else:
-                        _recv(method, group)
+                        _recv(method, group, tp, mq)
                 dist.barrier(group=group)
                 if it >= 5:
                     times[method].append(time.perf_counter() - t0)
@@ -154,7 +161,8 @@ def _rank_main(rank: int, init_method: str, iters: int, conn) -> None:
         for method, t in times.items():
             row[f"{method}_us"] = 1e6 * (statistics.median(t) - base)
         results[name] = row
-    dist.destroy_process_group()
+    tp.mq = mq
+    tp.destroy()
     if rank == 0:
         conn.send(results)
 
@@ -180,11 +188,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     for name, row in results.items():
         row["cbor2_total_us"] = row["cbor2_us"] + row["pack_us"]
         row["object_list_total_us"] = row["object_list_us"] + row["pack_us"]
-        rows.append([name, row["packed_us"], row["cbor2_us"], row["object_list_us"], row["pack_us"],
+        rows.append([name, row["shm_us"], row["packed_us"], row["cbor2_us"], row["object_list_us"], row["pack_us"],
                      row["cbor2_total_us"], row["object_list_total_us"]])
-    print(header_md("Step inputs rank 0 -> rank 1 over gloo (us per step, median)", hw, cmd))
-    print(md_table(["step", "packed", "cbor2", "object_list", "pack (rank 1 must add)", "cbor2 + pack",
-                    "object_list + pack"], rows))
+    print(header_md("Step inputs rank 0 -> rank 1 (us per step, median)", hw, cmd))
+    print(md_table(["step", "packed, shared memory", "packed, gloo", "cbor2", "object_list", "pack (rank 1 must add)",
+                    "cbor2 + pack", "object_list + pack"], rows))
     return finish("tp_step_broadcast", args, hw, cmd, results=results)
 
 

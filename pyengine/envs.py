@@ -13,6 +13,8 @@ Read from Python (the accessors below; each reads the environment when called):
 | ``VENGINE_DISABLE_TRITON_OPS`` | 0 | 1: plain torch instead of the fused triton ops on CUDA |
 | ``VENGINE_SYMM_MEM_ALLREDUCE`` | 0 | 1: tensor parallelism sends small all-reduces through torch's symmetric memory (0: all through NCCL); vLLM's ``VLLM_ALLREDUCE_USE_SYMM_MEM``. Off by default: a second TP engine in the same process hangs in torch's rendezvous (docs/benchmarks.md) |
 | ``VENGINE_GRAMMAR_FILL_THREADS`` | 1 | threads filling a step's structured-output token bitmask (xgrammar's ``BatchGrammarMatcher``; more were slower on the H200) |
+| ``VENGINE_TORCH_PROFILER_DIR`` | — | where ``EngineCore.profile`` windows write each rank's phase timings and torch.profiler trace when no directory is passed; vLLM's ``VLLM_TORCH_PROFILER_DIR`` |
+| ``VENGINE_TP_SHM_BROADCAST`` | 1 | tensor parallelism: rank 0 hands each step to the other ranks of its host through a shared-memory queue (0: two gloo broadcasts over TCP) |
 | ``VENGINE_TRITON_OPS_ON_CPU`` | 0 | 1 (with ``TRITON_INTERPRET=1``): run the triton ops through triton's CPU interpreter (tests) |
 | ``VENGINE_API_KEY`` (alias ``VLLM_API_KEY``) | — | ``vengine serve``'s ``--api-key`` when the flag is absent |
 | ``VENGINE_SERVER_DEV_MODE`` (alias ``VLLM_SERVER_DEV_MODE``) | 0 | 1 enables development endpoints (``POST /reset_prefix_cache``) |
@@ -85,6 +87,14 @@ def grammar_fill_threads() -> Optional[int]:
     if not v.isdigit() or int(v) < 1:
         raise ValueError(f"VENGINE_GRAMMAR_FILL_THREADS={v!r}: use a positive integer.")
     return int(v)
+
+
+def torch_profiler_dir() -> Optional[str]:
+    return _raw("VENGINE_TORCH_PROFILER_DIR")
+
+
+def tp_shm_broadcast() -> bool:
+    return _flag("VENGINE_TP_SHM_BROADCAST", True)
 
 
 def triton_ops_on_cpu() -> bool:

@@ -12,7 +12,7 @@
 #       serve_final2 structured gpu_structured
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
-# (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast (tools/tp_h200x2.sh).
+# (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast tp_profile (tools/tp_h200x2.sh).
 # A device call is capped at 10 minutes: split the steps over two calls
 # (e.g. `gpu_ops gpu_e2e latency gpu_idle attention` then the rest).
 set -u
@@ -68,3 +68,10 @@ step 120 attention python3 benchmarks/attention_kernels.py --verbose --json "$OU
 step 270 gpu_tp python3 -m pytest -q -m gpu tests/distributed tests/executor -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
 step 300 tp python3 benchmarks/tp.py --timeout 100 --throughput-shapes llama-3.1-8b --json "$OUT/tp.json"
 step 45 tp_step_broadcast python3 benchmarks/tp_step_broadcast.py --json "$OUT/tp_step_broadcast.json"
+# where a TP decode step's time goes (TP=1, TP=2 over NCCL, TP=2 with VENGINE_SYMM_MEM_ALLREDUCE=1, and that with the
+# steps over gloo instead of the shared-memory ring; each its own
+# process): per-rank GPU busy/idle, gaps, kernel classes, host phases; the chrome traces come back as one tar
+# (a file over 16 MiB would not come back: then only the two TP=2 NCCL / symmetric-memory configs' traces)
+step 400 tp_profile bash -c "python3 benchmarks/tp_profile.py --timeout 95 --trace-dir /tmp/tp_profile \
+  --json '$OUT/tp_profile.json'; rc=\$?; T='$OUT/tp_profile_traces.tar'; tar -cf \$T -C /tmp tp_profile; \
+  [ \$(stat -c%s \$T) -gt 15000000 ] && tar -cf \$T -C /tmp tp_profile/tp2 tp_profile/tp2-symm-mem; exit \$rc"

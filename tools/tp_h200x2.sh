@@ -5,6 +5,9 @@
 #   tp                 benchmarks/tp.py: batch-1 TPOT of the Llama-3.1-8B shape and offline throughput
 #                      on nano-vllm's workload (Qwen3-0.6B and Llama-3.1-8B shapes), TP=2 vs TP=1
 #   tp_step_broadcast  benchmarks/tp_step_broadcast.py: how a step's inputs reach the other ranks
+#   tp_profile         benchmarks/tp_profile.py: where a batch-1 decode step's time goes at TP=1, TP=2 (NCCL)
+#                      and TP=2 (VENGINE_SYMM_MEM_ALLREDUCE=1): GPU busy/idle and gaps per rank, kernel
+#                      classes, host phases per rank; traces in tp_profile_traces.tar (not in the default set)
 # Results land in $OUT: all.log (every step's tail), tp.json, tp_step_broadcast.json, and the
 # whole log of any step that failed. NCCL_NVLS_ENABLE=0 (no NVLink multicast).
 #

@@ -6,10 +6,15 @@ Two torch.distributed groups over the same ranks:
 * ``device_group``: NCCL on CUDA, gloo on CPU. Carries the model's collectives (the
   all-reduce after each row-parallel linear and the vocab-parallel embedding, the logits
   gather, the sampled-token broadcast); on CUDA these may be captured in CUDA graphs.
-* ``cpu_group``: gloo. Carries the step inputs rank 0 sends each step and start-up
-  agreements (KV cache size), so no host data goes through a GPU. Its operations never
-  time out: the other ranks wait in it for rank 0's next step however long the engine
-  idles (a dead peer still fails them at once: its sockets close).
+* ``cpu_group``: gloo. Carries start-up agreements (KV cache size), and the step inputs
+  rank 0 sends each step when the shared-memory queue is off or a step is too large for
+  its slot, so no host data goes through a GPU. Its operations never time out: the other
+  ranks wait in it for rank 0's next step however long the engine idles (a dead peer
+  still fails them at once: its sockets close).
+
+Rank 0's step messages (``send_step`` / ``recv_step``) go through a ``ShmMessageQueue``
+(pyengine/distributed/shm_broadcast.py) when every rank is on rank 0's host, as the
+executor's ranks are (``VENGINE_TP_SHM_BROADCAST=0``: gloo only).
 """
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ import socket
 import threading
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from pyengine import envs
+from pyengine.distributed.shm_broadcast import ShmMessageQueue
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +72,7 @@ class GroupCoordinator:
         self.cpu_group = cpu_group
         self.is_first_rank = rank == 0
         self.symm_mem: Optional[SymmMemAllReduce] = None
+        self.mq: Optional[ShmMessageQueue] = None  # rank 0's step messages (init_message_queue)
 
     # ---- model collectives (device group) -------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,9 +113,17 @@ class GroupCoordinator:
         """Concatenate every rank's ``x`` (same shape on all ranks) along ``dim`` on rank
         ``dst``, rank order; returns the result on ``dst`` and None elsewhere."""
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
-        dist.gather(x, parts, dst=dst, group=self.device_group)
-        return torch.cat(parts, dim=dim) if parts is not None else None
+        if self.rank != dst:
+            dist.gather(x, None, dst=dst, group=self.device_group)
+            return None
+        # The parts land in one buffer [world, *x.shape]; moving the rank axis next to
+        # ``dim`` and merging them is a view when every dimension before ``dim`` has size
+        # 1 (one logits row at batch 1): no concatenation kernel on the decode path.
+        buf = x.new_empty((self.world_size, *x.shape))
+        dist.gather(x, list(buf.unbind(0)), dst=dst, group=self.device_group)
+        d = dim % x.dim()
+        out = buf.movedim(0, d)
+        return out.reshape(*x.shape[:d], self.world_size * x.shape[d], *x.shape[d + 1:])
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` into every rank's ``x`` (in place); returns ``x``."""
@@ -120,6 +136,76 @@ class GroupCoordinator:
         dist.broadcast(x, src=src, group=self.cpu_group)
         return x
 
+    def init_message_queue(self, check: Optional[Callable[[], None]] = None, slot_bytes: int = 1 << 20) -> bool:
+        """Collective (cpu group): rank 0 creates a shared-memory queue for its step
+        messages and the other ranks attach to it; every rank must be on rank 0's host.
+        ``check`` (rank 0): called while rank 0 waits for a slot, to raise when a peer
+        died. ``slot_bytes``: the largest message (bytes, with its 8-byte length) the
+        queue carries; a larger step's payload goes over gloo. If any rank fails to set
+        it up, none uses it. Returns whether it is on."""
+        if self.world_size == 1 or not envs.tp_shm_broadcast():
+            return False
+        mq, err = None, None
+        handle = torch.zeros(256, dtype=torch.uint8)
+        if self.is_first_rank:
+            try:
+                mq = ShmMessageQueue(self.world_size - 1, slot_bytes=slot_bytes)
+                name = mq.handle().encode()
+                handle[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
+            except Exception as e:  # no /dev/shm: gloo carries the steps
+                err = e
+        self.broadcast_cpu(handle)
+        if not self.is_first_rank and handle[0]:
+            try:
+                mq = ShmMessageQueue.attach(bytes(handle.numpy()).rstrip(b"\0").decode(), self.rank - 1)
+            except Exception as e:
+                err = e
+        if self.all_reduce_min(int(mq is not None)) == 0:
+            logger.info("Shared-memory step queue off (%s); gloo carries the steps.",
+                        err or "another rank could not set it up")
+            if mq is not None:
+                mq.close()
+            return False
+        mq.check = check
+        self.mq = mq
+        return True
+
+    def send_step(self, header: np.ndarray, *payload: np.ndarray) -> None:
+        """Rank 0: one step message to every other rank: an int64 ``header`` whose
+        content tells the receivers the payload's size, then the ``payload`` arrays'
+        bytes. One shared-memory message when it fits a slot; else (or without the
+        queue) the header and then the payload as two gloo broadcasts."""
+        mq = self.mq
+        size = sum(p.nbytes for p in payload)
+        if mq is not None:
+            if header.nbytes + size <= mq.max_message_bytes:
+                mq.enqueue(header, *payload)
+                return
+            mq.enqueue(header)  # too large for a slot: the payload follows over gloo
+        else:
+            self.broadcast_cpu(torch.from_numpy(header))
+        if size:
+            data = payload[0].view(np.uint8) if len(payload) == 1 else \
+                np.concatenate([p.reshape(-1).view(np.uint8) for p in payload])
+            self.broadcast_cpu(torch.from_numpy(data))
+
+    def recv_step(self, header_len: int, payload_bytes: Callable[[list[int]], int]) -> tuple[list[int], np.ndarray]:
+        """Ranks > 0: the next ``send_step`` message: (header as ints, payload as uint8
+        array); ``payload_bytes(header)`` gives the payload's size."""
+        mq = self.mq
+        if mq is not None:
+            msg = mq.dequeue()
+            head = msg[:8 * header_len].view(np.int64).tolist()
+            n = payload_bytes(head)
+            if n == 0 or msg.nbytes > 8 * header_len:
+                return head, msg[8 * header_len:]
+        else:
+            head = self.broadcast_cpu(torch.empty(header_len, dtype=torch.int64)).tolist()
+            n = payload_bytes(head)
+        if n == 0:
+            return head, np.empty(0, dtype=np.uint8)
+        return head, self.broadcast_cpu(torch.empty(n, dtype=torch.uint8)).numpy()
+
     def all_reduce_min(self, value: int) -> int:
         """The smallest ``value`` over the group (a host int)."""
         t = torch.tensor([value], dtype=torch.int64)
@@ -130,7 +216,11 @@ class GroupCoordinator:
         dist.barrier(group=self.cpu_group)
 
     def destroy(self) -> None:
-        """Tear down the process groups (also after a peer died: then it only frees them)."""
+        """Tear down the process groups (also after a peer died: then it only frees them)
+        and the step queue."""
+        if self.mq is not None:
+            self.mq.close()
+            self.mq = None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from typing import Optional, Union
 
+from pyengine import envs
 from pyengine.config import EngineConfig
 from pyengine.core.sched.async_scheduler import AsyncScheduler
 from pyengine.core.sched.scheduler import Scheduler
@@ -119,6 +120,20 @@ class EngineCore:
             grammar = self.scheduler.get_grammar_bitmask(deferred)
             self.batch_queue.append((deferred, ex.sample_tokens(grammar)))
         return outputs
+
+    def profile(self, is_start: bool, out_dir: Optional[str] = None, trace: bool = True):
+        """Open (``is_start``) or close a profiling window on every tensor-parallel rank
+        (vLLM's ``EngineCore.profile``; see pyengine/worker/profiler.py). ``out_dir``
+        (default ``VENGINE_TORCH_PROFILER_DIR``): where each rank writes its phase timings
+        and, with ``trace``, its torch.profiler trace. Closing returns rank 0's summary.
+        Raises ValueError when opening with no directory, RuntimeError when a window is
+        already open (opening) or none is (closing)."""
+        if is_start:
+            out_dir = out_dir or envs.torch_profiler_dir()
+            if not out_dir:
+                raise ValueError("profiling needs a directory: pass out_dir or set VENGINE_TORCH_PROFILER_DIR")
+            return self.model_executor.profile(True, out_dir, trace)
+        return self.model_executor.profile(False)
 
     def shutdown(self) -> None:
         """Release device memory (model, KV cache, graphs); no more steps after this."""

@@ -40,6 +40,14 @@ class Executor(ABC):
     def sample_tokens(self, grammar_output=None):
         ...
 
+    def profile(self, is_start: bool, out_dir: str = "", trace: bool = True):
+        """Open (``is_start``) or close a profiling window on every rank (see
+        pyengine/worker/profiler.py; vLLM's ``Executor.profile``): each rank writes its
+        files into ``out_dir``. Closing returns rank 0's summary (dict)."""
+        if is_start:
+            return self.driver_runner.start_profile(out_dir, trace)
+        return self.driver_runner.stop_profile()
+
     @abstractmethod
     def shutdown(self) -> None:
         ...

@@ -22,7 +22,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import threading
-import time
 import weakref
 from typing import Optional
 
@@ -31,6 +30,7 @@ import torch.distributed
 from pyengine.config import EngineConfig
 from pyengine.core.sched.output import SchedulerOutput
 from pyengine.distributed import get_distributed_init_method, get_open_port
+from pyengine.distributed.shm_broadcast import SpinWaiter
 from pyengine.executor.abstract import Executor
 from pyengine.worker.worker import Worker, worker_main
 
@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 # ranks on their hosts with the same init method).
 _HOST = "127.0.0.1"
 _JOIN_TIMEOUT_S = 10.0
-_POLL_S = 50e-6  # between looks at a step's completion event
+_POLL_S = 50e-6  # the longest sleep between looks at a step's completion event
+_SPIN_S = 2e-3  # how long the first looks spin instead (a sleep overshoots by ~50 us)
 
 
 class _WorkerHandle:
@@ -77,16 +78,18 @@ class _WorkerHandle:
 class _CheckedOutput:
     """An AsyncModelRunnerOutput whose ``get_output`` raises if a worker died meanwhile:
     it polls the copy's event instead of blocking on it (a step whose collective waits
-    for a dead rank may never finish), and checks again after (with NCCL, an aborted
+    for a dead rank may never finish) — spinning for the first 2 ms, since a sleep ends
+    ~50 µs late, then sleeping up to 50 µs between looks — and checks again after (with NCCL, an aborted
     collective completes with garbage rather than an error)."""
 
     def __init__(self, inner, executor: "MultiprocExecutor"):
         self._inner, self._executor = inner, executor
 
     def get_output(self):
+        w = SpinWaiter(_SPIN_S, None, _POLL_S)
         while not self._inner.ready():
             self._executor.check_alive()
-            time.sleep(_POLL_S)
+            w.wait()
         out = self._inner.get_output()
         self._executor.check_alive()
         return out
@@ -182,17 +185,24 @@ class MultiprocExecutor(Executor):
     def sample_tokens(self, grammar_output=None):
         return self._checked(self.driver_runner.sample_tokens, grammar_output)
 
-    def _checked(self, fn, *args):
+    def profile(self, is_start: bool, out_dir: str = "", trace: bool = True):
+        return self._call(super().profile, is_start, out_dir, trace)
+
+    def _call(self, fn, *args):
         """``fn(*args)`` (a runner call), its failure turned into the worker's failure
-        message when a worker died; a non-blocking output wrapped in ``_CheckedOutput``."""
+        message when a worker died."""
         self.check_alive()
         try:
-            out = fn(*args)
+            return fn(*args)
         except Exception as e:
             msg = self.failure or self._worker_failure(wait_s=1.0)
             if msg is None:
                 raise
             raise RuntimeError(msg) from e
+
+    def _checked(self, fn, *args):
+        """``_call(fn, *args)``; a non-blocking output wrapped in ``_CheckedOutput``."""
+        out = self._call(fn, *args)
         if out is None:  # sampling deferred
             return None
         if not self._non_blocking:

@@ -9,6 +9,7 @@ copied on a side stream, with an event the engine waits on only when it consumes
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -23,6 +24,7 @@ from pyengine.core.sched.output import SchedulerOutput
 from pyengine.engine.messages import LogprobsEntry
 from pyengine.models.loader import load_model
 from pyengine.models.registry import model_dims
+from pyengine.worker.profiler import RankProfiler
 from pyengine.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,9 @@ class StepShape(NamedTuple):
     max_seq_len: int
 
     HEADER_LEN = 8  # [kind, T, R, P, S, max_blocks, max_query_len, max_seq_len]
+    # kind: 0 stop, 1 a step, 2 a profiling control ([2, op, len(directory bytes), 0...],
+    # then the directory's bytes when op starts a window)
+    KIND_STEP, KIND_CONTROL = 1, 2
 
     # int64 offsets (elements): ids 0, positions t2, slots 2*t2, placeholders o_ph, rows o_rows
     @property
@@ -154,6 +159,8 @@ class ModelRunner:
         self._prev_sampled: Optional[torch.Tensor] = None
         self._prev_rows: dict[str, int] = {}
         self._deferred = None  # execute_model(defer_sampling=True) -> sample_tokens
+        self.profiler: Optional[RankProfiler] = None  # open between start_profile and stop_profile
+        self._profile_windows = 0
         self._is_cuda = self.device.type == "cuda"
         self.graph_runner = None  # CUDAGraphRunner once captured (CUDA, triton backend, not enforce_eager)
         self.graph_capture_time_s = 0.0
@@ -273,9 +280,16 @@ class ModelRunner:
         """Build the step's inputs (see ``_pack_inputs``); with tensor parallelism also send
         them to the other ranks first. Returns (input ids [T], positions [T],
         AttentionMetadata, rows to sample from [S] or None when every row samples)."""
+        prof = self.profiler
+        if prof is not None:
+            prof.phase("pack")
         step = self._pack_inputs(so)
         if self.tp is not None:
+            if prof is not None:
+                prof.phase("send")
             self._broadcast_step(step)
+        if prof is not None:
+            prof.phase("prepare")
         return self._step_tensors(step)
 
     def _pack_inputs(self, so: SchedulerOutput) -> "PackedStep":
@@ -350,33 +364,100 @@ class ModelRunner:
 
     # ---- tensor parallelism: rank 0 sends each step, the other ranks follow ------------
     def _broadcast_step(self, step: "PackedStep") -> None:
-        """Rank 0: a fixed-size header (the step's shape) then the two buffers as one byte
-        payload, over the cpu group."""
-        self.tp.broadcast_cpu(torch.tensor(step.shape.header(), dtype=torch.int64))
-        payload = np.concatenate([step.buf64.view(np.uint8), step.buf32.view(np.uint8)])
-        self.tp.broadcast_cpu(torch.from_numpy(payload))
+        """Rank 0: a fixed-size header (the step's shape) and the two buffers, one message
+        (``GroupCoordinator.send_step``)."""
+        self.tp.send_step(np.array(step.shape.header(), dtype=np.int64), step.buf64, step.buf32)
 
     def broadcast_stop(self) -> None:
         """Rank 0: tell the other ranks' ``execute_follower_step`` loops to return False."""
-        self.tp.broadcast_cpu(torch.tensor(StepShape.stop_header(), dtype=torch.int64))
+        self.tp.send_step(np.array(StepShape.stop_header(), dtype=np.int64))
+
+    @staticmethod
+    def _payload_bytes(head: list[int]) -> int:
+        """Size of the payload that follows a step message's header."""
+        if head[0] == StepShape.KIND_STEP:
+            sh = StepShape(*head[1:])
+            return sh.n64 * 8 + sh.n32 * 4
+        return head[2] if head[0] == StepShape.KIND_CONTROL else 0
+
+    # ---- profiling windows (pyengine/worker/profiler.py) ---------------------------------
+    _PROFILE_START, _PROFILE_START_TRACE, _PROFILE_STOP = 1, 2, 3
+
+    def start_profile(self, out_dir: str, trace: bool = True) -> None:
+        """Open a profiling window on every rank (rank 0 calls it between steps): host
+        time per step phase, and with ``trace`` a torch.profiler trace; ``stop_profile``
+        writes each rank's files into ``out_dir``. Raises RuntimeError if one is open."""
+        if self.profiler is not None:
+            raise RuntimeError("a profiling window is already open")
+        if self.tp is not None:
+            op = self._PROFILE_START_TRACE if trace else self._PROFILE_START
+            data = np.frombuffer(os.fsencode(out_dir), dtype=np.uint8)
+            self.tp.send_step(self._control_header(op, data.nbytes), data)
+        self._open_profile(out_dir, trace)
+
+    def stop_profile(self) -> dict:
+        """Close the window on every rank; returns rank 0's summary once every rank has
+        written its files. Raises RuntimeError if none is open."""
+        if self.profiler is None:
+            raise RuntimeError("no profiling window is open")
+        if self.tp is not None:
+            self.tp.send_step(self._control_header(self._PROFILE_STOP, 0))
+        summary, self.profiler = self.profiler.stop(), None
+        if self.tp is not None:
+            self.tp.barrier()  # the other ranks' files are written
+        return summary
+
+    @staticmethod
+    def _control_header(op: int, n: int) -> np.ndarray:
+        return np.array([StepShape.KIND_CONTROL, op, n] + [0] * (StepShape.HEADER_LEN - 3), dtype=np.int64)
+
+    def _open_profile(self, out_dir: str, trace: bool) -> None:
+        rank = self.tp.rank if self.tp is not None else 0
+        self.profiler = RankProfiler(rank, out_dir, self._profile_windows, trace, self.device)
+        self._profile_windows += 1
+
+    def _follow_control(self, op: int, data: np.ndarray) -> None:
+        """Ranks > 0: rank 0's ``start_profile`` / ``stop_profile``."""
+        if op == self._PROFILE_STOP:
+            if self.profiler is not None:
+                self.profiler, prof = None, self.profiler
+                prof.stop()
+            self.tp.barrier()
+            return
+        self._open_profile(os.fsdecode(data.tobytes()), op == self._PROFILE_START_TRACE)
 
     @torch.inference_mode()
     def execute_follower_step(self) -> bool:
         """Ranks > 0: receive rank 0's next step and run the same forward (and the logits
         gather, and with async scheduling take the sampled ids rank 0 broadcasts). Returns
         False when rank 0 sent stop."""
-        head = self.tp.broadcast_cpu(torch.empty(StepShape.HEADER_LEN, dtype=torch.int64))
-        shape = StepShape.from_header(head.tolist())
+        prof = self.profiler
+        if prof is not None:
+            prof.phase("recv")
+        head, payload = self.tp.recv_step(StepShape.HEADER_LEN, self._payload_bytes)
+        if head[0] == StepShape.KIND_CONTROL:
+            self._follow_control(head[1], payload)
+            return True
+        shape = StepShape.from_header(head)
         if shape is None:
             return False
-        payload = self.tp.broadcast_cpu(torch.empty(shape.n64 * 8 + shape.n32 * 4, dtype=torch.uint8)).numpy()
+        if prof is not None:
+            prof.phase("prepare")
         step = PackedStep(shape, payload[:shape.n64 * 8].view(np.int64), payload[shape.n64 * 8:].view(np.int32))
         ids, pos, meta, rows_t = self._step_tensors(step)
+        if prof is not None:
+            prof.phase("forward")
         hidden = self._forward(ids, pos, meta)
         if shape.S:
+            if prof is not None:
+                prof.phase("logits")
             self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])  # the gather
             if self.config.async_scheduling:  # the next step may feed these ids (placeholders)
+                if prof is not None:
+                    prof.phase("token_bcast")
                 self._prev_sampled = self.tp.broadcast(torch.empty(shape.S, dtype=torch.int64, device=self.device))
+        if prof is not None:
+            prof.end_step()
         return True
 
     def _forward(self, ids, pos, meta) -> torch.Tensor:
@@ -441,18 +522,29 @@ class ModelRunner:
         sampled = [s for s in so.scheduled if s.sample]
         ph_flags = [s.placeholder_input for s in sampled]
         meta_s = self._sampling_metadata(sampled, ph_flags) if sampled else None
+        prof = self.profiler
+        if prof is not None:
+            prof.phase("forward")
         hidden = self._forward(ids, pos, meta)
         if not sampled:
             out = (ModelRunnerOutput([], None) if not non_blocking
                    else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None))
         else:
+            if prof is not None:
+                prof.phase("logits")
             if rows_t is not None:  # only the last row of each sampling request
                 hidden = hidden[rows_t]
             logits = self.model.compute_logits(hidden)
             if defer_sampling:
                 self._deferred = (logits, sampled, ph_flags, meta_s, non_blocking)
+                if prof is not None:
+                    prof.end_step()
                 return None
+            if prof is not None:
+                prof.phase("sample")
             out = self._sample(logits, sampled, ph_flags, meta_s, non_blocking, grammar_output)
+        if prof is not None:
+            prof.end_step()
         if defer_sampling:
             self._deferred = out
             return None
@@ -485,6 +577,8 @@ class ModelRunner:
         out = self.sampler(logits, meta_s)
         tokens = out.sampled_token_ids
         if self.tp is not None and self.config.async_scheduling:
+            if self.profiler is not None:
+                self.profiler.phase("token_bcast")
             self.tp.broadcast(tokens)  # the other ranks feed placeholders from them too
         self._prev_sampled = tokens
         self._prev_rows = {s.request.request_id: i for i, s in enumerate(sampled)}

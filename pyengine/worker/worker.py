@@ -47,6 +47,12 @@ class Worker:
                                                peer_failure=peer_failure)
         self.tp.enable_symm_mem(self.config.dtype)
 
+        def check() -> None:  # rank 0, while it waits for a free slot of the step queue
+            msg = peer_failure() if peer_failure is not None else None
+            if msg is not None:
+                raise RuntimeError(msg)
+        self.tp.init_message_queue(check if self.rank == 0 else None)
+
     def load_model(self) -> None:
         self.model_runner = ModelRunner(self.config, self.tp)
 

@@ -143,7 +143,7 @@ def test_tp_step_broadcast_smoke(tmp_path):
 
     res = tp_step_broadcast.main(["--iters", "2", "--json", str(tmp_path / "b.json")])
     assert set(res["results"]) == set(tp_step_broadcast.SCENARIOS)
-    assert all(r["pack_us"] > 0 and "packed_us" in r and "cbor2_total_us" in r for r in res["results"].values())
+    assert all(r["pack_us"] > 0 and "packed_us" in r and "shm_us" in r and "cbor2_total_us" in r for r in res["results"].values())
 
 
 def test_preemption_smoke(tiny_dir, tmp_path):
@@ -171,3 +171,63 @@ def test_structured_smoke(tiny_dir, tmp_path):
     assert free["grammar_bitmask_steps"] == 0 and free["full_length_requests"] == n
     assert res["ratio_json_schema_vs_unconstrained"] > 0
     assert json.loads(out.read_text())["summary"].keys() == {"unconstrained", "json_schema"}
+
+
+def test_tp_profile_smoke(tmp_path):
+    from benchmarks import tp_profile
+
+    res = tp_profile.main(["--device", "cpu", "--shape", "tiny", "--model-dir", str(tmp_path / "m"), "--configs", "2",
+                           "--warmup-steps", "2", "--timed-steps", "6", "--profile-steps", "3", "--max-model-len", "128",
+                           "--trace-dir", str(tmp_path / "traces"), "--json", str(tmp_path / "p.json")])
+    r = res["results"]["2"]
+    assert r["tensor_parallel_size"] == 2 and r["timed"]["tokens"] == 6
+    ph = r["timed"]["rank_phases"]
+    # each rank timed its own phases in its own process, once per step
+    assert set(ph["0"]) >= {"pack", "send", "prepare", "forward", "logits", "sample", "token_bcast"}
+    assert set(ph["1"]) >= {"recv", "prepare", "forward", "logits", "token_bcast"}
+    assert ph["1"]["forward"]["count"] == 6
+    assert set(r["timed"]["rank0_engine_phases"]) >= {"schedule", "wait", "update", "output"}
+    # both ranks wrote a trace with the phases as record_function ranges
+    assert set(r["profiled"]) == {"0", "1"}
+    assert r["profiled"]["1"]["host_phases_from_trace_ms"]["forward"] > 0
+    assert sorted(p.name for p in (tmp_path / "traces" / "tp2").glob("*.trace.json.gz")) == \
+        ["rank0-w1.trace.json.gz", "rank1-w1.trace.json.gz"]
+
+
+def test_tp_profile_analyze_trace(tmp_path):
+    from benchmarks import tp_profile
+
+    def k(name, ts, dur, corr=None, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 7,
+                "args": {} if corr is None else {"correlation": corr}}
+    # three steps between four markers (-2, 20, 70, 90): step 1 = gemm 0-10, all-reduce 12-20
+    # (waited for the peer); a 30 us gap the host caused (the graph launched in "forward" at
+    # 45); step 2 = gemm 51-60, all-reduce 60-62, argmax 62-65; step 3 = one copy
+    events = [k("bitwise_not_kernel", -2, 1), k("sm90_xmma_gemm_bf16", 0, 10), k("ncclDevKernel_AllReduce_Sum", 12, 8),
+              k("bitwise_not_kernel", 20, 1), k("sm90_xmma_gemm_bf16", 51, 9, corr=5),
+              k("ncclDevKernel_AllReduce_Sum", 60, 2), k("reduce_kernel<ArgMaxOps>", 62, 3),
+              k("bitwise_not_kernel", 70, 1), k("Memcpy HtoD", 80, 2, cat="gpu_memcpy"), k("bitwise_not_kernel", 90, 1),
+              k("cudaGraphLaunch", 45, 3, corr=5, cat="cuda_runtime"), k("forward", 40, 10, cat="user_annotation")]
+    path = tmp_path / "t.json.gz"
+    import gzip
+    with gzip.open(path, "wt") as f:
+        json.dump({"baseTimeNanoseconds": 1_000_000, "traceEvents": events}, f)
+    a = tp_profile.analyze_trace(str(path), top_k=2)
+    assert a["steps"] == 3 and a["window_us"] == 93  # marker -2 .. 91
+    busy = 10 + 8 + 9 + 2 + 3 + 2
+    assert a["gpu_busy_us_per_step"] == pytest.approx(busy / 3)
+    assert a["by_class"]["all_reduce"]["count"] == 2 and a["by_class"]["all_reduce"]["min_us"] == 2
+    assert a["by_class"]["all_reduce"]["beyond_fastest_per_step_us"] == pytest.approx(6 / 3)
+    assert a["by_class"]["gemm"]["total_us"] == 19 and a["by_class"]["sampling"]["total_us"] == 3
+    assert a["by_class"]["copy"]["total_us"] == 2 and "marker" not in [t["name"] for t in a["top_kernels"]]
+    g = a["top_gaps"][0]  # 20 -> 51: between steps (marker 20-21 inside), launched by the graph in "forward"
+    assert g["gap_us"] == 31 and g["between_steps"] and g["before"] == "ncclDevKernel_AllReduce_Sum"
+    assert g["after"] == "sm90_xmma_gemm_bf16" and g["after_launch_phase"] == "forward"
+    assert g["after_launch_lead_us"] == 6
+    assert a["window_abs_us"] == [1000 - 2, 1000 + 91]
+    assert tp_profile.kernel_class("ncclDevKernel_SendRecv") == "gather"
+    assert tp_profile.kernel_class("ncclDevKernel_Broadcast_RING_LL") == "broadcast"
+    assert tp_profile.kernel_class("one_shot_all_reduce_kernel") == "all_reduce"
+    assert tp_profile.kernel_class("_decode_split_kernel") == "attention"
+    assert tp_profile.kernel_class("_rope_cache_kernel") == "norm_rope_act"
+    assert tp_profile.kernel_class("_rms_norm_kernel") == "norm_rope_act"

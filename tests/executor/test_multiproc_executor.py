@@ -39,9 +39,13 @@ def kv1_dir(tmp_path_factory, tokenizer_dir):
                             num_key_value_heads=1, vocab_size=515)
 
 
-def _greedy(model_dir, prompts, device="cpu", logprobs=None, **kw):
+def _greedy(model_dir, prompts, device="cpu", logprobs=None, shm=None, **kw):
+    """Greedy token ids (and logprobs); ``shm``: assert that rank 0 hands the steps over
+    through the shared-memory queue (True) or gloo (False)."""
     llm = LLM(str(model_dir), device=device, **kw)
     try:
+        if shm is not None:
+            assert (llm.llm_engine.engine_core.model_executor.driver.tp.mq is not None) == shm
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False,
                                                     logprobs=logprobs), use_tqdm=False)
         stats = llm.llm_engine.get_stats()
@@ -53,13 +57,15 @@ def _greedy(model_dir, prompts, device="cpu", logprobs=None, **kw):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family,async_sched", [("llama", True), ("qwen2", True), ("qwen3", True),
-                                                ("qwen3_kv1", False)])
-def test_tp2_greedy_matches_tp1_and_transformers(family, async_sched, model_dirs, kv1_dir, prompts):
+@pytest.mark.parametrize("family,async_sched,shm", [("llama", True, True), ("qwen2", True, True), ("qwen3", True, True),
+                                                    ("qwen3_kv1", False, False)])
+def test_tp2_greedy_matches_tp1_and_transformers(family, async_sched, shm, model_dirs, kv1_dir, prompts, monkeypatch):
+    # shm: rank 0 sends the steps through the shared-memory queue (the default), else gloo
+    monkeypatch.setenv("VENGINE_TP_SHM_BROADCAST", "1" if shm else "0")  # the worker inherits it
     model_dir = kv1_dir if family == "qwen3_kv1" else model_dirs[family]
     ref = hf_greedy(model_dir, prompts, MAX_TOKENS)
     tp1, _ = _greedy(model_dir, prompts, async_scheduling=async_sched, **STRESS)
-    tp2, stats = _greedy(model_dir, prompts, tensor_parallel_size=2, async_scheduling=async_sched, **STRESS)
+    tp2, stats = _greedy(model_dir, prompts, tensor_parallel_size=2, async_scheduling=async_sched, shm=shm, **STRESS)
     assert tp2 == tp1 == ref
     assert stats.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_gpu_blocks  # no KV block leaked
