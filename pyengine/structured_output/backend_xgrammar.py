@@ -247,7 +247,7 @@ class XgrammarBackend:
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
         self._ebnf_cache: dict = {}  # (schema text, any_whitespace) -> EBNF text (see _json_schema_ebnf)
         self.fill_threads = default_fill_threads() if fill_threads is None else fill_threads
-        self._batch_matcher = None  # xgrammar.BatchGrammarMatcher, built on the first large batch
+        self._batch_matcher = None  # xgrammar.BatchGrammarMatcher, built on the first fill
 
     def compile(self, so: StructuredOutputsParams):
         """An ``xgrammar.CompiledGrammar`` for validated, normalized params (see
