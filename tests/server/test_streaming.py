@@ -21,8 +21,10 @@ def _check_spread(status, events, t_sent, max_tokens, min_deliveries=None):
     assert content, events
     t_first, t_end = content[0][0], events[-1][0]
     total = t_end - t_sent
-    # the first token is out well before the end ...
-    assert t_first - t_sent < 0.5 * total, (t_first - t_sent, total)
+    # the first token is out well before the end (a server that buffers the response sends
+    # it with the last one; 0.75, not 0.5: admitting 32 streams on a loaded 2-core box can
+    # take a good part of the stream's time) ...
+    assert t_first - t_sent < 0.75 * total, (t_first - t_sent, total)
     # ... and the rest comes in many separate deliveries, none holding most of the stream
     times = sorted({round(t, 4) for t, _ in content})
     assert len(times) >= (min_deliveries or max_tokens // 4), len(times)
