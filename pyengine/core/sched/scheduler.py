@@ -373,13 +373,29 @@ class Scheduler:
 
         runner_output: ModelRunnerOutput with ``sampled_token_ids`` (host list, one per
         sampled row, in the order of ``so.scheduled`` rows with ``sample=True``) and
-        ``logprobs`` (None or a list of LogprobsEntry per row). The structured-output
-        grammars take the step's tokens first, in one call into the grammar backend."""
+        ``logprobs`` (None or a list of LogprobsEntry per row). With constrained requests in
+        the engine, their grammars first take the step's tokens in one call into the
+        grammar backend."""
         t0 = time.perf_counter()
-        live = self._live_rows(so, runner_output)
-        rejected = self._accept_structured(live) if self.structured_output_manager.num_live else ()
+        tokens = runner_output.sampled_token_ids
+        lps = runner_output.logprobs
+        rejected = self._accept_structured(so, tokens) if self.structured_output_manager.num_live else ()
         outputs: list[EngineCoreOutput] = []
-        for req, tok, lp in live:
+        row = 0
+        for s in so.scheduled:
+            if not s.sample:
+                continue
+            tok, lp = tokens[row], (lps[row] if lps is not None else None)
+            row += 1
+            req = s.request
+            if req.is_finished() or req.request_id not in self.requests:
+                continue  # finished while this batch was in flight
+            if s.epoch != req.num_preemptions:
+                # Preempted while this batch was in flight: the token is dropped, and the
+                # runner rewinds the request's seeded generator past the draw (see
+                # ModelRunner._rewind_generators) so its tokens match sync scheduling.
+                self._discarded_draws.add(req.request_id)
+                continue
             try:
                 self._on_token_consumed(req)
                 req.all_token_ids.append(tok)
@@ -411,36 +427,21 @@ class Scheduler:
         self.step_host_time_s += time.perf_counter() - t0
         return self._make_outputs(outputs, so.total_num_scheduled_tokens)
 
-    def _live_rows(self, so: SchedulerOutput, runner_output) -> list[tuple[Request, int, object]]:
-        """(request, sampled token, logprobs entry) of the step's sampled rows whose request
-        still wants the token: not finished meanwhile, not preempted since scheduling."""
-        live = []
-        tokens = runner_output.sampled_token_ids
-        lps = runner_output.logprobs
+    def _accept_structured(self, so: SchedulerOutput, tokens: list[int]) -> set:
+        """Advance each constrained request's grammar by its token of this step; returns
+        the ids whose grammar rejected it."""
+        reqs, grammars, toks = [], [], []
         row = 0
         for s in so.scheduled:
             if not s.sample:
                 continue
-            tok, lp = tokens[row], (lps[row] if lps is not None else None)
+            tok = tokens[row]
             row += 1
             req = s.request
-            if req.is_finished() or req.request_id not in self.requests:
-                continue  # finished while this batch was in flight
-            if s.epoch != req.num_preemptions:
-                # Preempted while this batch was in flight: the token is dropped, and the
-                # runner rewinds the request's seeded generator past the draw (see
-                # ModelRunner._rewind_generators) so its tokens match sync scheduling.
-                self._discarded_draws.add(req.request_id)
-                continue
-            live.append((req, tok, lp))
-        return live
-
-    def _accept_structured(self, live) -> set:
-        """Advance each constrained request's grammar by its token; the ids it rejected."""
-        reqs, grammars, toks = [], [], []
-        for req, tok, _ in live:
             sor = req.structured_output_request
-            if sor is not None:
+            # the rows update_from_output keeps (not finished meanwhile, not preempted since)
+            if (sor is not None and not req.is_finished() and req.request_id in self.requests
+                    and s.epoch == req.num_preemptions):
                 reqs.append(req)
                 grammars.append(sor.grammar)
                 toks.append(tok)
