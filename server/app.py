@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+DEFAULT_MAX_CONCURRENT_STREAMS = 1024  # --max-concurrent-streams (server.wsgi applies it)
 SOCKET_ENVIRON_KEY = "vengine.socket"
 _COUNTED_ENVIRON_KEY = "vengine.counted"
 
@@ -78,6 +79,9 @@ class ServerConfig:
     dev_mode: bool = False  # VENGINE_SERVER_DEV_MODE (vLLM's VLLM_SERVER_DEV_MODE): development endpoints (/reset_prefix_cache)
     tool_call_parser: Optional[str] = None  # --tool-call-parser (pyengine.tool_parsers)
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    # prompts × n in one request: at most the requests the server serves at once
+    # (--max-concurrent-streams), so one request cannot queue more work than that many clients
+    max_sequences_per_request: int = DEFAULT_MAX_CONCURRENT_STREAMS
 
     @classmethod
     def from_args(cls, engine, args) -> "ServerConfig":
@@ -100,6 +104,8 @@ class ServerConfig:
                    max_model_len=int(getattr(ecfg, "max_model_len", 0) or 0),
                    tool_call_parser=getattr(args, "tool_call_parser", None) if args is not None else None,
                    enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
+                   max_sequences_per_request=int(getattr(args, "max_concurrent_streams", None)
+                                                 or DEFAULT_MAX_CONCURRENT_STREAMS),
                    dev_mode=envs.server_dev_mode())
 
 

@@ -23,7 +23,8 @@ def register_completion_routes(app: Flask, st) -> None:
     def completions():
         req = _parse(CompletionRequest)
         model = _check_model(st, req.model)
-        inputs = completion_inputs(st.engine.processor, req, run=st.bridge.run_blocking)
+        inputs = completion_inputs(st.engine.processor, req, run=st.bridge.run_blocking,
+                                   max_sequences=st.cfg.max_sequences_per_request)
         echo = None
         if req.echo:
             echo = [text if text is not None else prompt_text_for_echo(st.tokenizer, ids)

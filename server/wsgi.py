@@ -41,11 +41,10 @@ from gevent.pool import Pool
 from gevent.pywsgi import WSGIHandler, WSGIServer
 from werkzeug.exceptions import RequestTimeout
 
-from .app import SOCKET_ENVIRON_KEY, error_body
+from .app import DEFAULT_MAX_CONCURRENT_STREAMS, SOCKET_ENVIRON_KEY, error_body
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_CONCURRENT_STREAMS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 0.0  # vLLM's default: requests in flight are cut at once
 DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0  # uvicorn's default, and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 DEFAULT_REQUEST_READ_TIMEOUT = 60.0  # nginx's client_header_timeout / client_body_timeout

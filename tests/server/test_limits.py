@@ -33,6 +33,20 @@ def server_256(llama_dir):
     engine.shutdown()
 
 
+@pytest.mark.parametrize("prompts,n", [(1025, 1), (9, 128)])
+def test_prompts_times_n_over_the_stream_cap_is_400(server_256, prompts, n):
+    # one request with a list of 100,000 prompts queued them all ahead of every later client
+    body = {"model": NAME, "prompt": [[5]] * prompts, "n": n, "temperature": 1.0, "max_tokens": 1}
+    status, _, data = post(server_256.port, "/v1/completions", body)
+    err = json.loads(data)["error"]
+    assert status == 400 and err["param"] == "prompt", data
+    assert f"asks for {prompts * n} sequences" in err["message"] and "at most 1024" in err["message"]
+    ok = {"model": NAME, "prompt": [[5]] * 8, "n": 128, "temperature": 1.0, "max_tokens": 1}  # 1024: allowed
+    status, _, data = post(server_256.port, "/v1/completions", ok)
+    assert status == 200, data
+    assert len(json.loads(data)["choices"]) == 1024
+
+
 def _chat_messages_of_length(tokenizer, n):
     """Messages whose chat-template rendering (what the server feeds) is ``n`` tokens."""
     def length(content):

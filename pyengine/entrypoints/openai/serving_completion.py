@@ -28,11 +28,12 @@ def refuse_tool_fields(req: CompletionRequest) -> None:
                                       "/v1/chat/completions.", parameter=name)
 
 
-def completion_prompts(processor, req: CompletionRequest,
-                       run: Callable = lambda fn: fn()) -> list[tuple[Optional[str], list[int]]]:
+def completion_prompts(processor, req: CompletionRequest, run: Callable = lambda fn: fn(), n: int = 1,
+                       max_sequences: Optional[int] = None) -> list[tuple[Optional[str], list[int]]]:
     """(text or None, token ids) of each prompt. The rules that need no tokenization run
     on every prompt first (``Processor.check_prompt``), then the texts are tokenized
-    together through ``run(fn)``. Raises VLLMValidationError."""
+    together through ``run(fn)``. ``max_sequences``: the most prompts × ``n`` one request
+    may ask for (None: no bound). Raises VLLMValidationError."""
     p = req.prompt
     if isinstance(p, str) or (p and isinstance(p[0], int)):
         items: list = [p]
@@ -40,6 +41,10 @@ def completion_prompts(processor, req: CompletionRequest,
         items = list(p)
     if not items:
         raise VLLMValidationError("The prompt cannot be empty.", parameter="prompt")
+    if max_sequences is not None and len(items) * n > max_sequences:
+        # one request would otherwise queue any number of sequences ahead of every later client
+        raise VLLMValidationError(f"The request asks for {len(items) * n} sequences ({len(items)} prompts × n={n}); "
+                                  f"at most {max_sequences} per request.", parameter="prompt")
     for item in items:
         processor.check_prompt(item, "prompt")
     texts = [item for item in items if isinstance(item, str)]
@@ -56,8 +61,9 @@ class CompletionInputs:
 
 
 def completion_inputs(processor, req: CompletionRequest, *, output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                      run: Callable = lambda fn: fn()) -> CompletionInputs:
-    """Every rule of a completions request. Raises VLLMValidationError."""
+                      run: Callable = lambda fn: fn(), max_sequences: Optional[int] = None) -> CompletionInputs:
+    """Every rule of a completions request (``max_sequences``: see ``completion_prompts``).
+    Raises VLLMValidationError."""
     check_stream_options(req)
     if req.suffix:
         raise VLLMValidationError("suffix is not supported.", parameter="suffix")
@@ -68,7 +74,7 @@ def completion_inputs(processor, req: CompletionRequest, *, output_kind: Request
     params = to_sampling_params(processor, req, max_tokens=ENGINE_DEFAULT if req.max_tokens is None else req.max_tokens,
                                 logprobs=req.logprobs, structured_outputs=request_structured_outputs(req),
                                 output_kind=output_kind)
-    prompts = completion_prompts(processor, req, run)
+    prompts = completion_prompts(processor, req, run, params.n, max_sequences)
     return CompletionInputs(prompts, params, req.priority or 0)
 
 
