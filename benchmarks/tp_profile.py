@@ -3,8 +3,10 @@ busy/idle, the largest idle gaps and what precedes them, GPU time per kernel cla
 host time per step phase on every rank.
 
 Each ``--configs`` entry (``1``, ``2``, ``2-symm-mem``, ``2-symm-mem-gloo``: the
-tensor-parallel size; ``symm-mem``: ``VENGINE_SYMM_MEM_ALLREDUCE=1``; ``gloo``: the steps
-over gloo instead of the shared-memory ring, ``VENGINE_TP_SHM_BROADCAST=0``) runs in a
+tensor-parallel size; ``symm-mem``: ``VENGINE_SYMM_MEM_ALLREDUCE=1``, which fuses each
+layer's all-reduces with the residual add and RMSNorm after them unless ``nofuse``
+(``VENGINE_FUSED_ALLREDUCE_RMSNORM=0``); ``gloo``: the steps over gloo instead of the
+shared-memory ring, ``VENGINE_TP_SHM_BROADCAST=0``) runs in a
 process of its own (one engine per
 process; a hang costs only its entry). In each: ``--batch`` (1) requests of a
 ``--input-len``-token prompt, greedy, ``ignore_eos``, are prefilled and decoded
@@ -428,7 +430,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         argv_c = [a for a in (sys.argv[1:] if argv is None else argv)]
         argv_c = _drop_opt(_drop_opt(argv_c, "--json"), "--configs") + ["--config", c]
         env = {"VENGINE_SYMM_MEM_ALLREDUCE": "1" if "symm" in c else "0",
-               "VENGINE_TP_SHM_BROADCAST": "0" if "gloo" in c else "1"}
+               "VENGINE_TP_SHM_BROADCAST": "0" if "gloo" in c else "1",
+               "VENGINE_FUSED_ALLREDUCE_RMSNORM": "0" if "nofuse" in c else "1"}
         r = _run("tp_profile.py", argv_c, args.timeout, env)
         results[c] = r.get("results", {}).get(c, r)
         finish("tp_profile", args, hw, cmd, results=results)  # after each: a later hang loses nothing

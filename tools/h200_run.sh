@@ -67,6 +67,11 @@ step 120 attention python3 benchmarks/attention_kernels.py --verbose --json "$OU
 # TPOT / throughput TP=2 vs TP=1 (each run its own process), how the step reaches the other ranks
 step 270 gpu_tp python3 -m pytest -q -m gpu tests/distributed tests/executor -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
 step 300 tp python3 benchmarks/tp.py --timeout 100 --throughput-shapes llama-3.1-8b --json "$OUT/tp.json"
+# the fused all-reduce + residual add + RMSNorm kernel (pyengine/distributed/all_reduce_norm.py): its test,
+# its cost per call against NCCL and torch's one-shot (each + the norm), and the decode profile with it on and off
+step 150 ar_norm_test python3 -m pytest -q -m gpu tests/distributed/test_all_reduce_norm.py -p no:cacheprovider --tb=short -o faulthandler_timeout=120
+step 120 ar_norm_bench python3 benchmarks/all_reduce_norm.py --json "$OUT/all_reduce_norm.json"
+step 330 tp_profile_fused python3 benchmarks/tp_profile.py --timeout 95 --configs 1,2-symm-mem,2-symm-mem-nofuse --json "$OUT/tp_profile_fused.json"
 step 45 tp_step_broadcast python3 benchmarks/tp_step_broadcast.py --json "$OUT/tp_step_broadcast.json"
 # where a TP decode step's time goes (TP=1, TP=2 over NCCL, TP=2 with VENGINE_SYMM_MEM_ALLREDUCE=1, and that with the
 # steps over gloo instead of the shared-memory ring; each its own

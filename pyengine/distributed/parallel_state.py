@@ -29,7 +29,10 @@ import torch
 import torch.distributed as dist
 
 from pyengine import envs
+from pyengine.distributed import all_reduce_norm
+from pyengine.distributed.all_reduce_norm import AllReduceRMSNorm
 from pyengine.distributed.shm_broadcast import ShmMessageQueue
+from pyengine.layers.layernorm import fused_add_rms_norm
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ class GroupCoordinator:
         self.cpu_group = cpu_group
         self.is_first_rank = rank == 0
         self.symm_mem: Optional[SymmMemAllReduce] = None
+        self.fused_norm: Optional[AllReduceRMSNorm] = None  # enable_symm_mem sets it up
         self.mq: Optional[ShmMessageQueue] = None  # rank 0's step messages (init_message_queue)
 
     # ---- model collectives (device group) -------------------------------------------
@@ -85,6 +89,18 @@ class GroupCoordinator:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = sum over the group of x``; returns ``(rms_norm(s + residual), s + residual)``.
+        x: this rank's partial sum [T, hidden]; residual: [T, hidden], the same on every
+        rank; weight: [hidden]. One kernel (``AllReduceRMSNorm``) when ``enable_symm_mem``
+        set it up and the shapes fit, else ``all_reduce`` then ``fused_add_rms_norm``.
+        Collective, CUDA-graph capturable."""
+        fused = self.fused_norm
+        if fused is not None and fused.accepts(x, residual):
+            return fused(x, residual, weight, eps)
+        return fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
+
     def enable_symm_mem(self, dtype: torch.dtype, max_bytes: int = SYMM_MEM_MAX_BYTES) -> bool:
         """Route small all-reduces of ``dtype`` through torch's symmetric memory (a one-shot
         all-reduce over NVLink peer-to-peer reads: a few microseconds where NCCL takes
@@ -94,7 +110,11 @@ class GroupCoordinator:
         batch-1 TPOT of the 8B shape from 3.39 to 3.25 ms, but a second tensor-parallel
         engine created in the same process (after ``LLM.shutdown``) hangs in torch's
         symmetric-memory rendezvous. Off on CPU and where torch lacks the op; if any rank
-        fails to set it up, no rank uses it. Returns whether it is on."""
+        fails to set it up, no rank uses it. Returns whether it is on.
+
+        With it, unless ``VENGINE_FUSED_ALLREDUCE_RMSNORM=0``, the all-reduces that a residual
+        add and RMSNorm follow become one kernel with them (``all_reduce_add_rms_norm``,
+        pyengine/distributed/all_reduce_norm.py), under the same every-rank-or-none rule."""
         if self.device.type != "cuda" or self.world_size == 1 or not envs.symm_mem_allreduce():
             return False
         sm, err = None, None
@@ -107,6 +127,13 @@ class GroupCoordinator:
                         err or "another rank could not set it up")
             return False
         self.symm_mem = sm
+        if envs.fused_allreduce_rmsnorm():
+            fused, err = all_reduce_norm.try_create(self.device_group, self.device, dtype, max_bytes,
+                                                    self.rank, self.world_size)
+            if self.all_reduce_min(int(fused is not None)) == 0:  # also: every rank's flags are zeroed
+                logger.info("Fused all-reduce + RMSNorm off (%s).", err or "another rank could not set it up")
+            else:
+                self.fused_norm = fused
         return True
 
     def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:

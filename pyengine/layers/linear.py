@@ -6,7 +6,9 @@
   split on its own, so every rank holds [part0 slice | part1 slice | ...].
 * ``RowParallelLinear``: the input dim is split (its input is a column-parallel output);
   each rank's partial product is summed over the ranks by one all-reduce, then the bias
-  is added once.
+  is added once. With ``reduce_results=False`` it returns this rank's partial sum (rank 0's
+  with the bias) and the caller sums it, fused with what follows (the decoder layers'
+  all-reduce + residual add + RMSNorm, ``RMSNorm.forward(..., all_reduce_x=True)``).
 
 ``tp_group`` is a ``pyengine.distributed.GroupCoordinator`` or None (one rank). With one
 rank every layer is exactly one ``F.linear`` — no extra op or launch.
@@ -198,13 +200,17 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input dim split: weight [output_size, input_size / tp], bias [output_size] (whole).
     ``forward(x [T, input_size / tp]) -> [T, output_size]``, summed over the ranks (one
-    all-reduce) when tp > 1, bias added once after the sum."""
+    all-reduce) when tp > 1, bias added once after the sum. ``reduce_results=False``
+    (vLLM's flag): no all-reduce, each rank returns its partial product, rank 0's plus the
+    bias, so the ranks' outputs sum to the layer's output."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_group=None):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_group=None,
+                 reduce_results: bool = True):
         super().__init__(input_size, output_size, tp_group)
         self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
         self.weight = _param(output_size, self.input_size_per_partition, loader=self.weight_loader)
         self.bias = _param(output_size) if bias else None
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
         _check_shape(loaded, (self.output_size, self.input_size))
@@ -214,5 +220,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
+        if not self.reduce_results:
+            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         y = self.tp_group.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -36,7 +36,8 @@ class DecoderAttention(nn.Module):
     """qkv_proj -> (optional per-head q/k RMSNorm) -> RoPE -> backend attention -> o_proj.
 
     With tensor parallelism a rank holds ``num_heads`` query heads and ``num_kv_heads``
-    KV heads (see QKVParallelLinear); o_proj sums the ranks' outputs.
+    KV heads (see QKVParallelLinear) and returns its partial sum of o_proj's output
+    (the caller all-reduces it).
     ``kv_cache`` ([2, num_blocks, block_size, num_kv_heads, D]) is a plain attribute set
     by ``bind_kv_caches``; None until then.
     """
@@ -51,8 +52,9 @@ class DecoderAttention(nn.Module):
                                           bias=qkv_bias, tp_group=tp_group)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
+        # Not reduced here: the layer's post-attention norm sums it (fused with the norm).
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
-                                        tp_group=tp_group)
+                                        tp_group=tp_group, reduce_results=False)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -78,7 +80,9 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate/up fused into ``gate_up_proj`` (shards 0, 1)."""
+    """down(silu(gate(x)) * up(x)) with gate/up fused into ``gate_up_proj`` (shards 0, 1).
+    With tensor parallelism it returns this rank's partial sum of down_proj's output (the
+    caller all-reduces it)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  hidden_act: str = "silu", tp_group=None):
@@ -87,7 +91,8 @@ class GatedMLP(nn.Module):
             raise ValueError(f"Unsupported hidden_act {hidden_act!r}; only 'silu' is supported.")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
                                                        tp_group=tp_group)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_group=tp_group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_group=tp_group,
+                                           reduce_results=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,18 +106,22 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
                             bias=bool(getattr(hf_config, "mlp_bias", False)),
                             hidden_act=getattr(hf_config, "hidden_act", "silu"), tp_group=tp_group)
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, tp_group)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, tp_group)
 
     def forward(self, positions, hidden, residual, meta):
         # residual carries the pre-norm stream; the fused add+norm saves one pass per layer.
-        if residual is None:
+        # With tensor parallelism the attention and MLP outputs arrive as this rank's
+        # partial sums, and each norm after them all-reduces first (one kernel with the
+        # add and norm where the group has it). Two such calls per layer: an even number
+        # per forward, as pyengine/distributed/all_reduce_norm.py needs.
+        if residual is None:  # first layer: hidden is the (already reduced) embedding
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, all_reduce_x=True)
         hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, all_reduce_x=True)
         return self.mlp(hidden), residual
 
 
@@ -126,14 +135,14 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(hf_config, attn_backend, self.rotary_emb, qkv_bias, o_bias, qk_norm, tp_group)
             for _ in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, tp_group)
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, all_reduce_x=True)  # the last MLP's partial sum
         return hidden
 
 

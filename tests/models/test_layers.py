@@ -161,6 +161,23 @@ def test_mlp_and_embedding_shards_sum_to_the_full_layer(tmp_path):
     assert torch.equal(torch.cat(logits, -1)[:, vocab:], torch.zeros(3, 1))  # padding row is zero
 
 
+def test_row_parallel_partial_sums_carry_the_bias_once(tmp_path):
+    """reduce_results=False: no all-reduce (the group has no process group here, so one
+    would fail); the ranks' outputs, rank 0's with the bias, sum to the full layer."""
+    from pyengine.layers.linear import RowParallelLinear
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(5, 8, generator=g), torch.randn(5, generator=g)
+    src = _slices(tmp_path, {"w": w, "b": b})
+    x = torch.randn(3, 8, generator=g)
+    total = 0
+    for group in _ranks(2):
+        layer = RowParallelLinear(8, 5, bias=True, tp_group=group, reduce_results=False)
+        layer.weight.weight_loader(layer.weight, src["w"])
+        layer.bias.weight_loader(layer.bias, src["b"])
+        total = total + layer(x[:, group.rank * 4:(group.rank + 1) * 4])
+    torch.testing.assert_close(total, x @ w.T + b)
+
+
 def test_parallel_loader_rejects_wrong_checkpoint_shape():
     from pyengine.layers.linear import RowParallelLinear
     group = _ranks(2)[1]
