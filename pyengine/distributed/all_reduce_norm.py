@@ -115,6 +115,70 @@ def _all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         tl.store(out_ptr + row * H + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _ll_words_to_values(words, dt: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+    """uint32 words [BLOCK_W] -> their elements as float32 [BLOCK], in memory order."""
+    if PAIRS:  # two 16-bit elements per word, the first in the low half
+        lo = (words & 0xFFFF).to(tl.uint16).to(dt, bitcast=True)
+        hi = (words >> 16).to(tl.uint16).to(dt, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), [BLOCK]).to(tl.float32)
+    else:
+        return words.to(dt, bitcast=True).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["rank", "parity"])
+def _all_reduce_add_rms_norm_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, bases_ptr,
+                                       rank, parity, rows, eps,
+                                       WORLD: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr,
+                                       HW: tl.constexpr, BLOCK_W: tl.constexpr, PAIRS: tl.constexpr,
+                                       DATA_OFF: tl.constexpr, SLOT_WORDS: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    dt = x_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    ow = tl.arange(0, BLOCK_W)
+    mw = ow < HW
+    # This program's call count: a counter in this rank's buffer that only program `pid`
+    # touches; every rank's advances alike (same calls, same grids).
+    local = tl.load(bases_ptr + rank)
+    counter = local.to(tl.pointer_type(tl.int32)) + pid
+    epoch = tl.load(counter) + 1
+    tl.store(counter, epoch)
+    epoch_u32 = epoch.to(tl.uint32, bitcast=True)
+    flag = epoch_u32.to(tl.uint64) << 32
+    xw_ptr = x_ptr.to(tl.pointer_type(tl.uint32))
+    for row in range(pid, rows, nprog):
+        entry = flag | tl.load(xw_ptr + row * HW + ow, mask=mw, other=0).to(tl.uint64)
+        for r in tl.static_range(WORLD):
+            if r != rank:
+                dst = (tl.load(bases_ptr + r) + DATA_OFF).to(tl.pointer_type(tl.uint64))
+                tl.store(dst + (parity * WORLD + rank) * SLOT_WORDS + row * HW + ow, entry, mask=mw)
+    recv = (local + DATA_OFF).to(tl.pointer_type(tl.uint64)) + parity * WORLD * SLOT_WORDS
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, rows, nprog):
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # rank order: every rank sums the same way
+            if r == rank:
+                v = tl.load(x_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                src = recv + r * SLOT_WORDS + row * HW + ow
+                # volatile: past L1, which does not see the peer's stores; spin until every
+                # word carries this call's epoch
+                e = tl.load(src, mask=mw, other=0, volatile=True)
+                while tl.min(((e >> 32).to(tl.uint32) == epoch_u32) | (ow >= HW), 0) == 0:
+                    e = tl.load(src, mask=mw, other=0, volatile=True)
+                v = _ll_words_to_values(e.to(tl.uint32), dt, BLOCK, PAIRS)
+            acc += v
+        res = tl.load(res_ptr + row * H + offs, mask=mask, other=0.0)
+        s = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + row * H + offs, s, mask=mask)
+        sf = s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, 0) / H + eps)
+        y = (sf * rstd).to(dt).to(tl.float32) * w
+        tl.store(out_ptr + row * H + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 class AllReduceRMSNorm:
     """``(x, residual, weight, eps) -> (rms_norm(sum_ranks(x) + residual), sum_ranks(x) +
     residual)`` in one kernel, for ``x`` of up to ``max_bytes`` (this rank's partial sum).
@@ -129,30 +193,32 @@ class AllReduceRMSNorm:
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                 max_bytes: int, rank: int, world_size: int):
+                 max_bytes: int, rank: int, world_size: int, ll: bool = True):
         import torch.distributed._symmetric_memory as symm_mem
 
         if world_size * MAX_PROGRAMS * 4 > _FLAGS_BYTES:
             raise RuntimeError(f"fused all-reduce + RMSNorm supports at most {_FLAGS_BYTES // (4 * MAX_PROGRAMS)} ranks")
-        self.rank, self.world_size, self.dtype = rank, world_size, dtype
+        self.rank, self.world_size, self.dtype, self.ll = rank, world_size, dtype, ll
         self.slot_numel = max_bytes // dtype.itemsize
-        nbytes = _FLAGS_BYTES + 2 * world_size * max_bytes
+        self.slot_words = max_bytes // 4
+        nbytes = _FLAGS_BYTES + 2 * world_size * max_bytes * (2 if ll else 1)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.9
         if enable is not None:
             enable(group.group_name)
         self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self.buffer[:_FLAGS_BYTES].zero_()
+        self.buffer.zero_()  # flags, counters, and no stale word may carry a valid epoch
         handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self.bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
-        # Flags zeroed before any peer can set one: the caller meets the other ranks (a
-        # CPU-side collective) after this returns.
+        # Zeroed before any peer writes here: the caller meets the other ranks (a CPU-side
+        # collective) after this returns.
         torch.cuda.synchronize(device)
         self._parity = 0
 
     def accepts(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         return (x.dtype == self.dtype and x.is_cuda and x.dim() == 2 and x.is_contiguous()
                 and residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
-                and x.numel() <= self.slot_numel and x.shape[-1] <= 16384)
+                and x.numel() <= self.slot_numel and x.shape[-1] <= 16384
+                and x.shape[-1] * x.element_size() % 4 == 0)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,11 +229,20 @@ class AllReduceRMSNorm:
         if rows == 0:
             return out, res_out
         block = triton.next_power_of_2(hidden)
-        _all_reduce_add_rms_norm_kernel[(min(rows, MAX_PROGRAMS),)](
-            x, residual, weight, out, res_out, self.bases, self.bases.data_ptr(),
-            self.rank, self.world_size, parity, rows, float(eps),
-            WORLD=self.world_size, H=hidden, BLOCK=block, DATA_OFF=_FLAGS_BYTES,
-            SLOT_NUMEL=self.slot_numel, num_warps=8 if block >= 4096 else 4)
+        grid = (min(rows, MAX_PROGRAMS),)
+        nw = 8 if block >= 4096 else 4
+        if self.ll:
+            hw = hidden * x.element_size() // 4
+            _all_reduce_add_rms_norm_ll_kernel[grid](
+                x, residual, weight, out, res_out, self.bases, self.rank, parity, rows, float(eps),
+                WORLD=self.world_size, H=hidden, BLOCK=block, HW=hw, BLOCK_W=triton.next_power_of_2(hw),
+                PAIRS=x.element_size() == 2, DATA_OFF=_FLAGS_BYTES, SLOT_WORDS=self.slot_words, num_warps=nw)
+        else:
+            _all_reduce_add_rms_norm_kernel[grid](
+                x, residual, weight, out, res_out, self.bases, self.bases.data_ptr(),
+                self.rank, self.world_size, parity, rows, float(eps),
+                WORLD=self.world_size, H=hidden, BLOCK=block, DATA_OFF=_FLAGS_BYTES,
+                SLOT_NUMEL=self.slot_numel, num_warps=nw)
         return out, res_out
 
 
