@@ -75,9 +75,6 @@ def _rank_main(rank: int, init: str, args, conn) -> None:
     assert tp.enable_symm_mem(torch.bfloat16), "symmetric memory unavailable"
     assert tp.fused_norm is not None, "fused all-reduce + RMSNorm unavailable"
     fused, sm = tp.fused_norm, tp.symm_mem
-    from pyengine.distributed.all_reduce_norm import AllReduceRMSNorm
-    flag = AllReduceRMSNorm(tp.device_group, device, torch.bfloat16, 1 << 20, rank, 2, ll=False)
-    torch.distributed.barrier()
     weight = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
     results = {}
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -91,8 +88,6 @@ def _rank_main(rank: int, init: str, args, conn) -> None:
                     x = xs[k].clone() if mode == "nccl" else xs[k]  # NCCL reduces in place
                     if mode == "fused":
                         _, r = fused(x, r, weight, 1e-5)
-                    elif mode == "fused_flag":
-                        _, r = flag(x, r, weight, 1e-5)
                     else:
                         if mode == "nccl":
                             torch.distributed.all_reduce(x, group=tp.device_group)
@@ -102,8 +97,8 @@ def _rank_main(rank: int, init: str, args, conn) -> None:
             return run
 
         row = {}
-        for mode in ("nccl", "symm_mem", "fused", "fused_flag"):
-            if mode != "nccl" and rows * HIDDEN > sm.max_numel:
+        for mode in ("nccl", "symm_mem", "fused"):
+            if mode != "nccl" and not fused.accepts(xs[0], r0):
                 continue
             row[mode] = _time_graph(chain(mode), args.iters, args.repeats, device) / args.calls
         # a bare clone per call is in the nccl chain only; time it to subtract
@@ -132,12 +127,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     results = r.recv()
     for p in procs:
         p.join()
-    rows = [[n, v["nccl"] - v["clone"], v.get("symm_mem"), v.get("fused"), v.get("fused_flag"),
+    rows = [[n, v["nccl"] - v["clone"], v.get("symm_mem"), v.get("fused"),
              (v.get("fused") / v.get("symm_mem")) if v.get("fused") and v.get("symm_mem") else None]
             for n, v in results.items()]
     print(header_md("All-reduce + residual add + RMSNorm, hidden 4096 bf16, two GPUs (us per call)", hw, cmd))
-    print(md_table(["rows", "NCCL + norm", "symm-mem one-shot + norm", "fused kernel", "fused, flag barrier",
-                    "fused / symm-mem"], rows))
+    print(md_table(["rows", "NCCL + norm", "symm-mem one-shot + norm", "fused kernel", "fused / symm-mem"], rows))
     return finish("all_reduce_norm", args, hw, cmd, results=results)
 
 

@@ -113,8 +113,7 @@ class DecoderLayer(nn.Module):
         # residual carries the pre-norm stream; the fused add+norm saves one pass per layer.
         # With tensor parallelism the attention and MLP outputs arrive as this rank's
         # partial sums, and each norm after them all-reduces first (one kernel with the
-        # add and norm where the group has it). Two such calls per layer: an even number
-        # per forward, as pyengine/distributed/all_reduce_norm.py needs.
+        # add and norm where the group has it).
         if residual is None:  # first layer: hidden is the (already reduced) embedding
             residual = hidden
             hidden = self.input_layernorm(hidden)
