@@ -1,0 +1,104 @@
+"""Batch-1 linear layers: cuBLAS (``F.linear``) against pyengine/ops/gemv.py's Triton GEMV
+on the Llama-3.1-8B shapes at TP=1 and TP=2 (bf16, one GPU), microseconds per call and
+the weight bytes read per second.
+
+Each timing is a CUDA graph of calls that rotate over copies of the weight totalling more
+than 8x the L2 cache (so every call reads its weight from HBM, as in a forward), replayed
+``--iters`` times; the median of ``--repeats``. ``--sweep`` times every (BLOCK_N, BLOCK_K,
+warps) of the grid below and reports the best per shape.
+
+    python benchmarks/gemv.py --sweep --json gemv.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+from benchmarks.common import finish, hardware_info, header_md, md_table  # noqa: E402
+
+# (name, N, K): q/k/v, o_proj, gate/up, down_proj of Llama-3.1-8B, whole and halved
+SHAPES = [("qkv tp1", 6144, 4096), ("o tp1", 4096, 4096), ("gate_up tp1", 28672, 4096), ("down tp1", 4096, 14336),
+          ("qkv tp2", 3072, 4096), ("o tp2", 4096, 2048), ("gate_up tp2", 14336, 4096), ("down tp2", 4096, 7168)]
+GRID = {"block_n": (8, 16, 32), "block_k": (512, 1024), "num_warps": (4, 8)}
+DEFAULT = {"block_n": 16, "block_k": 512, "num_warps": 8}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true", help="time every config of the grid")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", dest="json_out", default=None)
+    return p
+
+
+def _time(fn, iters: int, repeats: int) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        n = fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters / n)
+    del g
+    return statistics.median(times)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from pyengine.ops.gemv import gemv
+
+    args = build_parser().parse_args(argv)
+    hw = hardware_info("cuda")
+    cmd = "benchmarks/gemv.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    results, rows = {}, []
+    configs = ([dict(zip(GRID, c)) for c in itertools.product(*GRID.values())] if args.sweep else [DEFAULT])
+    for name, n, k in SHAPES:
+        nbytes = n * k * 2
+        copies = max(2, -(-8 * l2 // nbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, ws[0])
+        cublas = _time(lambda: [F.linear(x, w) for w in ws] and len(ws), args.iters, args.repeats)
+        best = None
+        for cfg in configs:
+            err = (gemv(x, ws[0], **cfg).float() - ref.float()).abs().max().item()
+            t = _time(lambda: [gemv(x, w, **cfg) for w in ws] and len(ws), args.iters, args.repeats)
+            if best is None or t < best[0]:
+                best = (t, cfg, err)
+        t, cfg, err = best
+        results[name] = {"n": n, "k": k, "bytes": nbytes, "cublas_us": cublas, "gemv_us": t, "config": cfg,
+                         "max_abs_err_vs_cublas": err, "cublas_tb_s": nbytes / cublas / 1e6,
+                         "gemv_tb_s": nbytes / t / 1e6}
+        rows.append([name, f"{n}x{k}", cublas, t, t / cublas, nbytes / cublas / 1e6, nbytes / t / 1e6,
+                     f"{cfg['block_n']}/{cfg['block_k']}/{cfg['num_warps']}", err])
+        del ws
+        torch.cuda.empty_cache()
+    print(header_md("Batch-1 linear, bf16: cuBLAS vs Triton GEMV (us per call)", hw, cmd))
+    print(md_table(["layer", "N x K", "cuBLAS", "GEMV", "GEMV / cuBLAS", "cuBLAS TB/s", "GEMV TB/s",
+                    "BLOCK_N/BLOCK_K/warps", "max |diff|"], rows))
+    return finish("gemv", args, hw, cmd, results=results)
+
+
+if __name__ == "__main__":
+    main()
