@@ -72,7 +72,7 @@ step 300 tp python3 benchmarks/tp.py --timeout 100 --throughput-shapes llama-3.1
 step 150 ar_norm_test python3 -m pytest -q -m gpu tests/distributed/test_all_reduce_norm.py -p no:cacheprovider --tb=short -o faulthandler_timeout=120
 step 120 ar_norm_bench python3 benchmarks/all_reduce_norm.py --json "$OUT/all_reduce_norm.json"
 step 240 gemv python3 benchmarks/gemv.py --sweep --json "$OUT/gemv.json"
-step 330 tp_profile_fused python3 benchmarks/tp_profile.py --timeout 95 --configs 1,2-symm-mem --json "$OUT/tp_profile_fused.json"
+step 330 tp_profile_fused python3 benchmarks/tp_profile.py --timeout 95 --configs 1,2,2-symm-mem --json "$OUT/tp_profile_fused.json"
 step 45 tp_step_broadcast python3 benchmarks/tp_step_broadcast.py --json "$OUT/tp_step_broadcast.json"
 # where a TP decode step's time goes (TP=1, TP=2 over NCCL, TP=2 with VENGINE_SYMM_MEM_ALLREDUCE=1, and that with the
 # steps over gloo instead of the shared-memory ring; each its own

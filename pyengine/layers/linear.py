@@ -11,7 +11,8 @@
   all-reduce + residual add + RMSNorm, ``RMSNorm.forward(..., all_reduce_x=True)``).
 
 ``tp_group`` is a ``pyengine.distributed.GroupCoordinator`` or None (one rank). With one
-rank every layer is exactly one ``F.linear`` — no extra op or launch.
+rank every layer is exactly one ``F.linear`` — no extra op or launch — or, for one bf16/fp16
+row on CUDA, one Triton GEMV (``pyengine.ops.linear``).
 
 Every parameter carries ``weight_loader(param, loaded, shard_id=None)``, used by
 ``pyengine.models.loader``. ``loaded`` is the *whole* checkpoint tensor: a torch tensor,
@@ -25,8 +26,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pyengine.ops import linear as _linear
 
 
 # ---- checkpoint tensors (torch tensors or safetensors slices) ---------------------------
@@ -108,7 +110,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(narrow_weight(loaded, 0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -219,8 +221,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return _linear(x, self.weight, self.bias)
         if not self.reduce_results:
-            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        y = self.tp_group.all_reduce(F.linear(x, self.weight))
+            return _linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.tp_group.all_reduce(_linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -8,6 +8,9 @@ CPU-only hosts never need it.
 * ``rms_norm(x, weight, eps) -> y``
 * ``fused_add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)``
 * ``silu_and_mul(x [..., 2d]) -> [..., d]``
+* ``linear(x [T, K], weight [N, K], bias) -> [T, N]``: ``F.linear``, but one bf16/fp16
+  row (batch-1 decode) goes through the Triton GEMV (ops/gemv.py), faster than cuBLAS
+  on every 8B-model layer shape on the H200.
 * ``apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight=None, k_norm_weight=None,
   eps=1e-6) -> (q, k)``: neox RoPE, optionally fused with Qwen3's per-head q/k RMSNorm
   (applied before the rotation).
@@ -50,6 +53,17 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return ref(x, residual, weight, eps)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if (x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and not _DISABLED and x.dtype in _GEMV_DTYPES
+            and weight.dtype == x.dtype and x.is_contiguous() and weight.stride(-1) == 1):
+        from pyengine.ops.gemv import gemv
+        return gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)  # float32 keeps cuBLAS: the exactness tests' dtype
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x):
         return _fused().silu_and_mul(x)
@@ -73,4 +87,4 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return ref(q, k, positions, cos_sin_cache)
 
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "use_triton"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "linear", "use_triton"]

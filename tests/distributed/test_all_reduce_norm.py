@@ -56,10 +56,11 @@ def _rank(rank: int, init_method: str, symm: bool, q) -> None:
             report["same_on_ranks"] &= _both_ranks_equal(tp, y) and _both_ranks_equal(tp, r)
         if symm:  # float32 words travel alone (no pairs); its own instance
             from pyengine.distributed.all_reduce_norm import AllReduceRMSNorm
-            f32 = AllReduceRMSNorm(tp.device_group, device, torch.float32, 1 << 16, rank, 2)
+            f32 = AllReduceRMSNorm(tp.device_group, device, torch.float32, MAX_BYTES, rank, 2)
             tp.all_reduce_min(1)  # every rank's buffer zeroed before any peer writes to it
             x = torch.randn(3, H, device=device, generator=own)
             residual = torch.randn(3, H, device=device, generator=shared)
+            assert f32.accepts(x, residual)
             y, r = f32(x, residual, weight.float(), eps)
             ry, rr = _reference(tp, x, residual, weight.float(), eps)
             report["fp32_err"] = max((y - ry).abs().max().item(), (r - rr).abs().max().item())

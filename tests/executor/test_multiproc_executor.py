@@ -118,7 +118,10 @@ def test_tp2_gpu_bf16_matches_tp1(family, model_dirs, prompts):
 @pytest.mark.gpu
 @needs_two_gpus
 @pytest.mark.timeout(180)
-def test_killed_worker_gpu(llama_dir, prompts):
+@pytest.mark.parametrize("symm_mem", [False, True])
+def test_killed_worker_gpu(llama_dir, prompts, symm_mem, monkeypatch):
+    # symm_mem: rank 0's GPU may be spinning in the fused all-reduce for a peer that is gone
+    monkeypatch.setenv("VENGINE_SYMM_MEM_ALLREDUCE", "1" if symm_mem else "0")
     _kill_worker_and_check(llama_dir, prompts, "cuda", True, limit_s=10)
 
 

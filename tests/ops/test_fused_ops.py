@@ -112,6 +112,22 @@ def test_rotary(kind, dtype, qk_norm):
     torch.testing.assert_close(ok, ek, **_tol(dtype))
 
 
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias", [(40, 1100, True), (24, 2048, False)])
+def test_gemv_matches_linear(kind, dtype, n, k, bias):
+    """One row through ops/gemv.py: N not a multiple of the row tile, K not a multiple of
+    the K chunk (the masked tail), with and without a bias."""
+    from pyengine.ops.gemv import gemv
+    dev = _dev(kind)
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(dev, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dtype)
+    b = torch.randn(n, generator=g).to(dev, dtype) if bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(gemv(x, w, b).float(), ref, **_tol(dtype))
+
+
 def test_dispatch_cpu_uses_torch():
     x = torch.randn(3, 8)
     w = torch.ones(8)
