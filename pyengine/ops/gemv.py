@@ -41,16 +41,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.con
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 8,
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for one row. x: [1, K] contiguous; weight: [N, K] with
     unit stride along K; bias: [N] or None; all of one dtype. Returns y [1, N] of that
     dtype, accumulated in float32. The default tile (8 rows, K in chunks of 1024 with 4
-    warps, or of 512 with 8 below K = 4096) was the best or within a few percent of it on
-    every 8B shape on the H200 (benchmarks/gemv.py --sweep)."""
+    warps; 512 with 8 warps below K = 4096; 4 rows and chunks of 2048 from K = 7168) was
+    within 3% of the best of 18 tiles on every 8B shape at TP=1 and TP=2 on the H200
+    (benchmarks/gemv.py --sweep)."""
     n, k = weight.shape
+    long_k = k >= 7168  # down_proj: fewer rows per program, longer chunks
+    if block_n is None:
+        block_n = 4 if long_k else 8
     if block_k is None:
-        block_k = 1024 if k >= 4096 else 512
+        block_k = 2048 if long_k else (1024 if k >= 4096 else 512)
     if num_warps is None:
         num_warps = 4 if block_k >= 1024 else 8
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)

@@ -114,7 +114,7 @@ def test_rotary(kind, dtype, qk_norm):
 
 @pytest.mark.parametrize("kind", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,bias", [(40, 1100, True), (24, 2048, False)])
+@pytest.mark.parametrize("n,k,bias", [(40, 1100, True), (24, 2048, False), (6, 7300, False)])
 def test_gemv_matches_linear(kind, dtype, n, k, bias):
     """One row through ops/gemv.py: N not a multiple of the row tile, K not a multiple of
     the K chunk (the masked tail), with and without a bias."""
