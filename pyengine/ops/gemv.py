@@ -47,7 +47,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     unit stride along K; bias: [N] or None; all of one dtype. Returns y [1, N] of that
     dtype, accumulated in float32. The default tile (8 rows, K in chunks of 1024 with 4
     warps; 512 with 8 warps below K = 4096; 4 rows and chunks of 2048 from K = 7168) was
-    within 3% of the best of 18 tiles on every 8B shape at TP=1 and TP=2 on the H200
+    within 4% of the best of 18 tiles on every 8B shape at TP=1 and TP=2 on the H200
     (benchmarks/gemv.py --sweep)."""
     n, k = weight.shape
     long_k = k >= 7168  # down_proj: fewer rows per program, longer chunks
