@@ -11,7 +11,7 @@ Read from Python (the accessors below; each reads the environment when called):
 | ``VENGINE_ASYNC_SCHED`` | 1 | 0 turns async scheduling off process-wide (rollback switch) |
 | ``VENGINE_ALLOW_LONG_MAX_MODEL_LEN`` | 0 | 1 accepts a ``max_model_len`` past the model's context length |
 | ``VENGINE_DISABLE_TRITON_OPS`` | 0 | 1: plain torch instead of the fused triton ops on CUDA |
-| ``VENGINE_SYMM_MEM_ALLREDUCE`` | 0 | 1: tensor parallelism sends small all-reduces through torch's symmetric memory (0: all through NCCL); vLLM's ``VLLM_ALLREDUCE_USE_SYMM_MEM``. Off by default: a second TP engine in the same process hangs in torch's rendezvous (docs/benchmarks.md) |
+| ``VENGINE_SYMM_MEM_ALLREDUCE`` | 1 in an engine-core process of its own, else 0 | 1: tensor parallelism sends small all-reduces through torch's symmetric memory, fused with the residual add and RMSNorm after them (0: all through NCCL); vLLM's ``VLLM_ALLREDUCE_USE_SYMM_MEM``. Off where the engine core is a thread of the front end's process (``VENGINE_ENABLE_MULTIPROCESSING=0``): a second TP engine in one process hangs in torch's rendezvous (docs/benchmarks.md) |
 | ``VENGINE_FUSED_ALLREDUCE_RMSNORM`` | 1 | with ``VENGINE_SYMM_MEM_ALLREDUCE=1``: each decoder layer's all-reduces run in one kernel with the residual add and RMSNorm after them (0: separate kernels); the role of vLLM's all-reduce fusion pass |
 | ``VENGINE_GRAMMAR_FILL_THREADS`` | 1 | threads filling a step's structured-output token bitmask (xgrammar's ``BatchGrammarMatcher``; more were slower on the H200) |
 | ``VENGINE_TORCH_PROFILER_DIR`` | — | where ``EngineCore.profile`` windows write each rank's phase timings and torch.profiler trace when no directory is passed; vLLM's ``VLLM_TORCH_PROFILER_DIR`` |
@@ -82,6 +82,12 @@ def symm_mem_allreduce() -> bool:
 
 def fused_allreduce_rmsnorm() -> bool:
     return _flag("VENGINE_FUSED_ALLREDUCE_RMSNORM", True)
+
+
+def default_symm_mem_allreduce_on() -> None:
+    """``VENGINE_SYMM_MEM_ALLREDUCE=1`` unless set: called by the engine-core process's
+    main (one engine per process), before it starts any tensor-parallel worker."""
+    os.environ.setdefault("VENGINE_SYMM_MEM_ALLREDUCE", "1")
 
 
 def grammar_fill_threads() -> Optional[int]:

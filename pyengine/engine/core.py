@@ -345,6 +345,11 @@ def run_engine_core(config: EngineConfig, conns, log_level: int = logging.WARNIN
 
     conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
+    # One engine in this process, ever: torch's symmetric memory, whose rendezvous hangs for
+    # a second tensor-parallel engine in one process, is safe here, so tensor parallelism
+    # takes the fast all-reduce path unless the user said otherwise (the worker processes
+    # this one starts inherit the setting).
+    envs.default_symm_mem_allreduce_on()
     input_queue: "queue.Queue" = queue.Queue()
     output_queue: "queue.Queue" = queue.Queue()
     links = _FrontEndLinks(conns, input_queue, threading.Event())
