@@ -60,3 +60,17 @@ def test_grammar_fill_threads(monkeypatch):
         monkeypatch.setenv("VENGINE_GRAMMAR_FILL_THREADS", bad)
         with pytest.raises(ValueError, match="VENGINE_GRAMMAR_FILL_THREADS"):
             envs.grammar_fill_threads()
+
+
+def test_symm_mem_allreduce_default_is_set_only_when_unset(monkeypatch):
+    """The engine-core process turns symmetric memory on unless the user chose."""
+    monkeypatch.delenv("VENGINE_SYMM_MEM_ALLREDUCE", raising=False)
+    assert envs.symm_mem_allreduce() is False  # a front end's own process: NCCL
+    envs.default_symm_mem_allreduce_on()
+    assert envs.symm_mem_allreduce() is True
+    monkeypatch.setenv("VENGINE_SYMM_MEM_ALLREDUCE", "0")
+    envs.default_symm_mem_allreduce_on()
+    assert envs.symm_mem_allreduce() is False
+    assert envs.fused_allreduce_rmsnorm() is True
+    monkeypatch.setenv("VENGINE_FUSED_ALLREDUCE_RMSNORM", "0")
+    assert envs.fused_allreduce_rmsnorm() is False

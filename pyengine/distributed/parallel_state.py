@@ -106,10 +106,11 @@ class GroupCoordinator:
         all-reduce over NVLink peer-to-peer reads: a few microseconds where NCCL takes
         ~15-20 at decode sizes; the role of vllm/distributed/device_communicators/
         symm_mem.py). Collective: every rank calls it, in the same order as the other
-        collectives. Opt-in (``VENGINE_SYMM_MEM_ALLREDUCE=1``): on two H200s it took
-        batch-1 TPOT of the 8B shape from 3.39 to 3.25 ms, but a second tensor-parallel
-        engine created in the same process (after ``LLM.shutdown``) hangs in torch's
-        symmetric-memory rendezvous. Off on CPU and where torch lacks the op; if any rank
+        collectives. On when ``VENGINE_SYMM_MEM_ALLREDUCE=1``, which the engine-core
+        process sets by default (one engine per process there): a second tensor-parallel
+        engine created in one process (after ``LLM.shutdown``) hangs in torch's
+        symmetric-memory rendezvous, so an engine core in the front end's process keeps
+        NCCL unless asked. Off on CPU and where torch lacks the op; if any rank
         fails to set it up, no rank uses it. Returns whether it is on.
 
         With it, unless ``VENGINE_FUSED_ALLREDUCE_RMSNORM=0``, the all-reduces that a residual

@@ -1,6 +1,6 @@
 """pyengine/distributed/parallel_state.py: the symmetric-memory all-reduce gives NCCL's
 sums (eagerly and replayed from a CUDA graph), takes only what it should, and stays off
-everywhere unless VENGINE_SYMM_MEM_ALLREDUCE=1 (opt-in). Two GPUs (the `nvidia-h200-x2` machine)."""
+when VENGINE_SYMM_MEM_ALLREDUCE=0. Two GPUs (the `nvidia-h200-x2` machine)."""
 from __future__ import annotations
 
 import os
