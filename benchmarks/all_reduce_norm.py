@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Optional
@@ -26,7 +25,7 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from benchmarks.common import finish, hardware_info, header_md, md_table  # noqa: E402
+from benchmarks.common import cuda_graph_replay_us, finish, hardware_info, header_md, md_table  # noqa: E402
 
 HIDDEN = 4096
 
@@ -39,28 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", dest="json_out", default=None)
     return p
-
-
-def _time_graph(fn, iters: int, repeats: int, device) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize(device)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(repeats):
-        torch.distributed.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)  # us per replay
-    del g
-    return statistics.median(times)
 
 
 def _rank_main(rank: int, init: str, args, conn) -> None:
@@ -76,6 +53,7 @@ def _rank_main(rank: int, init: str, args, conn) -> None:
     assert tp.fused_norm is not None, "fused all-reduce + RMSNorm unavailable"
     fused, sm = tp.fused_norm, tp.symm_mem
     weight = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
+    barrier = torch.distributed.barrier  # both ranks start each timing together
     results = {}
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = torch.randn(args.calls, rows, HIDDEN, device=device, dtype=torch.bfloat16)
@@ -100,10 +78,10 @@ def _rank_main(rank: int, init: str, args, conn) -> None:
         for mode in ("nccl", "symm_mem", "fused"):
             if mode != "nccl" and not fused.accepts(xs[0], r0):
                 continue
-            row[mode] = _time_graph(chain(mode), args.iters, args.repeats, device) / args.calls
+            row[mode] = cuda_graph_replay_us(chain(mode), args.iters, args.repeats, barrier) / args.calls
         # a bare clone per call is in the nccl chain only; time it to subtract
-        row["clone"] = _time_graph(lambda: [xs[k].clone() for k in range(args.calls)], args.iters,
-                                   args.repeats, device) / args.calls
+        row["clone"] = cuda_graph_replay_us(lambda: [xs[k].clone() for k in range(args.calls)], args.iters,
+                                            args.repeats, barrier) / args.calls
         results[rows] = row
     if rank == 0:
         conn.send(results)

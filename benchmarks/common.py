@@ -16,10 +16,11 @@ import os
 import platform
 import random
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # run as a script from a checkout
@@ -385,6 +386,33 @@ def finish(benchmark: str, args: argparse.Namespace, hw: dict, cmd: str, **field
     payload = {"benchmark": benchmark, "command": cmd, "hardware": hw, "args": vars(args), **fields}
     write_json(args.json_out, payload)
     return payload
+
+
+def cuda_graph_replay_us(fn: Callable[[], Any], iters: int, repeats: int,
+                         before_each: Optional[Callable[[], Any]] = None) -> float:
+    """Microseconds per replay of ``fn`` captured in a CUDA graph (after one eager call):
+    the median over ``repeats`` timings of ``iters`` back-to-back replays (CUDA events);
+    ``before_each`` runs before each timing (a barrier, for collectives)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if before_each is not None:
+            before_each()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    del g
+    return statistics.median(times)
 
 
 def write_json(path: Optional[str], payload: dict) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 from pathlib import Path
 from typing import Optional
@@ -22,7 +21,7 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from benchmarks.common import finish, hardware_info, header_md, md_table  # noqa: E402
+from benchmarks.common import cuda_graph_replay_us, finish, hardware_info, header_md, md_table  # noqa: E402
 
 # (name, N, K): q/k/v, o_proj, gate/up, down_proj of Llama-3.1-8B, whole and halved
 SHAPES = [("qkv tp1", 6144, 4096), ("o tp1", 4096, 4096), ("gate_up tp1", 28672, 4096), ("down tp1", 4096, 14336),
@@ -38,27 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", dest="json_out", default=None)
     return p
-
-
-def _time(fn, iters: int, repeats: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        n = fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters / n)
-    del g
-    return statistics.median(times)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -79,24 +57,24 @@ def main(argv: Optional[list[str]] = None) -> dict:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = F.linear(x, ws[0])
-        cublas = _time(lambda: [F.linear(x, w) for w in ws] and len(ws), args.iters, args.repeats)
+        cublas = cuda_graph_replay_us(lambda: [F.linear(x, w) for w in ws], args.iters, args.repeats) / len(ws)
         best, timed = None, []
         for cfg in configs:
             err = (gemv(x, ws[0], **cfg).float() - ref.float()).abs().max().item()
-            t = _time(lambda: [gemv(x, w, **cfg) for w in ws] and len(ws), args.iters, args.repeats)
+            t = cuda_graph_replay_us(lambda: [gemv(x, w, **cfg) for w in ws], args.iters, args.repeats) / len(ws)
             timed.append({**cfg, "us": t})
             if best is None or t < best[0]:
                 best = (t, cfg, err)
         t, cfg, err = best
-        default = t if not args.sweep else _time(lambda: [gemv(x, w) for w in ws] and len(ws), args.iters,
-                                                 args.repeats)
+        default = t if not args.sweep else cuda_graph_replay_us(lambda: [gemv(x, w) for w in ws], args.iters,
+                                                                args.repeats) / len(ws)
         results[name] = {"n": n, "k": k, "bytes": nbytes, "cublas_us": cublas, "gemv_us": t, "config": cfg,
                          "gemv_default_us": default, "max_abs_err_vs_cublas": err, "cublas_tb_s": nbytes / cublas / 1e6,
                          "gemv_tb_s": nbytes / t / 1e6, "sweep": timed}
         label = "/".join(str(cfg[key]) for key in GRID) if cfg else "default"
         rows.append([name, f"{n}x{k}", cublas, default, t, default / cublas, nbytes / cublas / 1e6,
                      nbytes / t / 1e6, label, err])
-        del ws
+        ws.clear()
         torch.cuda.empty_cache()
     print(header_md("Batch-1 linear, bf16: cuBLAS vs Triton GEMV (us per call)", hw, cmd))
     print(md_table(["layer", "N x K", "cuBLAS", "GEMV (default tile)", "GEMV (best tile)", "default / cuBLAS",

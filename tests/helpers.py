@@ -382,3 +382,24 @@ def live_children(pid: int, recursive: bool = False) -> set[int]:
             if recursive:
                 todo.append(k)
     return out
+
+
+def run_two_ranks(target, *args, timeout: float = 240.0) -> dict:
+    """Run ``target(rank, init_method, *args, queue)`` in two spawned processes (a
+    torch.distributed pair on ``tcp://127.0.0.1``); each puts ``(rank, report)`` on the
+    queue. Returns {rank: report}; asserts both processes exit cleanly."""
+    import torch.multiprocessing as mp
+
+    from pyengine.distributed import get_distributed_init_method, get_open_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = get_distributed_init_method("127.0.0.1", get_open_port())
+    procs = [ctx.Process(target=target, args=(r, init, *args, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    reports = dict(q.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return reports

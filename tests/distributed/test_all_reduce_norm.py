@@ -9,7 +9,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.helpers import run_two_ranks
 
 needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                     reason="needs two CUDA GPUs")
@@ -108,27 +109,11 @@ def _rank(rank: int, init_method: str, symm: bool, q) -> None:
         tp.destroy()
 
 
-def _run_pair(symm: bool) -> dict:
-    from pyengine.distributed import get_distributed_init_method, get_open_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = get_distributed_init_method("127.0.0.1", get_open_port())
-    procs = [ctx.Process(target=_rank, args=(r, init, symm, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    reports = dict(q.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    return reports
-
-
 @pytest.mark.gpu
 @needs_two_gpus
 @pytest.mark.timeout(300)
 def test_fused_all_reduce_rms_norm_matches_unfused_eager_burst_and_graph():
-    reports = _run_pair(symm=True)
+    reports = run_two_ranks(_rank, True)
     for rank, rep in reports.items():
         assert rep["on"], "the fused kernel should set up on two NVLink-connected H200s"
         assert {rows: t for rows, t, _, _ in rep["cases"]} == {1: True, 3: True, 64: True, 65: True,
@@ -148,7 +133,7 @@ def test_fused_all_reduce_rms_norm_matches_unfused_eager_burst_and_graph():
 @needs_two_gpus
 @pytest.mark.timeout(300)
 def test_fused_all_reduce_rms_norm_off_without_symm_mem():
-    reports = _run_pair(symm=False)
+    reports = run_two_ranks(_rank, False)
     for rank, rep in reports.items():
         assert rep["on"] is False
         assert not any(t for _, t, _, _ in rep["cases"])

@@ -7,7 +7,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.helpers import run_two_ranks
 
 needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                     reason="needs two CUDA GPUs")
@@ -51,27 +52,11 @@ def _rank(rank: int, init_method: str, env_off: bool, q) -> None:
         tp.destroy()
 
 
-def _run_pair(env_off: bool) -> dict:
-    from pyengine.distributed import get_distributed_init_method, get_open_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = get_distributed_init_method("127.0.0.1", get_open_port())
-    procs = [ctx.Process(target=_rank, args=(r, init, env_off, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    reports = dict(q.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    return reports
-
-
 @pytest.mark.gpu
 @needs_two_gpus
 @pytest.mark.timeout(300)
 def test_symm_mem_all_reduce_matches_nccl_eager_and_in_cuda_graphs():
-    reports = _run_pair(env_off=False)
+    reports = run_two_ranks(_rank, False)
     for rank, rep in reports.items():
         assert rep["on"], "symmetric memory should be available on two NVLink-connected H200s"
         taken = {rows: t for rows, t, _ in rep["cases"]}
@@ -85,7 +70,7 @@ def test_symm_mem_all_reduce_matches_nccl_eager_and_in_cuda_graphs():
 @needs_two_gpus
 @pytest.mark.timeout(300)
 def test_symm_mem_all_reduce_off_by_env():
-    reports = _run_pair(env_off=True)
+    reports = run_two_ranks(_rank, True)
     for rep in reports.values():
         assert rep["on"] is False
         assert all(not t for _, t, _ in rep["cases"])
