@@ -160,7 +160,9 @@ class AllReduceRMSNorm:
             x, residual, weight, out, res_out, self.bases, self.rank, rows, float(eps),
             WORLD=self.world_size, H=hidden, BLOCK=block, HW=hw, BLOCK_W=triton.next_power_of_2(hw),
             PAIRS=x.element_size() == 2, DATA_OFF=_COUNTERS_BYTES, SLOT_WORDS=self.slot_words,
-            MAX_PROG=MAX_PROGRAMS, num_warps=8 if block >= 4096 else 4)
+            MAX_PROG=MAX_PROGRAMS,
+            # the unfused norm's warps (ops/fused.py): the same reduction order, the same bits
+            num_warps=8 if block >= 4096 else (4 if block >= 1024 else 1))
         return out, res_out
 
 
