@@ -161,7 +161,7 @@ class AllReduceRMSNorm:
             WORLD=self.world_size, H=hidden, BLOCK=block, HW=hw, BLOCK_W=triton.next_power_of_2(hw),
             PAIRS=x.element_size() == 2, DATA_OFF=_COUNTERS_BYTES, SLOT_WORDS=self.slot_words,
             MAX_PROG=MAX_PROGRAMS,
-            # the unfused norm's warps (ops/fused.py): the same reduction order, the same bits
+            # as the unfused norm (ops/fused.py), so its sum of squares is likely split alike
             num_warps=8 if block >= 4096 else (4 if block >= 1024 else 1))
         return out, res_out
 
