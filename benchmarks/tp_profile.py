@@ -3,7 +3,8 @@ busy/idle, the largest idle gaps and what precedes them, GPU time per kernel cla
 host time per step phase on every rank.
 
 Each ``--configs`` entry (``1``, ``2``, ``2-symm-mem``, ``2-symm-mem-gloo``: the
-tensor-parallel size; ``symm-mem``: ``VENGINE_SYMM_MEM_ALLREDUCE=1``, which fuses each
+tensor-parallel size; ``symm-mem``: ``VENGINE_SYMM_MEM_ALLREDUCE=1`` (else it is set to 0,
+so a bare size measures NCCL alone), which fuses each
 layer's all-reduces with the residual add and RMSNorm after them unless ``nofuse``
 (``VENGINE_FUSED_ALLREDUCE_RMSNORM=0``); ``gloo``: the steps over gloo instead of the
 shared-memory ring, ``VENGINE_TP_SHM_BROADCAST=0``) runs in a
