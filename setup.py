@@ -25,8 +25,8 @@ setup(
     description="A vLLM-v1-style LLM inference engine: Python API, OpenAI server, C ABI",
     python_requires=">=3.10",
     packages=find_packages(include=["pyengine", "pyengine.*", "server", "server.*", "capi", "capi.*"])
-    + ["pyengine.default_model"],
-    package_data={"pyengine.default_model": ["*"], "capi": ["*.c", "*.h"], "server": ["static/*"]},
+    + ["pyengine.default_model", "server.static"],  # data folders: listed so setuptools ships them quietly
+    package_data={"pyengine.default_model": ["*"], "capi": ["*.c", "*.h"], "server.static": ["*"]},
     cmdclass={"build_py": BuildPy},
     include_package_data=True,
     install_requires=[
