@@ -23,8 +23,6 @@ same shapes (the rule for any collective).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 import triton
@@ -35,6 +33,19 @@ import triton.language as tl
 # on both GPUs (they spin on each other).
 MAX_PROGRAMS = 64
 _COUNTERS_BYTES = 4096  # MAX_PROGRAMS int32 epochs at the start of the buffer (one page)
+
+
+def symm_mem_buffer(numel: int, dtype: torch.dtype, device: torch.device, group_name: str):
+    """A symmetric-memory tensor of ``numel`` elements on every rank of the group and its
+    rendezvous handle (peer addresses). Collective. Raises where torch or the machine
+    cannot do it."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.9
+    if enable is not None:
+        enable(group_name)
+    buf = symm_mem.empty(numel, dtype=dtype, device=device)
+    return buf, symm_mem.rendezvous(buf, group_name)
 
 
 @triton.jit
@@ -121,18 +132,11 @@ class AllReduceRMSNorm:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
                  max_bytes: int, rank: int, world_size: int):
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.rank, self.world_size, self.dtype = rank, world_size, dtype
-        self.max_numel = max_bytes // dtype.itemsize
         self.slot_words = max_bytes // 4 // MAX_PROGRAMS  # words a program can receive per sender
         nbytes = _COUNTERS_BYTES + 2 * world_size * MAX_PROGRAMS * self.slot_words * 8
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.9
-        if enable is not None:
-            enable(group.group_name)
-        self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.buffer, handle = symm_mem_buffer(nbytes, torch.uint8, device, group.group_name)
         self.buffer.zero_()  # epochs start at 0, and no stale word may carry a later epoch
-        handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self.bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         # Zeroed before any peer writes here: the caller meets the other ranks (a CPU-side
         # collective) after this returns.
@@ -165,11 +169,3 @@ class AllReduceRMSNorm:
             num_warps=8 if block >= 4096 else (4 if block >= 1024 else 1))
         return out, res_out
 
-
-def try_create(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, max_bytes: int,
-               rank: int, world_size: int) -> tuple[Optional[AllReduceRMSNorm], Optional[BaseException]]:
-    """``(AllReduceRMSNorm, None)``, or ``(None, error)`` where it cannot be set up."""
-    try:
-        return AllReduceRMSNorm(group, device, dtype, max_bytes, rank, world_size), None
-    except Exception as e:
-        return None, e

@@ -22,19 +22,19 @@ import datetime
 import logging
 import socket
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from pyengine import envs
-from pyengine.distributed import all_reduce_norm
-from pyengine.distributed.all_reduce_norm import AllReduceRMSNorm
+from pyengine.distributed.all_reduce_norm import AllReduceRMSNorm, symm_mem_buffer
 from pyengine.distributed.shm_broadcast import ShmMessageQueue
 from pyengine.layers.layernorm import fused_add_rms_norm
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Largest all-reduce (bytes) sent through symmetric memory; larger ones go through NCCL.
 # A one-shot all-reduce reads every peer's whole buffer, so it wins on latency-bound sizes
@@ -118,24 +118,30 @@ class GroupCoordinator:
         pyengine/distributed/all_reduce_norm.py), under the same every-rank-or-none rule."""
         if self.device.type != "cuda" or self.world_size == 1 or not envs.symm_mem_allreduce():
             return False
-        sm, err = None, None
-        try:
-            sm = SymmMemAllReduce(self.device_group, self.device, dtype, max_bytes)
-        except Exception as e:  # an old torch, no peer access: NCCL for everything
-            err = e
-        if self.all_reduce_min(int(sm is not None)) == 0:
-            logger.info("Symmetric-memory all-reduce off (%s); NCCL carries every all-reduce.",
-                        err or "another rank could not set it up")
+        sm = self._on_every_rank(lambda: SymmMemAllReduce(self.device_group, self.device, dtype, max_bytes),
+                                 "Symmetric-memory all-reduce off (%s); NCCL carries every all-reduce.")
+        if sm is None:
             return False
         self.symm_mem = sm
-        if envs.fused_allreduce_rmsnorm():
-            fused, err = all_reduce_norm.try_create(self.device_group, self.device, dtype, max_bytes,
-                                                    self.rank, self.world_size)
-            if self.all_reduce_min(int(fused is not None)) == 0:  # also: every rank's flags are zeroed
-                logger.info("Fused all-reduce + RMSNorm off (%s).", err or "another rank could not set it up")
-            else:
-                self.fused_norm = fused
+        if envs.fused_allreduce_rmsnorm():  # the check also orders every rank's zeroing before any use
+            self.fused_norm = self._on_every_rank(
+                lambda: AllReduceRMSNorm(self.device_group, self.device, dtype, max_bytes, self.rank,
+                                         self.world_size),
+                "Fused all-reduce + RMSNorm off (%s).")
         return True
+
+    def _on_every_rank(self, create: Callable[[], T], off_message: str) -> Optional[T]:
+        """``create()`` on every rank; its result where it worked on every rank, else None on
+        all of them (logged with ``off_message`` % the reason). Collective."""
+        obj, err = None, None
+        try:
+            obj = create()
+        except Exception as e:  # an old torch, no peer access: the slower path everywhere
+            err = e
+        if self.all_reduce_min(int(obj is not None)) == 0:
+            logger.info(off_message, err or "another rank could not set it up")
+            return None
+        return obj
 
     def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
         """Concatenate every rank's ``x`` (same shape on all ranks) along ``dim`` on rank
@@ -274,17 +280,11 @@ class SymmMemAllReduce:
     Raises RuntimeError/AttributeError where torch or the machine cannot do it."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, max_bytes: int):
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out  # AttributeError on an old torch
         self.group_name = group.group_name
         self.dtype = dtype
         self.max_numel = max_bytes // dtype.itemsize
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.9
-        if enable is not None:
-            enable(self.group_name)
-        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        self.buffer, _ = symm_mem_buffer(self.max_numel, dtype, device, self.group_name)
 
     def accepts(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and x.numel() <= self.max_numel and x.is_contiguous() and x.is_cuda
