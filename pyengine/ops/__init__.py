@@ -53,15 +53,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return ref(x, residual, weight, eps)
 
 
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)  # float32 keeps cuBLAS: the exactness tests' dtype
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if (x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and not _DISABLED and x.dtype in _GEMV_DTYPES
             and weight.dtype == x.dtype and x.is_contiguous() and weight.stride(-1) == 1):
         from pyengine.ops.gemv import gemv
         return gemv(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
-
-
-_GEMV_DTYPES = (torch.bfloat16, torch.float16)  # float32 keeps cuBLAS: the exactness tests' dtype
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
