@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import (build_scripted_model, build_scripted_tokenizer, build_tiny_model, build_tokenizer,
-                           scripted_script, with_generation_config)
+from tests.helpers import (build_scripted_model, build_scripted_tokenizer, build_sentencepiece_tokenizer,
+                           build_tiny_model, build_tokenizer, build_wordpiece_tokenizer, scripted_script,
+                           with_generation_config)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,6 +62,24 @@ def qwen3_dir(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def model_dirs(llama_dir, qwen2_dir, qwen3_dir):
     return {"llama": llama_dir, "qwen2": qwen2_dir, "qwen3": qwen3_dir}
+
+
+@pytest.fixture(scope="session")
+def sp_tokenizer_dir(tmp_path_factory):
+    """A SentencePiece-style tokenizer (byte fallback, ``Strip`` decoder; Llama-2 kind)."""
+    return build_sentencepiece_tokenizer(tmp_path_factory.mktemp("sp_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def wordpiece_tokenizer_dir(tmp_path_factory):
+    return build_wordpiece_tokenizer(tmp_path_factory.mktemp("wordpiece_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def llama_sp_dir(tmp_path_factory, sp_tokenizer_dir):
+    """A tiny random Llama with the SentencePiece-style tokenizer (its greedy outputs hold
+    byte-fallback tokens)."""
+    return build_tiny_model(tmp_path_factory.mktemp("llama_sp"), "llama", sp_tokenizer_dir, seed=4)
 
 
 @pytest.fixture(scope="session")

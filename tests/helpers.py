@@ -29,6 +29,73 @@ def build_tokenizer(out_dir, vocab_size: int = 512) -> Path:
     return _build(out_dir, vocab_size, corpus_modules=_CORPUS_MODULES, corpus_bytes=_CORPUS_BYTES)
 
 
+TOKENIZER_KINDS = ("byte_level", "sentencepiece", "wordpiece")
+
+
+def build_sentencepiece_tokenizer(out_dir, vocab_size: int = 2048) -> Path:
+    """Train a SentencePiece-style BPE tokenizer (the Llama-2 / Mistral-v0.1 / TinyLlama
+    kind of ``tokenizer.json``): normalizer ``Prepend("▁")`` + ``Replace(" ", "▁")``, BPE
+    with ``byte_fallback`` and the 256 ``<0x00>``…``<0xFF>`` tokens, decoder
+    ``Replace("▁", " ")``, ``ByteFallback``, ``Fuse``, ``Strip(" ", 1, 0)``; specials
+    ``<s>``, ``</s>``, ``<pad>`` and the chat markers, as the byte-level tokenizer.
+    Deterministic for a given Python install. Returns ``out_dir``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.common import _CHAT_TEMPLATE, SPECIAL_TOKENS, _corpus
+
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token=None, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?=\u2581)"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + byte_tokens,
+                                  show_progress=False, limit_alphabet=120)
+    tok.train_from_iterator(_corpus(_CORPUS_MODULES, _CORPUS_BYTES), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   chat_template=_CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return out
+
+
+def build_wordpiece_tokenizer(out_dir, vocab_size: int = 1024) -> Path:
+    """Train a WordPiece tokenizer (the BERT kind: ``BertPreTokenizer``, ``##``
+    continuation prefix, decoder ``WordPiece(cleanup=True)``, ``[UNK]``) with the same
+    specials as the byte-level tokenizer. Returns ``out_dir``."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.common import _CHAT_TEMPLATE, SPECIAL_TOKENS, _corpus
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + ["[UNK]"],
+                                        show_progress=False)
+    tok.train_from_iterator(_corpus(_CORPUS_MODULES, _CORPUS_BYTES), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   unk_token="[UNK]", chat_template=_CHAT_TEMPLATE,
+                                   clean_up_tokenization_spaces=False)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return out
+
+
+def build_tokenizer_kind(out_dir, kind: str) -> Path:
+    """A tokenizer of ``kind`` (one of ``TOKENIZER_KINDS``) in ``out_dir``."""
+    builders = {"byte_level": build_tokenizer, "sentencepiece": build_sentencepiece_tokenizer,
+                "wordpiece": build_wordpiece_tokenizer}
+    if kind not in builders:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; one of {TOKENIZER_KINDS}")
+    return builders[kind](out_dir)
+
+
 def _config_for(family: str, vocab_size: int, bos: int, eos: int, pad: int, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
