@@ -332,12 +332,12 @@ def hf_greedy(model_dir, prompts_token_ids: list[list[int]], max_new_tokens: int
 def expected_text(tokenizer, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
     """The text the engine reports for ``output_ids`` generated after ``prompt_ids``
     (special tokens skipped): the text of prompt + output past the prompt's own text,
-    where the bytes of the prompt's last character, if incomplete, count as output; a
-    trailing incomplete character is not emitted."""
+    where the bytes of the prompt's last character, if incomplete, count as output; bytes
+    that never complete a character come out at the end as U+FFFD, as ``decode`` gives them."""
     whole = tokenizer.decode(list(prompt_ids) + list(output_ids), skip_special_tokens=True)
     prompt_text = tokenizer.decode(list(prompt_ids), skip_special_tokens=True).rstrip("\ufffd")
     assert whole.startswith(prompt_text)
-    return whole[len(prompt_text):].rstrip("\ufffd")
+    return whole[len(prompt_text):]
 
 
 def prompt_token_ids(tokenizer, n: int, min_len: int = 4, max_len: int = 32,

@@ -15,15 +15,32 @@ leading space). A character whose bytes begin in the prompt and end in the outpu
 as output: it comes out whole in the first delta (as with vLLM's incremental
 detokenizer, which starts from the prompt's tail), and ``prompt_text_for_echo`` leaves it
 out of the prompt's text.
+
+Decoders differ in how far a token's text depends on the tokens after it, and
+``DecoderTraits`` reads which kind a tokenizer has from its ``tokenizer.json``: a plain
+``ByteLevel`` decoder (GPT-2 / Llama 3 / Qwen) never changes text once its character is
+complete, so ``tokenizers``' ``DecodeStream`` is exact for it; SentencePiece's
+``ByteFallback`` decodes a run of ``<0x..>`` tokens as one unit (valid UTF-8, or one U+FFFD
+per byte when any byte of the run is bad), so a run's text is known only once the run ends;
+WordPiece's ``cleanup`` rewrites spaces before punctuation and contractions across tokens.
+Every kind streams the text ``tokenizer.decode`` gives for the whole output: the last
+kinds through the window decoder with those holds, and at the end of a request whatever is
+still held comes out (``update(..., finished=True)``).
 """
 from __future__ import annotations
 
+import json
+import logging
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from pyengine.engine.messages import FinishReason
 from pyengine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
+    "DecoderTraits",
     "IncrementalDetokenizer",
     "FastIncrementalDetokenizer",
     "TokenTexts",
@@ -38,6 +55,52 @@ __all__ = [
 # Prompt tokens kept as decoding context for the first output tokens (vLLM uses 5).
 _INITIAL_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# A rewriting decoder (WordPiece cleanup) changes at most this many trailing characters when
+# a later token completes its pattern (" do not" -> " don't"; " n ' t" -> "n't"): they are
+# held back until the next token or the end.
+_REWRITE_HOLD = 8
+# ...and its window (which cannot slide at a token boundary while text is held) is
+# re-anchored this many tokens back once it grows past twice that.
+_REWRITE_WINDOW = 64
+
+
+@dataclass(frozen=True)
+class DecoderTraits:
+    """What incremental decoding must know of a tokenizer's decoder, read once per
+    tokenizer (from the public ``backend_tokenizer.to_str()`` JSON).
+
+    Attributes:
+        byte_level: the decoder is ``ByteLevel`` alone: a token's text never changes with
+            what follows once its character is complete (``DecodeStream`` is exact).
+        byte_fallback_ids: ids of the ``<0x00>``..``<0xFF>`` tokens under a ``ByteFallback``
+            decoder: a run of them decodes as one unit, known once the run ends.
+        rewrites: the decoder rewrites text across tokens (WordPiece ``cleanup``).
+    """
+    byte_level: bool = False
+    byte_fallback_ids: frozenset = frozenset()
+    rewrites: bool = False
+
+    @classmethod
+    def of(cls, tokenizer) -> "DecoderTraits":
+        """The traits of ``tokenizer`` (a transformers tokenizer); a slow tokenizer or an
+        unreadable ``tokenizer.json`` gets the window decoder's defaults."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return cls()
+        try:
+            spec = json.loads(backend.to_str())
+        except (AttributeError, TypeError, ValueError):
+            return cls()
+        dec = spec.get("decoder") or {}
+        parts = dec.get("decoders", []) if dec.get("type") == "Sequence" else [dec]
+        kinds = {d.get("type") for d in parts if isinstance(d, dict)}
+        byte_ids: frozenset = frozenset()
+        if "ByteFallback" in kinds:
+            vocab = backend.get_vocab()
+            byte_ids = frozenset(vocab[t] for t in (f"<0x{b:02X}>" for b in range(256)) if t in vocab)
+        rewrites = any(d.get("type") == "WordPiece" and d.get("cleanup", True)
+                       for d in parts if isinstance(d, dict))
+        return cls(byte_level=kinds == {"ByteLevel"}, byte_fallback_ids=byte_ids, rewrites=rewrites)
 
 
 def _make_decoder(tokenizer, skip_special_tokens: bool):
@@ -74,14 +137,13 @@ def _prompt_context(decode, prompt_token_ids: Sequence[int]) -> tuple[list[int],
 
 def decode_output(tokenizer, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
                   skip_special_tokens: bool = True) -> str:
-    """All of an output's text at once, as ``IncrementalDetokenizer``'s deltas would
-    give it (same prompt context, no trailing incomplete character); for outputs that
-    need no incremental text."""
+    """All of a finished output's text at once, as ``IncrementalDetokenizer``'s deltas
+    give it (same prompt context; bytes that never formed a character are U+FFFD, as
+    ``tokenizer.decode`` gives them); for outputs that need no incremental text."""
     decode = _make_decoder(tokenizer, skip_special_tokens)
     ctx, prefix = _prompt_context(decode, prompt_token_ids)
     full = decode(ctx + list(output_token_ids))
-    text = full[len(prefix):] if full.startswith(prefix) else decode(list(output_token_ids))
-    return text.rstrip(_REPLACEMENT_CHAR)
+    return full[len(prefix):] if full.startswith(prefix) else decode(list(output_token_ids))
 
 
 def decode_logprob_token(tokenizer, token_id: int) -> str:
@@ -172,6 +234,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: the prompt; its last few tokens are decoding context.
         params: the request's ``SamplingParams`` (``stop``, ``include_stop_str_in_output``,
             ``skip_special_tokens``, ``min_tokens`` are used).
+        traits: ``DecoderTraits.of(tokenizer)``, computed here when None.
 
     Attributes:
         output_text: all text decoded so far (after stop-string truncation), str.
@@ -180,8 +243,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, traits: Optional[DecoderTraits] = None) -> None:
         self.tokenizer = tokenizer
+        # the tokenizer's decoder kind (DecoderTraits.of(tokenizer), shared by the requests
+        # of one output processor); read here when not given
+        self._traits = traits if traits is not None else (
+            DecoderTraits.of(tokenizer) if tokenizer is not None else DecoderTraits())
         self.stop: list[str] = list(params.stop or []) if tokenizer is not None else []
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
@@ -227,16 +294,32 @@ class IncrementalDetokenizer:
             self._text_len += len(text)
 
     def _decode_next(self) -> str:
-        """Emit the text completed by the window's pending tokens ("" if none yet)."""
+        """Emit the text completed by the window's pending tokens ("" if none yet).
+
+        ``_prefix_text`` is the part of the window's text already emitted (after a slide,
+        the text of the context tokens alone). Text is held back while the window ends in
+        an incomplete character (U+FFFD) or a byte-fallback run, and for a rewriting
+        decoder its last ``_REWRITE_HOLD`` characters are held until more tokens came."""
         ids = self._ids
         if self._prefix_text is None:
             self._prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
-        prefix_text = self._prefix_text
+        traits = self._traits
+        if ids[-1] in traits.byte_fallback_ids:
+            return ""  # the run's bytes decode together once it ends
         full = self._decode(ids[self._prefix_offset:])
-        if len(full) <= len(prefix_text) or full.endswith(_REPLACEMENT_CHAR):
+        done = self._prefix_text
+        if len(full) <= len(done) or full.endswith(_REPLACEMENT_CHAR):
             # Nothing new, or a character still incomplete: wait for more tokens.
             return ""
-        new_text = full[len(prefix_text):]
+        end = len(full) - _REWRITE_HOLD if traits.rewrites else len(full)
+        if end < len(full):
+            # A rewriting decoder: the window keeps the held tail's tokens.
+            new_text = full[len(done):end] if end > len(done) else ""
+            self._prefix_text = full[:max(end, len(done))]
+            if len(ids) - self._prefix_offset > 2 * _REWRITE_WINDOW:
+                self._reanchor(full)
+            return new_text
+        new_text = full[len(done):]
         # Slide the window: what was pending becomes context.
         self._prefix_offset = self._read_offset
         self._read_offset = len(ids)
@@ -248,7 +331,36 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         return new_text
 
-    def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> Optional[str]:
+    def _reanchor(self, full: str) -> None:
+        """Start a rewriting decoder's window ``_REWRITE_WINDOW`` tokens back, where no
+        rewrite of the held tail can reach (its text there is a suffix of ``full``)."""
+        ids = self._ids
+        start = len(ids) - _REWRITE_WINDOW
+        tail = self._decode(ids[start:])
+        held = len(full) - len(self._prefix_text)
+        if not full.endswith(tail) or held > len(tail):
+            return
+        del ids[:start]
+        self._prefix_offset, self._read_offset = 0, len(ids)
+        self._prefix_text = tail[:len(tail) - held] if held else tail
+
+    def _flush(self) -> str:
+        """The text still held back at the end of the request (an incomplete character as
+        U+FFFD, a byte-fallback run, a rewriting decoder's tail), as decoding the whole
+        window gives it."""
+        ids = self._ids
+        if self._prefix_offset >= len(ids):
+            return ""
+        done = self._prefix_text
+        if done is None:
+            done = self._decode(ids[self._prefix_offset:self._read_offset])
+        full = self._decode(ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(ids)
+        self._prefix_text = None
+        return full[len(done):] if len(full) > len(done) and full.startswith(done) else ""
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool,
+               finished: bool = False) -> Optional[str]:
         """Append this step's tokens, decode them, and check stop strings.
 
         Args:
@@ -257,12 +369,15 @@ class IncrementalDetokenizer:
                 ``stop_token_ids`` entry) that finished the request; it is kept in
                 ``output_token_ids`` but not detokenized unless
                 ``include_stop_str_in_output``.
+            finished: the request ends with these tokens: text still held back for
+                later tokens (see ``_decode_next``) is released, so the whole text is
+                what ``tokenizer.decode`` gives for all the output tokens.
         Returns:
             the stop string that matched (``output_text`` is then truncated at it, or
             just after it with ``include_stop_str_in_output``), else None. Stop strings
             are not looked for in text produced by the first ``min_tokens`` tokens.
         """
-        if not new_token_ids:
+        if not new_token_ids and not finished:
             return None
         new_token_ids = list(new_token_ids)
         skipped_stop_token = None
@@ -282,6 +397,8 @@ class IncrementalDetokenizer:
             if self.min_tokens and len(self.output_token_ids) <= self.min_tokens:
                 # Text of the first min_tokens tokens is never searched for stops.
                 stop_check_offset = self._text_len
+        if finished:
+            self._append_text(self._flush())
         if skipped_stop_token is not None:
             self.output_token_ids.append(skipped_stop_token)
 
@@ -367,35 +484,45 @@ class TokenTexts:
 
 
 class FastIncrementalDetokenizer(IncrementalDetokenizer):
-    """``IncrementalDetokenizer`` for fast (Rust) tokenizers: the same contract, decoding
-    with ``tokenizers``' ``DecodeStream`` (one call into Rust per token, instead of two
-    decodes of the token window; ~3.5x less time per token). The stream is primed with
-    the prompt's tail, so the first output token decodes in context, and the bytes of a
-    character that starts in the prompt stay buffered until an output token completes it.
-    Mirrors vllm/v1/engine/detokenizer.py's FastIncrementalDetokenizer."""
+    """``IncrementalDetokenizer`` for fast (Rust) tokenizers: the same contract. With a
+    plain ``ByteLevel`` decoder it decodes with ``tokenizers``' ``DecodeStream`` (one call
+    into Rust per token, instead of two decodes of the token window; ~3.5x less time per
+    token); the stream is primed with the prompt's tail, so the first output token decodes
+    in context, and the bytes of a character that starts in the prompt stay buffered until
+    an output token completes it. Other decoders (SentencePiece's byte fallback,
+    WordPiece's cleanup) change earlier text with later tokens, which ``DecodeStream``
+    rejects ("Invalid prefix encountered"): they take the window decoder, and so does a
+    request whose stream step fails for any other reason. Mirrors
+    vllm/v1/engine/detokenizer.py's FastIncrementalDetokenizer."""
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 token_texts: Optional[TokenTexts] = None) -> None:
-        super().__init__(tokenizer, prompt_token_ids, params)
+                 token_texts: Optional[TokenTexts] = None,
+                 traits: Optional[DecoderTraits] = None) -> None:
+        super().__init__(tokenizer, prompt_token_ids, params, traits)
         self._skip = 0
         # token_texts: single-token texts to use instead of stream steps while the stream
         # holds no partial character (_pending False: its last step emitted text)
         self._token_texts = token_texts
         self._pending = True
-        if tokenizer is None:  # token ids only, as the base class
+        self._stream = None  # None: window decoding (the base class's state)
+        if tokenizer is None or not self._traits.byte_level:
             return
         from tokenizers.decoders import DecodeStream
 
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        ctx = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
-        emitted = self._step(ctx) if ctx else ""
-        self._pending = bool(ctx) and not emitted
+        self._ctx = list(self._ids)  # the prompt's tail, set up by the base class
+        self._ctx_text = self._prefix_text or ""
+        self._unflushed: list[int] = []  # ids stepped since the stream last emitted text
+        emitted = self._step(self._ctx) if self._ctx else ""
+        if emitted is None:  # the stream failed on the prompt: the window state stands
+            return
+        self._pending = bool(self._ctx) and not emitted
         # The prompt's own text is not output. A tail that ends inside a character stays
         # pending in the stream, complete text before it included, and comes out with the
         # output token that completes the character: the first deltas drop that complete
         # text (the base class's rule: only the incomplete character counts as output).
-        prompt_text = self._prefix_text or ""
+        prompt_text = self._ctx_text
         self._skip = len(prompt_text) - len(emitted) if prompt_text.startswith(emitted) else 0
         self._ids = []
 
@@ -409,35 +536,64 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
             return False
         return True
 
-    def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> Optional[str]:
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool,
+               finished: bool = False) -> Optional[str]:
         # The common step (one token, no stop strings to look for, nothing held back from
         # the prompt) without the general path's copies and bookkeeping; same result.
-        if (len(new_token_ids) == 1 and not stop_terminated and not self.stop and not self._skip
-                and self._decode is not None):
+        if (len(new_token_ids) == 1 and not stop_terminated and not finished and not self.stop
+                and not self._skip and self._decode is not None):
             tid = new_token_ids[0]
             self.output_token_ids.append(tid)
             self._append_text(self._next_text(tid))
             return None
-        return super().update(new_token_ids, stop_terminated)
+        return super().update(new_token_ids, stop_terminated, finished)
 
-    def _step(self, ids) -> str:
+    def _step(self, ids) -> Optional[str]:
         """One ``DecodeStream`` step (a token id or a list); "" while a character is
-        incomplete (then the token-text cache waits for the stream to catch up)."""
-        text = self._stream.step(self._backend, ids) or ""
+        incomplete (then the token-text cache waits for the stream to catch up); None when
+        the stream failed and the request went over to window decoding."""
+        try:
+            text = self._stream.step(self._backend, ids) or ""
+        except Exception as e:  # tokenizers raises a bare Exception for a bad prefix
+            logger.warning("DecodeStream failed (%s); this request decodes by token window", e)
+            self._stream = None
+            return None
         self._pending = not text
+        if text:
+            self._unflushed = []
+        else:
+            self._unflushed.extend(ids if isinstance(ids, list) else (ids,))
         return text
+
+    def _to_window(self, token_id: int) -> str:
+        """Window decoding from here on (after a failed stream step): the window is the
+        prompt's tail and the output so far, of which all text but ``token_id``'s was
+        emitted."""
+        ids = self._ctx + self.output_token_ids
+        ids.pop()  # token_id, appended by the caller before decoding
+        self._ids, self._prefix_offset, self._read_offset = ids, 0, len(ids)
+        self._prefix_text = self._ctx_text + self.output_text
+        self._skip = 0
+        self._ids.append(token_id)
+        return IncrementalDetokenizer._decode_next(self)
 
     def _next_text(self, token_id: int) -> str:
         """The text ``token_id`` completes: from the token-text cache at a character
-        boundary (the same text, see TokenTexts), else from the stream."""
+        boundary (the same text, see TokenTexts), else from the stream or the window."""
+        if self._stream is None:
+            self._ids.append(token_id)
+            return IncrementalDetokenizer._decode_next(self)
         cache = self._token_texts
         if self._pending or cache is None:
-            return self._step(token_id)
-        text = cache.texts.get(token_id)
-        if text is None:
             text = self._step(token_id)
-            cache.learn(token_id, text)
-        return text
+        else:
+            text = cache.texts.get(token_id)
+            if text is not None:
+                return text
+            text = self._step(token_id)
+            if text is not None:
+                cache.learn(token_id, text)
+        return self._to_window(token_id) if text is None else text
 
     def step_delta(self, token_id: int) -> Optional[str]:
         """``update([token_id], False)`` then ``get_next_output_text(False, True)`` in one
@@ -457,17 +613,31 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 
     def _decode_next(self) -> str:
         text = self._next_text(self._ids.pop())
+        return self._cut_prompt_text(text)
+
+    def _cut_prompt_text(self, text: str) -> str:
         if self._skip and text:
             cut = min(self._skip, len(text))
             text, self._skip = text[cut:], self._skip - cut
         return text
 
+    def _flush(self) -> str:
+        if self._stream is None:
+            return super()._flush()
+        if not self._unflushed:
+            return ""
+        text = self._decode(self._unflushed)
+        self._unflushed = []
+        return self._cut_prompt_text(text)
+
 
 def make_incremental_detokenizer(tokenizer, prompt_token_ids: Sequence[int],
                                  params: SamplingParams,
-                                 token_texts: Optional[TokenTexts] = None) -> IncrementalDetokenizer:
+                                 token_texts: Optional[TokenTexts] = None,
+                                 traits: Optional[DecoderTraits] = None) -> IncrementalDetokenizer:
     """The fast detokenizer where the tokenizer allows it, else the window-based one.
-    ``token_texts``: ``TokenTexts.for_tokenizer(tokenizer)``, shared by many requests."""
+    ``token_texts``: ``TokenTexts.for_tokenizer(tokenizer)`` and ``traits``:
+    ``DecoderTraits.of(tokenizer)``, both shared by many requests."""
     if tokenizer is not None and FastIncrementalDetokenizer.supports(tokenizer):
-        return FastIncrementalDetokenizer(tokenizer, prompt_token_ids, params, token_texts)
-    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        return FastIncrementalDetokenizer(tokenizer, prompt_token_ids, params, token_texts, traits)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params, traits)

@@ -3,11 +3,12 @@ finish reasons, logprobs, metrics, and n > 1 fan-in (mirrors
 vllm/v1/engine/output_processor.py and vllm/v1/engine/parallel_sampling.py)."""
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Optional
 
-from pyengine.engine.detokenizer import (FastIncrementalDetokenizer, TokenTexts, decode_logprob_token,
-                                         decode_output, make_incremental_detokenizer)
+from pyengine.engine.detokenizer import (DecoderTraits, FastIncrementalDetokenizer, TokenTexts,
+                                         decode_logprob_token, decode_output, make_incremental_detokenizer)
 from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pyengine.metrics.stats import IterationStats
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -15,7 +16,9 @@ from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
 # Module aliases: enum member access is slow on Python 3.11 and these run per request per step.
 _CUMULATIVE, _DELTA, _FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
-_STOP, _ABORT = FinishReason.STOP, FinishReason.ABORT
+_STOP, _ABORT, _ERROR = FinishReason.STOP, FinishReason.ABORT, FinishReason.ERROR
+
+logger = logging.getLogger(__name__)
 
 
 class RequestOutputCollector:
@@ -166,7 +169,7 @@ class _Child:
     """State of one of the n completions (one engine-core request)."""
 
     def __init__(self, parent: "_Parent", index: int, core_req: EngineCoreRequest, tokenizer,
-                 token_texts: Optional[TokenTexts] = None):
+                 token_texts: Optional[TokenTexts] = None, traits: Optional[DecoderTraits] = None):
         self.parent = parent
         self.index = index
         self.core_id = core_req.request_id
@@ -181,13 +184,14 @@ class _Child:
         self.final_text: Optional[str] = None
         self.prompt_token_ids = core_req.prompt_token_ids
         self.detok = make_incremental_detokenizer(tokenizer if params.detokenize and not self.deferred else None,
-                                            core_req.prompt_token_ids, params, token_texts)
+                                                  core_req.prompt_token_ids, params, token_texts, traits)
         self.want_logprobs = params.logprobs is not None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.want_logprobs else None
         self.cumulative_logprob: Optional[float] = 0.0 if self.want_logprobs else None
         self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int | str] = None
         self.error: Optional[str] = None
+        self.failed = False  # its output could not be processed: it ends without more text
         self.sent_tokens = 0
         self.sent_logprobs = 0
         self.emitted_tokens = 0  # output tokens when this child was last reported (stream_interval)
@@ -205,7 +209,10 @@ class _Child:
     def completion(self, kind: RequestOutputKind) -> CompletionOutput:
         delta = kind == _DELTA
         finished = self.finish_reason is not None
-        text = self.final_text or "" if self.deferred else self.detok.get_next_output_text(finished, delta)
+        if self.failed:
+            text = ""
+        else:
+            text = self.final_text or "" if self.deferred else self.detok.get_next_output_text(finished, delta)
         ids = self.detok.output_token_ids
         lps = self.logprobs
         if delta:
@@ -278,6 +285,7 @@ class OutputProcessor:
         self.parents: dict[str, _Parent] = {}
         self.children: dict[str, _Child] = {}
         self.token_texts = TokenTexts.for_tokenizer(tokenizer) if tokenizer is not None else None
+        self.decoder_traits = DecoderTraits.of(tokenizer) if tokenizer is not None else None
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents
@@ -292,7 +300,7 @@ class OutputProcessor:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         parent = _Parent(request_id, prompt, prompt_token_ids, params, collector, core_reqs[0].arrival_time)
         for i, r in enumerate(core_reqs):
-            child = _Child(parent, i, r, self.tokenizer, self.token_texts)
+            child = _Child(parent, i, r, self.tokenizer, self.token_texts, self.decoder_traits)
             parent.children.append(child)
             self.children[r.request_id] = child
         if len(core_reqs) == 1 and self.stream_interval <= 1 and parent.kind == _DELTA:
@@ -349,54 +357,28 @@ class OutputProcessor:
             if child is None:
                 continue  # already finished here (stop string) or unknown
             parent = child.parent
-            if child.fast and eco.finish_reason is None and eco.new_logprobs is None and not parent.changed:
-                # A mid-stream step of the streamed common case: the same RequestOutput the
-                # general path makes (see _Child.completion and _Parent.make_output).
-                ids = eco.new_token_ids
-                m = parent.metrics
-                if len(ids) == 1 and m.first_token_time is not None:
-                    text = child.detok.step_delta(ids[0])
-                    if text is not None:
-                        m.last_token_time = timestamp
-                        child.sent_tokens += 1
-                        if iteration_stats is not None:
-                            iteration_stats.num_generation_tokens += 1
-                        changed.append((parent.collector, RequestOutput(
-                            parent.request_id, parent.prompt, parent.prompt_token_ids,
-                            [CompletionOutput(child.index, text, ids)], False,
-                            RequestMetrics(m.arrival_time, m.first_token_time, timestamp, None,
-                                           m.first_scheduled_time), parent.num_cached_tokens)))
-                        continue
-            if eco.new_token_ids:
-                m = parent.metrics
-                if m.first_token_time is None:
-                    m.first_token_time = timestamp
-                    m.first_scheduled_time = eco.first_scheduled_time
-                    parent.num_cached_tokens = eco.num_cached_tokens
-                    if iteration_stats is not None:
-                        iteration_stats.num_prompt_tokens += len(parent.prompt_token_ids) - eco.num_cached_tokens
-                m.last_token_time = timestamp
-                if iteration_stats is not None:
-                    iteration_stats.num_generation_tokens += len(eco.new_token_ids)
-            if eco.new_logprobs and child.want_logprobs:
-                for entry in eco.new_logprobs:
-                    child.logprobs.append(self._logprob_dict(entry))
-                    child.cumulative_logprob += entry.logprobs[0]
-            stop_str = child.detok.update(eco.new_token_ids, eco.finish_reason == _STOP)
-            if stop_str is not None and eco.finish_reason != _ABORT:
-                child.finish_reason, child.stop_reason = _STOP, stop_str
-                if not eco.finished:
-                    to_abort.append(eco.request_id)
-            elif eco.finished:
-                child.finish_reason, child.stop_reason = eco.finish_reason, eco.stop_reason
-                child.error = eco.error
-            if child.finish_reason is not None:
-                if child.deferred:
-                    child.finish_deferred(eco.finish_reason == _STOP)
-                del self.children[eco.request_id]
-                parent.child_finished()
-                if parent.finished:
-                    parent.metrics.finished_time = timestamp
+            try:
+                if child.fast and eco.finish_reason is None and eco.new_logprobs is None and not parent.changed:
+                    # A mid-stream step of the streamed common case: the same RequestOutput the
+                    # general path makes (see _Child.completion and _Parent.make_output).
+                    ids = eco.new_token_ids
+                    m = parent.metrics
+                    if len(ids) == 1 and m.first_token_time is not None:
+                        text = child.detok.step_delta(ids[0])
+                        if text is not None:
+                            m.last_token_time = timestamp
+                            child.sent_tokens += 1
+                            if iteration_stats is not None:
+                                iteration_stats.num_generation_tokens += 1
+                            changed.append((parent.collector, RequestOutput(
+                                parent.request_id, parent.prompt, parent.prompt_token_ids,
+                                [CompletionOutput(child.index, text, ids)], False,
+                                RequestMetrics(m.arrival_time, m.first_token_time, timestamp, None,
+                                               m.first_scheduled_time), parent.num_cached_tokens)))
+                            continue
+                self._update_child(child, eco, timestamp, iteration_stats, to_abort)
+            except Exception as e:  # one request's failure ends that request, not the engine
+                self._fail_child(child, eco, e, timestamp, to_abort)
             if not parent.changed:
                 changed.append(parent)
             parent.changed.append(child)
@@ -406,13 +388,86 @@ class OutputProcessor:
             if type(parent) is tuple:
                 deliveries.append(parent)
                 continue
-            out = parent.make_output(parent.changed, interval)
+            try:
+                out = parent.make_output(parent.changed, interval)
+            except Exception as e:  # as in _fail_child: this request ends, the rest go on
+                logger.exception("Output processing failed for request %s", parent.request_id)
+                out = self._fail_parent(parent, e, timestamp, to_abort)
             parent.changed = []
             if parent.finished:
                 del self.parents[parent.request_id]
             if out is not None:
                 deliveries.append((parent.collector, out))
         return deliveries, to_abort
+
+    def _update_child(self, child: _Child, eco: EngineCoreOutput, timestamp: float,
+                      iteration_stats: Optional[IterationStats], to_abort: list[str]) -> None:
+        """One engine-core output of one completion: metrics, logprobs, text, stop
+        strings, finish."""
+        parent = child.parent
+        if eco.new_token_ids:
+            m = parent.metrics
+            if m.first_token_time is None:
+                m.first_token_time = timestamp
+                m.first_scheduled_time = eco.first_scheduled_time
+                parent.num_cached_tokens = eco.num_cached_tokens
+                if iteration_stats is not None:
+                    iteration_stats.num_prompt_tokens += len(parent.prompt_token_ids) - eco.num_cached_tokens
+            m.last_token_time = timestamp
+            if iteration_stats is not None:
+                iteration_stats.num_generation_tokens += len(eco.new_token_ids)
+        if eco.new_logprobs and child.want_logprobs:
+            for entry in eco.new_logprobs:
+                child.logprobs.append(self._logprob_dict(entry))
+                child.cumulative_logprob += entry.logprobs[0]
+        stop_str = child.detok.update(eco.new_token_ids, eco.finish_reason == _STOP, eco.finished)
+        if stop_str is not None and eco.finish_reason != _ABORT:
+            child.finish_reason, child.stop_reason = _STOP, stop_str
+            if not eco.finished:
+                to_abort.append(eco.request_id)
+        elif eco.finished:
+            child.finish_reason, child.stop_reason = eco.finish_reason, eco.stop_reason
+            child.error = eco.error
+        if child.finish_reason is not None:
+            if child.deferred:
+                child.finish_deferred(eco.finish_reason == _STOP)
+            del self.children[eco.request_id]
+            parent.child_finished()
+            if parent.finished:
+                parent.metrics.finished_time = timestamp
+
+    def _fail_child(self, child: _Child, eco: EngineCoreOutput, error: Exception, timestamp: float,
+                    to_abort: list[str]) -> None:
+        """``child`` could not be processed (a detokenizer, stop-string or logprob
+        failure): it ends with finish_reason "error" and the message, its engine-core
+        request is aborted, and every other request goes on."""
+        logger.exception("Output processing failed for request %s", child.parent.request_id)
+        child.error = f"Output processing failed: {type(error).__name__}: {error}"
+        child.finish_reason, child.stop_reason = _ERROR, None
+        child.failed = True
+        if not eco.finished:
+            to_abort.append(eco.request_id)
+        if self.children.pop(eco.request_id, None) is not None:
+            child.parent.child_finished()
+            if child.parent.finished:
+                child.parent.metrics.finished_time = timestamp
+
+    def _fail_parent(self, parent: _Parent, error: Exception, timestamp: float,
+                     to_abort: list[str]) -> RequestOutput:
+        """Every completion of ``parent`` ends with "error" (its output could not be
+        built); returns its final output, built without its text."""
+        msg = f"Output processing failed: {type(error).__name__}: {error}"
+        for c in parent.children:
+            c.failed = True
+            if c.finish_reason is None:
+                c.finish_reason, c.error = _ERROR, msg
+                to_abort.append(c.core_id)
+                self.children.pop(c.core_id, None)
+                parent.child_finished()
+            elif c.finish_reason != _ERROR:
+                c.finish_reason, c.error = _ERROR, msg
+        parent.metrics.finished_time = timestamp
+        return parent.make_output(parent.children)
 
     def _logprob_dict(self, entry) -> dict[int, Logprob]:
         d: dict[int, Logprob] = {}
