@@ -560,7 +560,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
             return None
         self._pending = not text
         if text:
-            self._unflushed = []
+            if self._unflushed:
+                self._unflushed = []
         else:
             self._unflushed.extend(ids if isinstance(ids, list) else (ids,))
         return text
