@@ -34,7 +34,7 @@ def unfreeze_gc_heap() -> None:
 # children re-run it (as ``__mp_main__``) before their target, so a script that creates an
 # engine outside ``if __name__ == "__main__":`` would create one again in every child;
 # ``fork`` children are copies and re-run nothing, but a copy is only sound when this
-# process holds no CUDA context and runs no other threads (a lock held by one, or torch's
+# process has not loaded the CUDA driver and runs no other threads (a lock held by one, or torch's
 # OpenMP pool, which hangs a forked child's first parallel op, stays broken in the copy).
 # So, as vLLM does, fork where that re-run would happen and fork is sound; elsewhere the
 # configured method, and a child that meets an unguarded main exits with this status,
@@ -72,10 +72,24 @@ def main_module_rerun_by_spawn() -> bool:
     return getattr(main, "__file__", None) is not None
 
 
+def _cuda_driver_loaded() -> bool:
+    """Whether the CUDA driver library is mapped into this process: a CUDA runtime call
+    loaded it and ran ``cuInit`` (``torch.cuda.is_available()`` does, unless
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), after which CUDA fails in a forked child even
+    though torch's own context is not initialised."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libcuda.so" in line for line in f)
+    except OSError:
+        return False
+
+
 def fork_unsafe_reason() -> Optional[str]:
     """Why forking this process now would be unsound (a short phrase), or None."""
     if torch.cuda.is_initialized():
         return "CUDA is initialised in this process"
+    if _cuda_driver_loaded():
+        return "the CUDA driver is loaded in this process"
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()
               and not getattr(t, "fork_safe", False)]
     if others:
