@@ -7,7 +7,7 @@ Read from Python (the accessors below; each reads the environment when called):
 | variable | default | meaning |
 | --- | --- | --- |
 | ``VENGINE_ENABLE_MULTIPROCESSING`` | 1 | engine core in a process of its own (0: a thread of the front end's process); vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING`` |
-| ``VENGINE_MULTIPROC_METHOD`` | forkserver | how that process starts: ``forkserver`` or ``spawn`` |
+| ``VENGINE_MULTIPROC_METHOD`` | fork where sound, else forkserver | how that process starts: ``fork``, ``forkserver`` or ``spawn``. Unset: ``fork`` when the main module is a script (which the others re-run in the child) and this process holds no CUDA context and runs no other threads; else ``forkserver`` (tensor-parallel workers: ``spawn``) |
 | ``VENGINE_ASYNC_SCHED`` | 1 | 0 turns async scheduling off process-wide (rollback switch) |
 | ``VENGINE_ALLOW_LONG_MAX_MODEL_LEN`` | 0 | 1 accepts a ``max_model_len`` past the model's context length |
 | ``VENGINE_DISABLE_TRITON_OPS`` | 0 | 1: plain torch instead of the fused triton ops on CUDA |
@@ -60,8 +60,18 @@ def enable_multiprocessing() -> Optional[bool]:
     return None if _raw("VENGINE_ENABLE_MULTIPROCESSING") is None else _flag("VENGINE_ENABLE_MULTIPROCESSING", True)
 
 
-def multiproc_method() -> str:
-    return (_raw("VENGINE_MULTIPROC_METHOD") or "forkserver").lower()
+MULTIPROC_METHODS = ("fork", "forkserver", "spawn")
+
+
+def multiproc_method() -> Optional[str]:
+    """``VENGINE_MULTIPROC_METHOD`` (lower case); None when unset (the caller chooses).
+    ValueError naming it for another value."""
+    v = _raw("VENGINE_MULTIPROC_METHOD")
+    if v is None:
+        return None
+    if v.lower() not in MULTIPROC_METHODS:
+        raise ValueError(f"VENGINE_MULTIPROC_METHOD={v!r}: use one of {', '.join(MULTIPROC_METHODS)}.")
+    return v.lower()
 
 
 def async_scheduling_allowed() -> bool:

@@ -136,7 +136,8 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Release the engine's device memory (model, KV cache, CUDA graphs); the LLM is
-        unusable afterwards. Lets a second engine (or another library) use the GPU in the
-        same process."""
+        """Release the engine's device memory (model, KV cache, CUDA graphs) and its
+        tensor-parallel workers and process group; the LLM is unusable afterwards. Lets a
+        second engine (or another library) use the GPU in the same process. Also done when
+        the LLM is garbage-collected (``del llm; gc.collect()``, as vLLM's docs advise)."""
         self.llm_engine.shutdown()

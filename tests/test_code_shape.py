@@ -1,14 +1,14 @@
 """The code's shape (issue 13): no function in the front ends (``server/``, ``capi/``) over
-60 lines, and ``ruff check`` clean with the repository's ``ruff.toml``."""
+60 lines, and ``ruff check`` clean with the repository's ``ruff.toml``. And the test
+suite's (issue 23): its skips say why, and no declared test dependency is skipped on."""
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60
@@ -39,10 +39,7 @@ def _ruff() -> list[str]:
     exe = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     if exe is not None:
         return [exe]
-    try:
-        import ruff  # noqa: F401 - the package ships the binary
-    except ImportError:
-        pytest.skip("ruff is not installed (pip install -e .[test])")
+    import ruff  # noqa: F401 - a declared test dependency; the package ships the binary
     return [sys.executable, "-m", "ruff"]
 
 
@@ -51,3 +48,36 @@ def test_ruff_clean():
     proc = subprocess.run([*_ruff(), "check", "--output-format", "concise", str(ROOT)], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _declared_test_modules() -> set[str]:
+    """Import names of setup.py's ``extras_require["test"]`` (``pytest-timeout`` ->
+    ``pytest_timeout``; version specifiers and markers dropped)."""
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    extras = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+    return {re.split(r"[\s;<>=!~\[]", req, maxsplit=1)[0].lower().replace("-", "_") for req in extras["test"]}
+
+
+def test_declared_test_dependencies_are_imported_not_skipped_on():
+    """An ``importorskip`` of a declared test dependency turns a broken install into
+    silently skipped tests (one at module level for jsonschema drops dozens):
+    they are imported like any other module, and their absence fails."""
+    declared = _declared_test_modules()
+    assert {"jsonschema", "hypothesis", "triton", "selenium", "openai"} <= declared
+    found = [f"{p.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1} {m.group(1)}"
+             for p in sorted((ROOT / "tests").rglob("*.py")) for text in [p.read_text(encoding="utf-8")]
+             for m in re.finditer(r"importorskip\(\s*[\"']([\w.]+)", text)
+             if m.group(1).split(".")[0].lower() in declared]
+    assert found == []
+
+
+def test_skips_report_their_reason(tmp_path):
+    """``make test`` (pytest.ini) lists every skipped test with its reason (``-rs``)."""
+    (tmp_path / "test_skipping.py").write_text(
+        "import pytest\n\n\ndef test_skipped():\n    pytest.skip('a reason to report')\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pytest.ini"),
+                           "--rootdir", str(tmp_path), str(tmp_path / "test_skipping.py")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"SKIPPED \[1\] test_skipping.py:5: a reason to report", proc.stdout), proc.stdout

@@ -263,8 +263,12 @@ class _FrontEndLinks:
         self._lock = threading.Lock()
 
     def start_readers(self) -> None:
+        from pyengine.utils import mark_fork_safe
+
         for i in range(len(self.conns)):
-            threading.Thread(target=self._read, args=(i,), name=f"EngineCoreInput-{i}", daemon=True).start()
+            # It only waits on its pipe: tensor-parallel workers may still be forked from here.
+            mark_fork_safe(threading.Thread(target=self._read, args=(i,), name=f"EngineCoreInput-{i}",
+                                            daemon=True)).start()
 
     def _read(self, i: int) -> None:
         from pyengine.engine.messages import decode

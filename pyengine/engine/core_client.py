@@ -10,12 +10,15 @@
   loop no longer shares a GIL with the front end (output processing, HTTP, C delivery).
 
 Which one: ``VENGINE_ENABLE_MULTIPROCESSING`` (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``):
-``1`` the process, ``0`` the thread; unset, the default below. The engine process is
-started by ``multiprocessing``'s ``forkserver`` (a server process that imported the engine
-once, so each engine starts by a fork, without re-importing torch) or, with
-``VENGINE_MULTIPROC_METHOD=spawn``, by a fresh interpreter. Either way the caller's
-``__main__`` must be import-safe (``if __name__ == "__main__":``), as with any
-``multiprocessing`` program.
+``1`` the process, ``0`` the thread; unset, the default below. How the engine process
+starts (``VENGINE_MULTIPROC_METHOD``, or chosen as vLLM does): by ``fork`` when the
+caller's main module is a script and forking is sound (no CUDA context, no other threads:
+``pyengine.utils.choose_start_method``), so a script without an ``if __name__ ==
+"__main__":`` guard works; otherwise by ``multiprocessing``'s ``forkserver`` (a server
+process that imported the engine once, so each engine starts by a fork of it, without
+re-importing torch) or, with ``spawn``, by a fresh interpreter. Those two re-run the
+caller's main module in the child: there it must be guarded, and an unguarded one fails
+the start with one line that says so.
 
 Failure semantics of the process boundary: the engine process exiting for any reason
 (an exception in a step, OOM, ``kill -9``) makes ``get_output`` return an
@@ -46,10 +49,10 @@ from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutputs, Engine
                                       EngineCoreShutdown, EngineDeadMessage, UtilityOutput, UtilityRequest,
                                       decode, encode)
 from pyengine.exceptions import EngineDeadError
+from pyengine.utils import UNGUARDED_MAIN_EXIT_CODE, choose_start_method, run_forked, unguarded_main_message
 
 logger = logging.getLogger(__name__)
 
-MP_METHODS = ("forkserver", "spawn")
 # transformers config modules of the supported families (pyengine/models/registry.py).
 PRELOAD_CONFIG_MODULES = ("transformers.models.llama.configuration_llama",
                           "transformers.models.mistral.configuration_mistral",
@@ -220,10 +223,9 @@ class InprocClient(EngineCoreClient):
         self._fail_calls("the engine was shut down")
 
 
-def _mp_context(config: EngineConfig):
-    method = envs.multiproc_method()
-    if method not in MP_METHODS:
-        raise ValueError(f"VENGINE_MULTIPROC_METHOD={method!r}: use one of {', '.join(MP_METHODS)}.")
+def _mp_context(config: EngineConfig, prefer_fork: bool = True):
+    """``(context, start note)``: see ``pyengine.utils.choose_start_method``."""
+    method, note = choose_start_method(envs.multiproc_method(), "forkserver", prefer_fork)
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         # The server imports the engine and the config classes that unpickling an
@@ -233,7 +235,7 @@ def _mp_context(config: EngineConfig):
                                     *PRELOAD_CONFIG_MODULES])
     if not hasattr(sys, "argv"):  # an embedded interpreter (the C ABI) may have none
         sys.argv = [""]
-    return ctx
+    return ctx, note
 
 
 def _exit_reason(code: Optional[int]) -> str:
@@ -251,8 +253,10 @@ def start_engine_core_process(config: EngineConfig, num_front_ends: int):
     """Start one engine-core process for ``num_front_ends`` front-end processes (each then
     serves through ``MPClient.attach(conn)``). Returns ``(process, [conn, ...])``; the
     caller owns the process: it watches its sentinel, and joins it once every front end has
-    closed its connection (which ends the engine process)."""
-    ctx = _mp_context(config)
+    closed its connection (which ends the engine process). Never forked: the front ends
+    are processes of their own, and a fork would inherit what the caller holds (its
+    listening socket)."""
+    ctx, _ = _mp_context(config, prefer_fork=False)
     pairs = [ctx.Pipe(duplex=True) for _ in range(num_front_ends)]
     level = logging.getLogger("pyengine").getEffectiveLevel()
     proc = ctx.Process(target=run_engine_core, args=(config, [b for _, b in pairs], level), name="EngineCore")
@@ -276,13 +280,19 @@ class MPClient(EngineCoreClient):
         self._wake_r, self._wake_w = os.pipe()
         self._dead: Optional[EngineDeadMessage] = None
         self._closed = False
+        # How the engine process was started ("fork", "forkserver", "spawn"; None: attached).
+        self.start_method: Optional[str] = None
         if conn is not None:
             self._conn, self.proc = conn, None
             return
-        ctx = _mp_context(config)
+        ctx, self._start_note = _mp_context(config)
+        self.start_method = ctx.get_start_method()
         self._conn, child_conn = ctx.Pipe(duplex=True)
         level = logging.getLogger("pyengine").getEffectiveLevel()
-        self.proc = ctx.Process(target=target or run_engine_core, args=(config, child_conn, level), name="EngineCore")
+        target, args = target or run_engine_core, (config, child_conn, level)
+        if self.start_method == "fork":  # the copy must not hold this side's ends open
+            target, args = run_forked, ([self._conn, self._wake_r, self._wake_w], target, *args)
+        self.proc = ctx.Process(target=target, args=args, name="EngineCore")
         self.proc.start()
         child_conn.close()
 
@@ -297,7 +307,11 @@ class MPClient(EngineCoreClient):
         first = self._recv(None)
         if not isinstance(first, EngineCoreReady):
             self._stop_process(5.0)
+            unguarded = self.proc is not None and self.proc.exitcode == UNGUARDED_MAIN_EXIT_CODE
             self.close()
+            if unguarded:
+                raise RuntimeError(unguarded_main_message("The engine core process", self.start_method,
+                                                          self._start_note))
             msg = first.message if isinstance(first, EngineDeadMessage) else f"unexpected first message {first!r}"
             if isinstance(first, EngineDeadMessage) and first.error_type == "ValueError":
                 raise ValueError(msg)

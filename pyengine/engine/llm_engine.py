@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Optional
 
 from pyengine.config import EngineConfig
@@ -17,21 +18,39 @@ from pyengine.sampling_params import SamplingParams
 from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 
 
+def _shutdown(engine_core: EngineCore) -> None:
+    engine_core.shutdown()
+    unfreeze_gc_heap()
+
+
 class LLMEngine:
     """``log_stats``: log a stats line every ``VENGINE_LOG_STATS_INTERVAL`` seconds of
     stepping (None: unless ``config.disable_log_stats``); ``stat_loggers``: more
-    ``StatLoggerBase`` objects fed with every step's statistics."""
+    ``StatLoggerBase`` objects fed with every step's statistics.
+
+    Shut down by ``shutdown()``, or when the engine is garbage-collected (``del llm``,
+    ``gc.collect()``, as vLLM's docs tell users to free an engine), or at interpreter exit:
+    the device memory and a tensor-parallel process group go, so another engine can be
+    built in this process."""
 
     def __init__(self, config: EngineConfig, log_stats: Optional[bool] = None,
                  stat_loggers: Optional[list[StatLoggerBase]] = None):
         self.config = config
         self.stat_loggers = make_stat_logger_manager(
             not config.disable_log_stats if log_stats is None else log_stats, stat_loggers)
-        self.tokenizer = load_tokenizer(config)
+        # The engine core first: its tensor-parallel workers start before the tokenizer's
+        # thread pool does, so they can still be forked (pyengine.utils.choose_start_method).
+        self.engine_core = EngineCore(config)
+        try:
+            self.tokenizer = load_tokenizer(config)
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
         self._step = self.engine_core.step_fn()
+        # Holds the core, not this object: runs when this object is collected.
+        self._finalizer = weakref.finalize(self, _shutdown, self.engine_core)
         freeze_gc_heap()
 
     def add_request(self, request_id: str, prompt, params: Optional[SamplingParams] = None,
@@ -76,6 +95,5 @@ class LLMEngine:
         return self.engine_core.scheduler.make_stats()
 
     def shutdown(self) -> None:
-        """Release the model, KV cache and CUDA graphs (device memory)."""
-        self.engine_core.shutdown()
-        unfreeze_gc_heap()
+        """Release the model, KV cache and CUDA graphs (device memory). Idempotent."""
+        self._finalizer()

@@ -1,8 +1,10 @@
 """Tensor parallelism over processes (mirrors vllm/v1/executor/multiproc_executor.py).
 
 Rank 0 runs in this process (the engine core's), next to the scheduler; ranks 1..N-1
-are spawned worker processes (``pyengine.worker.worker.worker_main``). All ranks join one
-torch.distributed group through a ``tcp://`` rendezvous on a port picked at run time.
+are worker processes (``pyengine.worker.worker.worker_main``), forked where that is sound
+and the main module is a script, else spawned (``pyengine.utils.choose_start_method``).
+All ranks join one torch.distributed group through a ``tcp://`` rendezvous on a port
+picked at run time.
 Each step rank 0 sends the step's packed inputs to the other ranks over the gloo group,
 every rank runs the same forward (NCCL / gloo all-reduces inside), rank 0 gathers the
 logits and samples, and, with async scheduling, broadcasts the sampled ids (the next step
@@ -27,11 +29,13 @@ from typing import Optional
 
 import torch.distributed
 
+from pyengine import envs
 from pyengine.config import EngineConfig
 from pyengine.core.sched.output import SchedulerOutput
 from pyengine.distributed import get_distributed_init_method, get_open_port
 from pyengine.distributed.shm_broadcast import SpinWaiter
 from pyengine.executor.abstract import Executor
+from pyengine.utils import UNGUARDED_MAIN_EXIT_CODE, choose_start_method, run_forked, unguarded_main_message
 from pyengine.worker.worker import Worker, worker_main
 
 logger = logging.getLogger(__name__)
@@ -45,8 +49,9 @@ _SPIN_S = 2e-3  # how long the first looks spin instead (a sleep overshoots by ~
 
 
 class _WorkerHandle:
-    def __init__(self, rank: int, proc, conn):
+    def __init__(self, rank: int, proc, conn, start_method: str, start_note: str):
         self.rank, self.proc, self.conn = rank, proc, conn
+        self.start_method, self.start_note = start_method, start_note  # for the unguarded-main message
         self.error: Optional[tuple[str, str]] = None  # (exception type name, message) it reported
         self._lock = threading.Lock()  # the engine and the monitor thread both ask
 
@@ -70,6 +75,9 @@ class _WorkerHandle:
             self.poll_messages()
             if self.error is not None:
                 return f"tensor-parallel worker rank {self.rank} failed: {self.error[1]}"
+            if dead and self.proc.exitcode == UNGUARDED_MAIN_EXIT_CODE:
+                return unguarded_main_message(f"tensor-parallel worker rank {self.rank}", self.start_method,
+                                              self.start_note)
             if dead:
                 return f"tensor-parallel worker rank {self.rank} died (exit code {self.proc.exitcode})"
             return None
@@ -96,7 +104,7 @@ class _CheckedOutput:
 
 
 class MultiprocExecutor(Executor):
-    """``config.tensor_parallel_size`` ranks: rank 0 here, the others spawned. Raises
+    """``config.tensor_parallel_size`` ranks: rank 0 here, the others started. Raises
     whatever loading the model raises on rank 0, or RuntimeError (ValueError when the
     worker's was one) naming the worker rank that failed to start."""
 
@@ -117,14 +125,20 @@ class MultiprocExecutor(Executor):
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().shutdown())
         try:
-            ctx = multiprocessing.get_context("spawn")
+            method, note = choose_start_method(envs.multiproc_method(), "spawn")
+            if method == "forkserver":  # its server preloads the engine core, not a worker
+                method = "spawn"
+            ctx = multiprocessing.get_context(method)
             for rank in range(1, self.world_size):
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=worker_main, name=f"vengine-tp-rank{rank}", daemon=True,
-                                   args=(config, rank, self.world_size, self.driver.init_method, child_conn))
+                target, args = worker_main, (config, rank, self.world_size, self.driver.init_method, child_conn)
+                if method == "fork":  # the copy must not hold this side's ends open (see worker_main)
+                    target, args = run_forked, ([self._stop_r, self._stop_w, parent_conn]
+                                                + [w.conn for w in self.workers], target, *args)
+                proc = ctx.Process(target=target, name=f"vengine-tp-rank{rank}", daemon=True, args=args)
                 proc.start()
                 child_conn.close()
-                self.workers.append(_WorkerHandle(rank, proc, parent_conn))
+                self.workers.append(_WorkerHandle(rank, proc, parent_conn, method, note))
             self.driver.init_device(peer_failure=self._worker_failure)
             self._monitor = threading.Thread(target=self._monitor_workers, name="tp-monitor", daemon=True)
             self._monitor.start()
@@ -222,6 +236,11 @@ class MultiprocExecutor(Executor):
                 self.driver.model_runner.broadcast_stop()
             except Exception as e:
                 logger.debug("stop broadcast: %s", e)
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(5.0)  # it sees the closed pipe at once; gone, it cannot hinder a later fork
+        if monitor is None or not monitor.is_alive():
+            self._stop_r.close()
         for w in self.workers:
             w.proc.join(_JOIN_TIMEOUT_S if self._ready else 0.0)
             if w.proc.is_alive():

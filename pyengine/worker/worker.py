@@ -1,6 +1,6 @@
 """One tensor-parallel rank: its device, its place in the process group and its
 ModelRunner (mirrors vllm/v1/worker/gpu_worker.py), and the entry point of the worker
-processes (ranks > 0) that MultiprocExecutor spawns (role of vllm/v1/executor/
+processes (ranks > 0) that MultiprocExecutor starts (role of vllm/v1/executor/
 multiproc_executor.py's WorkerProc)."""
 from __future__ import annotations
 

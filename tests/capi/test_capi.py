@@ -433,7 +433,8 @@ def test_one_failing_request_ends_only_itself(capi_test_bin, capi_lib, llama_dir
 def test_structured_output_fields(capi_test_bin, capi_lib, llama_dir):
     """vllm.cpp's structured_* fields constrain the output; a bad constraint is
     VLLM_ERR_INVALID_ARGUMENT with the engine's message (as Python and HTTP give it)."""
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
+
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
                                               "c": {"enum": ["x", "y"]}}, "required": ["n", "c"]}
     out = _check(_run(capi_test_bin, capi_lib, "structured", llama_dir, json.dumps(schema), r"[a-z]{2}-[0-9]{2}"))
@@ -458,7 +459,8 @@ def test_structured_output_fields(capi_test_bin, capi_lib, llama_dir):
 
 
 def test_chat_response_format(capi_test_bin, capi_lib, llama_dir):
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
+
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     req = json.dumps({"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 100,
                       "temperature": 0, "response_format": {"type": "json_schema",

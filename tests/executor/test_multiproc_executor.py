@@ -71,6 +71,26 @@ def test_tp2_greedy_matches_tp1_and_transformers(family, async_sched, shm, model
     assert stats.num_free_blocks == stats.num_gpu_blocks  # no KV block leaked
 
 
+@pytest.mark.timeout(300)
+def test_second_tp_engine_after_del_and_gc(llama_dir, prompts):
+    """vLLM's way to free an engine, ``del llm`` and ``gc.collect()`` without shutdown
+    (notebooks, test suites), frees its process group and workers: a second TP=2 engine in
+    this process starts and gives the same tokens."""
+    import gc
+
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False)
+    got = []
+    for _ in range(2):
+        llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=64)
+        worker = llm.llm_engine.engine_core.model_executor.workers[0].proc
+        got.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+        del llm
+        gc.collect()
+        assert not torch.distributed.is_initialized()
+        assert not worker.is_alive()
+    assert got[0] == got[1] == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+
+
 # ---- GPU (2 GPUs, NCCL, CUDA graphs and triton kernels): tools/tp_h200x2.sh --------------
 needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                     reason="needs 2 GPUs")

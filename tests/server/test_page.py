@@ -108,7 +108,7 @@ def browser(tmp_path_factory):
     if chromium is None or driver_path is None:
         pytest.skip("headless Chromium is not installed (Debian: apt-get install chromium chromium-driver; "
                     "`make setup` does it where apt-get and root are available)")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
+    from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     opts = webdriver.ChromeOptions()

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import pytest
 
 from tests.server.conftest import MODEL_NAME
 from tests.server.http_util import collect_stream, completion_text, post
 from tests.structured_output.schemas import SCHEMAS
-
-jsonschema = pytest.importorskip("jsonschema")
 
 MSGS = [{"role": "user", "content": "Give me the data as JSON."}]
 

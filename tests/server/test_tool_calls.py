@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from tests.server.conftest import MODEL_NAME, openai_client, serve_app
 from tests.server.http_util import collect_stream, post
-
-jsonschema = pytest.importorskip("jsonschema")
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},

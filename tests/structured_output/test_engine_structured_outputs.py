@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import pytest
 
 from pyengine import LLM, SamplingParams, StructuredOutputsParams
 from tests.structured_output.schemas import SCHEMAS
-
-jsonschema = pytest.importorskip("jsonschema")
 
 MAX_TOKENS = 200
 
