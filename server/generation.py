@@ -166,8 +166,8 @@ class GenerationJob:
         templates = self._templates
         plain = not self.want_logprobs and not self.continuous_usage
         for idx, ch, text, token_ids, logprobs, finish in self.events():
-            if not text and finish is None and not (self.want_logprobs and token_ids):
-                continue
+            if not text and not token_ids and finish is None:
+                continue  # nothing new; a token without text yet still has its chunk (vLLM)
             if plain and finish is None:
                 # the common streamed delta: the builder's chunk JSON around the text's JSON
                 t = templates[idx] if idx in templates else templates.setdefault(
