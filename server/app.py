@@ -22,7 +22,7 @@ from pyengine.entrypoints.openai.serving_engine import parse_request, validation
 
 from .bridge import GeventBridge, is_engine_dead
 from .metrics import ServerMetrics
-from .middleware import apply_http_options
+from .middleware import apply_http_options, limit_request_body
 from .page import create_page_blueprint
 
 logger = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def create_app(engine, args=None) -> Flask:
     cfg = ServerConfig.from_args(engine, args)
     st = ServerState(engine, cfg)
     app = Flask("vengine.server", static_folder=None)  # the page's blueprint serves /static
-    app.config["MAX_CONTENT_LENGTH"] = cfg.max_request_body_bytes
+    limit_request_body(app, cfg.max_request_body_bytes)  # Content-Length and chunked bodies alike
     app.json.sort_keys = False
     app.extensions["vengine"] = st
     app.register_blueprint(create_page_blueprint())

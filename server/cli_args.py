@@ -255,6 +255,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--max-concurrent-streams must be >= 1")
     if args.api_server_count < 1:
         parser.error("--api-server-count must be >= 1")
+    if args.max_request_body_bytes < 1:  # 0 was taken as the default before
+        parser.error("--max-request-body-bytes must be >= 1")
     if not args.shutdown_timeout >= 0:  # also NaN
         parser.error("--shutdown-timeout must be >= 0")
     for flag in ("timeout_keep_alive", "request_read_timeout"):

@@ -61,6 +61,9 @@ class GenerationJob:
         try:
             for i, (_, ids) in enumerate(self.prompts):
                 self.group.add(f"{self.id}-{i}", ids, self.sp, self.priority)
+                # counted once it is admitted, whatever its end (vLLM counts them at prefill,
+                # aborted requests included): not at the end the handler may never see
+                st.metrics.prompt_tokens.inc(len(ids))
         except ValueError as e:  # the engine's input processing refused it
             self.close()
             raise APIError(400, str(e), getattr(e, "parameter", None)) from None
@@ -78,22 +81,22 @@ class GenerationJob:
         self.st.jobs.discard(self)
         if self.group is not None:
             self.group.close()
-            # requests whose end the handler never saw (client gone, engine dead)
+            # requests whose end the handler never saw (client gone, engine dead, cut)
             for i in range(len(self.group.request_ids)):
                 if i not in self._recorded:
-                    self._recorded.add(i)
-                    self.st.metrics.finished("abort")
+                    self._record_end(i, "abort")
 
-    def _record_finished(self, i: int, out) -> None:
+    def _record_end(self, i: int, reason: str, out=None) -> None:
+        """Prompt ``i``'s request ended (``reason``: its finish reason, "abort" or
+        "error"): counted once, whichever way it ended."""
+        if i in self._recorded:
+            return
         self._recorded.add(i)
         m = self.st.metrics
-        m.prompt_tokens.inc(len(self.prompts[i][1]))
         m.req_prompt.observe(len(self.prompts[i][1]))
-        chosen = self.choices[i * self.n:(i + 1) * self.n]
-        reason = next((ch.finish_reason for ch in chosen if ch.finish_reason), None)
-        m.req_gen.observe(sum(ch.num_tokens for ch in chosen))
-        m.finished(reason or "abort")
-        if reason != "abort":
+        m.req_gen.observe(sum(ch.num_tokens for ch in self.choices[i * self.n:(i + 1) * self.n]))
+        m.finished(reason)
+        if out is not None and reason not in ("abort", "error"):
             self.timers[i].finish(out)
 
     def _delta(self, i: int, o):
@@ -106,8 +109,7 @@ class GenerationJob:
             text = self.echo_texts[i] + text
         ch.num_tokens += len(o.token_ids)
         if o.finish_reason == "error":
-            self._recorded.add(i)
-            self.st.metrics.finished("error")
+            self._record_end(i, "error")
             raise RequestFailed(o.error)  # the job's close() aborts its other requests
         if o.finish_reason is not None:
             ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
@@ -116,20 +118,24 @@ class GenerationJob:
     def events(self):
         """Yield ``(choice_index, choice, delta_text, token_ids, logprobs, finish_reason)``
         for each CompletionOutput delta, in arrival order; the choice's text is extended
-        after the event is handled."""
+        after the event is handled. A request's end is recorded when its last output is
+        taken, before its events go out (a client gone at that moment does not make it
+        an abort)."""
         m = self.st.metrics
         for i, out in self.group.outputs():
-            for o in out.outputs:
-                event = self._delta(i, o)
-                yield event
-                if event[2]:
-                    event[1].text.append(event[2])
+            events = [self._delta(i, o) for o in out.outputs]
             newest = max((len(o.token_ids) for o in out.outputs), default=0)
             if newest:
                 m.generation_tokens.inc(sum(len(o.token_ids) for o in out.outputs))
                 self.timers[i].observe(out, newest)
             if out.finished:
-                self._record_finished(i, out)
+                chosen = self.choices[i * self.n:(i + 1) * self.n]
+                self._record_end(i, next((ch.finish_reason for ch in chosen if ch.finish_reason), None)
+                                 or "abort", out)
+            for event in events:
+                yield event
+                if event[2]:
+                    event[1].text.append(event[2])
 
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
@@ -160,8 +166,8 @@ class GenerationJob:
         templates = self._templates
         plain = not self.want_logprobs and not self.continuous_usage
         for idx, ch, text, token_ids, logprobs, finish in self.events():
-            if not text and finish is None and not (self.want_logprobs and token_ids):
-                continue
+            if not text and not token_ids and finish is None:
+                continue  # nothing new; a token without text yet still has its chunk (vLLM)
             if plain and finish is None:
                 # the common streamed delta: the builder's chunk JSON around the text's JSON
                 t = templates[idx] if idx in templates else templates.setdefault(

@@ -5,7 +5,10 @@ Engine gauges and the prefix-cache / preemption counters are read from
 ``AsyncLLM.get_stats()`` at scrape time; ``vllm:iteration_tokens_total`` from each engine
 step's ``SchedulerStats`` (a stat logger on the engine: the stats arrive as messages from
 the engine core); request histograms and token counters are recorded by the request
-handlers from ``RequestOutput.metrics`` timestamps.
+handlers (``server.generation``) from ``RequestOutput.metrics`` timestamps. Every admitted
+engine request adds its prompt to ``vllm:prompt_tokens`` once, when admitted, and ends
+once in ``vllm:request_success`` (its finish reason; "abort" when its client left or the
+server cut it, "error" when it failed), whether or not the handler saw its last output.
 """
 from __future__ import annotations
 

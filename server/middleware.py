@@ -1,11 +1,14 @@
 """HTTP options around the app that vLLM's server takes from its command line: CORS
 (``--allowed-origins``, ``--allowed-methods``, ``--allowed-headers``,
-``--allow-credentials``, through flask-cors, as vLLM adds Starlette's CORSMiddleware) and
-``--root-path`` (the path prefix a proxy serves the API under).
+``--allow-credentials``, through flask-cors, as vLLM adds Starlette's CORSMiddleware),
+``--root-path`` (the path prefix a proxy serves the API under) and
+``--max-request-body-bytes`` for a body without ``Content-Length`` (chunked).
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
+
+from werkzeug.exceptions import RequestEntityTooLarge
 
 # What "*" in --allowed-methods stands for (Starlette's list, as vLLM answers a preflight).
 ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
@@ -51,3 +54,54 @@ def apply_http_options(app, args) -> None:
                 headers=getattr(args, "allowed_headers", None) or ("*",),
                 allow_credentials=bool(getattr(args, "allow_credentials", False)))
     mount_at_root_path(app, getattr(args, "root_path", None))
+
+
+class _CappedBody:
+    """``wsgi.input`` of a request without ``Content-Length`` (``Transfer-Encoding:
+    chunked``): reads end at ``max_bytes``, and once they reach it one byte more is
+    tried; if the body goes on, werkzeug's ``RequestEntityTooLarge`` (the app's 413).
+    werkzeug caps such a stream at the limit itself, but stops there without telling
+    whether more followed, so an oversized body was served cut at the limit."""
+
+    __slots__ = ("_input", "_left")
+
+    def __init__(self, inp, max_bytes: int):
+        self._input, self._left = inp, max_bytes
+
+    def _capped(self, fn, size):
+        if size is None or size < 0 or size > self._left:
+            size = self._left
+        data = fn(size) if size > 0 else b""
+        self._left -= len(data)
+        if self._left <= 0 and self._input.read(1):  # a byte past the limit: never kept
+            raise RequestEntityTooLarge()
+        return data
+
+    def read(self, size=None):
+        return self._capped(self._input.read, size)
+
+    def readline(self, size=None):
+        return self._capped(self._input.readline, size)
+
+    def readlines(self, hint=None):
+        return list(iter(self.readline, b""))
+
+    def __iter__(self):
+        return iter(self.readline, b"")
+
+
+def limit_request_body(app, max_bytes: int) -> None:
+    """Refuse a request body over ``max_bytes`` with 413 however it is framed: one with
+    ``Content-Length`` is refused by Flask (``MAX_CONTENT_LENGTH``, set here too) before
+    it is read; one without (chunked) as its reads pass the limit, never buffered past
+    it (see ``_CappedBody``). Raises ValueError unless ``max_bytes`` > 0."""
+    if max_bytes <= 0:
+        raise ValueError(f"--max-request-body-bytes must be > 0, got {max_bytes}.")
+    app.config["MAX_CONTENT_LENGTH"] = max_bytes
+    inner = app.wsgi_app
+
+    def capped(environ, start_response):
+        if not environ.get("CONTENT_LENGTH"):
+            environ["wsgi.input"] = _CappedBody(environ["wsgi.input"], max_bytes)
+        return inner(environ, start_response)
+    app.wsgi_app = capped

@@ -144,7 +144,11 @@ class _TimedInput:
         self._input, self._handler, self._deadline, self._timeout_s = inp, handler, deadline, timeout_s
 
     def _read(self, fn, *args):
-        out = self._deadline.run(fn, *args)
+        try:
+            out = self._deadline.run(fn, *args)
+        except Exception:  # a malformed body (bad chunk framing, EOF): its rest cannot be found
+            self._handler.close_connection = True
+            raise
         if self._deadline.expired:
             self._handler.close_connection = True
             raise RequestTimeout(f"The request body did not arrive within {self._timeout_s:g} s "
@@ -170,18 +174,29 @@ class _TimedInput:
         return line
 
     def _discard(self) -> None:
-        """pywsgi reads out what the app left unread, to keep the connection: only within
-        the deadline, and not at all when the connection is closing anyway or the rest is
-        huge (a body over the app's limit)."""
+        """pywsgi's hook after the app ran: read out what the app left unread, to keep the
+        connection. Only within the deadline, at most ``_DISCARD_MAX`` bytes (a larger
+        rest, e.g. of a body over the app's limit, chunked or not, closes the
+        connection instead), and not at all when the connection is closing anyway."""
         inp, h = self._input, self._handler
         if h.close_connection or self._deadline.expired:
             return
         if not inp.chunked_input and (inp.content_length or 0) - inp.position > _DISCARD_MAX:
             h.close_connection = True
             return
-        self._deadline.run(inp._discard)
-        if self._deadline.expired:
-            h.close_connection = True
+        inp.send_100_continue_enabled = False  # the response is out: no "100 Continue" after it
+        left = _DISCARD_MAX
+        try:
+            while left > 0:
+                data = self._deadline.run(inp.read, min(left, 1 << 16))
+                if self._deadline.expired:
+                    break
+                if not data:
+                    return
+                left -= len(data)
+        except (OSError, ValueError):  # a broken body or connection: nothing to keep
+            pass
+        h.close_connection = True
 
 
 def _over_capacity_app(limit: int):

@@ -139,7 +139,8 @@ def test_connection_limit_flags(monkeypatch):
     assert ConnectionLimits.from_args(args) == ConnectionLimits(max_concurrent_streams=4, timeout_keep_alive=2.0,
                                                                 request_read_timeout=3.0)
     for bad in (["--timeout-keep-alive", "0"], ["--timeout-keep-alive", "nan"], ["--request-read-timeout", "-1"],
-                ["--request-read-timeout", "inf"], ["--max-concurrent-streams", "0"]):
+                ["--request-read-timeout", "inf"], ["--max-concurrent-streams", "0"],
+                ["--max-request-body-bytes", "0"], ["--max-request-body-bytes", "-5"]):
         with pytest.raises(SystemExit):
             parse_args(["m", *bad])
     monkeypatch.setenv("VENGINE_HTTP_TIMEOUT_KEEP_ALIVE", "soon")

@@ -208,6 +208,14 @@ def _words(n_chars: int) -> str:
 
 
 def _rss_mb() -> float:
+    """This process's resident memory (MiB), after glibc gave back the free memory it keeps
+    in its arenas (what a request freed, kept for reuse, is not growth)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS as it is
+        pass
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -261,8 +269,10 @@ def test_4mb_prompt_refused_at_once_without_stalling_other_streams(slow_server):
         refuse_all()
     before = _rss_mb()
     for _ in range(4):
-        refuse_all()  # 12 requests, 36 MB of prompt text
-    assert _rss_mb() - before < 40, (before, _rss_mb())
+        refuse_all()  # 12 requests, 36 MiB of prompt text
+    # A copy of each body kept would be 36 MiB; what is seen is a few 4 MiB buffers that
+    # the allocator or the last requests still hold (0 to 8 MiB, in steps of one body)
+    assert _rss_mb() - before < 12, (before, _rss_mb())
 
 
 @pytest.mark.timeout(300)

@@ -2,6 +2,8 @@
 after a few requests, with values that add up."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.server.conftest import MODEL_NAME
@@ -91,3 +93,92 @@ def test_observe_many_equals_repeated_observe():
     assert samples(regs[0], "_count") == samples(regs[1], "_count")
     assert samples(regs[0], "_sum")[0][2] == pytest.approx(samples(regs[1], "_sum")[0][2])
     assert b'h_bucket{le="0.01",m="x"} 5.0' in generate_latest(regs[0])
+
+
+def _labelled(port, name: str, **labels) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    from tests.server.http_util import get
+
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in get(port, "/metrics")[2].decode().splitlines():
+        if line.startswith(name + "{") and all(w in line.split("}", 1)[0] for w in want):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _tokens(port, body) -> int:
+    """The prompt tokens the server makes of a request body (its /tokenize)."""
+    import json
+
+    from tests.server.http_util import post
+
+    status, _, data = post(port, "/tokenize", {k: body[k] for k in ("model", "prompt", "messages") if k in body})
+    assert status == 200, data
+    return json.loads(data)["count"]
+
+
+def _leave(port, path, body) -> None:
+    """Send ``body``, read a little of the answer (three stream events; nothing of a
+    plain one, whose request is then running), and leave."""
+    import json
+    import socket
+
+    from tests.server.http_util import SSEStream
+
+    if body.get("stream"):
+        s = SSEStream(port, path, body)
+        try:
+            assert s.read_headers() == 200
+            events = s.events()
+            for _ in range(3):
+                next(events)
+        finally:
+            s.close()
+        return
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        payload = json.dumps(body).encode()
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        assert wait_until(lambda: metrics(port)["vllm:num_requests_running"] == 1, 10)
+
+
+@pytest.fixture(scope="module")
+def slow_server(llama_dir):
+    """An in-process engine whose steps take 20 ms more (400 tokens: 8 s), so a request
+    is surely still running when its client leaves, served."""
+    from tests.server.conftest import make_engine, serve_app, slow_steps
+
+    engine = make_engine(llama_dir, multiprocess=False)
+    slow_steps(engine, 0.02)
+    yield from serve_app(engine, served_model_name=[MODEL_NAME])
+    engine.shutdown()
+
+
+def test_requests_left_mid_way_count_their_prompt_tokens_and_each_abort(slow_server):
+    server = slow_server
+    # issue 23: streams left after a few chunks added no prompt tokens to
+    # vllm:prompt_tokens_total, and request_success_total{finished_reason="abort"} fell short
+    common = {"model": MODEL_NAME, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    left = [("/v1/completions", dict(common, prompt=f"def left_{i}(x):", stream=True)) for i in range(3)]
+    left += [("/v1/chat/completions", dict(common, messages=[{"role": "user", "content": "stay"}], stream=True)),
+             ("/v1/completions", dict(common, prompt="x = [", stream=False))]
+    prompt_tokens = sum(_tokens(server.port, body) for _, body in left)
+    assert wait_until(lambda: metrics(server.port)["vllm:num_requests_running"] == 0)
+    before = metrics(server.port)
+    aborts = _labelled(server.port, "vllm:request_success_total", finished_reason="abort")
+    for path, body in left:
+        _leave(server.port, path, body)
+
+    def settled():
+        m = metrics(server.port)
+        return m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 0 and \
+            _delta(m, before, "vllm:request_success_total") >= len(left)
+    assert wait_until(settled, 10)
+    time.sleep(0.2)  # nothing more comes
+    after = metrics(server.port)
+    assert _labelled(server.port, "vllm:request_success_total", finished_reason="abort") - aborts == len(left)
+    assert _delta(after, before, "vllm:request_success_total") == len(left)
+    assert _delta(after, before, "vllm:prompt_tokens_total") == prompt_tokens
+    assert _delta(after, before, "vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert _delta(after, before, "vllm:request_prompt_tokens_count") == len(left)

@@ -133,3 +133,92 @@ def test_unreadable_certificate_is_refused(tmp_path):
     (tmp_path / "c.pem").write_text("not a certificate")
     with pytest.raises(ValueError, match="cannot use --ssl-keyfile"):
         ssl_args_from(SimpleNamespace(ssl_keyfile=str(tmp_path / "k.pem"), ssl_certfile=str(tmp_path / "c.pem")))
+
+
+# --- --max-request-body-bytes for a body without Content-Length (Transfer-Encoding: chunked) ---
+
+BODY_LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def limited_server(engine):
+    srv = _serve(engine, max_request_body_bytes=BODY_LIMIT)
+    yield srv
+    srv.stop()
+
+
+def _chunked_head(path="/v1/completions") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+
+
+def _chunks(payload: bytes, size: int = 1000) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(payload[i:i + size]), payload[i:i + size])
+                    for i in range(0, len(payload), size))
+
+
+def _read_response(sock):
+    """One Content-Length response from ``sock``: (status, headers, body)."""
+    import re
+
+    data = b""
+    while True:
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep:
+            m = re.search(rb"(?i)content-length: *(\d+)", head)
+            if m and len(body) >= int(m.group(1)):
+                lines = head.decode("latin-1").split("\r\n")
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+                return int(lines[0].split()[1]), headers, body[:int(m.group(1))]
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a full response: {data!r}"
+        data += chunk
+
+
+def _small() -> bytes:
+    return json.dumps({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}).encode()
+
+
+@pytest.mark.parametrize("payload", [
+    # valid JSON up to the limit: cut there and parsed, it was served (200)
+    _small() + b" " * (3 * BODY_LIMIT),
+    json.dumps({"model": MODEL_NAME, "prompt": "x " * BODY_LIMIT, "max_tokens": 1}).encode(),
+    _small() + b" " * (BODY_LIMIT + 1 - len(_small())),  # one byte over
+], ids=["json-then-spaces", "long-prompt", "one-byte-over"])
+def test_chunked_body_over_the_limit_is_413(limited_server, payload):
+    import socket
+
+    assert len(payload) > BODY_LIMIT
+    with socket.create_connection(("127.0.0.1", limited_server.port), timeout=30) as s:
+        s.sendall(_chunked_head() + _chunks(payload) + b"0\r\n\r\n")
+        status, _, body = _read_response(s)
+        assert status == 413, body
+        err = json.loads(body)["error"]
+        assert err["code"] == 413 and f"limit: {BODY_LIMIT} bytes" in err["message"]
+        # the connection goes on (the rest of the body was read out, as for a Content-Length one)
+        s.sendall(_chunked_head() + _chunks(_small()) + b"0\r\n\r\n")
+        assert _read_response(s)[0] == 200
+
+
+def test_chunked_body_at_the_limit_is_served(limited_server):
+    import socket
+
+    payload = _small() + b" " * (BODY_LIMIT - len(_small()))
+    assert len(payload) == BODY_LIMIT
+    with socket.create_connection(("127.0.0.1", limited_server.port), timeout=30) as s:
+        s.sendall(_chunked_head() + _chunks(payload) + b"0\r\n\r\n")
+        status, _, body = _read_response(s)
+        assert status == 200, body
+
+
+def test_chunked_body_is_cut_at_the_limit_not_read_to_its_end(limited_server):
+    # the body never ends: the 413 comes once the limit is passed, without waiting for the rest
+    import socket
+    import time
+
+    with socket.create_connection(("127.0.0.1", limited_server.port), timeout=30) as s:
+        s.sendall(_chunked_head() + _chunks(_small() + b" " * (2 * BODY_LIMIT)))
+        t0 = time.monotonic()
+        status, headers, body = _read_response(s)
+        assert status == 413, body
+        assert time.monotonic() - t0 < 5

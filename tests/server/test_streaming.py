@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from tests.server.conftest import MODEL_NAME
 from tests.server.http_util import collect_stream
 
@@ -77,3 +79,52 @@ def test_chat_stream_role_chunk_first(server):
     assert events[0][0] <= events[1][0]
     assert events[-1][1] == "[DONE]"
     assert events[-2][1]["choices"][0]["finish_reason"] == "length"
+
+
+
+FORCED = "\u65e5\u672c\u8a9e"  # three 3-byte characters: one byte token each here, 2 of 3 showing no text
+
+
+@pytest.fixture(scope="module")
+def paced_server(llama_dir):
+    """An in-process engine 30 ms a step, served: the reader keeps up with every step,
+    so no two deltas are merged and every token has its own chunk."""
+    from tests.server.conftest import make_engine, serve_app, slow_steps
+
+    engine = make_engine(llama_dir, multiprocess=False)
+    slow_steps(engine, 0.03)
+    yield from serve_app(engine, served_model_name=[MODEL_NAME])
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_token_without_text_still_gets_its_chunk(paced_server, path, logprobs):
+    # issue 23: a delta whose text is empty (a token that completes no character yet, a
+    # special token not shown) was not sent; vLLM sends a chunk whenever there are new
+    # token ids, with text "" (time to first token; token_ids / logprobs consumers)
+    chat = path.endswith("chat/completions")
+    body = {"model": MODEL_NAME, "max_tokens": 32, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "structured_outputs": {"regex": FORCED}}
+    if chat:
+        body.update(messages=[{"role": "user", "content": "hi"}], logprobs=logprobs)
+    else:
+        body.update(prompt="hi", **({"logprobs": 0} if logprobs else {}))
+    status, events, _ = collect_stream(paced_server.port, path, body)
+    assert status == 200, events
+    assert events[-1][1] == "[DONE]"
+    usage = events[-2][1]["usage"]
+    chunks = [e["choices"][0] for _, e in events[:-1] if e["choices"]]
+    if chat:
+        assert chunks[0]["delta"] == {"role": "assistant", "content": ""}
+        chunks = chunks[1:]
+    texts = [c["delta"].get("content") if chat else c["text"] for c in chunks]
+    assert None not in texts, chunks  # chat: {"content": ""}, as vLLM's delta, not {}
+    assert "".join(texts) == FORCED and chunks[-1]["finish_reason"] == "stop", chunks
+    # 9 byte tokens and the end of sequence, one chunk each: 6 bytes and the end show no text
+    assert usage["completion_tokens"] == len(FORCED.encode()) + 1
+    assert len(chunks) == usage["completion_tokens"], texts
+    assert texts.count("") == 7, texts
+    if logprobs:
+        assert [len(c["logprobs"]["content"] if chat else c["logprobs"]["tokens"]) for c in chunks] == \
+            [1] * len(chunks)

@@ -155,6 +155,8 @@ class ChatResponseBuilder(ResponseBuilder):
             lp = self.formatter.chat_logprobs(token_ids, logprobs or [None] * len(token_ids))
         ext = self.extractors[idx]
         deltas = ext.stream(text) + (ext.finish() if finish is not None else [])
+        if not deltas and ext.plain:
+            deltas = [{"content": text}]  # a token without text yet: vLLM's DeltaMessage(content="")
         if finish is not None:
             finish = ext.finish_reason(finish)
         # every delta but the last goes in a chunk of its own

@@ -69,7 +69,7 @@ def test_chat_logprobs_and_completion_objects(tokenizer):
     Completion.model_validate(chunk)
 
 
-TEMPLATE_TEXTS = ["Hello", " world", 'quote " and \\ backslash', "line\nbreak\ttab", "caf\u00e9 \u65e5\u672c \U0001f600",
+TEMPLATE_TEXTS = ["", "Hello", " world", 'quote " and \\ backslash', "line\nbreak\ttab", "caf\u00e9 \u65e5\u672c \U0001f600",
                   "\x00\x1f control", "</script>", "\u2028\u2029"]
 
 
