@@ -30,7 +30,7 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     for e in torch.unique(ids).tolist():  # ascending, as transformers' expert loop
         if e < 0:
             continue
-        tok, slot = torch.where(ids == e)
+        slot, tok = torch.where(ids.t() == e)  # slot-major rows, as transformers (a GEMM's bits follow row order)
         x = hidden[tok]
         gate_up = F.linear(x, w13[e])
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
