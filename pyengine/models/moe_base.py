@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pyengine.layers.fused_moe.layer import expert_checkpoint_target
+from pyengine.layers.fused_moe.layer import FusedMoE, expert_checkpoint_target
 
 # Router / MoE config fields of other MoE families (DeepSeek, GLM, ...). transformers'
 # classes for these three families ignore them, so a config that sets one to anything
@@ -106,6 +106,14 @@ class MoECausalLMMixin:
                 f"{cls.__name__}: sliding_window={window} (config.json) is not implemented: attention is "
                 f"full-context, which equals sliding-window attention only for sequences of at most {window} "
                 f"tokens, and max_model_len is {config.max_model_len}. Set max_model_len <= {window}.")
+
+    def warm_up_kernels(self, max_num_tokens: int) -> None:
+        """Compile the fused-MoE kernel variants of steps up to ``max_num_tokens`` tokens
+        (every MoE layer of a model has one shape, so one layer's warm-up serves all);
+        the model runner calls it before capturing CUDA graphs."""
+        moe = next((m for m in self.modules() if isinstance(m, FusedMoE)), None)
+        if moe is not None:
+            moe.warm_up(max_num_tokens)
 
     def check_sliding_window(self, hf_config) -> None:
         pass  # verify_engine_config refuses the windows that would change the outputs

@@ -37,6 +37,7 @@ from pyengine.layers.fused_moe.router import fused_topk
 from pyengine.layers.linear import _check_shape, divide, narrow_weight
 
 SHARD_KINDS = ("w1", "w2", "w3")  # gate, down, up (vLLM's / Mixtral's names)
+_NOT_LOADED = object()
 
 # One expert's projection in a checkpoint: "<prefix>.experts.<e>.<proj>.weight".
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
@@ -109,6 +110,7 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, ip), requires_grad=False)
         self.w2_weight.weight_loader = self.weight_loader
         self.w2_weight.shard_ids = tuple(("w2", g) for g in local)
+        self._tile_configs = _NOT_LOADED  # fused_moe's table for this shape and GPU, read on first use
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
         """Copy one expert's checkpoint tensor (torch tensor or safetensors slice; only this
@@ -136,11 +138,38 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
         if _ops.use_triton(hidden):
-            from pyengine.layers.fused_moe.fused_moe import fused_experts  # imports triton
-            return fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                 expert_map=self.expert_map)
+            from pyengine.layers.fused_moe import fused_moe  # imports triton
+            if self._tile_configs is _NOT_LOADED:
+                self._tile_configs = (fused_moe.load_tile_configs(self.local_num_experts,
+                                                                  self.intermediate_size_per_partition)
+                                      if hidden.is_cuda else None)
+            return fused_moe.fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                           expert_map=self.expert_map, tile_configs=self._tile_configs)
         return fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                    expert_map=self.expert_map)
+
+    @torch.inference_mode()
+    def warm_up(self, max_num_tokens: int) -> int:
+        """Compile, before serving, each Triton kernel variant a forward of up to
+        ``max_num_tokens`` tokens can pick (one per distinct tile config: the config
+        follows the number of tokens). No-op on the torch path. Returns the forwards run."""
+        if not _ops.use_triton(self.w13_weight):
+            return 0
+        from pyengine.layers.fused_moe import fused_moe
+
+        x = torch.zeros(1, self.hidden_size, dtype=self.w13_weight.dtype, device=self.w13_weight.device)
+        self.forward(x, torch.zeros(1, self.global_num_experts, device=x.device))  # loads the table
+        sizes = {1 << i for i in range(max(1, max_num_tokens).bit_length())} | set(self._tile_configs or ())
+        seen, runs = set(), 1
+        for m in sorted(s for s in sizes if 1 < s <= max_num_tokens):
+            cfg = fused_moe.pick_config(self._tile_configs, m, self.local_num_experts,
+                                        self.intermediate_size_per_partition, self.hidden_size, self.top_k)
+            key = repr(sorted(cfg.items()))
+            if key not in seen:
+                seen.add(key)
+                self.forward(x.expand(m, -1).contiguous(), torch.zeros(m, self.global_num_experts, device=x.device))
+                runs += 1
+        return runs
 
     def extra_repr(self) -> str:
         return (f"experts={self.global_num_experts} (local {self.local_num_experts} from {self.expert_start}), "
