@@ -236,7 +236,10 @@ def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, st
 
 # ---- launch ----------------------------------------------------------------------------
 
-def _launch_gemv(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg):
+def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg):
+    """One pass on the GEMV path: ``c[p] = f(a[p // a_row_div] . b[expert of p]^T)`` for
+    every pair p; ``gated``: b holds gate then up rows and f is SiLU-and-mul;
+    ``mul_weight``: times the pair's routing weight. ``cfg``: that pass's tile."""
     n_out = c.shape[1]
     k = a.shape[1]
     block_k = min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k))
@@ -248,7 +251,9 @@ def _launch_gemv(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight,
                        BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)))
 
 
-def _launch_grouped(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, cfg, num_valid):
+def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, cfg, num_valid):
+    """One pass on the grouped-GEMM path over ``aligned`` (``moe_align_block_size``'s
+    output for ``cfg["BLOCK_SIZE_M"]``); otherwise as ``gemv_pass``."""
     sorted_ids, expert_ids, npost = aligned
     n_out = c.shape[1]
     bm, bn, bk = int(cfg["BLOCK_SIZE_M"]), int(cfg["BLOCK_SIZE_N"]), int(cfg["BLOCK_SIZE_K"])
@@ -285,12 +290,12 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     out = torch.empty((pairs, h), dtype=hidden.dtype, device=hidden.device)
     c13, c2 = pass_config(cfg, "w13"), pass_config(cfg, "w2")
     if cfg.get("small_batch"):
-        _launch_gemv(hidden, w13, mid, topk_weights, topk_ids, expert_map, True, False, top_k, c13)
-        _launch_gemv(mid, w2, out, topk_weights, topk_ids, expert_map, False, True, 1, c2)
+        gemv_pass(hidden, w13, mid, topk_weights, topk_ids, expert_map, True, False, top_k, c13)
+        gemv_pass(mid, w2, out, topk_weights, topk_ids, expert_map, False, True, 1, c2)
     else:
         if int(c13["BLOCK_SIZE_M"]) != int(c2["BLOCK_SIZE_M"]):
             raise ValueError("the two passes of a grouped-GEMM tile config must share BLOCK_SIZE_M")
         aligned = moe_align_block_size(topk_ids, int(c13["BLOCK_SIZE_M"]), e_local, expert_map)
-        _launch_grouped(hidden, w13, mid, topk_weights, aligned, True, False, top_k, c13, pairs)
-        _launch_grouped(mid, w2, out, topk_weights, aligned, False, True, 1, c2, pairs)
+        grouped_pass(hidden, w13, mid, topk_weights, aligned, True, False, top_k, c13, pairs)
+        grouped_pass(mid, w2, out, topk_weights, aligned, False, True, 1, c2, pairs)
     return out.view(t, top_k, h).sum(dim=1)
