@@ -251,6 +251,7 @@ def bench_kernels(args, cfg, device: str, dtype) -> dict:
 # ---- section: tile-config sweep -------------------------------------------------------------
 
 SWEEP_M = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192)
+PASSES = ("w13", "w2")
 
 
 def _gemv_candidates(smoke: bool):
@@ -304,18 +305,26 @@ def sweep_shape(args, cfg, n_inter: int, device: str, dtype, deadline: float) ->
                 return float("inf")
 
         best = {}  # path -> (total us, config)
-        if m <= 32:
+        out_t = torch.empty(m, h, device=device, dtype=dtype)
+        if m <= 64:
             per_pass = {}
-            for which, (gated, mul, div) in (("w13", (True, False, k)), ("w2", (False, True, 1))):
+            for which in PASSES:
                 scores = []
-                for c in _gemv_candidates(args.cpu_smoke):
+                fuse_options = (True, False) if which == "w2" else (None,)
+                for c in [{**c, "FUSE_SUM": f} if f is not None else c
+                          for c in _gemv_candidates(args.cpu_smoke) for f in fuse_options]:
                     if time.perf_counter() > deadline:
                         break
 
-                    def run(c=c, gated=gated, mul=mul, div=div, which=which):
+                    def run(c=c, which=which):
                         for w13, w2 in sets:
-                            a, b, dst = (x, w13, mid) if which == "w13" else (mid, w2, out)
-                            fused_moe.gemv_pass(a, b, dst, w, ids, None, gated, mul, div, c)
+                            if which == "w13":
+                                fused_moe.gemv_pass(x, w13, mid, w, ids, None, True, False, k, c)
+                            elif c["FUSE_SUM"]:
+                                fused_moe.gemv_down_sum_pass(mid, w2, out_t, w, ids, None, c)
+                            else:  # the per-pair pass and the separate k-sum it needs
+                                fused_moe.gemv_pass(mid, w2, out, w, ids, None, False, True, 1, c)
+                                out.view(m, k, h).sum(dim=1)
                     t = timed(run)
                     scores.append((t, c))
                     log.append({"m": m, "path": "gemv", "pass": which, "config": c, "us": t})
@@ -357,15 +366,17 @@ def sweep_shape(args, cfg, n_inter: int, device: str, dtype, deadline: float) ->
                 if "grouped" not in best or total < best["grouped"][0]:
                     best["grouped"] = (total, entry)
         if best:
-            path = min(best, key=lambda p: best[p][0])
-            table[m] = best[path][1]
+            # each path's best, and the default, timed whole (alignment, buffers, k-sum included)
             default = fused_moe.get_default_config(m, e, n_inter, h, k)
-            t_default = timed(lambda: [fused_moe.fused_experts(x, w13, w2, w, ids, config=default)
-                                       for w13, w2 in sets])
-            t_best = timed(lambda: [fused_moe.fused_experts(x, w13, w2, w, ids, config=table[m])
-                                    for w13, w2 in sets])
-            log.append({"m": m, "chosen": table[m], "path": path, "fused_us": t_best, "default_us": t_default})
-            print(f"sweep N={n_inter} M={m}: {path} {t_best:.1f} us (default {t_default:.1f} us)", flush=True)
+            whole = {}
+            for name, entry in [*((p, v[1]) for p, v in best.items()), ("default", default)]:
+                whole[name] = timed(lambda entry=entry: [fused_moe.fused_experts(x, w13, w2, w, ids, config=entry)
+                                                         for w13, w2 in sets])
+            path = min(whole, key=whole.get)
+            table[m] = default if path == "default" else best[path][1]
+            log.append({"m": m, "chosen": table[m], "path": path, "whole_us": whole})
+            print(f"sweep N={n_inter} M={m}: {path} {whole[path]:.1f} us (default {whole['default']:.1f} us)",
+                  flush=True)
     del sets
     free_cuda()
     return table, log

@@ -19,7 +19,11 @@ Two ways to run passes 1 and 2, picked per number of tokens M by the tile config
   (M-block, N-block) tile with ``tl.dot`` and reads that expert's weight tile only.
 * small batch (``_gemv_kernel``): one program per (pair, N-block), a GEMV over the
   pair's own expert; no sorting at all. It reads only the chosen experts' weights, which
-  at batch 1 is all a decode step has to read.
+  at batch 1 is all a decode step has to read. Its down pass sums the token's k slots in
+  the accumulator (``_gemv_down_sum_kernel``, one program per (token, N-block); the
+  w2 tile's ``"FUSE_SUM": false`` keeps the per-pair pass and the separate sum).
+
+The router's softmax + top-k + renormalisation is one kernel too (``topk_softmax``).
 
 Everything stays on the device with shapes fixed by M (no host sync, no data-dependent
 launch size): CUDA-graph safe. Accumulation is float32; float32 inputs use IEEE products
@@ -234,6 +238,78 @@ def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, st
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=nmask)
 
 
+@triton.jit
+def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, stride_be, stride_bn,
+                          stride_cm, K: tl.constexpr, TOP_K: tl.constexpr, HAS_EMAP: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One (token, N-block): c[t, n] = sum over the token's slots of w * (a[pair] . B[e][n, :]),
+    # the routing weights folded into the inputs and the k-sum done in the accumulator.
+    t = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        p = t * TOP_K + s
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        if HAS_EMAP:
+            e = tl.load(emap_ptr + e).to(tl.int64)
+        # another rank's expert adds nothing: its rows are masked off
+        rows_here = nmask & ((e + tl.zeros([BLOCK_N], dtype=tl.int64)) >= 0)
+        e = tl.maximum(e, 0)
+        wt = tl.load(w_ptr + p)
+        b_rows = b_ptr + e * stride_be + rn[:, None] * stride_bn
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            kmask = k0 + rk < K
+            x = tl.load(a_ptr + p * stride_am + k0 + rk, mask=kmask, other=0.0).to(tl.float32) * wt
+            wv = tl.load(b_rows + k0 + rk[None, :], mask=rows_here[:, None] & kmask[None, :], other=0.0)
+            acc += wv.to(tl.float32) * x[None, :]
+    tl.store(c_ptr + t * stride_cm + rn, tl.sum(acc, axis=1).to(c_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                         E_PAD: tl.constexpr, RENORM: tl.constexpr):
+    # One token: softmax over the experts in float32, the top_k largest (descending), renormalised.
+    t = tl.program_id(0).to(tl.int64)
+    re = tl.arange(0, E_PAD)
+    emask = re < E
+    x = tl.load(logits_ptr + t * stride_l + re, mask=emask, other=float("-inf")).to(tl.float32)
+    x = tl.exp(x - tl.max(x, axis=0))
+    x = tl.where(emask, x, 0.0)
+    prob = x / tl.sum(x, axis=0)
+    rs = tl.arange(0, K_PAD)
+    vals = tl.zeros([K_PAD], dtype=tl.float32)
+    idxs = tl.zeros([K_PAD], dtype=tl.int32)
+    for s in tl.static_range(TOP_K):
+        best = tl.max(prob, axis=0)
+        i = tl.argmax(prob, axis=0)
+        vals = tl.where(rs == s, best, vals)
+        idxs = tl.where(rs == s, i.to(tl.int32), idxs)
+        prob = tl.where(re == i, -1.0, prob)
+    if RENORM:
+        vals = vals / tl.sum(vals, axis=0)
+    tl.store(w_ptr + t * TOP_K + rs, vals, mask=rs < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + rs, idxs, mask=rs < TOP_K)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router.fused_topk`` in one kernel (vLLM's ``topk_softmax`` op): router_logits [T, E]
+    (any float dtype, unit stride along E) -> (float32 [T, top_k], int32 [T, top_k]),
+    descending. Raises ValueError when ``top_k`` is not in [1, E]."""
+    t, e = router_logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in [1, {e}] (the number of experts), got {top_k}")
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
+    if t:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        _topk_softmax_kernel[(t,)](logits, weights, ids, logits.stride(0), e, TOP_K=top_k,
+                                   K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
+                                   RENORM=bool(renormalize), num_warps=1 if e <= 256 else 4)
+    return weights, ids
+
+
 # ---- launch ----------------------------------------------------------------------------
 
 def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg):
@@ -249,6 +325,19 @@ def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_
                        n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
                        K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, HAS_EMAP=expert_map is not None,
                        BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)))
+
+
+def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg):
+    """The small-batch down pass with the k-sum fused: ``c[t] = sum_slot w * (a[t*k+slot]
+    . b[expert]^T)``; c: [T, N]. ``cfg``: the w2 pass's tile."""
+    n_out = c.shape[1]
+    k = a.shape[1]
+    block_k = min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k))
+    grid = (c.shape[0], triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
+    _gemv_down_sum_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids,
+                                n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0), K=k,
+                                TOP_K=topk_ids.shape[1], HAS_EMAP=expert_map is not None,
+                                BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)))
 
 
 def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, cfg, num_valid):
@@ -287,12 +376,17 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     cfg = config if config is not None else pick_config(tile_configs, t, e_local, inter, h, top_k)
     pairs = t * top_k
     mid = torch.empty((pairs, inter), dtype=hidden.dtype, device=hidden.device)
-    out = torch.empty((pairs, h), dtype=hidden.dtype, device=hidden.device)
     c13, c2 = pass_config(cfg, "w13"), pass_config(cfg, "w2")
     if cfg.get("small_batch"):
         gemv_pass(hidden, w13, mid, topk_weights, topk_ids, expert_map, True, False, top_k, c13)
+        if c2.get("FUSE_SUM", True):  # default: no [T*k, H] buffer and no separate sum
+            out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
+            gemv_down_sum_pass(mid, w2, out, topk_weights, topk_ids, expert_map, c2)
+            return out
+        out = torch.empty((pairs, h), dtype=hidden.dtype, device=hidden.device)
         gemv_pass(mid, w2, out, topk_weights, topk_ids, expert_map, False, True, 1, c2)
     else:
+        out = torch.empty((pairs, h), dtype=hidden.dtype, device=hidden.device)
         if int(c13["BLOCK_SIZE_M"]) != int(c2["BLOCK_SIZE_M"]):
             raise ValueError("the two passes of a grouped-GEMM tile config must share BLOCK_SIZE_M")
         aligned = moe_align_block_size(topk_ids, int(c13["BLOCK_SIZE_M"]), e_local, expert_map)

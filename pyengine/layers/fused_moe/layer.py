@@ -136,15 +136,16 @@ class FusedMoE(nn.Module):
             param.data[local, rows:rows + ip].copy_(narrow_weight(loaded, 0, i0, ip))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
         if _ops.use_triton(hidden):
             from pyengine.layers.fused_moe import fused_moe  # imports triton
+            topk_weights, topk_ids = fused_moe.topk_softmax(router_logits, self.top_k, self.renormalize)
             if self._tile_configs is _NOT_LOADED:
                 self._tile_configs = (fused_moe.load_tile_configs(self.local_num_experts,
                                                                   self.intermediate_size_per_partition)
                                       if hidden.is_cuda else None)
             return fused_moe.fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                            expert_map=self.expert_map, tile_configs=self._tile_configs)
+        topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
         return fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                    expert_map=self.expert_map)
 

@@ -53,11 +53,12 @@ GROUPED_TAILS = {**GROUPED, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_
 GEMV = {"small_batch": True, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps": 4}
 # Overrides per pass; hidden 48 is not a multiple of BLOCK_SIZE_K 32 (masked tail).
 GEMV_SPLIT = {"small_batch": True, "BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 32, "w2": {"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16}}
+GEMV_UNFUSED = {**GEMV, "w2": {"FUSE_SUM": False}}  # per-pair down pass, then the separate k-sum
 
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cfg,t", [(GROUPED, 1), (GROUPED, 7), (GROUPED, 33), (GROUPED_TAILS, 5), (GEMV, 1),
-                                   (GEMV, 3), (GEMV_SPLIT, 2), (None, 2), (None, 40)])
+                                   (GEMV, 3), (GEMV_SPLIT, 2), (GEMV_UNFUSED, 3), (None, 2), (None, 40)])
 def test_matches_torch_path(kind, cfg, t):
     dev = _dev(kind)
     x, w13, w2, w, ids = _problem(t, 8, 48, 24, 2, torch.float32, dev)
@@ -66,7 +67,7 @@ def test_matches_torch_path(kind, cfg, t):
 
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("cfg", [GROUPED, GEMV])
+@pytest.mark.parametrize("cfg", [GROUPED, GEMV, GEMV_UNFUSED])
 def test_expert_map_leaves_other_ranks_experts_out(kind, cfg):
     """Rank 1 of 2 under expert parallelism: experts 4..7 local; the two ranks' partial sums
     add up to the whole."""
@@ -84,6 +85,20 @@ def test_expert_map_leaves_other_ranks_experts_out(kind, cfg):
         torch.testing.assert_close(got, fused_experts_torch(x, w13[local], w2[local], w, ids, expert_map=emap))
         parts.append(got)
     torch.testing.assert_close(parts[0] + parts[1], whole, **_tol(torch.float32))
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("e,k,renorm", [(8, 2, True), (8, 3, False), (60, 4, False), (128, 8, True)])
+def test_topk_softmax_matches_router(kind, e, k, renorm):
+    dev = _dev(kind)
+    logits = torch.randn(11, e, generator=torch.Generator().manual_seed(e)).to(dev)
+    w, ids = fused_moe.topk_softmax(logits, k, renorm)
+    ref_w, ref_ids = fused_topk(logits, k, renorm)
+    assert ids.dtype == torch.int32 and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-6)
+    # bf16 router logits (the model dtype) are read as they are
+    w16, ids16 = fused_moe.topk_softmax(logits.bfloat16(), k, renorm)
+    assert torch.equal(ids16, fused_topk(logits.bfloat16(), k, renorm)[1])
 
 
 def test_align_block_size():
