@@ -48,6 +48,9 @@ import triton
 import triton.language as tl
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# moe_align_block_size ranks pairs by a running one-hot count up to this many
+# pairs x experts (16 MiB of int32: every decode batch), by a sort above it.
+ONE_HOT_MAX = 1 << 22
 PASSES = ("w13", "w2")
 
 
@@ -129,14 +132,23 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
         flat = expert_map.long()[flat]
         flat = torch.where(flat < 0, num_experts, flat)
         buckets = num_experts + 1
-    counts = torch.zeros(buckets, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
+    if n * buckets <= ONE_HOT_MAX:
+        # Each pair's rank among its expert's pairs from a running count per expert (no
+        # sort: CUB's sorts are not all CUDA-graph capturable; decode sizes take this way).
+        running = (flat[:, None] == torch.arange(buckets, device=flat.device)[None, :]).to(torch.int32).cumsum(0)
+        counts = running[-1].long()
+        rank = running.gather(1, flat[:, None]).squeeze(1).long() - 1
+        order = torch.arange(n, device=flat.device)
+        sorted_e = flat
+    else:  # large (prefill) steps, run eagerly: a stable sort by expert
+        counts = torch.zeros(buckets, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
+        sorted_e, order = torch.sort(flat, stable=True)
+        rank = torch.arange(n, device=flat.device) - (torch.cumsum(counts, 0) - counts)[sorted_e]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
-    first = torch.cumsum(counts, 0) - counts
-    sorted_e, order = torch.sort(flat, stable=True)
-    dest = starts[sorted_e] + torch.arange(n, device=flat.device) - first[sorted_e]
+    dest = starts[sorted_e] + rank
     size = triton.cdiv(n + buckets * (block_m - 1), block_m) * block_m
     sorted_ids = torch.full((size,), n, dtype=torch.int32, device=flat.device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))

@@ -101,7 +101,9 @@ def test_topk_softmax_matches_router(kind, e, k, renorm):
     assert torch.equal(ids16, fused_topk(logits.bfloat16(), k, renorm)[1])
 
 
-def test_align_block_size():
+@pytest.mark.parametrize("one_hot_max", [fused_moe.ONE_HOT_MAX, 0])  # running counts, then the sort
+def test_align_block_size(one_hot_max, monkeypatch):
+    monkeypatch.setattr(fused_moe, "ONE_HOT_MAX", one_hot_max)
     ids = torch.tensor([[2, 0], [2, 3], [0, 2]], dtype=torch.int32)  # pairs 0..5
     sorted_ids, expert_ids, npost = fused_moe.moe_align_block_size(ids, 4, num_experts=4)
     # expert 0: pairs 1, 4 (+2 pad); expert 2: pairs 0, 2, 5 (+1 pad); expert 3: pair 3 (+3 pad)
