@@ -81,9 +81,16 @@ def load_tile_configs(num_experts: int, n: int, device_name: Optional[str] = Non
 
 def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int) -> dict:
     """A tile config without a sweep: the GEMV path up to 4 tokens, else a grouped-GEMM tile
-    whose M-block shrinks when each expert gets few pairs (``m * top_k / E``)."""
+    whose M-block shrinks when each expert gets few pairs (``m * top_k / E``). ``n``: the
+    intermediate size (the down pass's K), ``k``: the hidden size (gate/up's K)."""
     if m <= 4:
-        return {"small_batch": True, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 512, "num_warps": 4}
+        # GEMV tiles: at most ~64 float32 accumulators a thread (gate/up keeps two), K in
+        # few unrolled chunks (down's K, the intermediate size, can be 14336: Mixtral).
+        return {"small_batch": True,
+                "w13": {"BLOCK_SIZE_N": 8 if k <= 4096 else 4, "BLOCK_SIZE_K": 512 if k <= 4096 else 1024,
+                        "num_warps": 4},
+                "w2": {"BLOCK_SIZE_N": 16 if n <= 2048 else 4, "BLOCK_SIZE_K": 256 if n <= 2048 else 1024,
+                       "num_warps": 4}}
     pairs_per_expert = m * top_k / max(1, num_experts)
     if pairs_per_expert <= 16:
         return {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
