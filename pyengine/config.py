@@ -124,6 +124,9 @@ class EngineArgs:
     its end go at once."""
     tensor_parallel_size: int = field(default=1, metadata={"flags": ("-tp",)})
     """Shard the model over this many ranks (one process and, on CUDA, one GPU each)."""
+    enable_expert_parallel: bool = False
+    """MoE models: each rank holds whole experts (num_experts / tensor_parallel_size of
+    them) instead of a slice of every expert's intermediate dim (vLLM's flag)."""
     trust_remote_code: bool = False
     """Let transformers run code shipped in the model directory when it loads the config
     and the tokenizer (the model itself always runs on vengine's implementations)."""
@@ -193,6 +196,7 @@ class EngineConfig:
     load_format: str = "auto"
     stream_interval: int = 1
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     long_prefill_token_threshold: int = 0  # tokens; 0: no cap
     disable_log_stats: bool = False
     trust_remote_code: bool = False
@@ -302,7 +306,8 @@ class EngineConfig:
             scheduling_policy=policy, seed=a.seed, async_scheduling=async_sched,
             enforce_eager=a.enforce_eager or device.type != "cuda", attention_backend=backend,
             load_format=a.load_format, stream_interval=a.stream_interval,
-            tensor_parallel_size=a.tensor_parallel_size, long_prefill_token_threshold=thr,
+            tensor_parallel_size=a.tensor_parallel_size, enable_expert_parallel=bool(a.enable_expert_parallel),
+            long_prefill_token_threshold=thr,
             disable_log_stats=bool(a.disable_log_stats),
             trust_remote_code=bool(a.trust_remote_code), generation_config=a.generation_config,
             override_generation_config=_check_override_generation_config(a.override_generation_config),

@@ -129,14 +129,13 @@ VLLM_FLAGS_NOT_SUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
     "--middleware": ((), "ASGI middleware does not apply to this WSGI server"),
     "--response-role": (("assistant",), "the response role is always assistant"),
     "--enable-lora": ((), "LoRA adapters are not supported"),
-    "--enable-expert-parallel": ((), "expert parallelism (MoE) is not supported"),
     "--enable-sleep-mode": ((), "sleep mode is not implemented"),
     "--enable-prompt-embeds": ((), "prompt embeddings are not supported"),
     "--skip-tokenizer-init": ((), "the engine always loads the tokenizer"),
     "--headless": ((), "the engine always runs with its API server"),
     "--return-tokens-as-token-ids": ((), "not implemented"),
 }
-VLLM_SWITCHES = {"--enable-lora", "--enable-expert-parallel", "--enable-sleep-mode",
+VLLM_SWITCHES = {"--enable-lora", "--enable-sleep-mode",
              "--enable-prompt-embeds", "--skip-tokenizer-init", "--headless", "--return-tokens-as-token-ids"}
 _MANY_VALUES = {"--lora-modules", "--cuda-graph-sizes"}
 _SHORT = {"--pipeline-parallel-size": "-pp", "--data-parallel-size": "-dp", "--quantization": "-q",

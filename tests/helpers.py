@@ -18,6 +18,15 @@ _CORPUS_MODULES = ["os", "collections/__init__", "functools", "typing", "argpars
 _CORPUS_BYTES = 400_000
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+# Tiny MoE defaults on top of _config_for's: 8 experts, 2 per token, experts narrower
+# than the dense MLP (what the real models do).
+_MOE_DEFAULTS = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False),
+}
 
 
 def build_tokenizer(out_dir, vocab_size: int = 512) -> Path:
@@ -97,15 +106,18 @@ def build_tokenizer_kind(out_dir, kind: str) -> Path:
 
 
 def _config_for(family: str, vocab_size: int, bos: int, eos: int, pad: int, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}.get(family)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
+           "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig}.get(family)
     if cls is None:
-        raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; one of {FAMILIES + MOE_FAMILIES}")
     kw = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, intermediate_size=128,
               max_position_embeddings=1024, initializer_range=0.2, rms_norm_eps=1e-6,
               bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False)
+    kw.update(_MOE_DEFAULTS.get(family, {}))
     kw.update(overrides)
     return cls(**kw)
 
@@ -113,7 +125,7 @@ def _config_for(family: str, vocab_size: int, bos: int, eos: int, pad: int, **ov
 def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
                      max_shard_size: Optional[str] = None, logit_scale: float = 4.0,
                      **config_overrides) -> Path:
-    """Save a seeded random float32 HF model of ``family`` ("llama" | "qwen2" | "qwen3")
+    """Save a seeded random float32 HF model of ``family`` (one of ``FAMILIES`` or ``MOE_FAMILIES``)
     with the tokenizer files and a generation_config (eos) into ``out_dir``.
 
     Defaults: hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, intermediate 128,

@@ -83,7 +83,8 @@ def test_engine_args_round_trip_through_the_command_line(tmp_path):
                   gpu_memory_utilization=0.5, enable_prefix_caching=False, enable_chunked_prefill=False,
                   long_prefill_token_threshold=4, scheduling_policy="priority", seed=7, async_scheduling=False,
                   enforce_eager=True, attention_backend="triton", served_model_name=["a", "b"], load_format="dummy",
-                  stream_interval=2, tensor_parallel_size=2, trust_remote_code=True, generation_config="vllm",
+                  stream_interval=2, tensor_parallel_size=2, enable_expert_parallel=True, trust_remote_code=True,
+                  generation_config="vllm",
                   override_generation_config={"temperature": 0.5}, max_logprobs=-1, disable_log_stats=True,
                   enable_log_requests=True)
     assert set(values) == {f.name for f in dataclasses.fields(AsyncEngineArgs)}

@@ -226,3 +226,18 @@ class RowParallelLinear(LinearBase):
             return _linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         y = self.tp_group.all_reduce(_linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (vLLM's ``ReplicatedLinear``): weight
+    [output_size, input_size], bias [output_size]. ``forward(x [T, input_size]) ->
+    [T, output_size]``, no communication. For small projections every rank needs whole
+    (MoE routers, Qwen2-MoE's shared-expert gate)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, None)
+        self.weight = _param(output_size, input_size)
+        self.bias = _param(output_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.weight, self.bias)

@@ -11,7 +11,7 @@ backend's business).
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -100,12 +100,17 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm, tp_group=None):
+    """Attention then MLP, each after an RMSNorm with the residual add. ``mlp``: the
+    layer's feed-forward module (``forward(x [T, H]) -> [T, H]``, this rank's partial sum),
+    e.g. an MoE block; None: the dense GatedMLP of ``intermediate_size``."""
+
+    def __init__(self, hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm, tp_group=None,
+                 mlp: Optional[nn.Module] = None):
         super().__init__()
         self.self_attn = DecoderAttention(hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm, tp_group)
-        self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
-                            bias=bool(getattr(hf_config, "mlp_bias", False)),
-                            hidden_act=getattr(hf_config, "hidden_act", "silu"), tp_group=tp_group)
+        self.mlp = mlp if mlp is not None else GatedMLP(
+            hf_config.hidden_size, hf_config.intermediate_size, bias=bool(getattr(hf_config, "mlp_bias", False)),
+            hidden_act=getattr(hf_config, "hidden_act", "silu"), tp_group=tp_group)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, tp_group)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, tp_group)
 
@@ -125,15 +130,19 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, hf_config, attn_backend, qkv_bias, o_bias, qk_norm, tp_group=None):
+    """``make_mlp(layer_idx) -> nn.Module | None``: each layer's MLP (None: the dense one)."""
+
+    def __init__(self, hf_config, attn_backend, qkv_bias, o_bias, qk_norm, tp_group=None,
+                 make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None):
         super().__init__()
         head_dim = config_head_dim(hf_config)
         self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings,
                                           get_rope_params(hf_config))
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, attn_backend, self.rotary_emb, qkv_bias, o_bias, qk_norm, tp_group)
-            for _ in range(hf_config.num_hidden_layers))
+            DecoderLayer(hf_config, attn_backend, self.rotary_emb, qkv_bias, o_bias, qk_norm, tp_group,
+                         mlp=make_mlp(i) if make_mlp is not None else None)
+            for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, tp_group)
 
     def forward(self, input_ids, positions, meta):
@@ -175,15 +184,23 @@ class LlamaForCausalLM(nn.Module):
     def o_bias(self, hf_config) -> bool:
         return bool(getattr(hf_config, "attention_bias", False))
 
-    def __init__(self, hf_config, attn_backend: AttentionBackend, tp_group=None):
-        super().__init__()
-        self.config = hf_config
+    def make_mlp(self, hf_config, layer_idx: int, tp_group) -> Optional[nn.Module]:
+        """Layer ``layer_idx``'s MLP; None: the dense GatedMLP (MoE models override it)."""
+        return None
+
+    def check_sliding_window(self, hf_config) -> None:
         if getattr(hf_config, "sliding_window", None):
             # Full attention is exact up to the window; beyond it outputs differ from HF.
             logger.warning("sliding_window=%s in the config is not applied; attention is full-context.",
                            hf_config.sliding_window)
+
+    def __init__(self, hf_config, attn_backend: AttentionBackend, tp_group=None):
+        super().__init__()
+        self.config = hf_config
+        self.check_sliding_window(hf_config)
         self.model = DecoderModel(hf_config, attn_backend, self.qkv_bias(hf_config),
-                                  self.o_bias(hf_config), self.qk_norm, tp_group)
+                                  self.o_bias(hf_config), self.qk_norm, tp_group,
+                                  make_mlp=lambda i: self.make_mlp(hf_config, i, tp_group))
         tie = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
                                       tie_to=self.model.embed_tokens if tie else None, tp_group=tp_group)

@@ -78,24 +78,38 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
     """Copy checkpoint ``weights`` (iterable of (name, tensor or safetensors slice)) into
     ``model``; each parameter's ``weight_loader`` takes its tensor-parallel part.
 
+    A model may map names itself: ``model.map_checkpoint_name(name)`` returning
+    ``(parameter name, shard id)`` (e.g. one MoE expert's tensor into the stacked experts'
+    parameter) or None (the default mapping). With ``model.refuse_unknown_weights`` a
+    checkpoint tensor that fills no parameter is an error instead of being ignored.
+
     Raises ValueError naming any parameter or fused shard the checkpoint did not provide,
     or on a shape mismatch.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
+    remap = getattr(model, "map_checkpoint_name", None)
+    strict = bool(getattr(model, "refuse_unknown_weights", False))
     loaded: dict[str, set] = {}
     for name, tensor in weights:
         if tie_word_embeddings and name.startswith("lm_head."):
             continue  # lm_head shares the embedding parameter
-        target, shard = name, None
-        parts = name.split(".")
-        for i, p in enumerate(parts):
-            if p in packed:
-                fused, shard = packed[p]
-                target = ".".join(parts[:i] + [fused] + parts[i + 1:])
-                break
+        mapped = remap(name) if remap is not None else None
+        if mapped is not None:
+            target, shard = mapped
+        else:
+            target, shard = name, None
+            parts = name.split(".")
+            for i, p in enumerate(parts):
+                if p in packed:
+                    fused, shard = packed[p]
+                    target = ".".join(parts[:i] + [fused] + parts[i + 1:])
+                    break
         param = params.get(target)
         if param is None:
+            if strict and not name.endswith("rotary_emb.inv_freq"):
+                raise ValueError(f"checkpoint tensor {name!r} has no counterpart in {type(model).__name__}: "
+                                 f"a weight this implementation does not use cannot be ignored safely")
             logger.debug("ignoring checkpoint tensor %s", name)
             continue
         loader = getattr(param, "weight_loader", default_weight_loader)
@@ -130,13 +144,25 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
     ``config.model`` into it (this rank's shard of each tensor when ``tp_group``, a
     ``pyengine.distributed.GroupCoordinator``, is given). Returns the model in eval mode.
 
-    Raises ValueError (unsupported architecture, missing weights, shape mismatch),
-    FileNotFoundError (no weights).
+    ``config.enable_expert_parallel`` reaches models that have experts
+    (``supports_expert_parallel``); ``model_cls.verify_engine_config(config)``, where a
+    model has it, refuses settings it cannot honour.
+
+    Raises ValueError (unsupported architecture or variant, missing weights, shape
+    mismatch), FileNotFoundError (no weights).
     """
     hf_config = config.hf_config
     model_cls = get_model_cls(hf_config)
+    verify = getattr(model_cls, "verify_engine_config", None)  # settings a model cannot honour
+    if verify is not None:
+        verify(config)
+    kwargs = {}
+    if getattr(config, "enable_expert_parallel", False):
+        if not getattr(model_cls, "supports_expert_parallel", False):
+            raise ValueError(f"enable_expert_parallel: {model_cls.__name__} has no experts to shard.")
+        kwargs["enable_expert_parallel"] = True
     with _default_dtype(config.dtype), torch.device(config.device):
-        model = model_cls(hf_config, attn_backend, tp_group=tp_group)
+        model = model_cls(hf_config, attn_backend, tp_group=tp_group, **kwargs)
     for m in model.modules():  # positions up to max_model_len (see EngineConfig.max_model_len)
         if isinstance(m, RotaryEmbedding):
             m.extend_to(config.max_model_len)

@@ -247,6 +247,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         for n in (2, 3, 5, 9, 17, 33, 65):  # every power-of-two tile (see _extend in ops/paged_attention.py)
             self._dummy_forward([min(n, self.config.max_model_len)])
+        warm_model = getattr(self.model, "warm_up_kernels", None)  # a model's own variants (fused MoE tiles)
+        if warm_model is not None:
+            warm_model(self.config.max_num_batched_tokens)
         if self._is_cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - t0

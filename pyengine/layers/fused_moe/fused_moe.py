@@ -1,0 +1,414 @@
+"""Fused MoE in Triton (the role of vllm/model_executor/layers/fused_moe/fused_moe.py).
+
+``fused_experts(hidden, w13, w2, topk_weights, topk_ids)`` computes, for every token, the
+routing-weighted sum of its top-k experts' SiLU-gated MLPs with two kernel passes over
+the (token, slot) pairs and one sum:
+
+1. gate/up: ``inter[p] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)`` for pair p = (t, slot)
+   routed to expert e, SiLU-and-mul fused into the GEMM (two accumulators, one for the
+   gate rows and one for the up rows of the same output columns);
+2. down: ``out[p] = w[p] * (inter[p] @ down_e^T)``, the routing weight applied in float32
+   before the one rounding to the activation dtype;
+3. ``out.view(T, k, H).sum(1)`` (float32 accumulation in torch's reduction).
+
+Two ways to run passes 1 and 2, picked per number of tokens M by the tile config:
+
+* grouped GEMM (``_grouped_kernel``): the pairs are sorted by expert and each expert's
+  run padded to a multiple of BLOCK_SIZE_M (``moe_align_block_size``, vLLM's name), so
+  every M-block of the sorted list belongs to one expert; a program computes one
+  (M-block, N-block) tile with ``tl.dot`` and reads that expert's weight tile only.
+* small batch (``_gemv_kernel``): one program per (pair, N-block), a GEMV over the
+  pair's own expert; no sorting at all. It reads only the chosen experts' weights, which
+  at batch 1 is all a decode step has to read. Its down pass sums the token's k slots in
+  the accumulator (``_gemv_down_sum_kernel``, one program per (token, N-block); the
+  w2 tile's ``"FUSE_SUM": false`` keeps the per-pair pass and the separate sum).
+
+The router's softmax + top-k + renormalisation is one kernel too (``topk_softmax``).
+
+Everything stays on the device with shapes fixed by M (no host sync, no data-dependent
+launch size): CUDA-graph safe. Accumulation is float32; float32 inputs use IEEE products
+in ``tl.dot`` (no TF32), so a float32 model stays token-exact.
+
+Tile configs: ``configs/E=<E>,N=<N>,device_name=<GPU>.json`` (vLLM's file naming; E the
+experts this rank holds, N its intermediate size), a map from M to a config:
+``{"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
+"num_stages"}`` for the grouped GEMM, or ``{"small_batch": true, "BLOCK_SIZE_N",
+"BLOCK_SIZE_K", "num_warps"}`` for the GEMV path; optional ``"w13"`` / ``"w2"`` sub-maps
+override a field for one pass. The entry of the nearest M is used; without a file,
+``get_default_config``. ``benchmarks/moe.py --sweep`` writes the files.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# moe_align_block_size ranks pairs by a running one-hot count up to this many
+# pairs x experts (16 MiB of int32: every decode batch), by a sort above it.
+ONE_HOT_MAX = 1 << 22
+PASSES = ("w13", "w2")
+
+
+# ---- tile configs ----------------------------------------------------------------------
+
+def get_config_file_name(num_experts: int, n: int, device_name: Optional[str] = None) -> str:
+    """``E=<num_experts>,N=<n>,device_name=<name>.json`` (spaces in the name as ``_``);
+    ``device_name`` defaults to the current CUDA device's."""
+    if device_name is None:
+        device_name = torch.cuda.get_device_name()
+    return f"E={num_experts},N={n},device_name={device_name.replace(' ', '_')}.json"
+
+
+def load_tile_configs(num_experts: int, n: int, device_name: Optional[str] = None,
+                      config_dir: Path = CONFIG_DIR) -> Optional[dict[int, dict]]:
+    """The tile-config table of this shape and device (M -> config), or None without a
+    file. Raises ValueError for a file that is not such a table."""
+    path = Path(config_dir) / get_config_file_name(num_experts, n, device_name)
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        table = {int(m): dict(cfg) for m, cfg in raw.items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a fused-MoE tile config table ({e})") from None
+    return table or None
+
+
+def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int) -> dict:
+    """A tile config without a sweep: the GEMV path up to 4 tokens, else a grouped-GEMM tile
+    whose M-block shrinks when each expert gets few pairs (``m * top_k / E``). ``n``: the
+    intermediate size (the down pass's K), ``k``: the hidden size (gate/up's K)."""
+    if m <= 4:
+        # GEMV tiles: at most ~64 float32 accumulators a thread (gate/up keeps two), K in
+        # few unrolled chunks (down's K, the intermediate size, can be 14336: Mixtral).
+        return {"small_batch": True,
+                "w13": {"BLOCK_SIZE_N": 8 if k <= 4096 else 4, "BLOCK_SIZE_K": 512 if k <= 4096 else 1024,
+                        "num_warps": 4},
+                "w2": {"BLOCK_SIZE_N": 16 if n <= 2048 else 4, "BLOCK_SIZE_K": 256 if n <= 2048 else 1024,
+                       "num_warps": 4}}
+    pairs_per_expert = m * top_k / max(1, num_experts)
+    if pairs_per_expert <= 16:
+        return {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
+                "num_warps": 4, "num_stages": 3}
+    if pairs_per_expert <= 64:
+        return {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
+                "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
+            "num_warps": 8, "num_stages": 3}
+
+
+def pick_config(table: Optional[dict[int, dict]], m: int, num_experts: int, n: int, k: int, top_k: int) -> dict:
+    """The entry of ``table`` for the M nearest ``m`` (ties: the smaller M), else the default."""
+    if not table:
+        return get_default_config(m, num_experts, n, k, top_k)
+    return table[min(table, key=lambda key: (abs(key - m), key))]
+
+
+def pass_config(cfg: dict, which: str) -> dict:
+    """``cfg`` with its ``which`` ("w13" | "w2") overrides applied (the other pass's dropped)."""
+    out = {key: v for key, v in cfg.items() if key not in PASSES}
+    out.update(cfg.get(which, {}))
+    return out
+
+
+# ---- sorting pairs by expert -----------------------------------------------------------
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
+                         expert_map: Optional[torch.Tensor] = None):
+    """Sort the (token, slot) pairs by expert and pad each expert's run to a multiple of
+    ``block_m`` (vLLM's ``moe_align_block_size``), with torch ops only: no host sync, and
+    output sizes that depend on the shapes only.
+
+    topk_ids: int [T, k] global expert ids; num_experts: experts this rank holds;
+    expert_map: int32 [E_global] (global -> local, -1 elsewhere) or None. Returns
+    ``(sorted_ids int32 [P], expert_ids int32 [P / block_m], num_post_padded int32 [1])``:
+    ``sorted_ids`` lists pair indices (t * k + slot) expert by expert, padding entries
+    equal to T * k; ``expert_ids[b]`` is the local expert of block b, -1 for a block of
+    pairs routed to another rank's experts or past the end; ``num_post_padded`` is the
+    used length of ``sorted_ids``. P = ceil((T*k + buckets * (block_m - 1)) / block_m) * block_m.
+    """
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    buckets = num_experts
+    if expert_map is not None:  # pairs of other ranks' experts go to one extra bucket
+        flat = expert_map.long()[flat]
+        flat = torch.where(flat < 0, num_experts, flat)
+        buckets = num_experts + 1
+    if n * buckets <= ONE_HOT_MAX:
+        # Each pair's rank among its expert's pairs from a running count per expert (no
+        # sort: CUB's sorts are not all CUDA-graph capturable; decode sizes take this way).
+        running = (flat[:, None] == torch.arange(buckets, device=flat.device)[None, :]).to(torch.int32).cumsum(0)
+        counts = running[-1].long()
+        rank = running.gather(1, flat[:, None]).squeeze(1).long() - 1
+        order = torch.arange(n, device=flat.device)
+        sorted_e = flat
+    else:  # large (prefill) steps, run eagerly: a stable sort by expert
+        counts = torch.zeros(buckets, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
+        sorted_e, order = torch.sort(flat, stable=True)
+        rank = torch.arange(n, device=flat.device) - (torch.cumsum(counts, 0) - counts)[sorted_e]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    dest = starts[sorted_e] + rank
+    size = triton.cdiv(n + buckets * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=flat.device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_expert = torch.searchsorted(ends, torch.arange(0, size, block_m, device=flat.device), right=True)
+    expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+# ---- kernels ---------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["EM", "num_valid"])  # one compiled variant whatever the batch size
+def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_ptr,
+                    N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_cm,
+                    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # One (M-block of sorted pairs, N-block) tile: C[pairs, n] = A[rows of pairs] @ B[e]^T.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n  # M-blocks walked in groups so their B tiles stay in L2
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+    if pid_m * BLOCK_M >= tl.load(npost_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + offs_m).to(tl.int64)
+    pmask = pairs < num_valid
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + rn[None, :]
+    cmask = pmask[:, None] & nmask[None, :]
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if e < 0:  # pairs of another rank's experts: they add nothing here
+        tl.store(c_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=c_ptr.dtype.element_ty), mask=cmask)
+        return
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pairs // A_ROW_DIV)[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + e * stride_be + rn[None, :] * stride_bn + rk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = rk < K - k0
+        a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+        if GATED:  # the up rows of the same columns, N rows further
+            bu = tl.load(b_ptrs + N * stride_bn, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if IEEE:
+                acc_up += tl.dot(a, bu, input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, bu)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(w_ptr + pairs, mask=pmask, other=0.0)[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, stride_be, stride_bn, stride_cm,
+                 K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                 HAS_EMAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One (pair, N-block): c[p, n] = a[row of p] . B[e][n, :], e the pair's expert.
+    p = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if HAS_EMAP:
+        e = tl.load(emap_ptr + e).to(tl.int64)
+    c_ptrs = c_ptr + p * stride_cm + rn
+    if e < 0:  # another rank's expert
+        tl.store(c_ptrs, tl.zeros([BLOCK_N], dtype=c_ptr.dtype.element_ty), mask=nmask)
+        return
+    a_row = a_ptr + (p // A_ROW_DIV) * stride_am
+    b_rows = b_ptr + e * stride_be + rn[:, None] * stride_bn
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every chunk's loads issued early
+        kmask = k0 + rk < K
+        x = tl.load(a_row + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+        wg = tl.load(b_rows + k0 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += wg.to(tl.float32) * x[None, :]
+        if GATED:
+            wu = tl.load(b_rows + N * stride_bn + k0 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc_up += wu.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if GATED:
+        y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
+    if MUL_WEIGHT:
+        y = y * tl.load(w_ptr + p)
+    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, stride_be, stride_bn,
+                          stride_cm, K: tl.constexpr, TOP_K: tl.constexpr, HAS_EMAP: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One (token, N-block): c[t, n] = sum over the token's slots of w * (a[pair] . B[e][n, :]),
+    # the routing weights folded into the inputs and the k-sum done in the accumulator.
+    t = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        p = t * TOP_K + s
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        if HAS_EMAP:
+            e = tl.load(emap_ptr + e).to(tl.int64)
+        # another rank's expert adds nothing: its rows are masked off
+        rows_here = nmask & ((e + tl.zeros([BLOCK_N], dtype=tl.int64)) >= 0)
+        e = tl.maximum(e, 0)
+        wt = tl.load(w_ptr + p)
+        b_rows = b_ptr + e * stride_be + rn[:, None] * stride_bn
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            kmask = k0 + rk < K
+            x = tl.load(a_ptr + p * stride_am + k0 + rk, mask=kmask, other=0.0).to(tl.float32) * wt
+            wv = tl.load(b_rows + k0 + rk[None, :], mask=rows_here[:, None] & kmask[None, :], other=0.0)
+            acc += wv.to(tl.float32) * x[None, :]
+    tl.store(c_ptr + t * stride_cm + rn, tl.sum(acc, axis=1).to(c_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                         E_PAD: tl.constexpr, RENORM: tl.constexpr):
+    # One token: softmax over the experts in float32, the top_k largest (descending), renormalised.
+    t = tl.program_id(0).to(tl.int64)
+    re = tl.arange(0, E_PAD)
+    emask = re < E
+    x = tl.load(logits_ptr + t * stride_l + re, mask=emask, other=float("-inf")).to(tl.float32)
+    x = tl.exp(x - tl.max(x, axis=0))
+    x = tl.where(emask, x, 0.0)
+    prob = x / tl.sum(x, axis=0)
+    rs = tl.arange(0, K_PAD)
+    vals = tl.zeros([K_PAD], dtype=tl.float32)
+    idxs = tl.zeros([K_PAD], dtype=tl.int32)
+    for s in tl.static_range(TOP_K):
+        best = tl.max(prob, axis=0)
+        i = tl.argmax(prob, axis=0)
+        vals = tl.where(rs == s, best, vals)
+        idxs = tl.where(rs == s, i.to(tl.int32), idxs)
+        prob = tl.where(re == i, -1.0, prob)
+    if RENORM:
+        vals = vals / tl.sum(vals, axis=0)
+    tl.store(w_ptr + t * TOP_K + rs, vals, mask=rs < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + rs, idxs, mask=rs < TOP_K)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router.fused_topk`` in one kernel (vLLM's ``topk_softmax`` op): router_logits [T, E]
+    (any float dtype, unit stride along E) -> (float32 [T, top_k], int32 [T, top_k]),
+    descending. Raises ValueError when ``top_k`` is not in [1, E]."""
+    t, e = router_logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in [1, {e}] (the number of experts), got {top_k}")
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
+    if t:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        _topk_softmax_kernel[(t,)](logits, weights, ids, logits.stride(0), e, TOP_K=top_k,
+                                   K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
+                                   RENORM=bool(renormalize), num_warps=1 if e <= 256 else 4)
+    return weights, ids
+
+
+# ---- launch ----------------------------------------------------------------------------
+
+def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg):
+    """One pass on the GEMV path: ``c[p] = f(a[p // a_row_div] . b[expert of p]^T)`` for
+    every pair p; ``gated``: b holds gate then up rows and f is SiLU-and-mul;
+    ``mul_weight``: times the pair's routing weight. ``cfg``: that pass's tile."""
+    n_out = c.shape[1]
+    k = a.shape[1]
+    block_k = min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k))
+    pairs = topk_ids.numel()
+    grid = (pairs, triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
+    _gemv_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids,
+                       n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+                       K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, HAS_EMAP=expert_map is not None,
+                       BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)))
+
+
+def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg):
+    """The small-batch down pass with the k-sum fused: ``c[t] = sum_slot w * (a[t*k+slot]
+    . b[expert]^T)``; c: [T, N]. ``cfg``: the w2 pass's tile."""
+    n_out = c.shape[1]
+    k = a.shape[1]
+    block_k = min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k))
+    grid = (c.shape[0], triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
+    _gemv_down_sum_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids,
+                                n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0), K=k,
+                                TOP_K=topk_ids.shape[1], HAS_EMAP=expert_map is not None,
+                                BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)))
+
+
+def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, cfg, num_valid):
+    """One pass on the grouped-GEMM path over ``aligned`` (``moe_align_block_size``'s
+    output for ``cfg["BLOCK_SIZE_M"]``); otherwise as ``gemv_pass``."""
+    sorted_ids, expert_ids, npost = aligned
+    n_out = c.shape[1]
+    bm, bn, bk = int(cfg["BLOCK_SIZE_M"]), int(cfg["BLOCK_SIZE_N"]), int(cfg["BLOCK_SIZE_K"])
+    em = sorted_ids.numel()
+    grid = (triton.cdiv(em, bm) * triton.cdiv(n_out, bn),)
+    _grouped_kernel[grid](a, b, c, topk_weights, sorted_ids, expert_ids, npost,
+                          n_out, a.shape[1], em, num_valid, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+                          A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=int(cfg.get("GROUP_SIZE_M", 1)),
+                          num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 3)))
+
+
+def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor] = None,
+                  config: Optional[dict] = None, tile_configs: Optional[dict[int, dict]] = None) -> torch.Tensor:
+    """hidden: [T, H]; w13: [E_local, 2 * I, H] (gate rows then up rows); w2: [E_local, H, I];
+    topk_weights: float32 [T, k]; topk_ids: int32 [T, k] (global ids); expert_map: int32
+    [E_global] or None (see ``moe_align_block_size``). Weights and hidden share a dtype
+    and have unit stride along their last dim. ``config``: the tile config to use
+    (default: ``pick_config(tile_configs, T, ...)``). Returns [T, H] in hidden's dtype,
+    the same value as ``moe_torch.fused_experts_torch`` up to rounding."""
+    t, h = hidden.shape
+    e_local, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    if t == 0:
+        return torch.zeros_like(hidden)
+    hidden = hidden.contiguous()
+    topk_ids = topk_ids.to(torch.int32).contiguous()
+    topk_weights = topk_weights.to(torch.float32).contiguous()
+    cfg = config if config is not None else pick_config(tile_configs, t, e_local, inter, h, top_k)
+    pairs = t * top_k
+    mid = torch.empty((pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    c13, c2 = pass_config(cfg, "w13"), pass_config(cfg, "w2")
+    if cfg.get("small_batch"):
+        gemv_pass(hidden, w13, mid, topk_weights, topk_ids, expert_map, True, False, top_k, c13)
+        if c2.get("FUSE_SUM", True):  # default: no [T*k, H] buffer and no separate sum
+            out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
+            gemv_down_sum_pass(mid, w2, out, topk_weights, topk_ids, expert_map, c2)
+            return out
+        out = torch.empty((pairs, h), dtype=hidden.dtype, device=hidden.device)
+        gemv_pass(mid, w2, out, topk_weights, topk_ids, expert_map, False, True, 1, c2)
+    else:
+        out = torch.empty((pairs, h), dtype=hidden.dtype, device=hidden.device)
+        if int(c13["BLOCK_SIZE_M"]) != int(c2["BLOCK_SIZE_M"]):
+            raise ValueError("the two passes of a grouped-GEMM tile config must share BLOCK_SIZE_M")
+        aligned = moe_align_block_size(topk_ids, int(c13["BLOCK_SIZE_M"]), e_local, expert_map)
+        grouped_pass(hidden, w13, mid, topk_weights, aligned, True, False, top_k, c13, pairs)
+        grouped_pass(mid, w2, out, topk_weights, aligned, False, True, 1, c2, pairs)
+    return out.view(t, top_k, h).sum(dim=1)

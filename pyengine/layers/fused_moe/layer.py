@@ -1,0 +1,178 @@
+"""The experts of one MoE layer, stacked (mirrors vllm/model_executor/layers/fused_moe/layer.py's
+``FusedMoE``).
+
+Weights: ``w13_weight`` [E_local, 2 * I_local, H] (each expert's gate rows, then its up
+rows) and ``w2_weight`` [E_local, H, I_local] (down). Checkpoints hold one tensor per
+expert and projection (``experts.<e>.gate_proj.weight`` ...); each reaches
+``weight_loader`` with the shard id ``(kind, e)``, kind ``"w1"`` (gate), ``"w3"`` (up)
+or ``"w2"`` (down), vLLM's names, and is copied into its expert's slice: the loader never
+builds a stacked copy on the host, one expert's tensor at a time is all it holds.
+
+Parallelism over the ``tp_group`` ranks (a ``pyengine.distributed.GroupCoordinator``):
+
+* default (vLLM's): every rank holds every expert, split over the intermediate dim
+  (I_local = I / tp: gate/up rows and down columns, as the dense MLP's column / row
+  parallel layers);
+* ``enable_expert_parallel``: rank r holds whole experts [r * E / tp, (r + 1) * E / tp)
+  (vLLM's linear placement); tokens routed elsewhere contribute nothing on this rank.
+
+Either way ``forward`` returns this rank's partial sum; the caller sums the ranks (the
+decoder layer's all-reduce + residual add + RMSNorm), as for ``RowParallelLinear(reduce_results=False)``.
+
+Compute: the Triton fused kernels (``fused_moe.fused_experts``) where ``pyengine.ops``
+runs Triton (CUDA tensors, or ``VENGINE_TRITON_OPS_ON_CPU=1`` under ``TRITON_INTERPRET=1``),
+else the per-expert torch loop (``moe_torch.fused_experts_torch``).
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pyengine import ops as _ops
+from pyengine.layers.fused_moe.moe_torch import fused_experts_torch
+from pyengine.layers.fused_moe.router import fused_topk
+from pyengine.layers.linear import _check_shape, divide, narrow_weight
+
+SHARD_KINDS = ("w1", "w2", "w3")  # gate, down, up (vLLM's / Mixtral's names)
+_NOT_LOADED = object()
+
+# One expert's projection in a checkpoint: "<prefix>.experts.<e>.<proj>.weight".
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
+
+
+def expert_checkpoint_target(name: str, proj_names: dict[str, str]) -> Optional[tuple[str, tuple[str, int]]]:
+    """``(parameter name, (kind, expert id))`` for a checkpoint tensor of one expert, e.g.
+    ``model.layers.3.mlp.experts.17.gate_proj.weight`` ->
+    ``("model.layers.3.mlp.experts.w13_weight", ("w1", 17))``; None for any other name.
+    ``proj_names``: checkpoint projection name -> kind (Qwen: ``gate_proj``/``up_proj``/
+    ``down_proj``; Mixtral: ``w1``/``w3``/``w2``). A projection name not in it is None too
+    (the caller decides whether an unknown tensor is an error)."""
+    m = _EXPERT_TENSOR.match(name)
+    if m is None or m["proj"] not in proj_names:
+        return None
+    kind = proj_names[m["proj"]]
+    param = "w2_weight" if kind == "w2" else "w13_weight"
+    return f"{m['prefix']}.{param}", (kind, int(m["expert"]))
+
+
+class FusedMoE(nn.Module):
+    """``FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
+    tp_group=None, enable_expert_parallel=False, hidden_act="silu")``.
+
+    ``forward(hidden [T, H], router_logits [T, E]) -> [T, H]`` (hidden's dtype; this rank's
+    partial sum): top-k over softmax(router_logits) (``fused_topk``), renormalised when
+    ``renormalize`` (``norm_topk_prob``), then the weighted sum of the chosen experts'
+    SiLU-gated MLPs. Raises ValueError (at construction) for an activation other than
+    SiLU, ``top_k`` outside [1, E], or sizes that do not split over the ranks.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 tp_group=None, enable_expert_parallel: bool = False, hidden_act: str = "silu"):
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"Unsupported hidden_act {hidden_act!r} for the experts; only 'silu' is supported.")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, {num_experts}] (the number of experts).")
+        tp_size = tp_group.world_size if tp_group is not None else 1
+        tp_rank = tp_group.rank if tp_group is not None else 0
+        self.global_num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.hidden_size = hidden_size
+        self.use_ep = bool(enable_expert_parallel) and tp_size > 1
+        if self.use_ep:
+            if num_experts % tp_size:
+                raise ValueError(f"The model's number of experts ({num_experts}) must be divisible by "
+                                 f"tensor_parallel_size ({tp_size}) with enable_expert_parallel.")
+            self.local_num_experts = num_experts // tp_size
+            self.expert_start = tp_rank * self.local_num_experts
+            self.intermediate_size_per_partition = intermediate_size
+            self.intermediate_start = 0
+            emap = torch.full((num_experts,), -1, dtype=torch.int32)
+            emap[self.expert_start:self.expert_start + self.local_num_experts] = torch.arange(
+                self.local_num_experts, dtype=torch.int32)
+            self.register_buffer("expert_map", emap, persistent=False)
+        else:
+            self.local_num_experts = num_experts
+            self.expert_start = 0
+            self.intermediate_size_per_partition = divide(intermediate_size, tp_size, "MoE intermediate size")
+            self.intermediate_start = tp_rank * self.intermediate_size_per_partition
+            self.expert_map = None
+        self.intermediate_size = intermediate_size
+        e, ip = self.local_num_experts, self.intermediate_size_per_partition
+        local = range(self.expert_start, self.expert_start + e)
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * ip, hidden_size), requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w13_weight.shard_ids = tuple((k, g) for g in local for k in ("w1", "w3"))
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, ip), requires_grad=False)
+        self.w2_weight.weight_loader = self.weight_loader
+        self.w2_weight.shard_ids = tuple(("w2", g) for g in local)
+        self._tile_configs = _NOT_LOADED  # fused_moe's table for this shape and GPU, read on first use
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
+        """Copy one expert's checkpoint tensor (torch tensor or safetensors slice; only this
+        rank's part is read) into its slice of ``param``. ``shard_id``: ``(kind, global
+        expert id)``. An expert another rank holds (expert parallelism) is skipped.
+        Raises ValueError on a shape mismatch or a bad shard id."""
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[0] in SHARD_KINDS):
+            raise ValueError(f"expected a shard id (kind in {SHARD_KINDS}, expert id), got {shard_id!r}: "
+                             f"stacked expert tensors are not supported, one tensor per expert is")
+        kind, expert = shard_id
+        if not 0 <= expert < self.global_num_experts:
+            raise ValueError(f"expert id {expert} out of range: the model has {self.global_num_experts} experts")
+        local = expert - self.expert_start
+        if not 0 <= local < self.local_num_experts:
+            return  # another rank's expert
+        ip, i0 = self.intermediate_size_per_partition, self.intermediate_start
+        if kind == "w2":
+            _check_shape(loaded, (self.hidden_size, self.intermediate_size), f" for expert {expert} {kind}")
+            param.data[local].copy_(narrow_weight(loaded, 1, i0, ip))
+        else:
+            _check_shape(loaded, (self.intermediate_size, self.hidden_size), f" for expert {expert} {kind}")
+            rows = 0 if kind == "w1" else ip
+            param.data[local, rows:rows + ip].copy_(narrow_weight(loaded, 0, i0, ip))
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if _ops.use_triton(hidden):
+            from pyengine.layers.fused_moe import fused_moe  # imports triton
+            topk_weights, topk_ids = fused_moe.topk_softmax(router_logits, self.top_k, self.renormalize)
+            if self._tile_configs is _NOT_LOADED:
+                self._tile_configs = (fused_moe.load_tile_configs(self.local_num_experts,
+                                                                  self.intermediate_size_per_partition)
+                                      if hidden.is_cuda else None)
+            return fused_moe.fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                           expert_map=self.expert_map, tile_configs=self._tile_configs)
+        topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
+        return fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                   expert_map=self.expert_map)
+
+    @torch.inference_mode()
+    def warm_up(self, max_num_tokens: int) -> int:
+        """Compile, before serving, each Triton kernel variant a forward of up to
+        ``max_num_tokens`` tokens can pick (one per distinct tile config: the config
+        follows the number of tokens). No-op on the torch path. Returns the forwards run."""
+        if not _ops.use_triton(self.w13_weight):
+            return 0
+        from pyengine.layers.fused_moe import fused_moe
+
+        x = torch.zeros(1, self.hidden_size, dtype=self.w13_weight.dtype, device=self.w13_weight.device)
+        self.forward(x, torch.zeros(1, self.global_num_experts, device=x.device))  # loads the table
+        sizes = {1 << i for i in range(max(1, max_num_tokens).bit_length())} | set(self._tile_configs or ())
+        seen, runs = set(), 1
+        for m in sorted(s for s in sizes if 1 < s <= max_num_tokens):
+            cfg = fused_moe.pick_config(self._tile_configs, m, self.local_num_experts,
+                                        self.intermediate_size_per_partition, self.hidden_size, self.top_k)
+            key = repr(sorted(cfg.items()))
+            if key not in seen:
+                seen.add(key)
+                self.forward(x.expand(m, -1).contiguous(), torch.zeros(m, self.global_num_experts, device=x.device))
+                runs += 1
+        return runs
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.global_num_experts} (local {self.local_num_experts} from {self.expert_start}), "
+                f"top_k={self.top_k}, hidden={self.hidden_size}, intermediate={self.intermediate_size} "
+                f"(local {self.intermediate_size_per_partition}), renormalize={self.renormalize}, ep={self.use_ep}")

@@ -1,0 +1,52 @@
+"""benchmarks/moe.py's code paths on the CPU (``--cpu-smoke``: the tiny MoE shape, Triton
+kernels under the interpreter), in a subprocess since TRITON_INTERPRET must be set
+before triton is imported. The numbers are not checked; the JSON's shape and the sweep's
+tile table are."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args, tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("VENGINE_TRITON_OPS_ON_CPU", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--cpu-smoke", "--out-dir",
+                           str(tmp_path), *args], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(900)
+def test_moe_benchmark_cpu_smoke(tmp_path):
+    pytest.importorskip("triton")
+    _run(tmp_path=tmp_path)
+    res = json.loads((tmp_path / "moe_tiny.json").read_text())["results"]
+    assert all("error" not in res[s] for s in ("kernels", "loading", "engine")), res
+    rows = res["kernels"]["rows"]
+    assert [r["m"] for r in rows] == [1, 40]
+    assert rows[0]["tile_config"].get("small_batch") and "BLOCK_SIZE_M" in rows[1]["tile_config"]
+    assert all(r["max_abs_diff_vs_fp32_loop"] < 1e-4 for r in rows)
+    assert res["loading"]["checkpoint_mb"] > 0 and res["loading"]["load_s"] > 0
+    eng = res["engine"]
+    assert eng["batch1"]["tpot_ms"] > 0 and eng["batch1"]["floor_ms"] > 0
+    assert eng["serving_workload"]["requests_short"] == 0 and eng["nano_vllm_workload"]["output_tokens"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_moe_sweep_cpu_smoke_writes_a_loadable_table(tmp_path):
+    pytest.importorskip("triton")
+    _run("--sweep", tmp_path=tmp_path)
+    from pyengine.layers.fused_moe import fused_moe
+
+    table = fused_moe.load_tile_configs(8, 32, "cpu-interpreter", tmp_path / "configs")
+    assert set(table) == {1, 40} and table[1]["small_batch"] and "BLOCK_SIZE_M" in table[40]
+    assert not list(fused_moe.CONFIG_DIR.glob("*cpu-interpreter*"))  # the smoke run never writes the repository's
+    sweep = json.loads((tmp_path / "moe_sweep_tiny.json").read_text())["results"]["sweep"]
+    assert sweep["32"]["written"].endswith("E=8,N=32,device_name=cpu-interpreter.json")
