@@ -438,11 +438,11 @@ def _vg_py_submit(eng_id, req, num, prompt, toks, ntoks, sp, err, errlen):
 def _vg_py_submit_chat(eng_id, req, num, raw, stream, err, errlen):
     try:
         br = _bridge(eng_id)
-        prompt_ids, params, priority, flags = parse_chat_request(
-            ffi.string(raw).decode("utf-8"), br.llm.processor, RequestOutputKind.DELTA)
-        chat = ChatStream(f"chatcmpl-vengine-{int(num)}", br.model_name, len(prompt_ids), stream=bool(stream),
-                          include_usage=bool(flags & 1))
-        br.submit(req, int(num), prompt_ids, params, priority, chat)
+        parsed = parse_chat_request(ffi.string(raw).decode("utf-8"), br.llm.processor, RequestOutputKind.DELTA)
+        chat = ChatStream(f"chatcmpl-{parsed.request_id or f'vengine-{int(num)}'}", br.model_name,
+                          len(parsed.prompt_token_ids), stream=bool(stream), include_usage=bool(parsed.flags & 1),
+                          echo=parsed.echo)
+        br.submit(req, int(num), parsed.prompt_token_ids, parsed.sampling_params, parsed.priority, chat)
         return OK
     except UnicodeDecodeError as e:
         return _fail(err, errlen, f"chat request: request_json is not valid UTF-8: {e}", INVALID)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Optional
 
 from flask import Response, request
@@ -43,6 +44,8 @@ class GenerationJob:
         self.echo_texts = echo_texts
         self.include_usage, self.continuous_usage = include_usage, continuous_usage
         self.id = builder.id
+        # engine request ids: unique even when clients reuse a request_id (the response id)
+        self.engine_id = f"{builder.id}-{uuid.uuid4().hex[:12]}"
         # text offsets count the echoed prompt
         self.choices = [ChoiceState(len(echo_texts[idx // self.n]) if echo_texts is not None else 0)
                         for idx in range(len(prompts) * self.n)]
@@ -60,7 +63,7 @@ class GenerationJob:
         st.jobs.add(self)
         try:
             for i, (_, ids) in enumerate(self.prompts):
-                self.group.add(f"{self.id}-{i}", ids, self.sp, self.priority)
+                self.group.add(f"{self.engine_id}-{i}", ids, self.sp, self.priority)
         except ValueError as e:  # the engine's input processing refused it
             self.close()
             raise APIError(400, str(e), getattr(e, "parameter", None)) from None

@@ -31,7 +31,8 @@ def register_completion_routes(app: Flask, st) -> None:
                     for text, ids in inputs.prompts]
         n = inputs.sampling_params.n
         formatter = LogprobsFormatter(st.tokenizer, req.logprobs) if req.logprobs is not None else None
-        builder = CompletionResponseBuilder("cmpl-" + uuid.uuid4().hex, model, int(time.time()), formatter,
+        builder = CompletionResponseBuilder("cmpl-" + (req.request_id or uuid.uuid4().hex), model, int(time.time()),
+                                            formatter,
                                             [len(echo[i // n]) for i in range(len(echo) * n)] if echo else None)
         so = req.stream_options
         job = GenerationJob(st, builder, inputs.prompts, inputs.sampling_params, inputs.priority, echo_texts=echo,

@@ -10,7 +10,8 @@ from typing import Callable, Optional
 from pyengine.entrypoints.openai.protocol import CompletionRequest
 from pyengine.entrypoints.openai.serving_chat import request_structured_outputs
 from pyengine.entrypoints.openai.serving_engine import (ENGINE_DEFAULT, ChoiceState, LogprobsFormatter,
-                                                       ResponseBuilder, check_stream_options, to_sampling_params)
+                                                       ResponseBuilder, check_stream_options, refuse_unsupported,
+                                                       to_sampling_params)
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -19,20 +20,28 @@ CHAT_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", 
 
 
 def refuse_tool_fields(req: CompletionRequest) -> None:
-    """A completions request carrying tool fields (unknown there: pydantic's model_extra).
-    Raises VLLMValidationError."""
+    """A completions request carrying tool fields (unknown there: pydantic's model_extra),
+    or chat's ``max_completion_tokens`` (vLLM's CompletionRequest does not know it and
+    would silently give 16 tokens; OpenAI's legacy completions refuse it). Raises
+    VLLMValidationError."""
     extra = req.model_extra or {}
     for name in CHAT_TOOL_FIELDS:
         if extra.get(name) is not None:
             raise VLLMValidationError(f"{name} is not supported by /v1/completions; tool calling is served by "
                                       "/v1/chat/completions.", parameter=name)
+    if extra.get("max_completion_tokens") is not None:
+        raise VLLMValidationError("max_completion_tokens is a /v1/chat/completions field; /v1/completions takes "
+                                  "max_tokens.", parameter="max_completion_tokens")
 
 
 def completion_prompts(processor, req: CompletionRequest, run: Callable = lambda fn: fn(), n: int = 1,
-                       max_sequences: Optional[int] = None) -> list[tuple[Optional[str], list[int]]]:
+                       max_sequences: Optional[int] = None,
+                       params: Optional[SamplingParams] = None) -> list[tuple[Optional[str], list[int]]]:
     """(text or None, token ids) of each prompt. The rules that need no tokenization run
     on every prompt first (``Processor.check_prompt``), then the texts are tokenized
-    together through ``run(fn)``. ``max_sequences``: the most prompts × ``n`` one request
+    together through ``run(fn)`` (with special tokens unless ``add_special_tokens`` is
+    false) and, with ``params.truncate_prompt_tokens``, cut on the left (the text is then
+    None: it no longer matches). ``max_sequences``: the most prompts × ``n`` one request
     may ask for (None: no bound). Raises VLLMValidationError."""
     p = req.prompt
     if isinstance(p, str) or (p and isinstance(p[0], int)):
@@ -45,11 +54,20 @@ def completion_prompts(processor, req: CompletionRequest, run: Callable = lambda
         # one request would otherwise queue any number of sequences ahead of every later client
         raise VLLMValidationError(f"The request asks for {len(items) * n} sequences ({len(items)} prompts × n={n}); "
                                   f"at most {max_sequences} per request.", parameter="prompt")
+    truncated = params is not None and params.truncate_prompt_tokens is not None
+    special = req.add_special_tokens is not False
     for item in items:
-        processor.check_prompt(item, "prompt")
+        processor.check_prompt(item, "prompt", truncated)
     texts = [item for item in items if isinstance(item, str)]
-    encoded = iter(run(lambda: [processor.tokenize(t)[1] for t in texts]) if texts else [])
-    return [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items]
+    encoded = iter(run(lambda: [processor.tokenize(t, add_special_tokens=special, truncated=truncated)[1]
+                                for t in texts]) if texts else [])
+    prompts = [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items]
+    if truncated:
+        cut = [processor.truncate_prompt(ids, params) for _, ids in prompts]
+        prompts = [(text if len(c) == len(ids) else None, c) for (text, ids), c in zip(prompts, cut)]
+        for _, ids in prompts:
+            processor.check_prompt_length(len(ids), "prompt")
+    return prompts
 
 
 @dataclass
@@ -68,13 +86,14 @@ def completion_inputs(processor, req: CompletionRequest, *, output_kind: Request
     if req.suffix:
         raise VLLMValidationError("suffix is not supported.", parameter="suffix")
     refuse_tool_fields(req)
+    refuse_unsupported(req)
     if req.echo and req.logprobs is not None:
         raise VLLMValidationError("echo together with logprobs is not supported (no prompt logprobs).",
                                   parameter="echo")
     params = to_sampling_params(processor, req, max_tokens=ENGINE_DEFAULT if req.max_tokens is None else req.max_tokens,
                                 logprobs=req.logprobs, structured_outputs=request_structured_outputs(req),
                                 output_kind=output_kind)
-    prompts = completion_prompts(processor, req, run, params.n, max_sequences)
+    prompts = completion_prompts(processor, req, run, params.n, max_sequences, params)
     return CompletionInputs(prompts, params, req.priority or 0)
 
 

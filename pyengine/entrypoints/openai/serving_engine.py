@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from pyengine.entrypoints.openai.protocol import UNSUPPORTED_FIELDS
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -21,7 +22,8 @@ logger = logging.getLogger(__name__)
 # Request fields copied to SamplingParams as they are, when given.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-                   "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "logit_bias")
+                   "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "logit_bias",
+                   "bad_words", "allowed_token_ids", "truncate_prompt_tokens")
 # max_tokens not given on /v1/completions: OpenAI's 16 (or the engine's default if lower,
 # --generation-config), as a default: the engine caps it at the room the prompt leaves.
 ENGINE_DEFAULT: Any = object()
@@ -61,6 +63,18 @@ def parse_request(schema, raw):
     if req.model_extra:
         logger.warning("The following fields were present in the request but ignored: %s", sorted(req.model_extra))
     return req
+
+
+def refuse_unsupported(req) -> None:
+    """A 400 (``VLLMValidationError`` naming the field) for each vLLM field of ``req``'s
+    schema that vengine does not implement and that asks for something
+    (``protocol.UNSUPPORTED_FIELDS``)."""
+    declared = type(req).model_fields
+    for name, (unused, why) in UNSUPPORTED_FIELDS.items():
+        if name in declared:
+            v = getattr(req, name)
+            if v not in unused:  # (strict schema types: no bool reaches a number field)
+                raise VLLMValidationError(f"{name} is not supported: {why}.", parameter=name, value=v)
 
 
 def check_stream_options(req, stream: Optional[bool] = None) -> None:
