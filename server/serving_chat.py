@@ -29,7 +29,8 @@ def register_chat_routes(app: Flask, st) -> None:
                              tool_call_parser=cfg.tool_call_parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
                              run=st.bridge.run_blocking)
         n = inputs.sampling_params.n
-        formatter = LogprobsFormatter(st.tokenizer, inputs.num_top_logprobs) if req.logprobs else None
+        formatter = (LogprobsFormatter(st.tokenizer, inputs.num_top_logprobs, bool(req.return_tokens_as_token_ids))
+                     if req.logprobs else None)
         extractors = [make_extractor(inputs.tool_mode, cfg.tool_call_parser, st.tokenizer) for _ in range(n)]
         builder = ChatResponseBuilder("chatcmpl-" + (req.request_id or uuid.uuid4().hex), model, int(time.time()),
                                       formatter, extractors, inputs.echo)

@@ -30,7 +30,8 @@ def register_completion_routes(app: Flask, st) -> None:
             echo = [text if text is not None else prompt_text_for_echo(st.tokenizer, ids)
                     for text, ids in inputs.prompts]
         n = inputs.sampling_params.n
-        formatter = LogprobsFormatter(st.tokenizer, req.logprobs) if req.logprobs is not None else None
+        formatter = (LogprobsFormatter(st.tokenizer, req.logprobs, bool(req.return_tokens_as_token_ids))
+                     if req.logprobs is not None else None)
         builder = CompletionResponseBuilder("cmpl-" + (req.request_id or uuid.uuid4().hex), model, int(time.time()),
                                             formatter,
                                             [len(echo[i // n]) for i in range(len(echo) * n)] if echo else None)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pyengine import LLM, FinishReason, SamplingParams
-from tests.helpers import expected_text, hf_greedy, hf_logits, prompt_token_ids
+from tests.helpers import banned_at, expected_text, find_bad_word, hf_greedy, hf_logits, prompt_token_ids
 
 MAX_TOKENS = 24
 FAMILIES = ["llama", "qwen2", "qwen3"]
@@ -454,31 +454,6 @@ def test_default_sampling_params_from_the_generation_config(llama_greedy_dir, ll
 
 # ---- bad_words and allowed_token_ids (issue 23): the sampler's masks end to end ----------
 
-def _banned_at(out, banned):
-    """First index i where out[:i + 1] ends with one of the banned sequences (all of it in
-    the output, as vLLM matches), or None."""
-    for i in range(len(out)):
-        for seq in banned:
-            k = len(seq)
-            if i + 1 >= k and list(out[i + 1 - k:i + 1]) == list(seq):
-                return i
-    return None
-
-
-def _find_word(tok, processor, outputs, length):
-    """A word whose engine tokenizations (bad_words_token_ids) include a ``length``-token
-    span of one of the greedy outputs: (output index, word, its banned sequences)."""
-    for n, out in enumerate(outputs):
-        for j in range(len(out) - length + 1):
-            word = tok.decode(out[j:j + length]).strip()
-            if not any(c.isalnum() for c in word) or "\ufffd" in word or any(c.isspace() for c in word):
-                continue
-            seqs = processor.bad_words_token_ids([word])
-            if any(len(s) == length for s in seqs) and _banned_at(out, seqs) is not None:
-                return n, word, seqs
-    raise AssertionError(f"no {length}-token word in the greedy outputs")
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("model", ["llama_dir", "llama_sp_dir"])  # byte-level BPE, SentencePiece
 def test_bad_words_never_generated(model, async_scheduling, request):
@@ -492,11 +467,11 @@ def test_bad_words_never_generated(model, async_scheduling, request):
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     base = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     for length in (1, 2):
-        n, word, seqs = _find_word(tok, processor, base, length)
+        n, word, seqs = find_bad_word(tok, processor, base, length)
         got = llm.generate([prompts[n]], greedy.clone(bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
-        i = _banned_at(base[n], seqs)
+        i = banned_at(base[n], seqs)
         assert got[:i] == base[n][:i] and got[i] != base[n][i], (word, seqs)
-        assert _banned_at(got, seqs) is None, (word, seqs, got)
+        assert banned_at(got, seqs) is None, (word, seqs, got)
     _assert_no_leak(llm)
 
 

@@ -153,13 +153,18 @@ class ChoiceState:
 
 class LogprobsFormatter:
     """The engine's per-token ``Logprob`` dicts -> OpenAI's logprobs objects (the
-    completions and the chat shapes), the top ``num_top`` alternatives by rank."""
+    completions and the chat shapes), the top ``num_top`` alternatives by rank.
+    ``tokens_as_ids``: each token as ``"token_id:<id>"`` instead of its text (vLLM's
+    ``return_tokens_as_token_ids``, for tokens whose text is not valid UTF-8 alone)."""
 
-    def __init__(self, tokenizer, num_top: Optional[int]):
+    def __init__(self, tokenizer, num_top: Optional[int], tokens_as_ids: bool = False):
         self.tok = tokenizer
         self.num_top = num_top
+        self.tokens_as_ids = tokens_as_ids
 
     def token_str(self, tid: int, lp) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{tid}"
         s = getattr(lp, "decoded_token", None) if lp is not None else None
         return self.tok.decode([tid]) if s is None else s
 
