@@ -139,6 +139,16 @@ typedef struct vllm_sampling_params {
   void* logits_processor_user_data;
   /* ---- vengine additions (appended) ---- */
   int32_t priority;         /* lower runs first under scheduling_policy "priority" */
+  /* vLLM's bad_words: n_bad_words UTF-8 words (may be NULL when 0) that are never
+   * generated: each word's tokenization with and without a leading space is banned, a
+   * word of several tokens only right after its other tokens. At most 128 non-blank
+   * words of at most 1024 characters. */
+  const char* const* bad_words;
+  int32_t n_bad_words;
+  /* vLLM's allowed_token_ids: when n_allowed_token_ids > 0, only these ids (each in the
+   * model's vocabulary) may be generated. NULL / 0: every token. */
+  const int32_t* allowed_token_ids;
+  int32_t n_allowed_token_ids;
 } vllm_sampling_params;
 
 /* ---- blocking completion result ------------------------------------------ */
