@@ -455,7 +455,9 @@ def _vg_py_submit_chat(eng_id, req, num, raw, stream, err, errlen):
         chat = ChatStream(f"chatcmpl-{parsed.request_id or f'vengine-{int(num)}'}", br.model_name,
                           len(parsed.prompt_token_ids), stream=bool(stream), include_usage=bool(parsed.flags & 1),
                           echo=parsed.echo)
-        br.submit(req, int(num), parsed.prompt_token_ids, parsed.sampling_params, parsed.priority, chat)
+        prompt = parsed.prompt_token_ids if parsed.cache_salt is None else {
+            "prompt_token_ids": parsed.prompt_token_ids, "cache_salt": parsed.cache_salt}
+        br.submit(req, int(num), prompt, parsed.sampling_params, parsed.priority, chat)
         return OK
     except UnicodeDecodeError as e:
         return _fail(err, errlen, f"chat request: request_json is not valid UTF-8: {e}", INVALID)

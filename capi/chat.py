@@ -50,6 +50,7 @@ class ParsedChat(NamedTuple):
     flags: int  # bit 0: stream_options.include_usage
     echo: Optional[str]  # what the message starts with (echo, serving_chat.chat_echo)
     request_id: Optional[str]  # the client's request_id (the response's "chatcmpl-<id>")
+    cache_salt: Optional[str]  # the prefix-cache salt
 
 
 def parse_chat_request(raw: str, processor, output_kind) -> ParsedChat:
@@ -67,4 +68,4 @@ def parse_chat_request(raw: str, processor, output_kind) -> ParsedChat:
     so = req.stream_options
     flags = 1 if so is not None and so.include_usage else 0
     return ParsedChat(inputs.prompt_token_ids, inputs.sampling_params, inputs.priority, flags, inputs.echo,
-                      req.request_id)
+                      req.request_id, inputs.cache_salt)

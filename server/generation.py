@@ -33,15 +33,18 @@ def _sse(obj) -> str:
 
 class GenerationJob:
     """One HTTP request's generation. ``prompts``: (text or None, token ids) each;
-    ``echo_texts``: per prompt, the text its choices start with (completions' ``echo``)."""
+    ``echo_texts``: per prompt, the text its choices start with (completions' ``echo``);
+    ``cache_salt``: the engine prompts' prefix-cache salt."""
 
     def __init__(self, st: ServerState, builder: ResponseBuilder, prompts, sp, priority: int, *,
-                 echo_texts: Optional[list] = None, include_usage: bool = False, continuous_usage: bool = False):
+                 echo_texts: Optional[list] = None, include_usage: bool = False, continuous_usage: bool = False,
+                 cache_salt: Optional[str] = None):
         self.st, self.builder = st, builder
         self.prompts, self.sp, self.priority = prompts, sp, priority
         self.n = sp.n
         self.want_logprobs = builder.formatter is not None
         self.echo_texts = echo_texts
+        self.cache_salt = cache_salt
         self.include_usage, self.continuous_usage = include_usage, continuous_usage
         self.id = builder.id
         # engine request ids: unique even when clients reuse a request_id (the response id)
@@ -63,7 +66,8 @@ class GenerationJob:
         st.jobs.add(self)
         try:
             for i, (_, ids) in enumerate(self.prompts):
-                self.group.add(f"{self.engine_id}-{i}", ids, self.sp, self.priority)
+                prompt = ids if self.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": self.cache_salt}
+                self.group.add(f"{self.engine_id}-{i}", prompt, self.sp, self.priority)
         except ValueError as e:  # the engine's input processing refused it
             self.close()
             raise APIError(400, str(e), getattr(e, "parameter", None)) from None

@@ -37,5 +37,5 @@ def register_chat_routes(app: Flask, st) -> None:
         so = req.stream_options
         job = GenerationJob(st, builder, [(inputs.text, inputs.prompt_token_ids)], inputs.sampling_params,
                             inputs.priority, include_usage=bool(so and so.include_usage),
-                            continuous_usage=bool(so and so.continuous_usage_stats))
+                            continuous_usage=bool(so and so.continuous_usage_stats), cache_salt=inputs.cache_salt)
         return run_job(job, bool(req.stream))

@@ -38,5 +38,5 @@ def register_completion_routes(app: Flask, st) -> None:
         so = req.stream_options
         job = GenerationJob(st, builder, inputs.prompts, inputs.sampling_params, inputs.priority, echo_texts=echo,
                             include_usage=bool(so and so.include_usage),
-                            continuous_usage=bool(so and so.continuous_usage_stats))
+                            continuous_usage=bool(so and so.continuous_usage_stats), cache_salt=inputs.cache_salt)
         return run_job(job, bool(req.stream))

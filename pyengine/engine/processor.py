@@ -15,7 +15,9 @@ from pyengine.engine.messages import EngineCoreRequest
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
-PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
+# str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}; a dict may add
+# "cache_salt": str (vLLM's prefix-cache salt)
+PromptType = Any
 # Validated structured-output constraints remembered per Processor (a client usually sends
 # one schema many times).
 _SO_CACHE_SIZE = 256
@@ -353,6 +355,14 @@ class Processor:
             return prompt, self.check_encoded(self.encode(prompt, add_special_tokens), parameter)
         return None, list(prompt)
 
+    @staticmethod
+    def check_cache_salt(salt) -> Optional[str]:
+        """A prompt's ``cache_salt``: None, or a non-empty string (vLLM's rule). Raises
+        ``VLLMValidationError`` (parameter ``cache_salt``)."""
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise VLLMValidationError("cache_salt must be a non-empty string if provided.", parameter="cache_salt")
+        return salt
+
     def check_priority(self, priority) -> None:
         """A 64-bit integer; other than 0 only under the priority scheduling policy (under
         fcfs it would be silently meaningless). Raises ``VLLMValidationError``."""
@@ -410,6 +420,7 @@ class Processor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         self.check_logprobs(params)
         self.check_priority(priority)
+        salt = self.check_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         truncated = params.truncate_prompt_tokens is not None
         text, ids = self.tokenize(prompt, truncated=truncated)
         if truncated:
@@ -433,5 +444,5 @@ class Processor:
         for i in range(params.n):
             child = params if params.n == 1 else params.clone(n=1, seed=child_seed(params.seed, i))
             core_reqs.append(EngineCoreRequest(child_request_id(request_id, i, params.n) + suffix, ids, child,
-                                               max_tokens, arrival, priority))
+                                               max_tokens, arrival, priority, salt))
         return text, ids, params, core_reqs

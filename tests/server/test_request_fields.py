@@ -96,6 +96,26 @@ def test_truncate_prompt_tokens(server):
     assert status == 400 and json.loads(raw)["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_cache_salt_separates_prefix_caches(engine, server):
+    """vLLM's cache_salt: a prompt's cached prefix is shared only by requests with the same
+    salt (the engine's prefix-cache hits, in tokens: its stats come with the outputs, before
+    the response). Chat's salt rides the same way (tests/entrypoints)."""
+    prompt = [7 + (i * 37) % 450 for i in range(70)]  # 4 full blocks, not sent by any other test
+
+    def hits_after(**fields):
+        before = engine.get_stats().prefix_cache_hits
+        status, _, raw = post(server.port, "/v1/completions", dict(model=MODEL_NAME, prompt=prompt, max_tokens=1,
+                                                                 **fields))
+        assert status == 200, raw
+        return engine.get_stats().prefix_cache_hits - before
+
+    assert hits_after(cache_salt="tenant-a") == 0
+    assert hits_after(cache_salt="tenant-b") == 0  # the same tokens, another salt: nothing shared
+    assert hits_after() == 0  # nor without one
+    assert hits_after(cache_salt="tenant-a") >= 64
+    assert hits_after() >= 64
+
+
 def test_request_id_is_the_response_id(server):
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [
             {"role": "user", "content": "x"}]})):
@@ -137,7 +157,8 @@ def test_chat_echo_with_continue_final_message(served, stream):
      "use_beam_search"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
      "chat_template"),
-    ("/v1/completions", {"prompt": "x", "cache_salt": "s"}, "cache_salt"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}, "cache_salt"),
 ])
 def test_fields_that_cannot_be_honoured_are_refused(server, path, fields, param):
     status, _, raw = post(server.port, path, dict(fields, model=MODEL_NAME, max_tokens=2))

@@ -130,6 +130,7 @@ class ChatInputs:
     tool_mode: ToolCallMode
     num_top_logprobs: Optional[int]  # None: no logprobs
     echo: Optional[str] = None  # what each choice's message starts with (chat_echo)
+    cache_salt: Optional[str] = None  # the engine prompt's "cache_salt"
 
 
 def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: Optional[str] = None,
@@ -153,8 +154,9 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: Optiona
     params = to_sampling_params(processor, req, max_tokens=max_tokens, logprobs=num_top,
                                 structured_outputs=constraint, output_kind=output_kind,
                                 logprobs_param="top_logprobs")
+    salt = processor.check_cache_salt(req.cache_salt)
     text, ids = run(lambda: render_chat_prompt(processor, req, chat_template, tools, params))
-    return ChatInputs(text, ids, params, req.priority or 0, mode, num_top, chat_echo(req))
+    return ChatInputs(text, ids, params, req.priority or 0, mode, num_top, chat_echo(req), salt)
 
 
 # ---------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class CompletionInputs:
     prompts: list[tuple[Optional[str], list[int]]]
     sampling_params: SamplingParams
     priority: int
+    cache_salt: Optional[str] = None  # the engine prompt's "cache_salt"
 
 
 def completion_inputs(processor, req: CompletionRequest, *, output_kind: RequestOutputKind = RequestOutputKind.DELTA,
@@ -93,8 +94,9 @@ def completion_inputs(processor, req: CompletionRequest, *, output_kind: Request
     params = to_sampling_params(processor, req, max_tokens=ENGINE_DEFAULT if req.max_tokens is None else req.max_tokens,
                                 logprobs=req.logprobs, structured_outputs=request_structured_outputs(req),
                                 output_kind=output_kind)
+    salt = processor.check_cache_salt(req.cache_salt)
     prompts = completion_prompts(processor, req, run, params.n, max_sequences, params)
-    return CompletionInputs(prompts, params, req.priority or 0)
+    return CompletionInputs(prompts, params, req.priority or 0, salt)
 
 
 # ---------------------------------------------------------------------------------------

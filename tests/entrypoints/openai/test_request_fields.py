@@ -34,7 +34,7 @@ VLLM_CHAT = VLLM_COMMON + ["messages", "top_logprobs", "max_completion_tokens", 
 
 # a value that asks for something, per field vengine refuses
 ASKING = {"use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
-          "prompt_logprobs": 1, "logits_processors": ["m.f"], "return_token_ids": True, "cache_salt": "salt",
+          "prompt_logprobs": 1, "logits_processors": ["m.f"], "return_token_ids": True,
           "kv_transfer_params": {"a": 1}, "vllm_xargs": {"k": 1}, "max_repetition_pattern_size": 4,
           "min_repetition_pattern_size": 2, "repetition_min_count": 3, "prompt_embeds": "AAAA",
           "chat_template": "{{ messages }}", "mm_processor_kwargs": {"x": 1}, "structural_tag": "{}"}
@@ -103,6 +103,10 @@ def test_sampling_fields_reach_the_sampling_params(processor, make, tokenizer):
     with pytest.raises(VLLMValidationError, match="allowed_token_ids") as ei:
         make(processor, allowed_token_ids=[])
     assert ei.value.parameter == "allowed_token_ids"
+    assert make(processor, cache_salt="tenant-1").cache_salt == "tenant-1"
+    with pytest.raises(VLLMValidationError, match="cache_salt must be a non-empty string") as ei:
+        make(processor, cache_salt="")
+    assert ei.value.parameter == "cache_salt"
 
 
 def test_truncate_prompt_tokens_cuts_the_prompt_on_the_left(processor, tokenizer):
