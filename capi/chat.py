@@ -18,7 +18,8 @@ from pyengine.entrypoints.openai.serving_engine import parse_request
 # Chat request fields vllm_chat cannot honour (its response has one choice and no logprobs
 # or tool calls): name -> values that mean "not used".
 _REFUSED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-            "function_call": (None, "none"), "logprobs": (None, False), "top_logprobs": (None, 0)}
+            "function_call": (None, "none"), "logprobs": (None, False), "top_logprobs": (None, 0),
+            "return_token_ids": (None, False)}
 _TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
 _UNKNOWN_REFUSED = ("audio", "prediction")
 

@@ -257,7 +257,7 @@ VLLM_API void vllm_request_free(vllm_request* request);
  * max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop,
  * penalties, ignore_eos, min_tokens, priority, chat_template_kwargs, ...;
  * response_format, structured_outputs and guided_* as over HTTP; `model` and
- * `stream` are ignored; tools, logprobs and n > 1 are refused). The model's chat
+ * `stream` are ignored; tools, logprobs, return_token_ids and n > 1 are refused). The model's chat
  * template is applied.
  * vllm_chat: *out_response_json is a malloc'd chat.completion object (free with
  * vllm_string_free). vllm_chat_stream: one chat.completion.chunk JSON object per

@@ -147,8 +147,9 @@ class GenerationJob:
     def run_to_end(self) -> dict:
         """The whole response object."""
         lp_acc: dict[int, list] = {}
+        keep_ids = self.want_logprobs or self.builder.return_token_ids
         for idx, _, _, token_ids, logprobs, _ in self.events():
-            if self.want_logprobs and token_ids:
+            if keep_ids and token_ids:
                 lp_acc.setdefault(idx, []).append((token_ids, logprobs))
         choices = []
         for idx, ch in enumerate(self.choices):
@@ -167,7 +168,8 @@ class GenerationJob:
         templates = self._templates
         plain = not self.want_logprobs and not self.continuous_usage
         for idx, ch, text, token_ids, logprobs, finish in self.events():
-            if not text and finish is None and not (self.want_logprobs and token_ids):
+            if not text and finish is None and not ((self.want_logprobs or self.builder.return_token_ids)
+                                                    and token_ids):
                 continue
             if plain and finish is None:
                 # the common streamed delta: the builder's chunk JSON around the text's JSON

@@ -33,7 +33,8 @@ def register_chat_routes(app: Flask, st) -> None:
                      if req.logprobs else None)
         extractors = [make_extractor(inputs.tool_mode, cfg.tool_call_parser, st.tokenizer) for _ in range(n)]
         builder = ChatResponseBuilder("chatcmpl-" + (req.request_id or uuid.uuid4().hex), model, int(time.time()),
-                                      formatter, extractors, inputs.echo)
+                                      formatter, extractors, inputs.echo,
+                                      inputs.prompt_token_ids if req.return_token_ids else None)
         so = req.stream_options
         job = GenerationJob(st, builder, [(inputs.text, inputs.prompt_token_ids)], inputs.sampling_params,
                             inputs.priority, include_usage=bool(so and so.include_usage),

@@ -34,7 +34,8 @@ def register_completion_routes(app: Flask, st) -> None:
                      if req.logprobs is not None else None)
         builder = CompletionResponseBuilder("cmpl-" + (req.request_id or uuid.uuid4().hex), model, int(time.time()),
                                             formatter,
-                                            [len(echo[i // n]) for i in range(len(echo) * n)] if echo else None)
+                                            [len(echo[i // n]) for i in range(len(echo) * n)] if echo else None,
+                                            [ids for _, ids in inputs.prompts] if req.return_token_ids else None, n)
         so = req.stream_options
         job = GenerationJob(st, builder, inputs.prompts, inputs.sampling_params, inputs.priority, echo_texts=echo,
                             include_usage=bool(so and so.include_usage),

@@ -116,6 +116,41 @@ def test_cache_salt_separates_prefix_caches(engine, server):
     assert hits_after() >= 64
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_return_token_ids(engine, server, endpoint):
+    """vLLM's return_token_ids: the choice's token_ids (each chunk's delta when streamed)
+    and the prompt's ids (in the first chunk when streamed)."""
+    _, ref, ids = _call(server.port, endpoint, PROMPTS[0])  # the generated ids, through logprobs
+    _, body, _ = _call(server.port, endpoint, PROMPTS[0], return_token_ids=True)
+    choice = body["choices"][0]
+    if endpoint == "chat":
+        prompt_ids = body["prompt_token_ids"]
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
+                                                    add_generation_prompt=True, tokenize=False)
+        assert prompt_ids == engine.tokenizer.encode(text, add_special_tokens=False)
+        assert choice["message"]["content"] == ref["choices"][0]["message"]["content"]
+    else:
+        prompt_ids = choice["prompt_token_ids"]
+        assert prompt_ids == engine.tokenizer.encode(PROMPTS[0]) and choice["text"] == ref["choices"][0]["text"]
+    assert choice["token_ids"] == ids and len(prompt_ids) == body["usage"]["prompt_tokens"]
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    req = {"model": MODEL_NAME, "temperature": 0, "max_tokens": 24, "ignore_eos": True, "return_token_ids": True,
+           "stream": True}
+    req.update({"messages": [{"role": "user", "content": PROMPTS[0]}]} if endpoint == "chat" else
+               {"prompt": PROMPTS[0]})
+    status, events, _ = collect_stream(server.port, path, req)
+    chunks = [e for _, e in events[:-1]]
+    assert status == 200 and events[-1][1] == "[DONE]"
+    firsts = [c for e in chunks for c in e["choices"] if "prompt_token_ids" in c]
+    if endpoint == "chat":
+        assert chunks[0]["prompt_token_ids"] == prompt_ids and not firsts
+    else:
+        assert [c["prompt_token_ids"] for c in firsts] == [prompt_ids] and "token_ids" in chunks[0]["choices"][0]
+    assert [t for e in chunks for c in e["choices"] for t in c.get("token_ids", [])] == ids
+    assert completion_text(events)[0] == (ref["choices"][0]["message"]["content"] if endpoint == "chat"
+                                          else ref["choices"][0]["text"])
+
+
 def test_request_id_is_the_response_id(server):
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [
             {"role": "user", "content": "x"}]})):

@@ -69,13 +69,13 @@ class _SamplingFields(_Schema):
     add_special_tokens: Optional[bool] = None  # default: True on completions, False on chat (vLLM's)
     return_tokens_as_token_ids: Optional[bool] = None
     cache_salt: Optional[str] = None  # the engine's prefix-cache salt (Processor.check_cache_salt)
+    return_token_ids: Optional[bool] = None  # token_ids / prompt_token_ids in the response (ResponseBuilder)
     # vLLM fields vengine does not implement: refused unless unset (UNSUPPORTED_FIELDS)
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     spaces_between_special_tokens: Optional[bool] = None
     prompt_logprobs: Optional[int] = None
     logits_processors: Optional[list[Any]] = None
-    return_token_ids: Optional[bool] = None
     kv_transfer_params: Optional[dict] = None
     vllm_xargs: Optional[dict] = None
     max_repetition_pattern_size: Optional[int] = None
@@ -167,7 +167,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
                                                     "(the tokenizer's decode)"),
     "prompt_logprobs": ((None,), "prompt logprobs are not supported"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
-    "return_token_ids": ((None, False), "returning token ids is not supported"),
     "kv_transfer_params": ((None, {}), "KV transfer (disaggregated serving) is not supported"),
     "vllm_xargs": ((None, {}), "no extension reads extra request arguments"),
     "max_repetition_pattern_size": ((None, 0), "repetition detection is not supported"),

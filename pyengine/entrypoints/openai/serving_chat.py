@@ -173,14 +173,18 @@ class ChatResponseBuilder(ResponseBuilder):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
-                 extractors: list[ToolCallExtractor], echo: Optional[str] = None):
-        super().__init__(request_id, model, created, formatter)
+                 extractors: list[ToolCallExtractor], echo: Optional[str] = None,
+                 prompt_token_ids: Optional[list[int]] = None):
+        super().__init__(request_id, model, created, formatter,
+                         None if prompt_token_ids is None else [prompt_token_ids])
         self.extractors = extractors
         self.echo = echo
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         chunks = [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None}]) for i in range(num_choices)]
+        if self.return_token_ids and chunks:  # vLLM: the prompt's ids with the first chunk
+            chunks[0]["prompt_token_ids"] = self.prompt_token_ids[0]
         if self.echo:
             chunks += [self.chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None,
                                     "finish_reason": None}]) for i in range(num_choices)]
@@ -198,15 +202,19 @@ class ChatResponseBuilder(ResponseBuilder):
         # every delta but the last goes in a chunk of its own
         chunks = [self.chunk([{"index": idx, "delta": d, "logprobs": None, "finish_reason": None}])
                   for d in deltas[:-1]]
-        if not deltas and finish is None and lp is None:
+        ids = self.return_token_ids and len(token_ids) > 0
+        if not deltas and finish is None and lp is None and not ids:
             return chunks  # held back (a tool call in progress)
         c = {"index": idx, "delta": deltas[-1] if deltas else {}, "logprobs": lp, "finish_reason": finish}
         if finish is not None:
             c["stop_reason"] = ch.stop_reason
+        if self.return_token_ids:
+            c["token_ids"] = list(token_ids)
         return chunks + [self.chunk([c])]
 
     def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
-        return self._template_of(idx) if self.formatter is None and self.extractors[idx].plain else None
+        return (self._template_of(idx) if self.formatter is None and self.extractors[idx].plain
+                and not self.return_token_ids else None)
 
     def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
         lp = self.formatter.chat_logprobs(token_ids, logprobs) if self.formatter is not None else None
@@ -214,8 +222,17 @@ class ChatResponseBuilder(ResponseBuilder):
         message = ext.message("".join(ch.text))
         if self.echo:
             message["content"] = self.echo + (message.get("content") or "")
-        return {"index": idx, "message": message, "logprobs": lp,
-                "finish_reason": ext.finish_reason(ch.finish_reason), "stop_reason": ch.stop_reason}
+        c = {"index": idx, "message": message, "logprobs": lp,
+             "finish_reason": ext.finish_reason(ch.finish_reason), "stop_reason": ch.stop_reason}
+        if self.return_token_ids:
+            c["token_ids"] = list(token_ids)
+        return c
+
+    def response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        out = super().response(choices, prompt_tokens, completion_tokens)
+        if self.return_token_ids:  # vLLM: the prompt's ids at the top of a chat response
+            out["prompt_token_ids"] = self.prompt_token_ids[0]
+        return out
 
 
 class ChatStream:

@@ -111,9 +111,11 @@ class CompletionResponseBuilder(ResponseBuilder):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
-                 echo_lens: Optional[list[int]] = None):
-        super().__init__(request_id, model, created, formatter)
+                 echo_lens: Optional[list[int]] = None, prompt_token_ids: Optional[list[list[int]]] = None,
+                 n: int = 1):
+        super().__init__(request_id, model, created, formatter, prompt_token_ids)
         self.echo_lens = echo_lens
+        self.n = n  # choices per prompt (choice idx // n is its prompt)
 
     def delta_chunks(self, idx: int, ch: ChoiceState, text: str, token_ids, logprobs,
                      finish: Optional[str]) -> list[dict]:
@@ -123,15 +125,24 @@ class CompletionResponseBuilder(ResponseBuilder):
         c = {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
         if finish is not None:
             c["stop_reason"] = ch.stop_reason
+        if self.return_token_ids:  # vLLM: the prompt's ids in the choice's first chunk
+            if not ch.started:
+                c["prompt_token_ids"] = self.prompt_token_ids[idx // self.n]
+            c["token_ids"] = list(token_ids)
+        ch.started = True
         return [self.chunk([c])]
 
     def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
-        return self._template_of(idx) if self.formatter is None else None
+        return self._template_of(idx) if self.formatter is None and not self.return_token_ids else None
 
     def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
         lp = None
         if self.formatter is not None:
             start = self.echo_lens[idx] if self.echo_lens is not None else 0
             lp = self.formatter.completion_logprobs(ch, token_ids, logprobs, start)
-        return {"index": idx, "text": "".join(ch.text), "logprobs": lp, "finish_reason": ch.finish_reason,
-                "stop_reason": ch.stop_reason}
+        c = {"index": idx, "text": "".join(ch.text), "logprobs": lp, "finish_reason": ch.finish_reason,
+             "stop_reason": ch.stop_reason}
+        if self.return_token_ids:
+            c["prompt_token_ids"] = self.prompt_token_ids[idx // self.n]
+            c["token_ids"] = list(token_ids)
+        return c

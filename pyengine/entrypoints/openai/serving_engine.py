@@ -141,7 +141,7 @@ class ChoiceState:
     """Accumulated state of one choice (one ``CompletionOutput`` index of one prompt):
     text so far, tokens, the finish, and the text offset of the next logprobs entry."""
 
-    __slots__ = ("text", "num_tokens", "finish_reason", "stop_reason", "offset")
+    __slots__ = ("text", "num_tokens", "finish_reason", "stop_reason", "offset", "started")
 
     def __init__(self, offset: int = 0):
         self.text: list[str] = []
@@ -149,6 +149,7 @@ class ChoiceState:
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
         self.offset = offset
+        self.started = False  # a chunk of this choice was sent (return_token_ids: the prompt's ids go first)
 
 
 class LogprobsFormatter:
@@ -205,14 +206,23 @@ class LogprobsFormatter:
 class ResponseBuilder:
     """One request's OpenAI response and stream chunks, for one endpoint (subclasses:
     ``ChatResponseBuilder``, ``CompletionResponseBuilder``). ``request_id``: the
-    response ``id``; ``formatter``: its logprobs, or None when none were asked for."""
+    response ``id``; ``formatter``: its logprobs, or None when none were asked for;
+    ``prompt_token_ids``: with vLLM's ``return_token_ids``, per prompt its token ids (the
+    choices then carry ``token_ids``, and the prompt's ids go with the first chunk or the
+    response), else None."""
 
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter]):
+    def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
+                 prompt_token_ids: Optional[list[list[int]]] = None):
         self.id, self.model, self.created = request_id, model, created
         self.formatter = formatter
+        self.prompt_token_ids = prompt_token_ids
+
+    @property
+    def return_token_ids(self) -> bool:
+        return self.prompt_token_ids is not None
 
     def head(self, chunk: bool = True) -> dict:
         return {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,

@@ -34,13 +34,13 @@ VLLM_CHAT = VLLM_COMMON + ["messages", "top_logprobs", "max_completion_tokens", 
 
 # a value that asks for something, per field vengine refuses
 ASKING = {"use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
-          "prompt_logprobs": 1, "logits_processors": ["m.f"], "return_token_ids": True,
+          "prompt_logprobs": 1, "logits_processors": ["m.f"],
           "kv_transfer_params": {"a": 1}, "vllm_xargs": {"k": 1}, "max_repetition_pattern_size": 4,
           "min_repetition_pattern_size": 2, "repetition_min_count": 3, "prompt_embeds": "AAAA",
           "chat_template": "{{ messages }}", "mm_processor_kwargs": {"x": 1}, "structural_tag": "{}"}
 # the values that ask for nothing (vLLM's defaults), accepted
 UNUSED = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
-          "logits_processors": [], "return_token_ids": False, "kv_transfer_params": {}, "vllm_xargs": {},
+          "logits_processors": [], "kv_transfer_params": {}, "vllm_xargs": {},
           "max_repetition_pattern_size": 0, "min_repetition_pattern_size": 0, "repetition_min_count": 0,
           "mm_processor_kwargs": {}}
 
