@@ -477,9 +477,11 @@ class ModelRunner:
             # the penalties add it below, bad words compare it there).
             outs = []
             for s, ph in zip(sampled, ph_flags):
-                o = s.request.output_token_ids
-                if not need_tokens:
-                    o = o[len(o) - tail:] if len(o) > tail else o
+                r = s.request
+                if need_tokens:
+                    o = r.output_token_ids
+                else:  # a slice of the tail only, not a copy of the whole output each step
+                    o = r.all_token_ids[max(r.num_prompt_tokens, r.num_tokens - tail):]
                 outs.append(o + [-1] if ph else o)
             prompts = [s.request.prompt_token_ids for s in sampled] if need_tokens else [()] * len(sampled)
         else:
