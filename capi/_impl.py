@@ -284,6 +284,17 @@ def _strings(arr, n: int, what: str) -> list[str]:
     return out
 
 
+def _token_ids(arr, n: int, what: str) -> list[int] | None:
+    """An ``int32_t`` array field of vllm_sampling_params (None when n is 0)."""
+    if n < 0:
+        raise _Refused(f"vllm_sampling_params.n_{what} must be >= 0, got {n}")
+    if n == 0:
+        return None
+    if arr == ffi.NULL:
+        raise _Refused(f"vllm_sampling_params.{what} is NULL but n_{what} = {n}")
+    return list(ffi.unpack(arr, n))
+
+
 def _cstr_field(sp, name: str):
     """A ``const char*`` field of vllm_sampling_params as str (None when NULL)."""
     v = getattr(sp, name)
@@ -331,7 +342,9 @@ def _sampling(sp) -> tuple[SamplingParams, int]:
             presence_penalty=float(sp.presence_penalty), frequency_penalty=float(sp.frequency_penalty),
             repetition_penalty=float(sp.repetition_penalty), min_tokens=int(sp.min_tokens),
             ignore_eos=bool(sp.ignore_eos), stop=_strings(sp.stop, sp.n_stop, "stop"),
-            output_kind=RequestOutputKind.DELTA, structured_outputs=structured)
+            output_kind=RequestOutputKind.DELTA, structured_outputs=structured,
+            bad_words=_strings(sp.bad_words, sp.n_bad_words, "bad_words") or None,
+            allowed_token_ids=_token_ids(sp.allowed_token_ids, sp.n_allowed_token_ids, "allowed_token_ids"))
     except _Refused:
         raise
     except ValueError as e:  # the engine's message, word for word (as HTTP and Python get it)
@@ -438,11 +451,13 @@ def _vg_py_submit(eng_id, req, num, prompt, toks, ntoks, sp, err, errlen):
 def _vg_py_submit_chat(eng_id, req, num, raw, stream, err, errlen):
     try:
         br = _bridge(eng_id)
-        prompt_ids, params, priority, flags = parse_chat_request(
-            ffi.string(raw).decode("utf-8"), br.llm.processor, RequestOutputKind.DELTA)
-        chat = ChatStream(f"chatcmpl-vengine-{int(num)}", br.model_name, len(prompt_ids), stream=bool(stream),
-                          include_usage=bool(flags & 1))
-        br.submit(req, int(num), prompt_ids, params, priority, chat)
+        parsed = parse_chat_request(ffi.string(raw).decode("utf-8"), br.llm.processor, RequestOutputKind.DELTA)
+        chat = ChatStream(f"chatcmpl-{parsed.request_id or f'vengine-{int(num)}'}", br.model_name,
+                          len(parsed.prompt_token_ids), stream=bool(stream), include_usage=bool(parsed.flags & 1),
+                          echo=parsed.echo)
+        prompt = parsed.prompt_token_ids if parsed.cache_salt is None else {
+            "prompt_token_ids": parsed.prompt_token_ids, "cache_salt": parsed.cache_salt}
+        br.submit(req, int(num), prompt, parsed.sampling_params, parsed.priority, chat)
         return OK
     except UnicodeDecodeError as e:
         return _fail(err, errlen, f"chat request: request_json is not valid UTF-8: {e}", INVALID)

@@ -9,6 +9,8 @@ the C side passes it on.
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.openai.serving_chat import chat_inputs
 from pyengine.entrypoints.openai.serving_engine import parse_request
@@ -16,7 +18,8 @@ from pyengine.entrypoints.openai.serving_engine import parse_request
 # Chat request fields vllm_chat cannot honour (its response has one choice and no logprobs
 # or tool calls): name -> values that mean "not used".
 _REFUSED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-            "function_call": (None, "none"), "logprobs": (None, False), "top_logprobs": (None, 0)}
+            "function_call": (None, "none"), "logprobs": (None, False), "top_logprobs": (None, 0),
+            "return_token_ids": (None, False)}
 _TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
 _UNKNOWN_REFUSED = ("audio", "prediction")
 
@@ -41,11 +44,21 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
         raise ChatRequestError(f"messages[{i}].tool_calls is not supported by vllm_chat")
 
 
-def parse_chat_request(raw: str, processor, output_kind):
-    """Returns ``(prompt_token_ids, sampling_params, priority, flags)``; flags bit 0:
-    ``stream_options.include_usage``. ``processor``: the engine's input processing
-    (``AsyncLLM.processor``). Raises the protocol layer's ``VLLMValidationError`` (the
-    message every front end gives) or ``ChatRequestError`` (what only vllm_chat refuses)."""
+class ParsedChat(NamedTuple):
+    prompt_token_ids: list
+    sampling_params: object  # SamplingParams
+    priority: int
+    flags: int  # bit 0: stream_options.include_usage
+    echo: Optional[str]  # what the message starts with (echo, serving_chat.chat_echo)
+    request_id: Optional[str]  # the client's request_id (the response's "chatcmpl-<id>")
+    cache_salt: Optional[str]  # the prefix-cache salt
+
+
+def parse_chat_request(raw: str, processor, output_kind) -> ParsedChat:
+    """The request as ``vllm_chat`` serves it. ``processor``: the engine's input
+    processing (``AsyncLLM.processor``). Raises the protocol layer's
+    ``VLLMValidationError`` (the message every front end gives) or ``ChatRequestError``
+    (what only vllm_chat refuses)."""
     req = parse_request(ChatCompletionRequest, raw)
     # The engine's and the protocol's rules first (the messages HTTP gives), then what
     # only this front end cannot serve.
@@ -55,4 +68,5 @@ def parse_chat_request(raw: str, processor, output_kind):
         raise ChatRequestError(f"n must be 1 for vllm_chat (one choice per response), got {inputs.sampling_params.n}")
     so = req.stream_options
     flags = 1 if so is not None and so.include_usage else 0
-    return inputs.prompt_token_ids, inputs.sampling_params, inputs.priority, flags
+    return ParsedChat(inputs.prompt_token_ids, inputs.sampling_params, inputs.priority, flags, inputs.echo,
+                      req.request_id, inputs.cache_salt)

@@ -139,6 +139,16 @@ typedef struct vllm_sampling_params {
   void* logits_processor_user_data;
   /* ---- vengine additions (appended) ---- */
   int32_t priority;         /* lower runs first under scheduling_policy "priority" */
+  /* vLLM's bad_words: n_bad_words UTF-8 words (may be NULL when 0) that are never
+   * generated: each word's tokenization with and without a leading space is banned, a
+   * word of several tokens only right after its other tokens. At most 128 non-blank
+   * words of at most 1024 characters. */
+  const char* const* bad_words;
+  int32_t n_bad_words;
+  /* vLLM's allowed_token_ids: when n_allowed_token_ids > 0, only these ids (each in the
+   * model's vocabulary) may be generated. NULL / 0: every token. */
+  const int32_t* allowed_token_ids;
+  int32_t n_allowed_token_ids;
 } vllm_sampling_params;
 
 /* ---- blocking completion result ------------------------------------------ */
@@ -247,7 +257,7 @@ VLLM_API void vllm_request_free(vllm_request* request);
  * max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop,
  * penalties, ignore_eos, min_tokens, priority, chat_template_kwargs, ...;
  * response_format, structured_outputs and guided_* as over HTTP; `model` and
- * `stream` are ignored; tools, logprobs and n > 1 are refused). The model's chat
+ * `stream` are ignored; tools, logprobs, return_token_ids and n > 1 are refused). The model's chat
  * template is applied.
  * vllm_chat: *out_response_json is a malloc'd chat.completion object (free with
  * vllm_string_free). vllm_chat_stream: one chat.completion.chunk JSON object per

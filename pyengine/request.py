@@ -47,13 +47,15 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 max_tokens: int, arrival_time: Optional[float] = None, priority: int = 0):
+                 max_tokens: int, arrival_time: Optional[float] = None, priority: int = 0,
+                 cache_salt: Optional[str] = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.cache_salt = cache_salt  # prefix-cache salt (KVCacheManager: the first block's hash)
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -27,6 +27,9 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs maximum, vLLM's default max_logprobs 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024  # characters
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128  # words per request (each may ban two tokenizations)
+MAX_BAD_WORD_LEN = 1024  # characters
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # entries of allowed_token_ids, before the vocabulary check
 
 # (name, min, max) of the integer fields; None allowed for those in _OPTIONAL.
 _INT_FIELDS = (("n", 1, MAX_N), ("top_k", 0, INT64_MAX), ("seed", INT64_MIN, INT64_MAX),
@@ -167,9 +170,22 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     # vLLM's per-token logit bias: not supported, so refused when given (never ignored).
     logit_bias: Optional[dict] = None
+    # Words never generated (vLLM's bad_words): each word's tokenization with and without a
+    # leading space is banned; a word of several tokens only where its other tokens were
+    # just generated. The engine tokenizes them (Processor.process -> bad_words_token_ids).
+    bad_words: Optional[list[str]] = None
+    # Only these token ids may be generated (vLLM's allowed_token_ids); each must be in the
+    # model's vocabulary (checked by the Processor).
+    allowed_token_ids: Optional[list[int]] = None
+    # Keep only the last k prompt tokens (vLLM's left truncation); -1: as many as fit next
+    # to a given max_tokens. Applied by the Processor before the prompt length checks.
+    truncate_prompt_tokens: Optional[int] = None
     # Token ids that end generation by default (EOS etc.), filled from the model's
     # generation config by the engine; not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # bad_words tokenized (vLLM's _bad_words_token_ids): filled by the engine's Processor
+    # from the model's tokenizer; not user-facing.
+    bad_words_token_ids: Optional[list[list[int]]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -180,6 +196,10 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set)):
             raise VLLMValidationError("stop_token_ids must be a list of integers.", parameter="stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("bad_words", "allowed_token_ids"):
+            v = getattr(self, name)
+            if isinstance(v, tuple):
+                setattr(self, name, list(v))
         if self.top_k == -1:
             self.top_k = 0
         self.output_kind = RequestOutputKind(self.output_kind)
@@ -233,9 +253,47 @@ class SamplingParams:
                                           parameter="structured_outputs")
         if self.logit_bias:
             raise VLLMValidationError("logit_bias is not supported.", parameter="logit_bias")
+        self._verify_token_fields()
         if self.n > 1 and self.sampling_type_greedy:
             raise VLLMValidationError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}.",
                                       parameter="n", value=self.n)
+
+    def _verify_token_fields(self) -> None:
+        """``bad_words``, ``allowed_token_ids`` and ``truncate_prompt_tokens``: their types
+        and sizes (whether the ids are in the vocabulary is the Processor's check)."""
+        bw = self.bad_words
+        if bw is not None:
+            if not isinstance(bw, list) or not all(isinstance(w, str) for w in bw):
+                raise VLLMValidationError("bad_words must be a list of strings.", parameter="bad_words")
+            if len(bw) > MAX_BAD_WORDS:
+                raise VLLMValidationError(f"bad_words must list at most {MAX_BAD_WORDS} words, got {len(bw)}.",
+                                          parameter="bad_words")
+            if any(not w.strip() for w in bw):
+                raise VLLMValidationError("bad_words must not contain empty or whitespace-only words.",
+                                          parameter="bad_words")
+            longest = max((len(w) for w in bw), default=0)
+            if longest > MAX_BAD_WORD_LEN:
+                raise VLLMValidationError(f"bad_words must be at most {MAX_BAD_WORD_LEN} characters long, "
+                                          f"got one of {longest}.", parameter="bad_words")
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, list):
+                raise VLLMValidationError("allowed_token_ids must be a list of token ids.",
+                                          parameter="allowed_token_ids")
+            if not ids:  # vLLM: an empty list would leave nothing to sample
+                raise VLLMValidationError("allowed_token_ids must not be empty.", parameter="allowed_token_ids")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise VLLMValidationError(f"allowed_token_ids must list at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                                          f"got {len(ids)}.", parameter="allowed_token_ids")
+            self.allowed_token_ids = [_check_int("allowed_token_ids", t, 0, INT64_MAX,
+                                                 "a list of non-negative integers") for t in ids]
+        k = self.truncate_prompt_tokens
+        if k is not None:
+            self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", k, -1, INT64_MAX,
+                                                     f"-1 or an integer in [1, {INT64_MAX}]")
+            if k == 0:
+                raise VLLMValidationError(f"truncate_prompt_tokens must be -1 or an integer in [1, {INT64_MAX}], "
+                                          "got 0.", parameter="truncate_prompt_tokens", value=0)
 
     @property
     def sampling_type_greedy(self) -> bool:
@@ -279,14 +337,16 @@ class SamplingParams:
 
 
 _SO_FIELDS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
-_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.name != "all_stop_token_ids"}
+# Filled by the engine, not by callers (still accepted by the constructor: the codec and clone pass them).
+_INTERNAL_FIELDS = frozenset({"all_stop_token_ids", "bad_words_token_ids"})
+_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.name not in _INTERNAL_FIELDS}
 _DEFAULT_MAX_TOKENS = SamplingParams.max_tokens
 _MAX_TOKENS_POS = [f.name for f in dataclasses.fields(SamplingParams)].index("max_tokens")
 _dataclass_init = SamplingParams.__init__
 
 
 def _checked_init(self, *args, **kwargs):
-    unknown = sorted(set(kwargs) - _FIELDS - {"all_stop_token_ids"})
+    unknown = sorted(set(kwargs) - _FIELDS - _INTERNAL_FIELDS)
     if unknown:
         raise ValueError(f"Unknown SamplingParams field(s): {', '.join(unknown)}. "
                          f"Valid fields: {', '.join(sorted(_FIELDS))}.")

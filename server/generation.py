@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Optional
 
 from flask import Response, request
@@ -32,17 +33,22 @@ def _sse(obj) -> str:
 
 class GenerationJob:
     """One HTTP request's generation. ``prompts``: (text or None, token ids) each;
-    ``echo_texts``: per prompt, the text its choices start with (completions' ``echo``)."""
+    ``echo_texts``: per prompt, the text its choices start with (completions' ``echo``);
+    ``cache_salt``: the engine prompts' prefix-cache salt."""
 
     def __init__(self, st: ServerState, builder: ResponseBuilder, prompts, sp, priority: int, *,
-                 echo_texts: Optional[list] = None, include_usage: bool = False, continuous_usage: bool = False):
+                 echo_texts: Optional[list] = None, include_usage: bool = False, continuous_usage: bool = False,
+                 cache_salt: Optional[str] = None):
         self.st, self.builder = st, builder
         self.prompts, self.sp, self.priority = prompts, sp, priority
         self.n = sp.n
         self.want_logprobs = builder.formatter is not None
         self.echo_texts = echo_texts
+        self.cache_salt = cache_salt
         self.include_usage, self.continuous_usage = include_usage, continuous_usage
         self.id = builder.id
+        # engine request ids: unique even when clients reuse a request_id (the response id)
+        self.engine_id = f"{builder.id}-{uuid.uuid4().hex[:12]}"
         # text offsets count the echoed prompt
         self.choices = [ChoiceState(len(echo_texts[idx // self.n]) if echo_texts is not None else 0)
                         for idx in range(len(prompts) * self.n)]
@@ -60,7 +66,8 @@ class GenerationJob:
         st.jobs.add(self)
         try:
             for i, (_, ids) in enumerate(self.prompts):
-                self.group.add(f"{self.id}-{i}", ids, self.sp, self.priority)
+                prompt = ids if self.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": self.cache_salt}
+                self.group.add(f"{self.engine_id}-{i}", prompt, self.sp, self.priority)
                 # counted once it is admitted, whatever its end (vLLM counts them at prefill,
                 # aborted requests included): not at the end the handler may never see
                 st.metrics.prompt_tokens.inc(len(ids))
@@ -146,8 +153,9 @@ class GenerationJob:
     def run_to_end(self) -> dict:
         """The whole response object."""
         lp_acc: dict[int, list] = {}
+        keep_ids = self.want_logprobs or self.builder.return_token_ids
         for idx, _, _, token_ids, logprobs, _ in self.events():
-            if self.want_logprobs and token_ids:
+            if keep_ids and token_ids:
                 lp_acc.setdefault(idx, []).append((token_ids, logprobs))
         choices = []
         for idx, ch in enumerate(self.choices):

@@ -30,11 +30,14 @@ def register_completion_routes(app: Flask, st) -> None:
             echo = [text if text is not None else prompt_text_for_echo(st.tokenizer, ids)
                     for text, ids in inputs.prompts]
         n = inputs.sampling_params.n
-        formatter = LogprobsFormatter(st.tokenizer, req.logprobs) if req.logprobs is not None else None
-        builder = CompletionResponseBuilder("cmpl-" + uuid.uuid4().hex, model, int(time.time()), formatter,
-                                            [len(echo[i // n]) for i in range(len(echo) * n)] if echo else None)
+        formatter = (LogprobsFormatter(st.tokenizer, req.logprobs, bool(req.return_tokens_as_token_ids))
+                     if req.logprobs is not None else None)
+        builder = CompletionResponseBuilder("cmpl-" + (req.request_id or uuid.uuid4().hex), model, int(time.time()),
+                                            formatter,
+                                            [len(echo[i // n]) for i in range(len(echo) * n)] if echo else None,
+                                            [ids for _, ids in inputs.prompts] if req.return_token_ids else None, n)
         so = req.stream_options
         job = GenerationJob(st, builder, inputs.prompts, inputs.sampling_params, inputs.priority, echo_texts=echo,
                             include_usage=bool(so and so.include_usage),
-                            continuous_usage=bool(so and so.continuous_usage_stats))
+                            continuous_usage=bool(so and so.continuous_usage_stats), cache_salt=inputs.cache_salt)
         return run_job(job, bool(req.stream))

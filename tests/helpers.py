@@ -482,3 +482,28 @@ def run_two_ranks(target, *args, timeout: float = 240.0) -> dict:
         p.join(60)
         assert p.exitcode == 0
     return reports
+
+
+def banned_at(out, banned):
+    """First index i where out[:i + 1] ends with one of the banned sequences (all of it in
+    the output, as vLLM matches), or None."""
+    for i in range(len(out)):
+        for seq in banned:
+            k = len(seq)
+            if i + 1 >= k and list(out[i + 1 - k:i + 1]) == list(seq):
+                return i
+    return None
+
+
+def find_bad_word(tok, processor, outputs, length):
+    """A word whose engine tokenizations (bad_words_token_ids) include a ``length``-token
+    span of one of the greedy outputs: (output index, word, its banned sequences)."""
+    for n, out in enumerate(outputs):
+        for j in range(len(out) - length + 1):
+            word = tok.decode(out[j:j + length]).strip()
+            if not any(c.isalnum() for c in word) or "\ufffd" in word or any(c.isspace() for c in word):
+                continue
+            seqs = processor.bad_words_token_ids([word])
+            if any(len(s) == length for s in seqs) and banned_at(out, seqs) is not None:
+                return n, word, seqs
+    raise AssertionError(f"no {length}-token word in the greedy outputs")

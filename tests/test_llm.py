@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pyengine import LLM, FinishReason, SamplingParams
-from tests.helpers import expected_text, hf_greedy, hf_logits, prompt_token_ids
+from tests.helpers import banned_at, expected_text, find_bad_word, hf_greedy, hf_logits, prompt_token_ids
 
 MAX_TOKENS = 24
 FAMILIES = ["llama", "qwen2", "qwen3"]
@@ -450,3 +450,43 @@ def test_default_sampling_params_from_the_generation_config(llama_greedy_dir, ll
     assert [list(o.outputs[0].token_ids) for o in outs] == [list(r[:3]) for r in references["llama"][:3]]
     # generation_config="vllm" ignores the file
     assert LLM(str(llama_greedy_dir), device="cpu", generation_config="vllm").get_default_sampling_params().temperature == 1.0
+
+
+# ---- bad_words and allowed_token_ids (issue 23): the sampler's masks end to end ----------
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("model", ["llama_dir", "llama_sp_dir"])  # byte-level BPE, SentencePiece
+def test_bad_words_never_generated(model, async_scheduling, request):
+    """The greedy output with a word banned is the unbanned output up to where the word's
+    last token would come, then another token; no banned sequence appears anywhere. A
+    one-token word and a two-token word (banned only right after its first token, which
+    under async scheduling the host has not seen yet)."""
+    llm = LLM(str(request.getfixturevalue(model)), device="cpu", async_scheduling=async_scheduling)
+    tok, processor = llm.get_tokenizer(), llm.llm_engine.processor
+    prompts = prompt_token_ids(tok, 6, min_len=4, max_len=20, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    for length in (1, 2):
+        n, word, seqs = find_bad_word(tok, processor, base, length)
+        got = llm.generate([prompts[n]], greedy.clone(bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
+        i = banned_at(base[n], seqs)
+        assert got[:i] == base[n][:i] and got[i] != base[n][i], (word, seqs)
+        assert banned_at(got, seqs) is None, (word, seqs, got)
+    _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_allowed_token_ids_only(llama_dir, prompts, async_scheduling):
+    allowed = [5, 77, 300, 301]
+    llm = LLM(str(llama_dir), device="cpu", async_scheduling=async_scheduling)
+    for temperature in (0, 1.0):
+        outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=12, seed=1,
+                                                    allowed_token_ids=allowed), use_tqdm=False)
+        for o in outs:
+            assert len(o.outputs[0].token_ids) == 12 and set(o.outputs[0].token_ids) <= set(allowed)
+    logits = hf_logits(llama_dir, prompts[0])[-1]
+    first = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=allowed),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert first == [max(allowed, key=lambda t: logits[t].item())]
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate([prompts[0]], SamplingParams(allowed_token_ids=[10 ** 6]), use_tqdm=False)

@@ -48,6 +48,16 @@ NAN, INF = math.nan, math.inf
     ({"stop_token_ids": [2 ** 64]}, "stop_token_ids must be a list of non-negative integers"),
     ({"stop_token_ids": 7}, "stop_token_ids must be a list of integers."),
     ({"ignore_eos": 1}, "ignore_eos must be a boolean"),
+    ({"bad_words": "word"}, "bad_words must be a list of strings."),
+    ({"bad_words": ["ok", 3]}, "bad_words must be a list of strings."),
+    ({"bad_words": ["ok", "  "]}, "bad_words must not contain empty or whitespace-only words."),
+    ({"bad_words": ["w"] * 129}, "bad_words must list at most 128 words, got 129."),
+    ({"bad_words": ["w" * 1025]}, "bad_words must be at most 1024 characters long"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must not be empty."),
+    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids must be a list of non-negative integers"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids must be a list of token ids."),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be -1 or an integer in [1, "),
+    ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens must be -1 or an integer"),
 ])
 def test_out_of_range_fields_are_refused_naming_the_field(kwargs, message):
     with pytest.raises(ValueError) as ei:

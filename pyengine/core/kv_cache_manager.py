@@ -34,11 +34,14 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def _update_block_hashes(self, request: Request) -> None:
-        """Extend request.block_hashes to cover every full block of known tokens."""
+        """Extend request.block_hashes to cover every full block of known tokens. A
+        request's ``cache_salt`` is an extra key of its first block (vLLM's), so the chain
+        of every block differs from that of other salts and of no salt."""
         bs, hashes, toks = self.block_size, request.block_hashes, request.all_token_ids
         while (len(hashes) + 1) * bs <= len(toks):
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, toks[i * bs:(i + 1) * bs]))
+            extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, toks[i * bs:(i + 1) * bs], extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole blocks; never the whole prompt

@@ -56,7 +56,7 @@ class EngineCore:
         path); the engine and the other requests go on."""
         try:
             self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                               req.max_tokens, req.arrival_time, req.priority))
+                                               req.max_tokens, req.arrival_time, req.priority, req.cache_salt))
         except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
             self.scheduler.fail_request(req.request_id, e)
 

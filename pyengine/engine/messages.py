@@ -41,6 +41,9 @@ class EngineCoreRequest:
     max_tokens: int  # resolved (SamplingParams.max_tokens=None -> up to max_model_len)
     arrival_time: float
     priority: int = 0
+    # vLLM's cache_salt: mixed into the first block's hash, so only requests with the same
+    # salt share cached prefixes
+    cache_salt: Optional[str] = None
 
 
 @dataclass

@@ -15,7 +15,9 @@ from pyengine.engine.messages import EngineCoreRequest
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
-PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
+# str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}; a dict may add
+# "cache_salt": str (vLLM's prefix-cache salt)
+PromptType = Any
 # Validated structured-output constraints remembered per Processor (a client usually sends
 # one schema many times).
 _SO_CACHE_SIZE = 256
@@ -252,20 +254,73 @@ class Processor:
                                       f"0..{self.vocab_size - 1}).", parameter=parameter, value=bad[0])
         return ids
 
-    def check_prompt(self, prompt: PromptType, parameter: str = "prompt") -> None:
+    def check_prompt(self, prompt: PromptType, parameter: str = "prompt", truncated: bool = False) -> None:
         """The rules a prompt must meet that need no tokenization: not empty, token ids in
         the vocabulary and leaving room for one generated token, text under the cheap
         character bound (``check_prompt_text``). Front ends run it on every prompt of a
-        request before tokenizing any. Raises ``VLLMValidationError`` naming ``parameter``."""
+        request before tokenizing any. ``truncated``: the request truncates its prompt
+        (``truncate_prompt_tokens``), so the length rules wait for ``truncate_prompt``.
+        Raises ``VLLMValidationError`` naming ``parameter``."""
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
         if isinstance(prompt, (str, list, tuple)) and not prompt:
             raise VLLMValidationError("The prompt cannot be empty.", parameter=parameter)
         if isinstance(prompt, str):
-            self.check_prompt_text(prompt, parameter)
+            if not truncated:
+                self.check_prompt_text(prompt, parameter)
         elif isinstance(prompt, (list, tuple)):
             self.check_token_ids(prompt, parameter)
-            self.check_prompt_length(len(prompt), parameter)
+            if not truncated:
+                self.check_prompt_length(len(prompt), parameter)
+
+    def truncate_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """``ids`` cut to their last ``params.truncate_prompt_tokens`` tokens (vLLM's left
+        truncation); -1 keeps as many as fit next to a given ``max_tokens`` (at least one
+        generated token). A value larger than that room is refused
+        (``VLLMValidationError``, parameter ``truncate_prompt_tokens``). None: ``ids``."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return ids
+        given = params.max_tokens if params.max_tokens is not None and not params.max_tokens_is_default else 0
+        room = self.config.max_model_len - max(given, 1)
+        if k == -1:
+            k = max(room, 1)  # room < 1: the max_tokens check refuses the request
+        elif k > room:
+            raise VLLMValidationError(
+                f"truncate_prompt_tokens={k} cannot be greater than max_model_len - max_tokens = {room} "
+                f"(max_model_len {self.config.max_model_len}, max_tokens {max(given, 1)}). Please request a "
+                "smaller truncation size.", parameter="truncate_prompt_tokens", value=k)
+        return ids[-k:] if len(ids) > k else ids
+
+    def bad_words_token_ids(self, bad_words: Optional[list[str]]) -> Optional[list[list[int]]]:
+        """``bad_words`` tokenized as vLLM's ``SamplingParams.update_from_tokenizer``: each
+        word (left-stripped) without special tokens, then with a leading space, the latter
+        kept only when it is another token sequence of the same length (a separate
+        mid-text word token). Raises ``VLLMValidationError`` (parameter ``bad_words``) for
+        a word that encodes to nothing or outside the model's vocabulary."""
+        if not bad_words:
+            return None
+        out: list[list[int]] = []
+        for word in bad_words:
+            plain = self.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise VLLMValidationError(f"bad_words: {word!r} encodes to no tokens.", parameter="bad_words")
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        bad = [t for ids in out for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise VLLMValidationError(f"bad_words encode to token id {bad[0]}, outside the model's vocabulary "
+                                      f"(size {self.vocab_size}).", parameter="bad_words")
+        return out
+
+    def check_allowed_token_ids(self, params: SamplingParams) -> Optional[list[int]]:
+        """``params.allowed_token_ids`` in the vocabulary, sorted without duplicates (None
+        when unset). Raises ``VLLMValidationError`` (parameter ``allowed_token_ids``)."""
+        if params.allowed_token_ids is None:
+            return None
+        return sorted(set(self.check_token_ids(params.allowed_token_ids, "allowed_token_ids")))
 
     def check_encoded(self, ids: list[int], parameter: str = "prompt") -> list[int]:
         """A text prompt's token ids: at least one, all in the model's vocabulary (a
@@ -280,10 +335,10 @@ class Processor:
         return ids
 
     def tokenize(self, prompt: PromptType, parameter: str = "prompt",
-                 add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
-        """Returns (prompt text or None, prompt token ids): ``check_prompt``, then the text
-        encoded and ``check_encoded``. Raises ValueError (``VLLMValidationError`` naming
-        ``parameter``)."""
+                 add_special_tokens: bool = True, truncated: bool = False) -> tuple[Optional[str], list[int]]:
+        """Returns (prompt text or None, prompt token ids): ``check_prompt`` (``truncated``:
+        see there), then the text encoded and ``check_encoded``. Raises ValueError
+        (``VLLMValidationError`` naming ``parameter``)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -295,10 +350,18 @@ class Processor:
         if not isinstance(prompt, (str, list, tuple)):
             raise VLLMValidationError(f"A prompt must be a string or a list of token ids, got {type(prompt).__name__}.",
                                       parameter=parameter)
-        self.check_prompt(prompt, parameter)
+        self.check_prompt(prompt, parameter, truncated)
         if isinstance(prompt, str):
             return prompt, self.check_encoded(self.encode(prompt, add_special_tokens), parameter)
         return None, list(prompt)
+
+    @staticmethod
+    def check_cache_salt(salt) -> Optional[str]:
+        """A prompt's ``cache_salt``: None, or a non-empty string (vLLM's rule). Raises
+        ``VLLMValidationError`` (parameter ``cache_salt``)."""
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise VLLMValidationError("cache_salt must be a non-empty string if provided.", parameter="cache_salt")
+        return salt
 
     def check_priority(self, priority) -> None:
         """A 64-bit integer; other than 0 only under the priority scheduling policy (under
@@ -357,13 +420,20 @@ class Processor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         self.check_logprobs(params)
         self.check_priority(priority)
-        text, ids = self.tokenize(prompt)
+        salt = self.check_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+        truncated = params.truncate_prompt_tokens is not None
+        text, ids = self.tokenize(prompt, truncated=truncated)
+        if truncated:
+            cut = self.truncate_prompt(ids, params)
+            if len(cut) != len(ids):
+                text, ids = None, cut  # the text no longer matches the prompt
         self.check_prompt_length(len(ids))
         self.check_stop_token_ids(params)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        changes = {"all_stop_token_ids": stop_ids}
+        changes = {"all_stop_token_ids": stop_ids, "bad_words_token_ids": self.bad_words_token_ids(params.bad_words),
+                   "allowed_token_ids": self.check_allowed_token_ids(params)}
         if params.structured_outputs is not None:
             changes["structured_outputs"] = self.validate_structured_outputs(params.structured_outputs)
         params = params.clone(**changes)
@@ -374,5 +444,5 @@ class Processor:
         for i in range(params.n):
             child = params if params.n == 1 else params.clone(n=1, seed=child_seed(params.seed, i))
             core_reqs.append(EngineCoreRequest(child_request_id(request_id, i, params.n) + suffix, ids, child,
-                                               max_tokens, arrival, priority))
+                                               max_tokens, arrival, priority, salt))
         return text, ids, params, core_reqs

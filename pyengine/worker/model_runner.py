@@ -473,10 +473,20 @@ class ModelRunner:
         params = [s.request.sampling_params for s in sampled]
         need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                           for p in params)
-        if need_tokens:
-            # A placeholder counts as one more output token (its id is added on the device below).
-            outs = [s.request.output_token_ids + ([-1] if ph else []) for s, ph in zip(sampled, ph_flags)]
-            prompts = [s.request.prompt_token_ids for s in sampled]
+        # bad words alone need only the last (longest banned sequence - 1) output tokens
+        tail = max((len(w) for p in params for w in (p.bad_words_token_ids or ())), default=1) - 1
+        if need_tokens or tail:
+            # A placeholder counts as one more output token (-1: its id is on the device only;
+            # the penalties add it below, bad words compare it there).
+            outs = []
+            for s, ph in zip(sampled, ph_flags):
+                r = s.request
+                if need_tokens:
+                    o = r.output_token_ids
+                else:  # a slice of the tail only, not a copy of the whole output each step
+                    o = r.all_token_ids[max(r.num_prompt_tokens, r.num_tokens - tail):]
+                outs.append(o + [-1] if ph else o)
+            prompts = [s.request.prompt_token_ids for s in sampled] if need_tokens else [()] * len(sampled)
         else:
             outs = prompts = [()] * len(sampled)
         gens = []
@@ -570,13 +580,19 @@ class ModelRunner:
             from pyengine.structured_output.backend_xgrammar import apply_token_bitmask
             bitmask = grammar_output.bitmask[:len(sampled)].to(self.device, non_blocking=True)
             apply_token_bitmask(logits, bitmask, grammar_output.rows)
-        if not meta_s.no_penalties and any(ph_flags):
+        if (not meta_s.no_penalties or meta_s.bad_words_need_last) and any(ph_flags):
+            # the placeholders' tokens: the previous step's sampled ids, still on the device
             rows = [i for i, f in enumerate(ph_flags) if f]
-            src = torch.tensor([self._prev_rows[sampled[i].request.request_id] for i in rows], device=self.device)
-            toks = self._prev_sampled[src]
-            meta_s.output_token_counts.index_put_(
-                (torch.tensor(rows, device=self.device), toks),
-                torch.ones(len(rows), dtype=meta_s.output_token_counts.dtype, device=self.device), accumulate=True)
+            idx = torch.tensor([rows, [self._prev_rows[sampled[i].request.request_id] for i in rows]],
+                               pin_memory=self._is_cuda).to(self.device, non_blocking=True)
+            toks = self._prev_sampled[idx[1]]
+            if not meta_s.no_penalties:
+                meta_s.output_token_counts.index_put_(
+                    (idx[0], toks),
+                    torch.ones(len(rows), dtype=meta_s.output_token_counts.dtype, device=self.device), accumulate=True)
+            if meta_s.bad_words_need_last:
+                meta_s.last_token_ids = torch.full((len(sampled),), -1, dtype=torch.int64,
+                                                   device=self.device).index_put_((idx[0],), toks)
         out = self.sampler(logits, meta_s)
         tokens = out.sampled_token_ids
         if self.tp is not None and self.config.async_scheduling:

@@ -14,12 +14,18 @@ Order of operations, per row (as vLLM v1 by default):
 
 1. ``raw logprobs = log_softmax(logits)`` (only if some row asked for logprobs) -- the
    logprobs reported to the user are those of the model, before any processing.
-2. ``min_tokens``: while a row has produced fewer than ``min_tokens`` tokens, its stop
+2. ``allowed_token_ids``: every other token of the row gets ``-inf``.
+3. ``bad_words`` (vLLM's ``vllm/v1/sample/ops/bad_words.py``): the last token of each
+   banned token sequence gets ``-inf`` where the row's output ends with the sequence's
+   other tokens (always, for a one-token sequence). Under async scheduling the newest
+   output token may exist only on the device: the host then matches the rest and the
+   device compares that token (``SamplingMetadata.last_token_ids``), with no sync.
+4. ``min_tokens``: while a row has produced fewer than ``min_tokens`` tokens, its stop
    token ids (``SamplingParams.all_stop_token_ids``, which include EOS) get ``-inf``.
-3. Penalties: repetition (prompt and output tokens), frequency and presence (output
+5. Penalties: repetition (prompt and output tokens), frequency and presence (output
    tokens only).
-4. Greedy rows (``temperature < 1e-5``): argmax.
-5. Random rows: temperature, min-p, top-k, top-p, then one draw with the
+6. Greedy rows (``temperature < 1e-5``): argmax.
+7. Random rows: temperature, min-p, top-k, top-p, then one draw with the
    exponential-race trick ``argmax(probs / q)``, ``q ~ Exp(1)``, which is an exact sample
    from ``probs``. Rows that carry a ``torch.Generator`` (per-request seed) draw their
    ``q`` from it, so a seeded request gives the same tokens whatever else is in the batch.
@@ -37,6 +43,8 @@ __all__ = [
     "SamplingMetadata",
     "SamplerOutput",
     "Sampler",
+    "apply_allowed_token_ids",
+    "apply_bad_words",
     "apply_min_tokens",
     "apply_penalties",
     "apply_temperature",
@@ -81,6 +89,18 @@ class SamplingMetadata:
         min_tokens_rows / min_tokens_cols: int64 [N] coordinates of (row, stop token)
             pairs to mask with ``-inf`` because the row has not reached ``min_tokens``
             yet; None when there are none.
+        allowed_rows: int64 [R], the rows restricted to their ``allowed_token_ids``;
+            allowed_idx: int64 [2, A], the (row, token) pairs they may sample; None when
+            no row has ``allowed_token_ids``.
+        bad_words_idx: int64 [3, M], (row, token, required newest token) triples: the
+            token gets ``-inf`` in the row when the third entry is -1 or equals the row's
+            newest output token held on the device (``last_token_ids``); None when no
+            token is banned this step.
+        bad_words_need_last: some triple depends on ``last_token_ids`` (async scheduling's
+            placeholders); the caller must then set ``last_token_ids``.
+        last_token_ids: int64 [B], per row the newest output token where the host has not
+            seen it (a placeholder), anything elsewhere; set by the caller (the model
+            runner, from the previous step's sampled ids) when ``bad_words_need_last``.
     """
     temperature: torch.Tensor
     all_greedy: bool
@@ -102,6 +122,11 @@ class SamplingMetadata:
     repetition_penalties: Optional[torch.Tensor] = None
     min_tokens_rows: Optional[torch.Tensor] = None
     min_tokens_cols: Optional[torch.Tensor] = None
+    allowed_rows: Optional[torch.Tensor] = None
+    allowed_idx: Optional[torch.Tensor] = None
+    bad_words_idx: Optional[torch.Tensor] = None
+    bad_words_need_last: bool = False
+    last_token_ids: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -124,7 +149,11 @@ class SamplingMetadata:
             prompt_token_ids: per row, the prompt token ids (only read when some row has a
                 penalty).
             output_token_ids: per row, the tokens generated so far (read when some row has
-                a penalty or an unmet ``min_tokens``).
+                a penalty, an unmet ``min_tokens`` or ``bad_words``; for bad words alone
+                the last ``longest banned sequence - 1`` tokens suffice). A last entry of
+                -1 stands for a token sampled on the device that the host has not seen
+                (async scheduling): a banned sequence that needs it is resolved on the
+                device through ``last_token_ids``.
             generators: per row, the request's ``torch.Generator`` on ``device`` (created
                 from ``SamplingParams.seed`` by the caller and kept across steps), or None.
                 Ignored for greedy rows.
@@ -161,6 +190,10 @@ class SamplingMetadata:
         max_num_logprobs: Optional[int] = None
         mt_rows: list[int] = []
         mt_cols: list[int] = []
+        al_rows: list[int] = []
+        al_r: list[int] = []
+        al_c: list[int] = []
+        bw: list[tuple[int, int, int]] = []
         for i, p in enumerate(params):
             greedy = p.temperature < _SAMPLING_EPS
             temps.append(p.temperature)
@@ -200,6 +233,12 @@ class SamplingMetadata:
                     if 0 <= t < vocab_size:
                         mt_rows.append(i)
                         mt_cols.append(t)
+            if p.allowed_token_ids is not None:
+                al_rows.append(i)
+                al_r.extend([i] * len(p.allowed_token_ids))
+                al_c.extend(p.allowed_token_ids)
+            if p.bad_words_token_ids:
+                _match_bad_words(i, p.bad_words_token_ids, output_token_ids[i], bw)
         # One host->device copy for all per-row float parameters.
         rows = [temps, top_ps, min_ps]
         if not no_penalties:
@@ -236,7 +275,39 @@ class SamplingMetadata:
                 device, non_blocking=True)
             meta.min_tokens_rows = idx[0]
             meta.min_tokens_cols = idx[1]
+        if al_rows:
+            # one copy: [restricted rows | allowed (row) | allowed (token)]
+            flat = torch.tensor(al_rows + al_r + al_c, dtype=torch.int64, pin_memory=pin).to(
+                device, non_blocking=True)
+            R = len(al_rows)
+            meta.allowed_rows = flat[:R]
+            meta.allowed_idx = flat[R:].view(2, -1)
+        if bw:
+            meta.bad_words_idx = torch.tensor([list(c) for c in zip(*bw)], dtype=torch.int64,
+                                              pin_memory=pin).to(device, non_blocking=True)
+            meta.bad_words_need_last = any(t[2] >= 0 for t in bw)
         return meta
+
+
+def _match_bad_words(row: int, words: Sequence[Sequence[int]], out: Sequence[int],
+                     found: list[tuple[int, int, int]]) -> None:
+    """Append ``(row, token, required newest token or -1)`` for each banned sequence of
+    ``words`` whose last token must be masked after output ``out`` (vLLM's
+    ``_apply_bad_words_single_batch``; ``out``'s trailing -1: see ``build``)."""
+    n = len(out)
+    pending = n > 0 and out[-1] == -1  # the newest token is on the device only
+    for word in words:
+        k = len(word) - 1  # tokens that must precede the banned one
+        if k == 0:
+            found.append((row, word[0], -1))
+            continue
+        if k > n:
+            continue
+        if not pending:
+            if all(out[n - k + j] == word[j] for j in range(k)):
+                found.append((row, word[k], -1))
+        elif all(out[n - k + j] == word[j] for j in range(k - 1)):
+            found.append((row, word[k], word[k - 1]))
 
 
 def _padded_ids(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device,
@@ -292,6 +363,36 @@ class SamplerOutput:
 
 
 # ----------------------------------------------------------------------------- ops
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """``-inf`` for every token a restricted row may not sample: returns float32 [B, V]
+    (new tensor if any row is restricted, else ``logits`` itself)."""
+    if meta.allowed_rows is None:
+        return logits
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    banned[meta.allowed_rows] = True
+    banned[meta.allowed_idx[0], meta.allowed_idx[1]] = False
+    return logits.masked_fill(banned, float("-inf"))
+
+
+def apply_bad_words(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """``-inf`` for the banned tokens of ``meta.bad_words_idx`` (see ``SamplingMetadata``):
+    returns float32 [B, V] (new tensor if any, else ``logits`` itself). The conditional
+    ones compare ``meta.last_token_ids`` on the device: adding 0 or ``-inf`` at each
+    triple (``accumulate``) leaves no race between triples that share a cell."""
+    if meta.bad_words_idx is None:
+        return logits
+    rows, cols, need = meta.bad_words_idx
+    if not meta.bad_words_need_last:
+        neg_inf = torch.full((), float("-inf"), device=logits.device, dtype=logits.dtype)
+        return logits.index_put((rows, cols), neg_inf)
+    if meta.last_token_ids is None:
+        raise ValueError("SamplingMetadata.last_token_ids must be set when bad_words_need_last.")
+    ban = (need < 0) | (need == meta.last_token_ids[rows])
+    zero = torch.zeros((), device=logits.device, dtype=logits.dtype)
+    add = torch.where(ban, torch.full_like(zero, float("-inf")), zero)
+    return logits.index_put((rows, cols), add, accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -470,6 +571,8 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = (compute_logprobs(logits) if meta.max_num_logprobs is not None
                         else None)
+        logits = apply_allowed_token_ids(logits, meta)
+        logits = apply_bad_words(logits, meta)
         logits = apply_min_tokens(logits, meta)
         logits = apply_penalties(logits, meta)
         sampled = self.sample(logits, meta)

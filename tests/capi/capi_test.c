@@ -655,6 +655,86 @@ static void case_structured(int argc, char** argv) {
   p_vllm_engine_free(e);
 }
 
+/* comma-separated ints -> out (at most cap); returns how many */
+static int parse_ids(const char* s, int32_t* out, int cap) {
+  int n = 0;
+  while (*s && n < cap) {
+    char* end;
+    out[n++] = (int32_t)strtol(s, &end, 10);
+    s = *end == ',' ? end + 1 : end;
+    if (end == s && *s) break;
+  }
+  return n;
+}
+
+static void print_tokens(const char* key, const int32_t* ids, int n) {
+  printf("%s", key);
+  for (int i = 0; i < n; i++) printf(" %d", ids[i]);
+  printf("\n");
+}
+
+/* bad_words and allowed_token_ids: argv = prompts (token ids, ';' between prompts),
+ * allowed ids, then the words. Prints BASE <i> / BANNED <i> / ALLOWED <i> ids. */
+static void case_bad_words(int argc, char** argv) {
+  vllm_engine* e = load_engine();
+  int32_t prompt[256], allowed[64], out[64];
+  int na = parse_ids(argv[1], allowed, 64), n = 0;
+  vllm_sampling_params sp;
+  vllm_status st;
+  char key[32];
+  const char* p = argv[0];
+  for (int i = 0; *p; i++) {
+    int np = parse_ids(p, prompt, 256);
+    const char* semi = strchr(p, ';');
+    p = semi ? semi + 1 : p + strlen(p);
+    sp = greedy(24);
+    st = p_vllm_complete_tokens(e, prompt, np, &sp, out, 64, &n, NULL);
+    CHECK(st == VLLM_OK, "base status %d: %s", st, p_vllm_last_error());
+    snprintf(key, sizeof key, "BASE %d", i);
+    print_tokens(key, out, n);
+    sp.bad_words = (const char* const*)(argv + 2);
+    sp.n_bad_words = argc - 2;
+    st = p_vllm_complete_tokens(e, prompt, np, &sp, out, 64, &n, NULL);
+    CHECK(st == VLLM_OK, "banned status %d: %s", st, p_vllm_last_error());
+    snprintf(key, sizeof key, "BANNED %d", i);
+    print_tokens(key, out, n);
+    sp = greedy(24);
+    sp.allowed_token_ids = allowed;
+    sp.n_allowed_token_ids = na;
+    st = p_vllm_complete_tokens(e, prompt, np, &sp, out, 64, &n, NULL);
+    CHECK(st == VLLM_OK, "allowed status %d: %s", st, p_vllm_last_error());
+    snprintf(key, sizeof key, "ALLOWED %d", i);
+    print_tokens(key, out, n);
+  }
+  vllm_completion c;
+  sp = greedy(8);
+  sp.bad_words = (const char* const*)(argv + 2);
+  sp.n_bad_words = argc - 2;
+  st = p_vllm_complete(e, "def main():", &sp, &c); /* a text prompt too */
+  CHECK(st == VLLM_OK, "banned text status %d: %s", st, p_vllm_last_error());
+  if (st == VLLM_OK) p_vllm_completion_free(&c);
+  /* refusals name the field */
+  sp = greedy(4);
+  sp.n_bad_words = 1; /* with a NULL array */
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("ERR_NULL", p_vllm_last_error());
+  const char* blank[] = {"ok", "  "};
+  sp.bad_words = blank;
+  sp.n_bad_words = 2;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("ERR_BLANK", p_vllm_last_error());
+  sp = greedy(4);
+  int32_t outside[] = {3, 1 << 30};
+  sp.allowed_token_ids = outside;
+  sp.n_allowed_token_ids = 2;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("ERR_VOCAB", p_vllm_last_error());
+  sp.n_allowed_token_ids = -1;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  print_escaped("ERR_NEG", p_vllm_last_error());
+  p_vllm_engine_free(e);
+}
+
 static bool chunk_cb(const char* delta, bool finished, void* ud) {
   (void)ud;
   if (!finished) print_escaped("CHUNK", delta);
@@ -1202,6 +1282,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(c, "reject")) case_reject(n, a);
   else if (!strcmp(c, "chat_chunks")) case_chat_chunks(n, a);
   else if (!strcmp(c, "structured")) case_structured(n, a);
+  else if (!strcmp(c, "bad_words")) case_bad_words(n, a);
   else if (!strcmp(c, "exit_inflight")) case_exit_inflight(n, a);
   else if (!strcmp(c, "fork")) case_fork(n, a);
   else if (!strcmp(c, "load_fails")) case_load_fails(n, a);

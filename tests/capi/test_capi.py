@@ -49,7 +49,7 @@ SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed
                    "ignore_eos", "stop", "n_stop", "structured_json", "structured_regex",
                    "structured_choice", "n_structured_choice", "structured_grammar",
                    "structured_json_object", "logits_processor", "logits_processor_user_data",
-                   "priority"]
+                   "priority", "bad_words", "n_bad_words", "allowed_token_ids", "n_allowed_token_ids"]
 
 
 # ---------------------------------------------------------------------------
@@ -469,3 +469,33 @@ def test_chat_response_format(capi_test_bin, capi_lib, llama_dir):
     resp = json.loads(_unescape(next(x for x in out.splitlines() if x.startswith("CHAT "))[5:]))
     assert resp["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(resp["choices"][0]["message"]["content"]), schema)
+
+
+def test_bad_words_and_allowed_token_ids(capi_test_bin, capi_lib, llama_dir, tokenizer):
+    """vllm_sampling_params.bad_words / allowed_token_ids (vengine additions, appended):
+    the engine's rules, as over HTTP and in Python (tests/test_llm.py)."""
+    from pyengine import EngineArgs
+    from pyengine.engine.processor import Processor
+    from tests.helpers import banned_at, find_bad_word
+
+    def lines(out, key):
+        return {int(m.group(1)): [int(t) for t in m.group(2).split()]
+                for m in re.finditer(rf"^{key} (\d+)((?: -?\d+)*)$", out, re.M)}
+
+    processor = Processor(EngineArgs(model=str(llama_dir), device="cpu").create_engine_config(), tokenizer)
+    prompts = ";".join(",".join(map(str, tokenizer.encode(p))) for p in PROMPTS)
+    out = _check(_run(capi_test_bin, capi_lib, "bad_words", llama_dir, prompts, "5,9", "zzzzqq"))
+    err = {m.group(1): _unescape(m.group(2)) for m in re.finditer(r"^(ERR_[A-Z]+) (.*)$", out, re.M)}
+    assert "vllm_sampling_params.bad_words is NULL but n_bad_words = 1" in err["ERR_NULL"]
+    assert "bad_words must not contain empty or whitespace-only words" in err["ERR_BLANK"]
+    assert "Token id 1073741824 in allowed_token_ids is out of vocabulary" in err["ERR_VOCAB"]
+    assert "n_allowed_token_ids must be >= 0" in err["ERR_NEG"]
+    allowed = lines(out, "ALLOWED")
+    assert len(allowed) == len(PROMPTS) and all(len(v) == 24 and set(v) <= {5, 9} for v in allowed.values())
+    base = lines(out, "BASE")
+    outputs = [base[i] for i in range(len(PROMPTS))]
+    n, word, seqs = find_bad_word(tokenizer, processor, outputs, 1)
+    out = _check(_run(capi_test_bin, capi_lib, "bad_words", llama_dir, prompts, "5", word))
+    got = lines(out, "BANNED")[n]
+    i = banned_at(outputs[n], seqs)
+    assert got[:i] == outputs[n][:i] and got[i] != outputs[n][i] and banned_at(got, seqs) is None, (word, seqs, got)

@@ -23,7 +23,7 @@ def _parse(body, processor):
 def test_template_and_params(processor, tokenizer):
     msgs = [{"role": "system", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
-    ids, sp, prio, flags = _parse({"messages": msgs, "max_completion_tokens": 7, "temperature": 0.5,
+    ids, sp, prio, flags, *_ = _parse({"messages": msgs, "max_completion_tokens": 7, "temperature": 0.5,
                                    "stop": "x", "seed": 3, "priority": -2,
                                    "stream_options": {"include_usage": True}}, processor)
     flat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -82,7 +82,7 @@ def test_engine_range_errors_pass_unchanged(processor, raw, message):
 ])
 def test_structured_output_fields(processor, fields, expect):
     # the HTTP server's fields and rules (pyengine.entrypoints.structured_outputs)
-    _, sp, _, _ = _parse({"messages": [{"role": "user", "content": "a"}], **fields}, processor)
+    sp = _parse({"messages": [{"role": "user", "content": "a"}], **fields}, processor).sampling_params
     assert sp.structured_outputs == expect
 
 

@@ -239,3 +239,18 @@ def test_free_returns_everything_whatever_the_mix(seed):
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks[1:])
     assert kv.block_pool.get_usage() == 0.0
     assert kv.prefix_cache_stats.hits > 0
+
+
+
+def test_cache_salt_is_in_the_first_block_hash():
+    """vLLM's cache_salt: the same tokens under another salt (or none) share no block."""
+    def salted(rid, salt):
+        return Request(rid, list(range(10)), SamplingParams(max_tokens=8), 8, arrival_time=0.0, cache_salt=salt)
+
+    kv = KVCacheManager(32, BS, enable_caching=True)
+    first = salted("a", "tenant-1")
+    assert admit(kv, first)[0]
+    kv.free(first)
+    assert kv.get_computed_blocks(salted("b", "tenant-2"))[1] == 0
+    assert kv.get_computed_blocks(salted("c", None))[1] == 0
+    assert kv.get_computed_blocks(salted("d", "tenant-1"))[1] == 8  # two whole blocks of 4

@@ -312,3 +312,62 @@ def test_max_logprobs_is_enforced(llama_dir, tokenizer):
     huge = Processor(cfg.replace(max_logprobs=10 ** 9), tokenizer)
     with pytest.raises(VLLMValidationError, match=f"at most {cfg.hf_config.vocab_size} "):
         huge.process("lp5", [5, 6], SamplingParams(logprobs=10 ** 8))
+
+
+# --- bad_words, allowed_token_ids, truncate_prompt_tokens (issue 23) ---
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_bad_words_tokenized_as_vllm(kind, llama_dir, llama_sp_dir, tokenizer):
+    """Each word without and with a leading space (vLLM's update_from_tokenizer): the
+    spaced form is kept only when it is another sequence of the same length."""
+    from transformers import AutoTokenizer
+
+    model = llama_dir if kind == "byte_level" else llama_sp_dir
+    tok = tokenizer if kind == "byte_level" else AutoTokenizer.from_pretrained(str(llama_sp_dir))
+    proc = Processor(EngineArgs(model=str(model), device="cpu", max_model_len=64).create_engine_config(), tok)
+    words = ["self", "  return", "value", "import os"]
+    got = proc.bad_words_token_ids(words)
+    want = []
+    for w in words:
+        plain = tok.encode(w.lstrip(), add_special_tokens=False)
+        spaced = tok.encode(" " + w.lstrip(), add_special_tokens=False)
+        want.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            want.append(spaced)
+    assert got == want
+    for ids in got:  # every kept sequence decodes back to the word, with or without its space
+        assert tok.decode(ids).strip() in [w.strip() for w in words]
+    if kind == "byte_level":  # "self" and " self" are different single tokens here
+        assert [tok.encode("self", add_special_tokens=False), tok.encode(" self", add_special_tokens=False)] \
+            == got[:2] and got[0] != got[1]
+    else:  # SentencePiece prepends "▁": the word already is its mid-text form, and " self" is longer
+        assert tok.convert_ids_to_tokens(got[0])[0].startswith("\u2581") and len(got) == len(words)
+    out = proc.process("b", "def f(x):", SamplingParams(bad_words=["self"]))
+    assert out[3][0].sampling_params.bad_words_token_ids == got[:2 if kind == "byte_level" else 1]
+
+
+def test_allowed_token_ids_checked_and_normalized(processor):
+    out = processor.process("a", "def f(x):", SamplingParams(allowed_token_ids=[9, 3, 9]))
+    assert out[3][0].sampling_params.allowed_token_ids == [3, 9]
+    with pytest.raises(ValueError, match="Token id 100000 in allowed_token_ids is out of vocabulary"):
+        processor.process("a", "x", SamplingParams(allowed_token_ids=[3, 100000]))
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(processor):
+    long = list(range(10, 110))  # 100 tokens: more than max_model_len (64)
+    _, ids, _, reqs = processor.process("t", long, SamplingParams(truncate_prompt_tokens=20, max_tokens=5))
+    assert ids == long[-20:] and reqs[0].prompt_token_ids == long[-20:]
+    # -1: as many as fit next to the given max_tokens
+    _, ids, _, _ = processor.process("t", long, SamplingParams(truncate_prompt_tokens=-1, max_tokens=10))
+    assert ids == long[-54:]
+    _, ids, _, _ = processor.process("t", long[:5], SamplingParams(truncate_prompt_tokens=20))
+    assert ids == long[:5]
+    text, ids, _, _ = processor.process("t", "def f(x): return x " * 40, SamplingParams(truncate_prompt_tokens=8))
+    assert text is None and len(ids) == 8  # the text no longer matches the prompt
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens=60 cannot be greater than max_model_len - "
+                                         r"max_tokens = 54"):
+        processor.process("t", long, SamplingParams(truncate_prompt_tokens=60, max_tokens=10))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or an integer"):
+        SamplingParams(truncate_prompt_tokens=0)

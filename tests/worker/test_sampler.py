@@ -287,6 +287,60 @@ def test_min_tokens_masks_stop_tokens():
     assert out.tolist() == [3, 2]  # row 0 still below min_tokens
 
 
+def test_allowed_token_ids_restrict_only_their_rows():
+    torch.manual_seed(3)
+    logits = torch.randn(3, V)
+    restricted = SamplingParams(temperature=0.0, allowed_token_ids=[4, 9, 17])
+    meta = build([restricted, SamplingParams(temperature=0.0), restricted])
+    out = Sampler()(logits, meta).sampled_token_ids.tolist()
+    for row in (0, 2):
+        assert out[row] == max((4, 9, 17), key=lambda t: logits[row, t].item())
+    assert out[1] == logits[1].argmax().item()
+    # random rows never leave the allowed set, and reach every member of it
+    seen = draw_counts(torch.zeros(V), SamplingParams(temperature=1.0, allowed_token_ids=[2, 30]), n=4000)
+    assert set(torch.nonzero(seen).flatten().tolist()) == {2, 30}
+
+
+def _bad(params_words):
+    """SamplingParams with engine-tokenized bad words (as Processor.process fills them)."""
+    return SamplingParams(temperature=0.0).clone(bad_words_token_ids=params_words)
+
+
+def test_bad_words_one_token_always_banned_multi_token_after_its_prefix():
+    logits = torch.zeros(4, V)
+    logits[:, 7] = 5.0  # the favourite everywhere
+    logits[:, 8] = 4.0
+    logits[:, 9] = 3.0
+    p = _bad([[7], [3, 4, 8], [5, 9]])
+    # row 0: no history; row 1: ends with 3, 4 -> 8 banned too; row 2: 3, 4 earlier, not
+    # at the end; row 3: ends with 5 -> 9 banned (8 still allowed)
+    meta = build([p] * 4, outputs=[[], [1, 3, 4], [3, 4, 1], [5]])
+    assert Sampler()(logits, meta).sampled_token_ids.tolist() == [8, 9, 8, 8]
+    # vLLM: a sequence longer than the history + 1 is not matched
+    meta = build([_bad([[1, 2, 8]])], outputs=[[2]])
+    assert Sampler()(logits[:1].clone().index_fill_(1, torch.tensor([7]), 0.0), meta).sampled_token_ids.tolist() == [8]
+
+
+def test_bad_words_with_a_device_only_newest_token():
+    """Async scheduling: the row's newest token (-1 in the host's history) is compared on
+    the device (last_token_ids); the rest of the sequence is matched on the host."""
+    logits = torch.zeros(3, V)
+    logits[:, 8] = 5.0
+    p = _bad([[3, 4, 8], [6, 8]])
+    meta = build([p] * 3, outputs=[[3, -1], [3, -1], [0, -1]])
+    assert meta.bad_words_need_last
+    meta.last_token_ids = torch.tensor([4, 5, 6])  # row 0 completes 3 4; row 2 completes 6
+    assert Sampler()(logits, meta).sampled_token_ids.tolist() == [0, 8, 0]
+    with pytest.raises(ValueError, match="last_token_ids"):
+        meta.last_token_ids = None
+        Sampler()(logits, meta)
+
+
+def test_no_bad_words_or_allowed_ids_build_nothing():
+    meta = build([SamplingParams(temperature=0.0)] * 2, outputs=[[1], [2]])
+    assert meta.bad_words_idx is None and meta.allowed_rows is None and not meta.bad_words_need_last
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError):
         SamplingMetadata.build([SamplingParams()], [[]], [], [None], V, "cpu")
@@ -305,10 +359,13 @@ def test_cuda_sampler_has_no_host_sync():
               SamplingParams(temperature=0.7, top_k=20, presence_penalty=0.3),
               SamplingParams(temperature=1.1, frequency_penalty=0.2, min_tokens=3,
                              stop_token_ids=[5]),
-              SamplingParams(temperature=0.5, seed=2)]
+              SamplingParams(temperature=0.5, seed=2, allowed_token_ids=[3, 7, 900]).clone(
+                  bad_words_token_ids=[[7], [4, 9], [2, 3]])]
     gens = [None, torch.Generator(dev).manual_seed(1), None, None, None,
             torch.Generator(dev).manual_seed(2)]
-    meta = SamplingMetadata.build(params, [[1, 2, 3]] * B, [[4, 4]] * B, gens, Vg, dev)
+    meta = SamplingMetadata.build(params, [[1, 2, 3]] * B, [[4, 4]] * (B - 1) + [[4, 2, -1]], gens, Vg, dev)
+    assert meta.bad_words_need_last and meta.allowed_rows is not None
+    meta.last_token_ids = torch.full((B,), 3, device=dev)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

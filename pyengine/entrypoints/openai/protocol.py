@@ -1,13 +1,15 @@
-"""Request schemas of the OpenAI-compatible API (pydantic, strict JSON types).
-
-Unknown top-level fields are ignored and logged (as vLLM does); a JSON ``null`` means
-"use the default".
+"""Request schemas of the OpenAI-compatible API (pydantic, strict JSON types), with every
+field of vLLM's ``CompletionRequest`` / ``ChatCompletionRequest``
+(vllm/entrypoints/openai/protocol.py). A field vengine does not implement is declared too,
+and refused with a 400 naming it when it asks for something (``UNSUPPORTED_FIELDS``,
+checked by ``serving_engine.refuse_unsupported``); only names vLLM does not know are
+ignored and logged, as vLLM does. A JSON ``null`` means "use the default".
 Type errors, bad JSON and missing required fields surface as ``pydantic.ValidationError``,
 which the app turns into HTTP 400 with OpenAI's error envelope.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,6 +62,25 @@ class _SamplingFields(_Schema):
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
+    # vLLM's extra sampling parameters
+    bad_words: Optional[list[str]] = None  # vLLM has it on chat only; vengine on both
+    allowed_token_ids: Optional[list[int]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: Optional[bool] = None  # default: True on completions, False on chat (vLLM's)
+    return_tokens_as_token_ids: Optional[bool] = None
+    cache_salt: Optional[str] = None  # the engine's prefix-cache salt (Processor.check_cache_salt)
+    return_token_ids: Optional[bool] = None  # token_ids / prompt_token_ids in the response (ResponseBuilder)
+    # vLLM fields vengine does not implement: refused unless unset (UNSUPPORTED_FIELDS)
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    prompt_logprobs: Optional[int] = None
+    logits_processors: Optional[list[Any]] = None
+    kv_transfer_params: Optional[dict] = None
+    vllm_xargs: Optional[dict] = None
+    max_repetition_pattern_size: Optional[int] = None
+    min_repetition_pattern_size: Optional[int] = None
+    repetition_min_count: Optional[int] = None
 
     def structured_output_fields(self) -> dict:
         """The fields that may ask for a constraint, as plain JSON values."""
@@ -79,6 +100,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[int] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
+    prompt_embeds: Optional[Any] = None  # refused (UNSUPPORTED_FIELDS)
 
 
 class TextContentPart(_Schema):
@@ -127,3 +149,32 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[list] = None  # OpenAI's deprecated form: refused (use tools)
     function_call: Optional[Union[str, dict]] = None
+    reasoning_effort: Optional[str] = None  # passed to the chat template, as vLLM
+    include_reasoning: Optional[bool] = None  # no reasoning parser: no reasoning content is returned either way
+    documents: Optional[list[dict[str, str]]] = None  # passed to the chat template (RAG templates)
+    # refused unless unset (UNSUPPORTED_FIELDS)
+    chat_template: Optional[str] = None
+    mm_processor_kwargs: Optional[dict] = None
+    structural_tag: Optional[str] = None
+
+
+# vLLM request fields vengine does not implement: name -> (the values that ask for nothing,
+# why it is refused). Any other value is a 400 naming the field: never accepted and ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1, 1.0), "it applies to beam search, which is not supported"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are always joined with spaces "
+                                                    "(the tokenizer's decode)"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not supported"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "kv_transfer_params": ((None, {}), "KV transfer (disaggregated serving) is not supported"),
+    "vllm_xargs": ((None, {}), "no extension reads extra request arguments"),
+    "max_repetition_pattern_size": ((None, 0), "repetition detection is not supported"),
+    "min_repetition_pattern_size": ((None, 0), "repetition detection is not supported"),
+    "repetition_min_count": ((None, 0), "repetition detection is not supported"),
+    "prompt_embeds": ((None, [], b"", ""), "prompt embeddings are not supported"),
+    "chat_template": ((None,), "a chat template sent with the request is not trusted (vLLM refuses it too, "
+                               "without --trust-request-chat-template); start the server with --chat-template"),
+    "mm_processor_kwargs": ((None, {}), "multimodal inputs are not supported"),
+    "structural_tag": ((None,), "structural tags are not supported"),
+}

@@ -14,7 +14,8 @@ from typing import Callable, Optional
 from pyengine.chat_utils import apply_hf_chat_template
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.openai.serving_engine import (ChoiceState, LogprobsFormatter, ResponseBuilder,
-                                                       check_stream_options, to_sampling_params, usage)
+                                                       check_stream_options, refuse_unsupported, to_sampling_params,
+                                                       usage)
 from pyengine.entrypoints.structured_outputs import structured_outputs_from_request
 from pyengine.entrypoints.tool_calls import (ToolCallExtractor, ToolCallMode, messages_for_template, normalize_tools,
                                              resolve_tool_choice)
@@ -71,25 +72,52 @@ def make_extractor(mode: ToolCallMode, tool_call_parser: Optional[str], tokenize
 
 
 def render_chat_prompt(processor, req: ChatCompletionRequest, chat_template: Optional[str] = None,
-                       tools: Optional[list] = None) -> tuple[str, list[int]]:
+                       tools: Optional[list] = None,
+                       params: Optional[SamplingParams] = None) -> tuple[Optional[str], list[int]]:
     """(prompt text, prompt token ids): the conversation rendered with ``chat_template``
-    (else the tokenizer's), then the engine's prompt rules under the name ``messages``:
+    (else the tokenizer's; ``documents`` and ``reasoning_effort`` go to it over
+    ``chat_template_kwargs``, as vLLM), encoded (special tokens added only with
+    ``add_special_tokens``), then the engine's prompt rules under the name ``messages``:
     the cheap character bound before encoding, then at least one token, all in the
-    vocabulary, leaving room for one generated token. Raises VLLMValidationError."""
+    vocabulary, leaving room for one generated token. With
+    ``params.truncate_prompt_tokens`` the ids are cut on the left first (the text is then
+    None). Raises VLLMValidationError."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    for name in ("documents", "reasoning_effort"):
+        if getattr(req, name) is not None:
+            kwargs[name] = getattr(req, name)
     try:
         text = apply_hf_chat_template(
             processor.tokenizer, template_messages(req), chat_template,
             add_generation_prompt=bool(req.add_generation_prompt) and not req.continue_final_message,
             continue_final_message=bool(req.continue_final_message), tools=tools or None,
-            chat_template_kwargs=req.chat_template_kwargs)
+            chat_template_kwargs=kwargs or None)
     except VLLMValidationError:
         raise
     except ValueError as e:  # no template, reserved kwargs, the template failed on this input
         raise VLLMValidationError(str(e), parameter="messages") from None
-    ids = processor.encode_prompt(text, add_special_tokens=False, parameter="messages")
-    processor.check_encoded(ids, "messages")
+    special = bool(req.add_special_tokens)
+    if params is not None and params.truncate_prompt_tokens is not None:
+        ids = processor.check_encoded(processor.encode(text, add_special_tokens=special), "messages")
+        cut = processor.truncate_prompt(ids, params)
+        text, ids = (text, ids) if len(cut) == len(ids) else (None, cut)
+    else:
+        ids = processor.encode_prompt(text, add_special_tokens=special, parameter="messages")
+        processor.check_encoded(ids, "messages")
     processor.check_prompt_length(len(ids), "messages")
     return text, ids
+
+
+def chat_echo(req: ChatCompletionRequest) -> Optional[str]:
+    """With ``echo``, the text each choice's message starts with (vLLM's): the final
+    message's content when that message has the response's role (``assistant`` after a
+    generation prompt; without one, as with ``continue_final_message``, the final
+    message's own role), else None."""
+    if not req.echo:
+        return None
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt and not req.continue_final_message else last.role
+    return (last.text() or None) if last.role == role else None
 
 
 @dataclass
@@ -101,6 +129,8 @@ class ChatInputs:
     priority: int
     tool_mode: ToolCallMode
     num_top_logprobs: Optional[int]  # None: no logprobs
+    echo: Optional[str] = None  # what each choice's message starts with (chat_echo)
+    cache_salt: Optional[str] = None  # the engine prompt's "cache_salt"
 
 
 def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: Optional[str] = None,
@@ -114,6 +144,7 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: Optiona
     functions) rather than the request's ``stream`` field. Raises
     VLLMValidationError."""
     check_stream_options(req, stream)
+    refuse_unsupported(req)
     tools, mode = chat_tool_mode(req, tool_call_parser, enable_auto_tool_choice)
     constraint = request_structured_outputs(req, mode)
     if req.top_logprobs is not None and not req.logprobs:
@@ -123,8 +154,9 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: Optiona
     params = to_sampling_params(processor, req, max_tokens=max_tokens, logprobs=num_top,
                                 structured_outputs=constraint, output_kind=output_kind,
                                 logprobs_param="top_logprobs")
-    text, ids = run(lambda: render_chat_prompt(processor, req, chat_template, tools))
-    return ChatInputs(text, ids, params, req.priority or 0, mode, num_top)
+    salt = processor.check_cache_salt(req.cache_salt)
+    text, ids = run(lambda: render_chat_prompt(processor, req, chat_template, tools, params))
+    return ChatInputs(text, ids, params, req.priority or 0, mode, num_top, chat_echo(req), salt)
 
 
 # ---------------------------------------------------------------------------------------
@@ -134,19 +166,29 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: Optiona
 class ChatResponseBuilder(ResponseBuilder):
     """``chat.completion`` objects and ``chat.completion.chunk`` chunks (OpenAI's
     ``ChatCompletion`` / ``ChatCompletionChunk``), content and tool calls per choice from
-    ``extractors`` (one ``ToolCallExtractor`` per choice)."""
+    ``extractors`` (one ``ToolCallExtractor`` per choice). ``echo``: the text every
+    choice's content starts with (``chat_echo``): its own chunk after the role, as vLLM."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
-                 extractors: list[ToolCallExtractor]):
-        super().__init__(request_id, model, created, formatter)
+                 extractors: list[ToolCallExtractor], echo: Optional[str] = None,
+                 prompt_token_ids: Optional[list[int]] = None):
+        super().__init__(request_id, model, created, formatter,
+                         None if prompt_token_ids is None else [prompt_token_ids])
         self.extractors = extractors
+        self.echo = echo
 
     def first_chunks(self, num_choices: int) -> list[dict]:
-        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]) for i in range(num_choices)]
+        chunks = [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}]) for i in range(num_choices)]
+        if self.return_token_ids and chunks:  # vLLM: the prompt's ids with the first chunk
+            chunks[0]["prompt_token_ids"] = self.prompt_token_ids[0]
+        if self.echo:
+            chunks += [self.chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None,
+                                    "finish_reason": None}]) for i in range(num_choices)]
+        return chunks
 
     def delta_chunks(self, idx: int, ch: ChoiceState, text: str, token_ids, logprobs,
                      finish: Optional[str]) -> list[dict]:
@@ -162,21 +204,37 @@ class ChatResponseBuilder(ResponseBuilder):
         # every delta but the last goes in a chunk of its own
         chunks = [self.chunk([{"index": idx, "delta": d, "logprobs": None, "finish_reason": None}])
                   for d in deltas[:-1]]
-        if not deltas and finish is None and lp is None:
+        ids = self.return_token_ids and len(token_ids) > 0
+        if not deltas and finish is None and lp is None and not ids:
             return chunks  # held back (a tool call in progress)
         c = {"index": idx, "delta": deltas[-1] if deltas else {}, "logprobs": lp, "finish_reason": finish}
         if finish is not None:
             c["stop_reason"] = ch.stop_reason
+        if self.return_token_ids:
+            c["token_ids"] = list(token_ids)
         return chunks + [self.chunk([c])]
 
     def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
-        return self._template_of(idx) if self.formatter is None and self.extractors[idx].plain else None
+        return (self._template_of(idx) if self.formatter is None and self.extractors[idx].plain
+                and not self.return_token_ids else None)
 
     def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
         lp = self.formatter.chat_logprobs(token_ids, logprobs) if self.formatter is not None else None
         ext = self.extractors[idx]
-        return {"index": idx, "message": ext.message("".join(ch.text)), "logprobs": lp,
-                "finish_reason": ext.finish_reason(ch.finish_reason), "stop_reason": ch.stop_reason}
+        message = ext.message("".join(ch.text))
+        if self.echo:
+            message["content"] = self.echo + (message.get("content") or "")
+        c = {"index": idx, "message": message, "logprobs": lp,
+             "finish_reason": ext.finish_reason(ch.finish_reason), "stop_reason": ch.stop_reason}
+        if self.return_token_ids:
+            c["token_ids"] = list(token_ids)
+        return c
+
+    def response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        out = super().response(choices, prompt_tokens, completion_tokens)
+        if self.return_token_ids:  # vLLM: the prompt's ids at the top of a chat response
+            out["prompt_token_ids"] = self.prompt_token_ids[0]
+        return out
 
 
 class ChatStream:
@@ -187,10 +245,11 @@ class ChatStream:
     finished. The same builder as the HTTP server's."""
 
     def __init__(self, request_id: str, model: str, prompt_tokens: int, *, stream: bool,
-                 include_usage: bool = False, tool_mode: Optional[ToolCallMode] = None, created: Optional[int] = None):
+                 include_usage: bool = False, tool_mode: Optional[ToolCallMode] = None, created: Optional[int] = None,
+                 echo: Optional[str] = None):
         mode = tool_mode or resolve_tool_choice([], None)
         self.builder = ChatResponseBuilder(request_id, model, int(time.time()) if created is None else created,
-                                           None, [ToolCallExtractor(mode, None)])
+                                           None, [ToolCallExtractor(mode, None)], echo)
         self.prompt_tokens, self.stream, self.include_usage = prompt_tokens, stream, include_usage
         self.choice = ChoiceState()
         self.started = False

@@ -10,7 +10,8 @@ from typing import Callable, Optional
 from pyengine.entrypoints.openai.protocol import CompletionRequest
 from pyengine.entrypoints.openai.serving_chat import request_structured_outputs
 from pyengine.entrypoints.openai.serving_engine import (ENGINE_DEFAULT, ChoiceState, LogprobsFormatter,
-                                                       ResponseBuilder, check_stream_options, to_sampling_params)
+                                                       ResponseBuilder, check_stream_options, refuse_unsupported,
+                                                       to_sampling_params)
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -19,20 +20,28 @@ CHAT_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", 
 
 
 def refuse_tool_fields(req: CompletionRequest) -> None:
-    """A completions request carrying tool fields (unknown there: pydantic's model_extra).
-    Raises VLLMValidationError."""
+    """A completions request carrying tool fields (unknown there: pydantic's model_extra),
+    or chat's ``max_completion_tokens`` (vLLM's CompletionRequest does not know it and
+    would silently give 16 tokens; OpenAI's legacy completions refuse it). Raises
+    VLLMValidationError."""
     extra = req.model_extra or {}
     for name in CHAT_TOOL_FIELDS:
         if extra.get(name) is not None:
             raise VLLMValidationError(f"{name} is not supported by /v1/completions; tool calling is served by "
                                       "/v1/chat/completions.", parameter=name)
+    if extra.get("max_completion_tokens") is not None:
+        raise VLLMValidationError("max_completion_tokens is a /v1/chat/completions field; /v1/completions takes "
+                                  "max_tokens.", parameter="max_completion_tokens")
 
 
 def completion_prompts(processor, req: CompletionRequest, run: Callable = lambda fn: fn(), n: int = 1,
-                       max_sequences: Optional[int] = None) -> list[tuple[Optional[str], list[int]]]:
+                       max_sequences: Optional[int] = None,
+                       params: Optional[SamplingParams] = None) -> list[tuple[Optional[str], list[int]]]:
     """(text or None, token ids) of each prompt. The rules that need no tokenization run
     on every prompt first (``Processor.check_prompt``), then the texts are tokenized
-    together through ``run(fn)``. ``max_sequences``: the most prompts × ``n`` one request
+    together through ``run(fn)`` (with special tokens unless ``add_special_tokens`` is
+    false) and, with ``params.truncate_prompt_tokens``, cut on the left (the text is then
+    None: it no longer matches). ``max_sequences``: the most prompts × ``n`` one request
     may ask for (None: no bound). Raises VLLMValidationError."""
     p = req.prompt
     if isinstance(p, str) or (p and isinstance(p[0], int)):
@@ -45,11 +54,20 @@ def completion_prompts(processor, req: CompletionRequest, run: Callable = lambda
         # one request would otherwise queue any number of sequences ahead of every later client
         raise VLLMValidationError(f"The request asks for {len(items) * n} sequences ({len(items)} prompts × n={n}); "
                                   f"at most {max_sequences} per request.", parameter="prompt")
+    truncated = params is not None and params.truncate_prompt_tokens is not None
+    special = req.add_special_tokens is not False
     for item in items:
-        processor.check_prompt(item, "prompt")
+        processor.check_prompt(item, "prompt", truncated)
     texts = [item for item in items if isinstance(item, str)]
-    encoded = iter(run(lambda: [processor.tokenize(t)[1] for t in texts]) if texts else [])
-    return [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items]
+    encoded = iter(run(lambda: [processor.tokenize(t, add_special_tokens=special, truncated=truncated)[1]
+                                for t in texts]) if texts else [])
+    prompts = [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items]
+    if truncated:
+        cut = [processor.truncate_prompt(ids, params) for _, ids in prompts]
+        prompts = [(text if len(c) == len(ids) else None, c) for (text, ids), c in zip(prompts, cut)]
+        for _, ids in prompts:
+            processor.check_prompt_length(len(ids), "prompt")
+    return prompts
 
 
 @dataclass
@@ -58,6 +76,7 @@ class CompletionInputs:
     prompts: list[tuple[Optional[str], list[int]]]
     sampling_params: SamplingParams
     priority: int
+    cache_salt: Optional[str] = None  # the engine prompt's "cache_salt"
 
 
 def completion_inputs(processor, req: CompletionRequest, *, output_kind: RequestOutputKind = RequestOutputKind.DELTA,
@@ -68,14 +87,16 @@ def completion_inputs(processor, req: CompletionRequest, *, output_kind: Request
     if req.suffix:
         raise VLLMValidationError("suffix is not supported.", parameter="suffix")
     refuse_tool_fields(req)
+    refuse_unsupported(req)
     if req.echo and req.logprobs is not None:
         raise VLLMValidationError("echo together with logprobs is not supported (no prompt logprobs).",
                                   parameter="echo")
     params = to_sampling_params(processor, req, max_tokens=ENGINE_DEFAULT if req.max_tokens is None else req.max_tokens,
                                 logprobs=req.logprobs, structured_outputs=request_structured_outputs(req),
                                 output_kind=output_kind)
-    prompts = completion_prompts(processor, req, run, params.n, max_sequences)
-    return CompletionInputs(prompts, params, req.priority or 0)
+    salt = processor.check_cache_salt(req.cache_salt)
+    prompts = completion_prompts(processor, req, run, params.n, max_sequences, params)
+    return CompletionInputs(prompts, params, req.priority or 0, salt)
 
 
 # ---------------------------------------------------------------------------------------
@@ -90,9 +111,11 @@ class CompletionResponseBuilder(ResponseBuilder):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
-                 echo_lens: Optional[list[int]] = None):
-        super().__init__(request_id, model, created, formatter)
+                 echo_lens: Optional[list[int]] = None, prompt_token_ids: Optional[list[list[int]]] = None,
+                 n: int = 1):
+        super().__init__(request_id, model, created, formatter, prompt_token_ids)
         self.echo_lens = echo_lens
+        self.n = n  # choices per prompt (choice idx // n is its prompt)
 
     def delta_chunks(self, idx: int, ch: ChoiceState, text: str, token_ids, logprobs,
                      finish: Optional[str]) -> list[dict]:
@@ -102,15 +125,24 @@ class CompletionResponseBuilder(ResponseBuilder):
         c = {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
         if finish is not None:
             c["stop_reason"] = ch.stop_reason
+        if self.return_token_ids:  # vLLM: the prompt's ids in the choice's first chunk
+            if not ch.started:
+                c["prompt_token_ids"] = self.prompt_token_ids[idx // self.n]
+            c["token_ids"] = list(token_ids)
+        ch.started = True
         return [self.chunk([c])]
 
     def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
-        return self._template_of(idx) if self.formatter is None else None
+        return self._template_of(idx) if self.formatter is None and not self.return_token_ids else None
 
     def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
         lp = None
         if self.formatter is not None:
             start = self.echo_lens[idx] if self.echo_lens is not None else 0
             lp = self.formatter.completion_logprobs(ch, token_ids, logprobs, start)
-        return {"index": idx, "text": "".join(ch.text), "logprobs": lp, "finish_reason": ch.finish_reason,
-                "stop_reason": ch.stop_reason}
+        c = {"index": idx, "text": "".join(ch.text), "logprobs": lp, "finish_reason": ch.finish_reason,
+             "stop_reason": ch.stop_reason}
+        if self.return_token_ids:
+            c["prompt_token_ids"] = self.prompt_token_ids[idx // self.n]
+            c["token_ids"] = list(token_ids)
+        return c

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from pyengine.entrypoints.openai.protocol import UNSUPPORTED_FIELDS
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -21,7 +22,8 @@ logger = logging.getLogger(__name__)
 # Request fields copied to SamplingParams as they are, when given.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-                   "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "logit_bias")
+                   "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "logit_bias",
+                   "bad_words", "allowed_token_ids", "truncate_prompt_tokens")
 # max_tokens not given on /v1/completions: OpenAI's 16 (or the engine's default if lower,
 # --generation-config), as a default: the engine caps it at the room the prompt leaves.
 ENGINE_DEFAULT: Any = object()
@@ -61,6 +63,18 @@ def parse_request(schema, raw):
     if req.model_extra:
         logger.warning("The following fields were present in the request but ignored: %s", sorted(req.model_extra))
     return req
+
+
+def refuse_unsupported(req) -> None:
+    """A 400 (``VLLMValidationError`` naming the field) for each vLLM field of ``req``'s
+    schema that vengine does not implement and that asks for something
+    (``protocol.UNSUPPORTED_FIELDS``)."""
+    declared = type(req).model_fields
+    for name, (unused, why) in UNSUPPORTED_FIELDS.items():
+        if name in declared:
+            v = getattr(req, name)
+            if v not in unused:  # (strict schema types: no bool reaches a number field)
+                raise VLLMValidationError(f"{name} is not supported: {why}.", parameter=name, value=v)
 
 
 def check_stream_options(req, stream: Optional[bool] = None) -> None:
@@ -127,7 +141,7 @@ class ChoiceState:
     """Accumulated state of one choice (one ``CompletionOutput`` index of one prompt):
     text so far, tokens, the finish, and the text offset of the next logprobs entry."""
 
-    __slots__ = ("text", "num_tokens", "finish_reason", "stop_reason", "offset")
+    __slots__ = ("text", "num_tokens", "finish_reason", "stop_reason", "offset", "started")
 
     def __init__(self, offset: int = 0):
         self.text: list[str] = []
@@ -135,17 +149,23 @@ class ChoiceState:
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
         self.offset = offset
+        self.started = False  # a chunk of this choice was sent (return_token_ids: the prompt's ids go first)
 
 
 class LogprobsFormatter:
     """The engine's per-token ``Logprob`` dicts -> OpenAI's logprobs objects (the
-    completions and the chat shapes), the top ``num_top`` alternatives by rank."""
+    completions and the chat shapes), the top ``num_top`` alternatives by rank.
+    ``tokens_as_ids``: each token as ``"token_id:<id>"`` instead of its text (vLLM's
+    ``return_tokens_as_token_ids``, for tokens whose text is not valid UTF-8 alone)."""
 
-    def __init__(self, tokenizer, num_top: Optional[int]):
+    def __init__(self, tokenizer, num_top: Optional[int], tokens_as_ids: bool = False):
         self.tok = tokenizer
         self.num_top = num_top
+        self.tokens_as_ids = tokens_as_ids
 
     def token_str(self, tid: int, lp) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{tid}"
         s = getattr(lp, "decoded_token", None) if lp is not None else None
         return self.tok.decode([tid]) if s is None else s
 
@@ -186,14 +206,23 @@ class LogprobsFormatter:
 class ResponseBuilder:
     """One request's OpenAI response and stream chunks, for one endpoint (subclasses:
     ``ChatResponseBuilder``, ``CompletionResponseBuilder``). ``request_id``: the
-    response ``id``; ``formatter``: its logprobs, or None when none were asked for."""
+    response ``id``; ``formatter``: its logprobs, or None when none were asked for;
+    ``prompt_token_ids``: with vLLM's ``return_token_ids``, per prompt its token ids (the
+    choices then carry ``token_ids``, and the prompt's ids go with the first chunk or the
+    response), else None."""
 
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter]):
+    def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
+                 prompt_token_ids: Optional[list[list[int]]] = None):
         self.id, self.model, self.created = request_id, model, created
         self.formatter = formatter
+        self.prompt_token_ids = prompt_token_ids
+
+    @property
+    def return_token_ids(self) -> bool:
+        return self.prompt_token_ids is not None
 
     def head(self, chunk: bool = True) -> dict:
         return {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
