@@ -44,7 +44,7 @@ def _rank_main(rank: int, init: str, args, conn) -> None:
     import torch
 
     from pyengine.distributed import init_distributed_environment
-    from pyengine.layers.layernorm import fused_add_rms_norm
+    from pyengine.ops.native import fused_add_rms_norm
 
     device = torch.device("cuda", rank)
     tp = init_distributed_environment(rank, 2, init, device)

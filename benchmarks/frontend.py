@@ -38,9 +38,10 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
 from pyengine.engine.core_client import EngineCoreClient  # noqa: E402
-from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs,  # noqa: E402
-                                      EngineCoreReady, EngineCoreRequest, EngineCoreShutdown,
-                                      EngineDeadMessage, SchedulerStats, decode, encode)
+from pyengine.codec import decode, encode  # noqa: E402
+from pyengine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs,  # noqa: E402
+                               EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, EngineDeadMessage,
+                               SchedulerStats)
 
 
 class FakeCore(EngineCoreClient):

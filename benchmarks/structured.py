@@ -96,8 +96,8 @@ def _smoke(args) -> None:
 
 def _grammar_checker(engine, so):
     """token ids -> whether the grammar of ``so`` accepts them as (a prefix of) an output."""
-    from pyengine.engine.async_llm import load_tokenizer
-    from pyengine.engine.processor import eos_token_ids
+    from pyengine.tokenizer import load_tokenizer
+    from pyengine.tokenizer import eos_token_ids
     from pyengine.structured_output.backend_xgrammar import XgrammarBackend, validate_structured_outputs
 
     tok = load_tokenizer(engine.config)

@@ -2,8 +2,8 @@
 import logging as _logging
 
 from pyengine.config import EngineArgs, EngineConfig
-from pyengine.core.sched.request_queue import SchedulingPolicy
-from pyengine.engine.messages import FinishReason, SchedulerStats
+from pyengine.config import SchedulingPolicy
+from pyengine.messages import FinishReason, SchedulerStats
 from pyengine.engine.detokenizer import prompt_text_for_echo
 from pyengine.engine.output_processor import RequestOutputCollector
 from pyengine.exceptions import EngineDeadError, VLLMValidationError

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 from dataclasses import dataclass, field
@@ -13,10 +14,32 @@ from typing import Literal, Optional, Union, get_args
 import torch
 
 from pyengine import envs
-from pyengine.core.sched.request_queue import SchedulingPolicy
 from pyengine.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
+
+
+class SchedulingPolicy(enum.StrEnum):
+    """How the waiting queue is ordered (vLLM's ``SchedulingPolicy``). A ``str`` whose
+    value is the name users pass (``scheduling_policy="priority"``, ``--scheduling-policy
+    priority``), so it compares equal to it.
+
+    FCFS: arrival order; a preempted request goes back to the front, and the victim of a
+    preemption is the latest admitted running request. PRIORITY: lowest ``priority``
+    value first, ties by arrival; the victim is the running request with the largest
+    ``(priority, arrival_time)``."""
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+    @classmethod
+    def parse(cls, value) -> "SchedulingPolicy":
+        """Raises ValueError naming the valid policies."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"Unknown scheduling_policy {value!r}; valid policies: "
+                             f"{', '.join(p.value for p in cls)}.") from None
+
 
 SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)
 # Value sets of the enum-like settings: the Literal types give the command line its
@@ -43,14 +66,27 @@ CPU_DEFAULT_KV_BYTES = 256 << 20
 
 
 
+def get_rope_params(hf_config) -> dict:
+    """Merged RoPE parameter dict with at least ``rope_type`` and ``rope_theta``."""
+    params: dict = {}
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        params.update(scaling)
+    rp = getattr(hf_config, "rope_parameters", None)
+    if isinstance(rp, dict):
+        params.update(rp)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
 def derive_max_model_len(hf_config) -> tuple[int, str]:
     """The model's context length and where it comes from (for messages):
     ``max_position_embeddings`` (2048 if the config has none), times the RoPE scaling
     factor for a ``linear`` rope type (whose ``max_position_embeddings`` is the length
     before scaling). A ``llama3`` config already states the scaled length. Mirrors
     vllm/config's ``_get_and_verify_max_len``."""
-    from pyengine.layers.rotary import get_rope_params
-
     mpe = getattr(hf_config, "max_position_embeddings", None)
     if mpe is None:
         return 2048, "the default 2048 (config.json has no max_position_embeddings)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pyengine.engine.messages import FinishReason
+from pyengine.messages import FinishReason
 
 
 @dataclass(slots=True)

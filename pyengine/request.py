@@ -5,7 +5,7 @@ import enum
 import time
 from typing import Optional
 
-from pyengine.engine.messages import FinishReason
+from pyengine.messages import FinishReason
 from pyengine.sampling_params import SamplingParams
 
 

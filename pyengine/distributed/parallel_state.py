@@ -31,7 +31,7 @@ import torch.distributed as dist
 from pyengine import envs
 from pyengine.distributed.all_reduce_norm import AllReduceRMSNorm, symm_mem_buffer
 from pyengine.distributed.shm_broadcast import ShmMessageQueue
-from pyengine.layers.layernorm import fused_add_rms_norm
+from pyengine.ops import fused_add_rms_norm
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

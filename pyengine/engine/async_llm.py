@@ -21,7 +21,7 @@ from typing import AsyncGenerator, Callable, Iterable, Optional
 
 from pyengine.config import EngineArgs, EngineConfig
 from pyengine.engine.core_client import EngineCoreClient, make_client
-from pyengine.engine.messages import EngineDeadMessage, SchedulerStats
+from pyengine.messages import EngineDeadMessage, SchedulerStats
 from pyengine.engine.output_processor import OutputProcessor, RequestOutputCollector, wake_asyncio_readers
 from pyengine.exceptions import EngineDeadError
 from pyengine.engine.processor import Processor
@@ -29,41 +29,10 @@ from pyengine.metrics.loggers import StatLoggerBase, make_stat_logger_manager
 from pyengine.metrics.stats import IterationStats
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
+from pyengine.tokenizer import load_tokenizer
 from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 
 logger = logging.getLogger(__name__)
-
-
-_TOKENIZER_PROBE = "Hello, world! 123"
-
-
-def load_tokenizer(config: EngineConfig):
-    """The model's tokenizer, checked to encode text into the model's vocabulary.
-
-    Raises ValueError when it cannot be loaded or cannot encode text: e.g. a model
-    directory without tokenizer files, where transformers can build a tokenizer with an
-    empty vocabulary that turns every prompt into no tokens."""
-    from transformers import AutoTokenizer
-    try:
-        tok = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"Cannot load a tokenizer from {config.tokenizer}: {e}") from e
-    try:
-        ids = tok.encode(_TOKENIZER_PROBE, add_special_tokens=False)
-    except Exception as e:  # noqa: BLE001 - any failure here means the tokenizer is unusable
-        raise ValueError(f"The tokenizer loaded from {config.tokenizer} cannot encode text: "
-                         f"{type(e).__name__}: {e}") from e
-    vocab = config.hf_config.vocab_size
-    if not ids:
-        raise ValueError(
-            f"The tokenizer loaded from {config.tokenizer} cannot encode text ({_TOKENIZER_PROBE!r} gives "
-            f"no tokens): the directory has no usable tokenizer files (tokenizer.json, tokenizer.model, "
-            f"vocab.json + merges.txt). Add them, or name a tokenizer directory (--tokenizer).")
-    if max(ids) >= vocab:
-        raise ValueError(f"The tokenizer loaded from {config.tokenizer} does not match the model: it encodes "
-                         f"{_TOKENIZER_PROBE!r} to token id {max(ids)}, outside the model's vocabulary "
-                         f"(size {vocab}).")
-    return tok
 
 
 class AsyncLLM:

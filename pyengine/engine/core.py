@@ -16,9 +16,8 @@ from pyengine import envs
 from pyengine.config import EngineConfig
 from pyengine.core.sched.async_scheduler import AsyncScheduler
 from pyengine.core.sched.scheduler import Scheduler
-from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
-                                      EngineCoreShutdown, EngineDeadMessage, SchedulerStats, UtilityOutput,
-                                      UtilityRequest)
+from pyengine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreShutdown,
+                               EngineDeadMessage, ErrorInfo, SchedulerStats, UtilityOutput, UtilityRequest)
 from pyengine.executor import Executor
 from pyengine.request import Request, RequestStatus
 
@@ -154,11 +153,11 @@ class EngineCore:
         """Run one allowed utility method; an error is returned, never raised (it concerns
         the caller, not the engine)."""
         if msg.method not in self.UTILITY_METHODS:
-            return UtilityOutput(msg.call_id, None, f"ValueError: unknown utility method {msg.method!r}")
+            return UtilityOutput(msg.call_id, None, ErrorInfo("ValueError", f"unknown utility method {msg.method!r}"))
         try:
             return UtilityOutput(msg.call_id, getattr(self, msg.method)(*msg.args))
         except Exception as e:  # noqa: BLE001 - reported to the caller
-            return UtilityOutput(msg.call_id, None, f"{type(e).__name__}: {e}")
+            return UtilityOutput(msg.call_id, None, ErrorInfo.of(e))
 
 
 def _log_engine_ready(config: EngineConfig, num_kv_blocks: int) -> None:
@@ -209,7 +208,7 @@ class EngineCoreProc:
                     self.output_queue.put(outputs)
         except BaseException as e:
             logger.exception("EngineCore loop died")
-            self.output_queue.put(EngineDeadMessage(f"{type(e).__name__}: {e}", type(e).__name__))
+            self.output_queue.put(EngineDeadMessage(f"{type(e).__name__}: {e}", ErrorInfo.of(e)))
             return False
         finally:
             core.shutdown()
@@ -271,7 +270,7 @@ class _FrontEndLinks:
                                             daemon=True)).start()
 
     def _read(self, i: int) -> None:
-        from pyengine.engine.messages import decode
+        from pyengine.codec import decode
 
         conn, several = self.conns[i], len(self.conns) > 1
         while True:
@@ -308,7 +307,7 @@ class _FrontEndLinks:
     def write(self, msg) -> None:
         """Send one busy-loop output where it belongs (OSError: that front end is gone;
         its reader sees it too)."""
-        from pyengine.engine.messages import encode
+        from pyengine.codec import encode
 
         if isinstance(msg, UtilityOutput):
             i, msg.call_id = self.calls.pop(msg.call_id, (0, msg.call_id))
@@ -339,12 +338,12 @@ def run_engine_core(config: EngineConfig, conns, log_level: int = logging.WARNIN
     ``vengine serve --api-server-count N``).
 
     ``conns``: a duplex ``multiprocessing`` connection to the front end, or a list of them
-    (one per front-end process), carrying ``messages.encode``d messages (see
+    (one per front-end process), carrying ``codec.encode``d messages (see
     ``_FrontEndLinks``). The busy loop runs here, on the main thread. The first output is
     ``EngineCoreReady``, or an ``EngineDeadMessage`` with ``during_startup`` if EngineCore
     could not be built. End of input from every front end (they exited or were killed)
     shuts the process down. Exit status 0 after a requested shutdown, 1 after a failure."""
-    from pyengine.engine.messages import EngineCoreReady
+    from pyengine.messages import EngineCoreReady
     from pyengine.utils import freeze_gc_heap
 
     conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
@@ -370,7 +369,7 @@ def run_engine_core(config: EngineConfig, conns, log_level: int = logging.WARNIN
         core = EngineCore(config)
     except BaseException as e:  # reported to the front ends, which raise it to the user
         logger.debug("EngineCore failed to start", exc_info=True)
-        links.write(EngineDeadMessage(str(e) or type(e).__name__, type(e).__name__, during_startup=True))
+        links.write(EngineDeadMessage(str(e) or type(e).__name__, ErrorInfo.of(e), during_startup=True))
         for c in conns:
             c.close()
         _exit(1)

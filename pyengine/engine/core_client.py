@@ -1,12 +1,12 @@
 """Client side of the engine core (mirrors vllm/v1/engine/core_client.py).
 
 ``make_client(config)`` returns one of two clients that pass the same messages
-(pyengine/engine/messages.py):
+(pyengine/messages.py, pyengine/codec.py):
 
 - ``InprocClient``: the engine core's busy loop (``EngineCoreProc``) on a native thread of
   this process, fed through queues with the message objects themselves.
 - ``MPClient``: the busy loop in a process of its own (``core.run_engine_core``), fed
-  through a duplex ``multiprocessing`` pipe with ``messages.encode``d bytes, so the engine
+  through a duplex ``multiprocessing`` pipe with ``codec.encode``d bytes, so the engine
   loop no longer shares a GIL with the front end (output processing, HTTP, C delivery).
 
 Which one: ``VENGINE_ENABLE_MULTIPROCESSING`` (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``):
@@ -45,10 +45,10 @@ from typing import Any, Optional, Union
 from pyengine import envs
 from pyengine.config import EngineConfig
 from pyengine.engine.core import EngineCore, EngineCoreProc, run_engine_core
-from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
-                                      EngineCoreShutdown, EngineDeadMessage, UtilityOutput, UtilityRequest,
-                                      decode, encode)
-from pyengine.exceptions import EngineDeadError
+from pyengine.codec import decode, encode
+from pyengine.exceptions import EngineDeadError, exception_from
+from pyengine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+                               EngineCoreShutdown, EngineDeadMessage, UtilityOutput, UtilityRequest)
 from pyengine.utils import UNGUARDED_MAIN_EXIT_CODE, choose_start_method, run_forked, unguarded_main_message
 
 logger = logging.getLogger(__name__)
@@ -152,10 +152,8 @@ class EngineCoreClient:
         if fut is not None:
             if msg.error is None:
                 fut.set_result(msg.result)
-            elif msg.error.startswith("ValueError: "):
-                fut.set_exception(ValueError(msg.error[len("ValueError: "):]))
             else:
-                fut.set_exception(RuntimeError(msg.error))
+                fut.set_exception(exception_from(msg.error))
         return True
 
     def _fail_calls(self, message: str) -> None:
@@ -313,8 +311,9 @@ class MPClient(EngineCoreClient):
                 raise RuntimeError(unguarded_main_message("The engine core process", self.start_method,
                                                           self._start_note))
             msg = first.message if isinstance(first, EngineDeadMessage) else f"unexpected first message {first!r}"
-            if isinstance(first, EngineDeadMessage) and first.error_type == "ValueError":
-                raise ValueError(msg)
+            error = exception_from(first.error) if isinstance(first, EngineDeadMessage) and first.error else None
+            if isinstance(error, ValueError):  # a bad model or configuration, raised as it was raised
+                raise error
             raise RuntimeError(f"The engine core failed to start: {msg}")
         self.ready = first
         logger.info("Engine core running in process %s.", self.pid)
@@ -338,8 +337,7 @@ class MPClient(EngineCoreClient):
             raise EngineDeadError(f"the engine core process is gone ({self._exit_reason()})") from e
 
     def _dead_message(self) -> EngineDeadMessage:
-        return EngineDeadMessage(f"the engine core process died unexpectedly ({self._exit_reason()})",
-                                 "EngineDeadError")
+        return EngineDeadMessage(f"the engine core process died unexpectedly ({self._exit_reason()})")
 
     def _recv(self, timeout: Optional[float]):
         """One decoded message; None on timeout or wake-up; an EngineDeadMessage once the

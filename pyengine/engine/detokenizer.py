@@ -34,7 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from pyengine.engine.messages import FinishReason
+from pyengine.messages import FinishReason
 from pyengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

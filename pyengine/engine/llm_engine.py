@@ -7,7 +7,7 @@ import weakref
 from typing import Optional
 
 from pyengine.config import EngineConfig
-from pyengine.engine.async_llm import load_tokenizer
+from pyengine.tokenizer import load_tokenizer
 from pyengine.engine.core import EngineCore
 from pyengine.engine.output_processor import OutputProcessor
 from pyengine.engine.processor import Processor

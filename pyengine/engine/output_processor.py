@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from pyengine.engine.detokenizer import (DecoderTraits, FastIncrementalDetokenizer, TokenTexts,
                                          decode_logprob_token, decode_output, make_incremental_detokenizer)
-from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pyengine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pyengine.metrics.stats import IterationStats
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams

@@ -9,10 +9,10 @@ import json
 import time
 from typing import Any, Optional
 
-from pyengine.config import EngineConfig
-from pyengine.core.sched.request_queue import SchedulingPolicy
-from pyengine.engine.messages import EngineCoreRequest
+from pyengine.config import EngineConfig, SchedulingPolicy
+from pyengine.messages import EngineCoreRequest
 from pyengine.exceptions import VLLMValidationError
+from pyengine.tokenizer import eos_token_ids
 from pyengine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}; a dict may add
@@ -21,22 +21,6 @@ PromptType = Any
 # Validated structured-output constraints remembered per Processor (a client usually sends
 # one schema many times).
 _SO_CACHE_SIZE = 256
-
-
-def eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
-    """EOS ids from the generation config (may list several; ``--generation-config``),
-    else the model config / tokenizer."""
-    ids: set[int] = set()
-    eos = config.try_get_generation_config().get("eos_token_id")
-    if eos is None:
-        eos = getattr(config.hf_config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(int(e) for e in eos)
-    return ids
 
 
 # Normalizers (tokenizers' JSON "type") that keep every input character, and those that may

@@ -30,6 +30,8 @@ from typing import Optional
 import torch.distributed
 
 from pyengine import envs
+from pyengine.exceptions import exception_from
+from pyengine.messages import ErrorInfo
 from pyengine.config import EngineConfig
 from pyengine.core.sched.output import SchedulerOutput
 from pyengine.distributed import get_distributed_init_method, get_open_port
@@ -52,7 +54,7 @@ class _WorkerHandle:
     def __init__(self, rank: int, proc, conn, start_method: str, start_note: str):
         self.rank, self.proc, self.conn = rank, proc, conn
         self.start_method, self.start_note = start_method, start_note  # for the unguarded-main message
-        self.error: Optional[tuple[str, str]] = None  # (exception type name, message) it reported
+        self.error: Optional[ErrorInfo] = None  # what it reported
         self._lock = threading.Lock()  # the engine and the monitor thread both ask
 
     def poll_messages(self) -> None:
@@ -60,7 +62,7 @@ class _WorkerHandle:
             while self.conn.poll():
                 msg = self.conn.recv()
                 if msg[0] == "error":
-                    self.error = (msg[1], msg[2])
+                    self.error = msg[1]
         except (EOFError, OSError):
             pass
 
@@ -74,7 +76,7 @@ class _WorkerHandle:
                 self.proc.join(1.0)  # reap it, for the exit code
             self.poll_messages()
             if self.error is not None:
-                return f"tensor-parallel worker rank {self.rank} failed: {self.error[1]}"
+                return f"tensor-parallel worker rank {self.rank} failed: {self.error}"
             if dead and self.proc.exitcode == UNGUARDED_MAIN_EXIT_CODE:
                 return unguarded_main_message(f"tensor-parallel worker rank {self.rank}", self.start_method,
                                               self.start_note)
@@ -155,7 +157,8 @@ class MultiprocExecutor(Executor):
         if msg is None:
             raise e
         failed = next((w for w in self.workers if w.error is not None), None)
-        raise (ValueError if failed is not None and failed.error[0] == "ValueError" else RuntimeError)(msg) from e
+        error = exception_from(failed.error) if failed is not None else None
+        raise (ValueError if isinstance(error, ValueError) else RuntimeError)(msg) from e
 
     def _worker_failure(self, wait_s: float = 0.0) -> Optional[str]:
         """The first worker failure message, waiting up to ``wait_s`` for a dying worker's

@@ -12,24 +12,9 @@ import math
 import torch
 from torch import nn
 
-from pyengine import ops as _ops  # triton kernels on CUDA
+from pyengine import ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def get_rope_params(hf_config) -> dict:
-    """Merged RoPE parameter dict with at least ``rope_type`` and ``rope_theta``."""
-    params: dict = {}
-    scaling = getattr(hf_config, "rope_scaling", None)
-    if isinstance(scaling, dict):
-        params.update(scaling)
-    rp = getattr(hf_config, "rope_parameters", None)
-    if isinstance(rp, dict):
-        params.update(rp)
-    if "rope_theta" not in params:
-        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
 
 
 def compute_inv_freq(head_dim: int, params: dict, max_position_embeddings: int) -> torch.Tensor:
@@ -59,28 +44,6 @@ def compute_inv_freq(head_dim: int, params: dict, max_position_embeddings: int) 
         medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
         inv_freq = torch.where(medium, smoothed, scaled)
     return inv_freq
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style RoPE on q and k.
-
-    q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]; positions: int64 [T];
-    cos_sin_cache: [max_positions, head_dim] = cat(cos, sin) over the head_dim/2
-    frequencies, in the model dtype. Returns new (q, k), same shapes/dtypes.
-    """
-    if _ops.use_triton(q):
-        return _ops.apply_rotary(q, k, positions, cos_sin_cache)
-    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
-    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)  # [T, 1, D]
-    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
-    return _rope(q, cos, sin), _rope(k, cos, sin)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class RotaryEmbedding(nn.Module):
@@ -117,4 +80,4 @@ class RotaryEmbedding(nn.Module):
             self.cos_sin_cache = self._cache(num_positions, cache.device, cache.dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return apply_rotary(q, k, positions, self.cos_sin_cache)
+        return ops.apply_rotary(q, k, positions, self.cos_sin_cache)

@@ -1,13 +1,35 @@
-"""Per-step statistics counted by the front end from the engine core's outputs (mirrors
-vllm/v1/metrics/stats.py). ``SchedulerStats`` is the engine core's own report; it lives
-with the other engine-core messages and is re-exported here."""
+"""Per-step statistics (mirrors vllm/v1/metrics/stats.py): ``SchedulerStats``, the engine
+core's own report sent with its outputs, and ``IterationStats``, counted by the front end
+from those outputs. Bottom vocabulary: imports nothing of the engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyengine.engine.messages import SchedulerStats
-
 __all__ = ["IterationStats", "SchedulerStats"]
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's state after one engine step (mirrors vllm/v1/metrics/stats.py's
+    SchedulerStats); counters are cumulative since start-up. ``kv_cache_usage`` is a
+    fraction in [0, 1]; prefix-cache queries and hits are in tokens;
+    ``num_batched_tokens`` is the number of tokens the step that produced these outputs
+    ran through the model (0 for outputs that no model step produced: aborts, start-up,
+    utility calls)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_gpu_blocks: int = 0
+    num_free_blocks: int = 0
+    num_steps: int = 0
+    step_host_time_s: float = 0.0  # cumulative host time spent in schedule + launch + update, seconds
+    num_batched_tokens: int = 0
+    grammar_bitmask_time_s: float = 0.0  # cumulative host time filling structured-output bitmasks, seconds
+    grammar_bitmask_steps: int = 0  # cumulative steps that had constrained rows (a bitmask filled)
+    grammar_bitmask_rows: int = 0  # cumulative constrained rows (one per constrained request per such step)
 
 
 @dataclass(slots=True)

@@ -21,7 +21,8 @@ from pyengine.layers.activation import SiluAndMul
 from pyengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pyengine.layers.rotary import RotaryEmbedding, get_rope_params
+from pyengine.config import get_rope_params
+from pyengine.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Device kernels with torch fallbacks (role of vllm/_custom_ops.py).
 
-Each op takes the same arguments as the torch function in ``pyengine/layers`` and runs
-the triton kernel (``pyengine/ops/fused.py``) when the input is on a CUDA device, else the
-torch reference from ``pyengine/layers``. Triton is imported only on first CUDA use, so
-CPU-only hosts never need it.
+Each op runs the triton kernel (``pyengine/ops/fused.py``) when the input is on a CUDA
+device, else its torch reference (``pyengine/ops/native.py``). The layers
+(``pyengine/layers``) call these and nothing below them. Triton is imported only on first
+CUDA use, so CPU-only hosts never need it.
 
 * ``rms_norm(x, weight, eps) -> y``
 * ``fused_add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)``
@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from pyengine import envs
+from pyengine.ops import native
 
 _DISABLED = envs.disable_triton_ops()
 _ON_CPU = envs.triton_ops_on_cpu()
@@ -41,16 +42,14 @@ def _fused():
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return _fused().rms_norm(x, weight, eps)
-    from pyengine.layers.layernorm import rms_norm as ref
-    return ref(x, weight, eps)
+    return native.rms_norm(x, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
         return _fused().fused_add_rms_norm(x, residual, weight, eps)
-    from pyengine.layers.layernorm import fused_add_rms_norm as ref
-    return ref(x, residual, weight, eps)
+    return native.fused_add_rms_norm(x, residual, weight, eps)
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)  # float32 keeps cuBLAS: the exactness tests' dtype
@@ -67,8 +66,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x):
         return _fused().silu_and_mul(x)
-    from pyengine.layers.activation import silu_and_mul as ref
-    return ref(x)
+    return native.silu_and_mul(x)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -79,12 +77,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if use_triton(q) and half & (half - 1) == 0:  # kernel needs head_dim/2 a power of two
         return _fused().apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight,
                                      k_norm_weight, eps)
-    from pyengine.layers.layernorm import rms_norm as norm_ref
-    from pyengine.layers.rotary import apply_rotary as ref
     if q_norm_weight is not None:
-        q = norm_ref(q, q_norm_weight, eps)
-        k = norm_ref(k, k_norm_weight, eps)
-    return ref(q, k, positions, cos_sin_cache)
+        q = native.rms_norm(q, q_norm_weight, eps)
+        k = native.rms_norm(k, k_norm_weight, eps)
+    return native.apply_rotary(q, k, positions, cos_sin_cache)
 
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "linear", "use_triton"]

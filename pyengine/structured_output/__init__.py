@@ -83,8 +83,7 @@ class StructuredOutputManager:
     def backend(self):
         with self._backend_lock:
             if self._backend is None:
-                from pyengine.engine.async_llm import load_tokenizer
-                from pyengine.engine.processor import eos_token_ids
+                from pyengine.tokenizer import eos_token_ids, load_tokenizer
                 from pyengine.structured_output.backend_xgrammar import XgrammarBackend
 
                 tok = load_tokenizer(self.config)

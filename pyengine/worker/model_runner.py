@@ -21,7 +21,7 @@ from pyengine.attention.backend import AttentionMetadata, get_backend_cls
 from pyengine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from pyengine.core.kv_cache_manager import cdiv
 from pyengine.core.sched.output import SchedulerOutput
-from pyengine.engine.messages import LogprobsEntry
+from pyengine.messages import LogprobsEntry
 from pyengine.models.loader import load_model
 from pyengine.models.registry import model_dims
 from pyengine.worker.profiler import RankProfiler

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from pyengine.messages import ErrorInfo
 from pyengine.config import EngineConfig
 from pyengine.distributed import init_distributed_environment
 from pyengine.worker.model_runner import ModelRunner
@@ -90,7 +91,7 @@ def _exit_when_parent_dies(conn) -> None:
 
 def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn) -> None:
     """Body of a worker process (rank > 0). Reports a start-up or step failure to the
-    parent as ``("error", exception type name, message)`` on ``conn``, then exits
+    parent as ``("error", ErrorInfo)`` on ``conn``, then exits
     non-zero; exits when the parent dies; exits 0 after rank 0's stop."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_when_parent_dies, args=(conn,), name="parent-watch", daemon=True).start()
@@ -105,7 +106,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
     except BaseException as e:
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         try:
-            conn.send(("error", type(e).__name__, f"{type(e).__name__}: {e}"))
+            conn.send(("error", ErrorInfo.of(e)))
         except Exception:
             pass
         os._exit(1)

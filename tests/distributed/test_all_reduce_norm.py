@@ -20,7 +20,7 @@ MAX_BYTES = 1 << 20  # 128 rows of 4096 bf16
 
 
 def _reference(tp, x, residual, weight, eps):
-    from pyengine.layers.layernorm import fused_add_rms_norm
+    from pyengine.ops.native import fused_add_rms_norm
 
     s = x.clone()
     torch.distributed.all_reduce(s, group=tp.device_group)  # NCCL

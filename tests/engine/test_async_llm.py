@@ -76,7 +76,7 @@ def test_model_without_tokenizer_is_refused_at_load(no_tokenizer_dir, llama_dir,
     with pytest.raises(ValueError, match="cannot encode text .* no usable tokenizer files"):
         make_engine(no_tokenizer_dir)
     # a tokenizer that does not fit the model's vocabulary is refused too
-    from pyengine.engine.async_llm import load_tokenizer
+    from pyengine.tokenizer import load_tokenizer
     cfg = EngineArgs(model=str(llama_dir), device="cpu").create_engine_config()
     small = cfg.replace(hf_config=type(cfg.hf_config)(**dict(cfg.hf_config.to_dict(), vocab_size=4)))
     with pytest.raises(ValueError, match="does not match the model"):

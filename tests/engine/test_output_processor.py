@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pyengine.engine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
+from pyengine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
 from pyengine.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pyengine.exceptions import EngineDeadError
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

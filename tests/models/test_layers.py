@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyengine.layers.activation import silu_and_mul
-from pyengine.layers.layernorm import RMSNorm, fused_add_rms_norm, rms_norm
+from pyengine.layers.layernorm import RMSNorm
+from pyengine.ops.native import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
 from pyengine.layers.linear import MergedColumnParallelLinear
-from pyengine.layers.rotary import RotaryEmbedding, apply_rotary, get_rope_params
+from pyengine.config import get_rope_params
+from pyengine.layers.rotary import RotaryEmbedding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

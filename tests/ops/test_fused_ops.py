@@ -1,4 +1,4 @@
-"""Triton fused ops (pyengine/ops/fused.py) vs the torch layer functions.
+"""Triton fused ops (pyengine/ops/fused.py) vs their torch references (pyengine/ops/native.py).
 
 CPU: runs only under ``TRITON_INTERPRET=1`` (triton interpreter, tiny shapes):
     TRITON_INTERPRET=1 pytest tests/ops
@@ -18,7 +18,8 @@ if not sys.platform.startswith("linux") and importlib.util.find_spec("triton") i
     pytest.skip("triton is a test dependency on Linux only", allow_module_level=True)
 import triton  # noqa: E402,F401
 
-from pyengine.layers import activation, layernorm, rotary  # noqa: E402
+from pyengine.layers import rotary  # noqa: E402
+from pyengine.ops import native  # noqa: E402
 from pyengine.ops import fused  # noqa: E402
 import pyengine.ops as ops  # noqa: E402
 
@@ -57,12 +58,12 @@ def test_rms_norm(kind, dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, hidden, generator=g).to(dtype).to(dev)
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(dev)
-    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), layernorm.rms_norm(x, w, 1e-6), **_tol(dtype))
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), native.rms_norm(x, w, 1e-6), **_tol(dtype))
     # strided 3-D view (per-head norm on a slice of a fused qkv output)
     qkv = torch.randn(5, 6 * 16, generator=g).to(dtype).to(dev)
     q = qkv[:, : 4 * 16].view(5, 4, 16)
     w16 = w[:16].contiguous()
-    torch.testing.assert_close(fused.rms_norm(q, w16, 1e-6), layernorm.rms_norm(q, w16, 1e-6), **_tol(dtype))
+    torch.testing.assert_close(fused.rms_norm(q, w16, 1e-6), native.rms_norm(q, w16, 1e-6), **_tol(dtype))
 
 
 @pytest.mark.parametrize("kind", DEVICES)
@@ -75,7 +76,7 @@ def test_fused_add_rms_norm(kind, dtype):
     r = torch.randn(9, hidden, generator=g).to(dtype).to(dev)
     w = torch.randn(hidden, generator=g).to(dtype).to(dev)
     out, res = fused.fused_add_rms_norm(x, r, w, 1e-5)
-    eout, eres = layernorm.fused_add_rms_norm(x, r, w, 1e-5)
+    eout, eres = native.fused_add_rms_norm(x, r, w, 1e-5)
     # exact on the GPU; the CPU interpreter's fp32->bf16 cast may round differently
     exact = dev == "cuda" or dtype == torch.float32
     torch.testing.assert_close(res, eres, **(dict(atol=0, rtol=0) if exact else _tol(dtype)))
@@ -89,7 +90,7 @@ def test_silu_and_mul(kind, dtype):
     d = 40 if dev == "cpu" else 3072
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, 2 * d, generator=g).to(dtype).to(dev)
-    torch.testing.assert_close(fused.silu_and_mul(x), activation.silu_and_mul(x), **_tol(dtype))
+    torch.testing.assert_close(fused.silu_and_mul(x), native.silu_and_mul(x), **_tol(dtype))
 
 
 @pytest.mark.parametrize("kind", DEVICES)
@@ -107,11 +108,11 @@ def test_rotary(kind, dtype, qk_norm):
     if qk_norm:
         qw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(dev)
         kw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(dev)
-        eq, ek = rotary.apply_rotary(layernorm.rms_norm(q, qw, 1e-6), layernorm.rms_norm(k, kw, 1e-6),
+        eq, ek = native.apply_rotary(native.rms_norm(q, qw, 1e-6), native.rms_norm(k, kw, 1e-6),
                                      pos, cache)
         oq, ok = fused.apply_rotary(q, k, pos, cache, qw, kw, 1e-6)
     else:
-        eq, ek = rotary.apply_rotary(q, k, pos, cache)
+        eq, ek = native.apply_rotary(q, k, pos, cache)
         oq, ok = fused.apply_rotary(q, k, pos, cache)
     torch.testing.assert_close(oq, eq, **_tol(dtype))
     torch.testing.assert_close(ok, ek, **_tol(dtype))
@@ -137,13 +138,13 @@ def test_dispatch_cpu_uses_torch():
     x = torch.randn(3, 8)
     w = torch.ones(8)
     assert not ops.use_triton(x)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), layernorm.rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), native.rms_norm(x, w, 1e-6))
     q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
     cache = _cache(16, 8, torch.float32, "cpu")
     pos = torch.tensor([1, 5])
     w8 = torch.rand(8)
     a = ops.apply_rotary(q, k, pos, cache, w8, w8, 1e-6)
-    b = rotary.apply_rotary(layernorm.rms_norm(q, w8, 1e-6), layernorm.rms_norm(k, w8, 1e-6), pos, cache)
+    b = native.apply_rotary(native.rms_norm(q, w8, 1e-6), native.rms_norm(k, w8, 1e-6), pos, cache)
     torch.testing.assert_close(a, b)
 
 
@@ -170,10 +171,10 @@ def test_rope_and_cache(kind, dtype, qk_norm):
     if qk_norm:
         w = dict(q_norm_weight=(1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(dev),
                  k_norm_weight=(1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(dev), eps=1e-6)
-        eq, ek = rotary.apply_rotary(layernorm.rms_norm(q, w["q_norm_weight"], 1e-6),
-                                     layernorm.rms_norm(k, w["k_norm_weight"], 1e-6), pos, cache)
+        eq, ek = native.apply_rotary(native.rms_norm(q, w["q_norm_weight"], 1e-6),
+                                     native.rms_norm(k, w["k_norm_weight"], 1e-6), pos, cache)
     else:
-        eq, ek = rotary.apply_rotary(q, k, pos, cache)
+        eq, ek = native.apply_rotary(q, k, pos, cache)
     oq = fused.rope_and_cache(q, k, v, pos, cache, kc, vc, slots, **w)
     torch.testing.assert_close(oq, eq, **_tol(dtype))
     real = slots >= 0

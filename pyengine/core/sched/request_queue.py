@@ -1,34 +1,12 @@
 """Waiting queues for the two scheduling policies (mirrors vllm/v1/core/sched/request_queue.py)."""
 from __future__ import annotations
 
-import enum
 import heapq
 from collections import deque
 from typing import Iterator
 
+from pyengine.config import SchedulingPolicy
 from pyengine.request import Request
-
-
-class SchedulingPolicy(enum.StrEnum):
-    """How the waiting queue is ordered (vLLM's ``SchedulingPolicy``). A ``str`` whose
-    value is the name users pass (``scheduling_policy="priority"``, ``--scheduling-policy
-    priority``), so it compares equal to it.
-
-    FCFS: arrival order; a preempted request goes back to the front, and the victim of a
-    preemption is the latest admitted running request. PRIORITY: lowest ``priority``
-    value first, ties by arrival; the victim is the running request with the largest
-    ``(priority, arrival_time)``."""
-    FCFS = "fcfs"
-    PRIORITY = "priority"
-
-    @classmethod
-    def parse(cls, value) -> "SchedulingPolicy":
-        """Raises ValueError naming the valid policies."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"Unknown scheduling_policy {value!r}; valid policies: "
-                             f"{', '.join(p.value for p in cls)}.") from None
 
 
 class FCFSRequestQueue:

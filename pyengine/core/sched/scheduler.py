@@ -12,11 +12,11 @@ import logging
 import time
 from typing import Iterable, Optional
 
-from pyengine.config import EngineConfig
+from pyengine.config import EngineConfig, SchedulingPolicy
 from pyengine.core.kv_cache_manager import KVCacheManager, cdiv
 from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
-from pyengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
-from pyengine.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
+from pyengine.core.sched.request_queue import create_request_queue
+from pyengine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 from pyengine.request import Request, RequestStatus
 from pyengine.structured_output import GrammarOutput, StructuredOutputManager
 

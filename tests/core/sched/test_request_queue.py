@@ -2,8 +2,8 @@
 ((priority, arrival) order, ties by arrival), remove, unknown policy."""
 import pytest
 
-from pyengine.core.sched.request_queue import (FCFSRequestQueue, PriorityRequestQueue, SchedulingPolicy,
-                                               create_request_queue)
+from pyengine.config import SchedulingPolicy
+from pyengine.core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
 from pyengine.request import Request
 from pyengine.sampling_params import SamplingParams
 

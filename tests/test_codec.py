@@ -2,9 +2,9 @@
 import cbor2
 import pytest
 
-from pyengine.engine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs,
-                                      EngineCoreRequest, EngineDeadMessage, FinishReason, LogprobsEntry,
-                                      SchedulerStats, decode, encode)
+from pyengine.codec import decode, encode
+from pyengine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                               EngineDeadMessage, ErrorInfo, FinishReason, LogprobsEntry, SchedulerStats)
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
 
