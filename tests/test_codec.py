@@ -94,7 +94,7 @@ def test_outputs_roundtrip_empty_and_no_stats():
 
 
 def test_dead_message_roundtrip():
-    roundtrip(EngineDeadMessage("RuntimeError: boom"))
+    roundtrip(EngineDeadMessage("RuntimeError: boom", ErrorInfo("RuntimeError", "boom")))
 
 
 def test_unknown_type_raises_value_error():
@@ -133,3 +133,18 @@ def test_structured_outputs_params_roundtrip(so):
     got = out.sampling_params.structured_outputs
     assert isinstance(got, StructuredOutputsParams) and got == sp.structured_outputs
     assert got.kind == sp.structured_outputs.kind
+
+
+def test_errors_cross_as_their_class():
+    from pyengine.exceptions import EngineDeadError, VLLMValidationError, exception_from
+    from pyengine.messages import UtilityOutput
+
+    for exc in (ValueError("bad model"), VLLMValidationError("too long", parameter="prompt"),
+                EngineDeadError("gone"), OverflowError("huge")):
+        out = roundtrip(UtilityOutput(3, None, ErrorInfo.of(exc)))
+        back = exception_from(out.error)
+        if type(exc) is OverflowError:  # not transported: a RuntimeError naming the class
+            assert type(back) is RuntimeError and str(back) == "OverflowError: huge"
+        else:
+            assert type(back) is type(exc) and str(back) == str(exc)
+            assert getattr(back, "parameter", None) == getattr(exc, "parameter", None)
