@@ -81,6 +81,13 @@ def get_rope_params(hf_config) -> dict:
     return params
 
 
+def get_head_dim(hf_config) -> int:
+    """The attention head size: the config's ``head_dim`` when set, else
+    ``hidden_size // num_attention_heads`` (as transformers derives it)."""
+    hd = getattr(hf_config, "head_dim", None)
+    return int(hd) if hd else hf_config.hidden_size // hf_config.num_attention_heads
+
+
 def derive_max_model_len(hf_config) -> tuple[int, str]:
     """The model's context length and where it comes from (for messages):
     ``max_position_embeddings`` (2048 if the config has none), times the RoPE scaling
@@ -316,7 +323,7 @@ class EngineConfig:
             async_sched = False
         backend = a.attention_backend
         if backend is None:
-            hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+            hd = get_head_dim(hf_config)
             # The triton kernels need a power-of-two head_dim >= 16.
             pow2 = hd >= 16 and hd & (hd - 1) == 0
             backend = "triton" if device.type == "cuda" and pow2 else "torch"

@@ -39,10 +39,6 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
 
 class AttentionBackend(ABC):
     """One instance per model (shared by all layers); stateless across layers except for

@@ -1,9 +1,9 @@
 """Incremental detokenization and stop checking for one request.
 
 Mirrors ``vllm/v1/engine/detokenizer.py`` (incremental decoding, stop strings, hold-back of
-text that could still become a stop string) and the stop-token rules of
-``vllm/v1/core/sched/utils.py::check_stop`` (see :func:`check_stop_token`). It runs on the
-output-handler thread, never on the engine-core thread.
+text that could still become a stop string); the stop-token rules are the scheduler's
+(``Scheduler._check_stop``). It runs on the output-handler thread, never on the
+engine-core thread.
 
 Decoding uses the prefix/read offset scheme (as HF ``TextStreamer`` and vLLM's slow
 path): the text of the token window ``[prefix_offset, end)`` minus the text of
@@ -34,7 +34,6 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from pyengine.messages import FinishReason
 from pyengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,7 +48,6 @@ __all__ = [
     "decode_output",
     "decode_logprob_token",
     "check_stop_strings",
-    "check_stop_token",
 ]
 
 # Prompt tokens kept as decoding context for the first output tokens (vLLM uses 5).
@@ -191,38 +189,6 @@ def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str
         if idx >= n:
             return s, -1
     return s, idx
-
-
-def check_stop_token(params: SamplingParams, output_token_ids: Sequence[int],
-                     eos_token_id: Optional[int] = None,
-                     max_tokens: Optional[int] = None) -> Optional[tuple[FinishReason, Optional[int]]]:
-    """Finish check after a token was appended (mirrors vLLM's ``check_stop``).
-
-    Args:
-        params: the request's parameters.
-        output_token_ids: all generated tokens, the newest last.
-        eos_token_id: the model's EOS id (ignored with ``params.ignore_eos``).
-        max_tokens: the effective token limit (``params.max_tokens`` when None).
-    Returns:
-        None while the request goes on; ``("stop", None)`` for EOS, ``("stop", token_id)``
-        for a token of ``params.stop_token_ids`` (or of ``all_stop_token_ids``), or
-        ``("length", None)`` at the token limit. Before ``min_tokens`` tokens were
-        generated only the length limit applies.
-    """
-    n = len(output_token_ids)
-    limit = params.max_tokens if max_tokens is None else max_tokens
-    if n == 0:
-        return None
-    if n >= params.min_tokens:
-        last = output_token_ids[-1]
-        if eos_token_id is not None and not params.ignore_eos and last == eos_token_id:
-            return FinishReason.STOP, None
-        if last in params.all_stop_token_ids and not (params.ignore_eos
-                                                      and last == eos_token_id):
-            return FinishReason.STOP, last
-    if limit is not None and n >= limit:
-        return FinishReason.LENGTH, None
-    return None
 
 
 class IncrementalDetokenizer:

@@ -21,16 +21,10 @@ from pyengine.layers.activation import SiluAndMul
 from pyengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pyengine.config import get_rope_params
+from pyengine.config import get_head_dim, get_rope_params
 from pyengine.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
-
-
-def config_head_dim(hf_config) -> int:
-    """``head_dim`` from the config when set, else hidden_size // num_attention_heads."""
-    hd = getattr(hf_config, "head_dim", None)
-    return int(hd) if hd else hf_config.hidden_size // hf_config.num_attention_heads
 
 
 class DecoderAttention(nn.Module):
@@ -47,7 +41,7 @@ class DecoderAttention(nn.Module):
                  qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_group=None):
         super().__init__()
         total_heads = hf_config.num_attention_heads
-        self.head_dim = config_head_dim(hf_config)
+        self.head_dim = get_head_dim(hf_config)
         self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, total_heads,
                                           getattr(hf_config, "num_key_value_heads", None) or total_heads,
                                           bias=qkv_bias, tp_group=tp_group)
@@ -136,7 +130,7 @@ class DecoderModel(nn.Module):
     def __init__(self, hf_config, attn_backend, qkv_bias, o_bias, qk_norm, tp_group=None,
                  make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None):
         super().__init__()
-        head_dim = config_head_dim(hf_config)
+        head_dim = get_head_dim(hf_config)
         self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings,
                                           get_rope_params(hf_config))
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from pyengine.config import get_head_dim
+
 # architectures[0] in config.json -> (module under pyengine.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -47,12 +49,12 @@ class ModelDims:
 
 
 def model_dims(hf_config, tp_size: int = 1) -> ModelDims:
-    """head_dim is the config's ``head_dim`` when set, else hidden_size // num_heads;
-    num_kv_heads defaults to num_heads. With ``tp_size`` > 1 the head counts are one
-    tensor-parallel rank's: num_heads / tp_size, and num_kv_heads / tp_size or 1 when
-    there are fewer KV heads than ranks (replicated; see QKVParallelLinear)."""
+    """head_dim is ``pyengine.config.get_head_dim``; num_kv_heads defaults to num_heads.
+    With ``tp_size`` > 1 the head counts are one tensor-parallel rank's: num_heads /
+    tp_size, and num_kv_heads / tp_size or 1 when there are fewer KV heads than ranks
+    (replicated; see QKVParallelLinear)."""
     num_heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    head_dim = get_head_dim(hf_config)
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     return ModelDims(
         num_layers=hf_config.num_hidden_layers,

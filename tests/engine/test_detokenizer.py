@@ -5,7 +5,7 @@ import pytest
 
 from pyengine.engine import detokenizer as detok_module
 from pyengine.engine.detokenizer import (IncrementalDetokenizer, check_stop_strings,
-                                         check_stop_token, decode_logprob_token, decode_output,
+                                         decode_logprob_token, decode_output,
                                          prompt_text_for_echo)
 from pyengine.sampling_params import SamplingParams
 
@@ -318,21 +318,6 @@ def test_check_stop_strings_unit():
     assert check_stop_strings("xxabc", 2, ["bc"], True) == ("bc", -1)
 
 
-def test_check_stop_token():
-    p = SamplingParams(max_tokens=5, stop_token_ids=[7], min_tokens=2)
-    assert check_stop_token(p, [], eos_token_id=0) is None
-    assert check_stop_token(p, [7], eos_token_id=0) is None  # below min_tokens
-    assert check_stop_token(p, [0], eos_token_id=0) is None
-    assert check_stop_token(p, [3, 7], eos_token_id=0) == ("stop", 7)
-    assert check_stop_token(p, [3, 0], eos_token_id=0) == ("stop", None)
-    assert check_stop_token(p, [3, 4, 5, 6, 8], eos_token_id=0) == ("length", None)
-    assert check_stop_token(p, [3, 4, 5, 6, 0], eos_token_id=0) == ("stop", None)
-    q = SamplingParams(ignore_eos=True, max_tokens=10)
-    assert check_stop_token(q, [1, 0], eos_token_id=0) is None
-    assert check_stop_token(q, [1, 2, 3], eos_token_id=0, max_tokens=3) == ("length", None)
-
-
-@pytest.mark.parametrize("skip_special", [True, False])
 def test_token_text_cache_gives_the_streams_text(bpe_tokenizer, skip_special):
     """Random token ids (pieces of multi-byte characters, special tokens, whole words),
     one at a time and in chunks: the detokenizer with the token-text cache gives the
