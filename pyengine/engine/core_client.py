@@ -44,7 +44,8 @@ from typing import Any, Optional, Union
 
 from pyengine import envs
 from pyengine.config import EngineConfig
-from pyengine.engine.core import EngineCore, EngineCoreProc, run_engine_core
+from pyengine.engine.core import EngineCore
+from pyengine.engine.core_proc import EngineCoreProc, run_engine_core
 from pyengine.codec import decode, encode
 from pyengine.exceptions import EngineDeadError, exception_from
 from pyengine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,

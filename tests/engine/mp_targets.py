@@ -3,7 +3,7 @@ engine process (they are passed to ``MPClient`` by reference), each patches one 
 and then runs the real ``run_engine_core``."""
 from __future__ import annotations
 
-from pyengine.engine.core import run_engine_core
+from pyengine.engine.core_proc import run_engine_core
 
 
 def run_with_faulty_step(config, conn, log_level):
