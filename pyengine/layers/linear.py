@@ -17,8 +17,8 @@ row on CUDA, one Triton GEMV (``pyengine.ops.linear``).
 Every parameter carries ``weight_loader(param, loaded, shard_id=None)``, used by
 ``pyengine.models.loader``. A layer quantized by a method (``set_quant_method``, a
 ``pyengine.layers.quantization`` linear method) holds that method's parameters instead of
-``weight``; their attributes (``output_dim``, ``input_dim``, ``packed_dim`` /
-``packed_factor``, ``per_shard``; see ``quantization.base_config.set_weight_attrs``) tell
+``weight``; their attributes (``output_dim``, ``input_dim``, ``row_factors``,
+``per_shard``; see ``quantization.base_config.set_weight_attrs``) tell
 the same loaders which part of each checkpoint tensor is this rank's, and ``forward``
 calls the method's ``apply``. ``loaded`` is the *whole* checkpoint tensor: a torch tensor,
 or a safetensors slice (``safe_open(...).get_slice(name)``), in which case only this
@@ -82,9 +82,9 @@ def _param(*shape: int, loader=default_weight_loader, **attrs) -> nn.Parameter:
 
 
 def _units(param, dim: int, rows: int) -> int:
-    """``rows`` logical rows along ``dim`` in entries of ``param`` (packed or grouped dims
-    hold ``packed_factor`` rows per entry). Raises ValueError when they do not divide."""
-    factor = getattr(param, "packed_factor", 1) if getattr(param, "packed_dim", None) == dim else 1
+    """``rows`` logical rows along ``dim`` in entries of ``param`` (a packed or grouped dim
+    holds ``row_factors[dim]`` rows per entry). Raises ValueError when they do not divide."""
+    factor = getattr(param, "row_factors", {}).get(dim, 1)
     if rows % factor:
         raise ValueError(f"{rows} rows along dim {dim} do not split into whole entries of {factor} "
                          f"(packed values, or groups/blocks of a quantization scale)")

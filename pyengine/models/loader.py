@@ -87,6 +87,7 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                        "BOOL": torch.bool}
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int64, torch.int32, torch.int16)  # indices (g_idx, weight_shape): any width holds them
 # Names of quantization tensors (compressed-tensors, HF fp8, GPTQ, AWQ): a checkpoint tensor of
 # this name that no parameter takes means a quantized layer would run without it.
 _QUANT_TENSOR_NAMES = ("weight_scale", "weight_scale_inv", "weight_zero_point", "weight_packed", "weight_shape",
@@ -104,7 +105,7 @@ def _check_dtype(name: str, tensor, param: torch.Tensor) -> None:
     """Raises ValueError when a checkpoint tensor cannot be converted to its parameter's
     dtype as a value (quantized data into a float parameter, or float into an int/FP8 one)."""
     src = _dtype_of(tensor)
-    if src == param.dtype or (src in _FLOATS and param.dtype in _FLOATS):
+    if src == param.dtype or (src in _FLOATS and param.dtype in _FLOATS) or (src in _INTS and param.dtype in _INTS):
         return
     raise ValueError(f"checkpoint tensor {name!r} is {str(src).replace('torch.', '')} but the model's parameter is "
                      f"{str(param.dtype).replace('torch.', '')}: a quantized checkpoint needs a quantization_config in "

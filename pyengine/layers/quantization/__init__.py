@@ -21,7 +21,9 @@ from typing import Optional
 from pyengine.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
 
 # name -> (module under pyengine.layers.quantization, class)
-_METHODS: dict[str, tuple[str, str]] = {}
+_METHODS: dict[str, tuple[str, str]] = {
+    "compressed-tensors": ("compressed_tensors", "CompressedTensorsConfig"),
+}
 QUANTIZATION_METHODS = tuple(_METHODS)
 # Methods a bf16/fp16/fp32 checkpoint can be quantized with at load (``quantization=``).
 ONLINE_METHODS: tuple[str, ...] = ()

@@ -7,7 +7,7 @@ layer that stays unquantized (an ``ignore`` entry). The method owns the layer's 
 1. ``create_weights(layer, ...)`` registers the checkpoint's tensors as parameters of the
    layer, each with a ``weight_loader`` and the attributes that tell the layer's loader how
    to take this rank's part (``set_weight_attrs``: ``output_dim``, ``input_dim``,
-   ``packed_dim`` + ``packed_factor``, ``per_shard``);
+   ``row_factors``, ``per_shard``);
 2. ``process_weights_after_loading(layer)`` turns them into what ``apply`` runs (on CPU:
    one dense weight in the compute dtype; on CUDA: the kernels' layout);
 3. ``apply(layer, x [T, K], bias) -> [T, N]``.
@@ -29,8 +29,8 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict) -> None:
     * ``output_dim``: the dim split over the ranks of a column-parallel layer and along which
       fused parts (q/k/v, gate/up) sit;
     * ``input_dim``: the dim split over the ranks of a row-parallel layer;
-    * ``packed_dim`` / ``packed_factor``: that dim holds ``packed_factor`` logical rows per
-      entry (int32 words of packed 4-bit values, a scale per group or block of rows): the
+    * ``row_factors``: ``{dim: rows}``, a dim whose every entry stands for that many logical
+      rows (an int32 word of eight 4-bit values, a scale per group or block of rows): the
       loader divides the offsets along it;
     * ``per_shard``: a [num_parts] tensor with one value per fused part (per-tensor scales of
       q/k/v), loaded by shard id;
