@@ -220,13 +220,19 @@ def gptq_checkpoint(src_dir, out_dir, plain_dir, bits: int = 4, group_size: int 
     state = _load_state(src)
     plain = dict(state)
     gen = torch.Generator().manual_seed(seed)
+    orders: dict = {}  # act order comes from the input's statistics: one per input (q/k/v, gate/up share it)
     for name in _linear_weights(state):
         w = state[name].float()
         k = w.shape[1]
-        g_idx = torch.arange(k) // group_size
+        gs = group_size if group_size != -1 else k
+        g_idx = torch.arange(k) // gs
         if desc_act:
-            g_idx = g_idx[torch.randperm(k, generator=gen)]
-        q, scales, zeros = _rtn_int(w, bits, group_size, sym, g_idx)
+            base, proj = name.rsplit(".", 2)[0], name.split(".")[-2]
+            key = (base, {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(proj, proj))
+            if key not in orders:
+                orders[key] = torch.randperm(k, generator=gen)
+            g_idx = g_idx[orders[key]]
+        q, scales, zeros = _rtn_int(w, bits, gs, sym, g_idx)
         scales = scales.half()
         base = name[: -len(".weight")]
         del state[name]
@@ -235,7 +241,9 @@ def gptq_checkpoint(src_dir, out_dir, plain_dir, bits: int = 4, group_size: int 
         state[f"{base}.qzeros"] = pack_int32(stored_zeros.to(torch.int64) & ((1 << bits) - 1), bits, 1)
         state[f"{base}.scales"] = scales
         state[f"{base}.g_idx"] = g_idx.to(torch.int32)
-        plain[name] = _dequant(q, scales, zeros, g_idx)
+        # v1 stores zero - 1 in `bits` bits; readers add 1 back (a zero of 0 reads as 2**bits)
+        read_zeros = (stored_zeros.to(torch.int64) & ((1 << bits) - 1)) + 1 if checkpoint_format == "gptq" else zeros
+        plain[name] = _dequant(q, scales, read_zeros, g_idx)
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
           "checkpoint_format": checkpoint_format}
     return _save(state, src, Path(out_dir), qc), _save(plain, src, Path(plain_dir), None)

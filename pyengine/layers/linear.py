@@ -64,6 +64,12 @@ def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
     """Copy a whole checkpoint tensor into ``param`` (dtype/device converted).
     Raises ValueError on a shape mismatch."""
     _check_shape(loaded, param.shape)
+    if getattr(param, "same_for_parts", False) and shard_id is not None:
+        seen = param.__dict__.setdefault("loaded_parts", set())
+        if seen and not torch.equal(param.data, full_weight(loaded).to(param.dtype)):
+            raise ValueError(f"shard {shard_id!r} differs from the parts already loaded into this fused layer "
+                             f"({sorted(map(str, seen))}); it must be the same for all of them")
+        seen.add(shard_id)
     param.data.copy_(full_weight(loaded))
 
 
@@ -106,6 +112,12 @@ def _load_whole(param: torch.Tensor, loaded, parts: Optional[Sequence] = None, s
         param.data.fill_(full_weight(loaded).reshape(()).item())  # one value for every part
         return
     _check_shape(loaded, param.shape)
+    if getattr(param, "same_for_parts", False) and shard_id is not None:
+        seen = param.__dict__.setdefault("loaded_parts", set())
+        if seen and not torch.equal(param.data, full_weight(loaded).to(param.dtype)):
+            raise ValueError(f"shard {shard_id!r} differs from the parts already loaded into this fused layer "
+                             f"({sorted(map(str, seen))}); it must be the same for all of them")
+        seen.add(shard_id)
     param.data.copy_(full_weight(loaded))
 
 

@@ -23,10 +23,13 @@ from pyengine.layers.quantization.base_config import LinearMethodBase, Quantizat
 # name -> (module under pyengine.layers.quantization, class)
 _METHODS: dict[str, tuple[str, str]] = {
     "compressed-tensors": ("compressed_tensors", "CompressedTensorsConfig"),
+    "fp8": ("fp8", "Fp8Config"),
+    "gptq": ("gptq", "GPTQConfig"),
+    "awq": ("awq", "AWQConfig"),
 }
 QUANTIZATION_METHODS = tuple(_METHODS)
 # Methods a bf16/fp16/fp32 checkpoint can be quantized with at load (``quantization=``).
-ONLINE_METHODS: tuple[str, ...] = ()
+ONLINE_METHODS = ("fp8",)
 
 
 def get_quantization_config_cls(name: str) -> type[QuantizationConfig]:

@@ -34,6 +34,8 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict) -> None:
       loader divides the offsets along it;
     * ``per_shard``: a [num_parts] tensor with one value per fused part (per-tensor scales of
       q/k/v), loaded by shard id;
+    * ``same_for_parts``: a tensor each fused part's checkpoint holds too, which must agree
+      (GPTQ's ``g_idx`` of q/k/v: one input, one activation order);
     * ``weight_loader``: the layer's loader (set by the layer, not by the method).
 
     Raises ValueError when an attribute is already set to another value."""

@@ -269,7 +269,7 @@ class CompressedTensorsWNA16(LinearMethodBase):
         shape.weight_loader = _ignore_loaded
         layer.register_parameter("weight_shape", shape)
         if act_group:
-            layer.register_parameter("weight_g_idx", new_param(k, dtype=torch.int32, input_dim=0))
+            layer.register_parameter("weight_g_idx", new_param(k, dtype=torch.int32, input_dim=0, same_for_parts=True))
 
     def process_weights_after_loading(self, layer):
         s = self.scheme
