@@ -94,7 +94,6 @@ class FrontendArgs:
 VLLM_FLAGS_NOT_SUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
     "--pipeline-parallel-size": (("1",), "pipeline parallelism is not implemented (use --tensor-parallel-size)"),
     "--data-parallel-size": (("1",), "data parallelism is not implemented (run one server per GPU set)"),
-    "--kv-cache-dtype": (("auto",), "the KV cache is kept in the model's dtype"),
     "--cpu-offload-gb": (("0",), "weight offloading is not implemented"),
     "--speculative-config": ((), "speculative decoding is not implemented"),
     "--tokenizer-mode": (("auto", "hf"), "only Hugging Face tokenizers are supported"),

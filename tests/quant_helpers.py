@@ -297,3 +297,101 @@ def fp8_block_checkpoint(src_dir, out_dir, plain_dir, block: Sequence[int] = (32
         plain[name] = q.float() * s
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
     return _save(state, src, Path(out_dir), qc), _save(plain, src, Path(plain_dir), None)
+
+
+# ---- FP8 KV cache ---------------------------------------------------------------------------
+def add_kv_cache_scales(model_dir, calibration: list[list[int]]) -> dict[int, tuple[float, float]]:
+    """Give the checkpoint in ``model_dir`` per-layer FP8 KV cache scales, as llm-compressor's
+    ``kv_cache_scheme`` writes them (``model.layers.N.self_attn.k_scale`` / ``v_scale``, one
+    float32 each; ``kv_cache_scheme`` in its quantization_config): amax / 448 of the post-RoPE
+    keys and the values over ``calibration``. (compressed-tensors 0.20 no longer finds the
+    attention modules of transformers 5, whose forward takes ``cache``: its own KV
+    quantization does not run, so the tests compute these and ``hf_greedy_fp8_kv`` applies
+    them.) Returns {layer: (k_scale, v_scale)}."""
+    from safetensors.torch import load_file, save_file
+
+    d = Path(model_dir)
+    amax: dict[int, list[float]] = {}
+
+    def observe(layer, k, v):
+        a = amax.setdefault(layer, [0.0, 0.0])
+        a[0], a[1] = max(a[0], k.abs().max().item()), max(a[1], v.abs().max().item())
+
+    model = load_hf_quantized(d)
+    with torch.no_grad():
+        for ids in calibration:
+            model(torch.tensor([ids]), past_key_values=_ObservingCache(observe), use_cache=True)
+    scales = {i: (a[0] / 448.0, a[1] / 448.0) for i, a in amax.items()}
+    f = d / "model.safetensors"
+    sd = load_file(str(f))
+    for i, (ks, vs) in scales.items():
+        sd[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([ks], dtype=torch.float32)
+        sd[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([vs], dtype=torch.float32)
+    save_file(sd, str(f))
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg.setdefault("quantization_config", {"quant_method": "compressed-tensors", "config_groups": {}})
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                             "symmetric": True}
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return scales
+
+
+def load_hf_quantized(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def _cache_cls():
+    from transformers import DynamicCache
+
+    class ObservingCache(DynamicCache):
+        """A DynamicCache that hands each layer's new post-RoPE keys and values to ``fn``
+        (which may return replacements) before storing them."""
+
+        def __init__(self, fn):
+            super().__init__()
+            self._fn = fn
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            out = self._fn(layer_idx, key_states, value_states)
+            if out is not None:
+                key_states, value_states = out
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return ObservingCache
+
+
+def _ObservingCache(fn):
+    return _cache_cls()(fn)
+
+
+def hf_greedy_fp8_kv(model_dir, prompts: list[list[int]], max_new_tokens: int,
+                     scales: dict[int, tuple[float, float]]) -> list[list[int]]:
+    """transformers' greedy tokens with the KV cache quantized to e4m3 per tensor
+    (``clamp(k / k_scale)`` rounded, times ``k_scale``; the same for v), as an FP8 KV cache
+    holds them: every key and value attention reads, the current token's too. EOS ends a
+    sequence (included), as ``tests.helpers.hf_greedy``."""
+    from pyengine.layers.quantization.utils import FP8_DTYPE, FP8_MAX
+
+    def fq(t, s):
+        return (t / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(t.dtype) * s
+
+    model = load_hf_quantized(model_dir)
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    results = []
+    with torch.no_grad():
+        for ids in prompts:
+            cache = _ObservingCache(lambda i, k, v: (fq(k, scales[i][0]), fq(v, scales[i][1])))
+            seq, new = list(ids), []
+            inp = torch.tensor([seq])
+            for _ in range(max_new_tokens):
+                logits = model(inp, past_key_values=cache, use_cache=True).logits[0, -1]
+                t = int(logits.argmax())
+                new.append(t)
+                if t in eos:
+                    break
+                inp = torch.tensor([[t]])
+            results.append(new)
+    return results

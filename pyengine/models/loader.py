@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from pyengine.layers.linear import LinearBase, default_weight_loader
+from pyengine.layers.linear import LinearBase, default_weight_loader, full_weight
 from pyengine.layers.quantization import get_quantization_config
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.registry import get_model_cls
@@ -200,7 +200,41 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
         for m in model.modules():
             if isinstance(m, LinearBase) and m.quant_method is not None:
                 m.quant_method.process_weights_after_loading(m)
+        if getattr(config, "kv_cache_dtype", "auto") == "fp8" and getattr(config, "load_format", "auto") != "dummy":
+            load_kv_cache_scales(model, iterate_weights(config.model))
     return model.eval()
+
+
+# Checkpoint names of a layer's FP8 KV cache scales, under its attention module (vLLM's set):
+# compressed-tensors' kv_cache_scheme, ModelOpt/Quark's k_proj/v_proj output scales, the older
+# one kv_scale for both.
+_KV_SCALE_NAMES = {"k_scale": ("k",), "v_scale": ("v",), "k_proj.output_scale": ("k",),
+                   "v_proj.output_scale": ("v",), "kv_scale": ("k", "v")}
+
+
+def load_kv_cache_scales(model: nn.Module, weights) -> int:
+    """Set each attention module's ``k_scale`` / ``v_scale`` (floats; modules that have them)
+    from the checkpoint's scale tensors (see ``_KV_SCALE_NAMES``); modules the checkpoint
+    gives none keep 1.0 (vLLM's default). Returns how many were set. Raises ValueError for a
+    scale that is not one positive finite value."""
+    modules = dict(model.named_modules())
+    found = 0
+    for name, tensor in weights:
+        for suffix, which in _KV_SCALE_NAMES.items():
+            if not name.endswith("." + suffix):
+                continue
+            module = modules.get(name[: -len(suffix) - 1])
+            if module is None or not hasattr(module, "k_scale"):
+                continue
+            t = full_weight(tensor).float()
+            if t.numel() != 1 or not (torch.isfinite(t).all() and float(t) > 0):
+                raise ValueError(f"KV cache scale {name!r} must be one positive value, got {t.flatten()[:4].tolist()}")
+            for w in which:
+                setattr(module, f"{w}_scale", float(t))
+            found += 1
+    if found:
+        logger.info("FP8 KV cache: %d per-layer scales from the checkpoint", found)
+    return found
 
 
 def quantize_linear_layers(model: nn.Module, quant_config) -> None:

@@ -100,3 +100,22 @@ def _prefill_logits(model_dir, ids, device, **kw):
     with torch.no_grad():
         hidden = model(torch.tensor(ids, device=device), pos, meta)
         return model.compute_logits(hidden).cpu()
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_fp8_kv_cache_kernels_match_transformers(kind, llama_dir, tokenizer, tmp_path):
+    """The triton write (reshape_and_cache), prefill/extend and split-KV decode kernels over
+    an FP8 cache with the checkpoint's per-layer scales: transformers' tokens with its K/V
+    quantized the same way."""
+    from tests.quant_helpers import add_kv_cache_scales, hf_greedy_fp8_kv
+
+    device = _dev(kind)
+    d = compressed_tensors_checkpoint(llama_dir, tmp_path / "q", "W4A16", group_size=32)
+    scales = add_kv_cache_scales(d, prompt_token_ids(tokenizer, 3, seed=3))
+    prompts = prompt_token_ids(tokenizer, 3, 4, 20, seed=6)
+    llm = LLM(str(d), device=device, dtype="float32", attention_backend="triton", kv_cache_dtype="fp8",
+              max_num_batched_tokens=24)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    ref = hf_greedy_fp8_kv(d, prompts, 6, scales)  # stops at EOS: compare up to there
+    assert [g[: len(r)] for g, r in zip(got, ref)] == ref
