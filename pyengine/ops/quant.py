@@ -119,9 +119,11 @@ def _round_fp8(v, EMULATE: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, K, stride_sn, BN_SCALE, BK_SCALE,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     ACT: tl.constexpr, MIN_SCALE: tl.constexpr, EMULATE: tl.constexpr):
-    # ACT: 0 x unquantized (weight-only), 1 per token, 2 per BLOCK_K (= BK_SCALE) columns, 3 static
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr, EMULATE: tl.constexpr):
+    # ACT: 0 x unquantized (weight-only), 1 per token, 2 per BLOCK_K (= BK_SCALE) columns, 3 static.
+    # Each outer step issues UNROLL chunks' loads before using them: bytes in flight decide a
+    # GEMV's speed (see ops/gemv.py).
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
@@ -137,21 +139,22 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, K, stride_sn,
     if ACT == 3:
         x_scale = tl.load(xs_ptr).to(tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + rk
-        mk = offs_k < K
-        x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
-        if ACT == 2:
-            gs = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, MIN_SCALE)
-            x = _round_fp8(tl.clamp(x / gs, -448.0, 448.0), EMULATE) * gs
-        elif ACT != 0:
-            x = _round_fp8(tl.clamp(x / x_scale, -448.0, 448.0), EMULATE)
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        if BLOCK_SCALED:
-            s = tl.load(s_ptr + (rn // BN_SCALE)[:, None] * stride_sn + (offs_k // BK_SCALE)[None, :],
-                        mask=mask_n[:, None] & mk[None, :], other=0.0)
-            w = w * s
-        acc += w * x[None, :]
+    for k1 in range(0, K, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            offs_k = k1 + u * BLOCK_K + rk
+            mk = offs_k < K
+            x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            if ACT == 2:
+                gs = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, MIN_SCALE)
+                x = _round_fp8(tl.clamp(x / gs, -448.0, 448.0), EMULATE) * gs
+            elif ACT != 0:
+                x = _round_fp8(tl.clamp(x / x_scale, -448.0, 448.0), EMULATE)
+            if BLOCK_SCALED:
+                s = tl.load(s_ptr + (rn // BN_SCALE)[:, None] * stride_sn + (offs_k // BK_SCALE)[None, :],
+                            mask=mask_n[:, None] & mk[None, :], other=0.0)
+                w = w * s
+            acc += w * x[None, :]
     y = tl.sum(acc, axis=1)
     if ACT == 1 or ACT == 3:
         y = y * x_scale
@@ -167,12 +170,14 @@ _ACT_CODES = {None: 0, "token": 1, "group": 2, "tensor": 3}
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: Optional[tuple[int, int]] = None,
              bias: Optional[torch.Tensor] = None, act: Optional[str] = None, input_scale: Optional[torch.Tensor] = None,
-             block_n: int = 8, block_k: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
+             block_n: int = 8, block_k: Optional[int] = None, unroll: Optional[int] = None,
+             num_warps: int = 4) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(weight [N, K] FP8).T -> [1, N] in x.dtype.
     The activation is quantized in the kernel as the GEMM path quantizes it (``act``), so a
     request's output does not depend on the size of its batch; its scale per token is
     computed by every program from the (cached) row. ``act="group"`` needs ``block_k`` =
-    the block's column count. The default tile (8 rows, K in chunks of 512) is a starting
+    the block's column count. The default tile (8 rows, K in chunks of 512, two chunks' loads
+    in flight; 128-column chunks, eight in flight, for per-group activations) is a starting
     point for benchmarks/quant.py."""
     n, k = weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -181,10 +186,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         block_k = bk if act == "group" else 512
     if act == "group" and block_k != bk:
         raise ValueError(f"per-group activations need block_k = {bk}")
+    if unroll is None:
+        unroll = max(1, min(8, 1024 // block_k))
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight_scale, bias if bias is not None else weight_scale,
         input_scale if input_scale is not None else weight_scale, y, n, k,
-        weight_scale.stride(0) if block is not None else 0, bn, bk, BLOCK_N=block_n, BLOCK_K=block_k,
+        weight_scale.stride(0) if block is not None else 0, bn, bk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
         BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, ACT=_ACT_CODES[act], MIN_SCALE=_MIN_SCALE,
         EMULATE=_INTERPRET, num_warps=num_warps)
     return y
@@ -302,42 +309,63 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 # ---- packed integer (W4A16 / W8A16) --------------------------------------------------------
 @triton.jit
 def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE,
-                     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    # A chunk of BLOCK_K rows lies in one group (BLOCK_K divides GROUP_SIZE): its packed words
+    # [BLOCK_K / PER, BLOCK_N] are loaded once and split in registers, and the group's scale
+    # and zero apply once per column: sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k).
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PER
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + rk
-        mk = offs_k < K
-        m2 = mk[:, None] & mask_n[None, :]
-        x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
-        words = tl.load(qw_ptr + (offs_k // PER)[:, None].to(tl.int64) * N + rn[None, :], mask=m2, other=0)
-        q = ((words >> ((offs_k % PER) * BITS)[:, None]) & MASK).to(tl.float32)
-        g = (offs_k // GROUP_SIZE)[:, None].to(tl.int64) * N + rn[None, :]
-        s = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
-        acc += ((q - z) * s) * x[:, None]
-    y = tl.sum(acc, axis=0)
+    rw = tl.arange(0, WORDS)
+    rj = tl.arange(0, PER)
+    shifts = rj * BITS
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k1 in range(0, K, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            k0 = k1 + u * BLOCK_K
+            w_row = k0 // PER + rw  # [WORDS]
+            mw = w_row < K // PER
+            words = tl.load(qw_ptr + w_row[:, None].to(tl.int64) * N + rn[None, :], mask=mw[:, None] & mask_n[None, :],
+                            other=0)  # [WORDS, BLOCK_N]
+            offs_k = k0 + rw[:, None] * PER + rj[None, :]  # [WORDS, PER]
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            q = ((words[:, None, :] >> shifts[None, :, None]) & MASK).to(tl.float32)  # [WORDS, PER, BLOCK_N]
+            part = tl.sum(tl.sum(q * x[:, :, None], axis=1), axis=0)
+            xsum = tl.sum(tl.sum(x, axis=1), axis=0)
+            g = k0 // GROUP_SIZE
+            mg = rn < tl.where(k0 < K, N, 0)  # (a scalar `&` trips the interpreter: folded into the bound)
+            sc = tl.load(s_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32)
+            zr = tl.load(z_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32)
+            acc += sc * (part - zr * xsum)
+    y = acc
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-             group_size: int, bias: Optional[torch.Tensor] = None, block_n: int = 128, block_k: int = 64,
-             num_warps: int = 4) -> torch.Tensor:
+             group_size: int, bias: Optional[torch.Tensor] = None, block_n: int = 64, block_k: Optional[int] = None,
+             unroll: int = 4, num_warps: int = 4) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(qweight).T -> [1, N] in x.dtype. Each program
-    owns ``block_n`` output columns (the packed words are contiguous along N)."""
+    owns ``block_n`` output columns (the packed words are contiguous along N) and walks K in
+    chunks of ``block_k`` rows (default: 128, or the group size when it is smaller; it must
+    divide the group size), ``unroll`` chunks' loads in flight."""
     n = qweight.shape[1]
     k = qweight.shape[0] * (32 // bits)
+    if block_k is None:
+        block_k = min(128, group_size)
+        while group_size % block_k:
+            block_k //= 2
+    if group_size % block_k or block_k < 32 // bits:
+        raise ValueError(f"block_k {block_k} must divide the group size {group_size} and hold whole words")
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _int_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, n, k, group_size,
-        BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=num_warps)
+        BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, HAS_BIAS=bias is not None, num_warps=num_warps)
     return y
 
 
