@@ -235,9 +235,12 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, b_ptr, M, N, K,
             part = tl.dot(a, w.to(a.dtype))
         if BLOCK_SCALED:  # BLOCK_K divides BK_SCALE: one scale column per step
             kb = k0 // BK_SCALE
-            a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=mask_m, other=0.0)
             w_s = tl.load(ws_ptr + (rn // BN_SCALE) * stride_wsn + kb, mask=mask_n, other=0.0)
-            acc += part * a_s[:, None] * w_s[None, :]
+            if A_FP8:
+                a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=mask_m, other=0.0)
+                acc += part * a_s[:, None] * w_s[None, :]
+            else:
+                acc += part * w_s[None, :]
         else:
             acc += part
     if not BLOCK_SCALED:

@@ -116,7 +116,8 @@ def test_fp8_linear_per_channel(kind, act):
 
 
 @pytest.mark.parametrize("kind", DEVICES)
-def test_fp8_linear_block(kind):
+@pytest.mark.parametrize("act", ["group", None])
+def test_fp8_linear_block(kind, act):
     dev = _dev(kind)
     block = (16, 32) if dev == "cpu" else (128, 128)
     for dtype in _dtypes(dev):
@@ -124,8 +125,8 @@ def test_fp8_linear_block(kind):
             n = -(-n // block[0]) * block[0]
             w, ws = _fp8_weight(n, k, dev, block)
             x = torch.randn(m, k, device=dev).to(dtype)
-            y = quant.fp8_linear(x, w, ws, None, None, block, "group")
-            xr = _ref_act(x, group=block[1])
+            y = quant.fp8_linear(x, w, ws, None, None, block, act)
+            xr = _ref_act(x, group=block[1]) if act else x.float()
             _check(y, xr @ dequantize_fp8(w, ws, block).t(), dtype)
 
 
