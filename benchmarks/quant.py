@@ -34,6 +34,7 @@ a markdown summary is printed. On one H200 the whole run takes about 5-6 minutes
 
     python benchmarks/quant.py results/2026-12-02-h200                 # everything
     python benchmarks/quant.py OUT --parts tpot,kv
+    python benchmarks/quant.py OUT --parts kernels --sweep              # GEMV tiles per layer shape
     python benchmarks/quant.py OUT --device cpu --shape tiny --output-len 4 --num-requests 4 \\
         --max-len 24 --iters 1 --group-size 32                           # CPU smoke (engine parts)
     TRITON_INTERPRET=1 python benchmarks/quant.py OUT --device cpu --shape tiny --parts kernels,attention
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=128, help="INT4 group size (32 for --shape tiny)")
     p.add_argument("--gemm-m", type=int, default=2048, help="rows of the prefill GEMMs (kernels part)")
     p.add_argument("--attn-cases", default="1x4096,64x2048,256x1024", help="batch x context of the attention part")
+    p.add_argument("--sweep", action="store_true",
+                   help="kernels part: also time GEMV tiles (FP8: block_n x block_k x unroll; INT4: block_n x unroll x "
+                        "warps) and record the best per layer")
     p.add_argument("--verbose", action="store_true", help="engine INFO logs")
     return p
 
@@ -254,6 +258,8 @@ def run_kernels(args, results: dict) -> None:
                 ("w4a16_gemv", lambda: quant.int_gemv(x1, qw, s, z, 4, gs), n * k // 2 + 4 * n * k // gs)):
             us = _time_us(fn, dev)
             row[f"{label}_us"], row[f"{label}_gb_s"] = us, nbytes / us / 1e3
+        if args.sweep:
+            row["sweep"] = _sweep_gemv(dev, x1, wq, ws, qw, s, z, gs)
         m = args.gemm_m if dev == "cuda" else 16
         xm = torch.randn(m, k, device=dev, dtype=dtype)
         xq, xs = quant.quant_fp8(xm)
@@ -270,6 +276,27 @@ def run_kernels(args, results: dict) -> None:
         print(f"[kernels] {name}: " + ", ".join(f"{k_}={v:.1f}" for k_, v in row.items() if k_.endswith("_us")),
               flush=True)
     results["kernels"] = {"gemm_m": args.gemm_m if dev == "cuda" else 16, "group_size": gs, "rows": rows}
+
+
+def _sweep_gemv(dev, x1, wq, ws, qw, s, z, gs) -> dict:
+    """The fastest tile of each GEMV for one layer shape, with every tile's time."""
+    import itertools
+
+    from pyengine.ops import quant
+
+    small = dev != "cuda"
+    fp8 = {}
+    for bn, bk, un in itertools.product((4, 8) if small else (4, 8, 16), (256,) if small else (256, 512, 1024),
+                                        (1, 2) if small else (1, 2, 4)):
+        fp8[f"{bn}x{bk}x{un}"] = _time_us(lambda: quant.fp8_gemv(x1, wq, ws, act="token", block_n=bn, block_k=bk,
+                                                                 unroll=un), dev, reps=20)
+    w4 = {}
+    for bn, un, nw in itertools.product((16,) if small else (8, 16, 32, 64), (2,) if small else (2, 4, 8),
+                                        (4,) if small else (2, 4, 8)):
+        w4[f"{bn}x{un}x{nw}w"] = _time_us(lambda: quant.int_gemv(x1, qw, s, z, 4, gs, block_n=bn, unroll=un,
+                                                                 num_warps=nw), dev, reps=20)
+    return {"fp8_gemv_best": min(fp8, key=fp8.get), "fp8_gemv_best_us": min(fp8.values()), "fp8_gemv_us": fp8,
+            "w4a16_gemv_best": min(w4, key=w4.get), "w4a16_gemv_best_us": min(w4.values()), "w4a16_gemv_us": w4}
 
 
 def run_attention(args, results: dict) -> None:
@@ -337,6 +364,12 @@ def report(results: dict, hw: dict, cmd: str) -> None:
                         [r[f"{x}_us"] for x in ("bf16_gemm", "fp8_gemm", "fp8_gemm_triton", "w4a16_gemm")]
                         for r in rows]))
         print()
+        if rows and "sweep" in rows[0]:
+            print(md_table(["layer", "FP8 GEMV best tile (n x k x unroll)", "us", "W4A16 GEMV best tile "
+                            "(n x unroll x warps)", "us"],
+                           [[r["layer"], r["sweep"]["fp8_gemv_best"], r["sweep"]["fp8_gemv_best_us"],
+                             r["sweep"]["w4a16_gemv_best"], r["sweep"]["w4a16_gemv_best_us"]] for r in rows]))
+            print()
     if "attention" in results:
         print(md_table(["batch x context", "splits", "bf16 us (KV GB/s)", "FP8 us (KV GB/s)", "FP8 speed-up"],
                        [[f"{r['batch']}x{r['context']}", r["splits"], f"{r['bf16_us']:.1f} ({r['bf16_kv_gb_s']:.0f})",

@@ -351,14 +351,18 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-             group_size: int, bias: Optional[torch.Tensor] = None, block_n: int = 64, block_k: Optional[int] = None,
-             unroll: int = 4, num_warps: int = 4) -> torch.Tensor:
+             group_size: int, bias: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
+             block_k: Optional[int] = None, unroll: int = 4, num_warps: int = 4) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(qweight).T -> [1, N] in x.dtype. Each program
-    owns ``block_n`` output columns (the packed words are contiguous along N) and walks K in
-    chunks of ``block_k`` rows (default: 128, or the group size when it is smaller; it must
-    divide the group size), ``unroll`` chunks' loads in flight."""
+    owns ``block_n`` output columns (the packed words are contiguous along N; default 16, 32
+    from N = 16384: enough programs to fill an H200's 132 SMs several times over) and walks K
+    in chunks of ``block_k`` rows (default: 128, or the group size when it is smaller; it must
+    divide the group size), ``unroll`` chunks' loads in flight. Starting points:
+    ``benchmarks/quant.py --sweep`` measures the tiles."""
     n = qweight.shape[1]
     k = qweight.shape[0] * (32 // bits)
+    if block_n is None:
+        block_n = 32 if n >= 16384 else 16
     if block_k is None:
         block_k = min(128, group_size)
         while group_size % block_k:

@@ -38,6 +38,7 @@ def test_engine_parts(tiny_dir, tmp_path):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1")
 def test_kernel_parts(tiny_dir, tmp_path):
-    res = quant.main(_args(tiny_dir, tmp_path, "--parts", "kernels,attention"))
+    res = quant.main(_args(tiny_dir, tmp_path, "--parts", "kernels,attention", "--sweep"))
     assert [r["layer"] for r in res["kernels"]["rows"]] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    assert all(r["sweep"]["fp8_gemv_best"] in r["sweep"]["fp8_gemv_us"] for r in res["kernels"]["rows"])
     assert res["attention"]["rows"][0]["fp8_us"] > 0
