@@ -33,7 +33,7 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/ops tests/attention tests/layers/fused_moe
 	TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -p no:cacheprovider \
-		tests/test_llm_triton_interpret.py tests/models/test_moe_triton_interpret.py
+		tests/test_llm_triton_interpret.py tests/models/test_moe_triton_interpret.py tests/quantization/test_kernel_path.py
 
 # ruff with the repository's ruff.toml (tests/test_code_shape.py runs it too)
 lint: $(VENV)/.installed

@@ -48,6 +48,9 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-timeout", "openai>=1.0", "requests", "jsonschema", "hypothesis",
                  "triton; platform_system=='Linux'", "ruff",
+                 # writes the llm-compressor-format checkpoints of tests/quantization (llmcompressor
+                 # itself pins transformers <= 5.17, below ours) and lets transformers load them
+                 "compressed-tensors>=0.20",
                  # drives headless Chromium for the page test (tests/server/test_page.py)
                  "selenium>=4.11"],
     },

@@ -266,6 +266,10 @@ def _engine_args(p) -> EngineArgs:
         raise _Refused(f"vllm_model_params.tensor_parallel_size must be >= 0, got {p.tensor_parallel_size}")
     if p.tensor_parallel_size > 0:
         kw["tensor_parallel_size"] = int(p.tensor_parallel_size)
+    for name in ("quantization", "kv_cache_dtype"):  # validated (named) by create_engine_config
+        value = _cstr(getattr(p, name))
+        if value:
+            kw[name] = value
     return EngineArgs(**kw)
 
 

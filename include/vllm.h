@@ -96,6 +96,12 @@ typedef struct vllm_model_params {
   /* ---- vengine additions (appended) ---- */
   int32_t tensor_parallel_size;      /* ranks the model is sharded over (one process and,
                                         on CUDA, one GPU each); 0: 1; < 0 is refused */
+  const char* quantization;          /* NULL/"": the checkpoint's (config.json
+                                        quantization_config); "fp8": quantize an unquantized
+                                        checkpoint at load; another method name must match
+                                        the checkpoint's (else refused) */
+  const char* kv_cache_dtype;        /* NULL/"": "auto" (the model dtype); "fp8" (e4m3 with
+                                        the checkpoint's per-layer scales, else 1.0) */
 } vllm_model_params;
 
 /* Custom logits processor (vllm.cpp layout). vengine does not run host code in

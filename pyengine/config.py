@@ -48,6 +48,10 @@ Device = Literal["auto", "cuda", "cpu"]
 ModelDType = Literal["auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"]
 LoadFormat = Literal["auto", "dummy"]
 AttentionBackendName = Literal["torch", "triton"]
+# pyengine.layers.quantization.QUANTIZATION_METHODS (vLLM's names)
+QuantizationMethod = Literal["fp8", "compressed-tensors", "gptq", "awq"]
+KVCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
+KV_CACHE_DTYPES = get_args(KVCacheDType)
 DEVICES = get_args(Device)
 LOAD_FORMATS = get_args(LoadFormat)
 ATTENTION_BACKENDS = get_args(AttentionBackendName)
@@ -185,6 +189,13 @@ class EngineArgs:
     """Most logprobs a request may ask for per token (-1: the vocabulary size)."""
     disable_log_stats: bool = False
     """No periodic stats log line (LLM(...) sets it unless given)."""
+    quantization: Optional[QuantizationMethod] = field(default=None, metadata={"flags": ("-q",)})
+    """Quantization method; default: the checkpoint's (config.json quantization_config).
+    fp8 on an unquantized checkpoint quantizes its linear layers at load (FP8 weights per
+    output channel, activations per token)."""
+    kv_cache_dtype: KVCacheDType = "auto"
+    """KV cache dtype; auto: the model's. fp8 (fp8_e4m3): e4m3 with the checkpoint's per-layer
+    k_scale / v_scale (1.0 where it has none): twice the tokens in the same memory."""
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -246,6 +257,8 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto" | "vllm" | a directory (see EngineArgs)
     override_generation_config: Optional[dict] = None
     max_logprobs: int = 20  # already resolved: -1 became the vocabulary size
+    quantization: Optional[str] = None  # the method in effect: the checkpoint's, or applied at load
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3)
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -278,6 +291,10 @@ class EngineConfig:
                               else "cpu")
         hf_config = AutoConfig.from_pretrained(model, trust_remote_code=bool(a.trust_remote_code))
         _check_tensor_parallel(a.tensor_parallel_size, hf_config, device)
+        quantization = _resolve_quantization(a.quantization, hf_config)
+        if a.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"Unknown kv_cache_dtype {a.kv_cache_dtype!r}; valid: {', '.join(KV_CACHE_DTYPES)}.")
+        kv_cache_dtype = "fp8" if a.kv_cache_dtype.startswith("fp8") else "auto"
         dtype = DTYPES[a.dtype]
         if dtype is None:
             # transformers 5 names it `dtype` (reading `torch_dtype` warns); 4.x `torch_dtype`.
@@ -354,9 +371,15 @@ class EngineConfig:
             disable_log_stats=bool(a.disable_log_stats),
             trust_remote_code=bool(a.trust_remote_code), generation_config=a.generation_config,
             override_generation_config=_check_override_generation_config(a.override_generation_config),
-            max_logprobs=max_logprobs)
+            max_logprobs=max_logprobs, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         config._check_generation_config()
         return config
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type: float8_e4m3fn for ``kv_cache_dtype="fp8"``, else the
+        model dtype."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.dtype
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -408,6 +431,18 @@ class EngineConfig:
         if diff:
             logger.info("Default sampling parameters from the generation config: %s "
                         "(--generation-config vllm ignores it).", diff)
+
+
+def _resolve_quantization(quantization, hf_config) -> Optional[str]:
+    """The quantization method the model loads with (the checkpoint's, or ``quantization``
+    applied at load), None for none. Raises ValueError naming a method or setting that
+    cannot be honoured (pyengine.layers.quantization.get_quantization_config)."""
+    from pyengine.layers.quantization import get_quantization_config
+
+    if quantization is not None and not isinstance(quantization, str):
+        raise ValueError(f"quantization must be a method name, got {quantization!r}.")
+    qc = get_quantization_config(hf_config, quantization)
+    return qc.get_name() if qc is not None else None
 
 
 def _check_override_generation_config(values) -> Optional[dict]:

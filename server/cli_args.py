@@ -94,8 +94,6 @@ class FrontendArgs:
 VLLM_FLAGS_NOT_SUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
     "--pipeline-parallel-size": (("1",), "pipeline parallelism is not implemented (use --tensor-parallel-size)"),
     "--data-parallel-size": (("1",), "data parallelism is not implemented (run one server per GPU set)"),
-    "--quantization": (("None",), "quantized weights are not supported"),
-    "--kv-cache-dtype": (("auto",), "the KV cache is kept in the model's dtype"),
     "--cpu-offload-gb": (("0",), "weight offloading is not implemented"),
     "--speculative-config": ((), "speculative decoding is not implemented"),
     "--tokenizer-mode": (("auto", "hf"), "only Hugging Face tokenizers are supported"),
@@ -138,7 +136,7 @@ VLLM_FLAGS_NOT_SUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
 VLLM_SWITCHES = {"--enable-lora", "--enable-sleep-mode",
              "--enable-prompt-embeds", "--skip-tokenizer-init", "--headless", "--return-tokens-as-token-ids"}
 _MANY_VALUES = {"--lora-modules", "--cuda-graph-sizes"}
-_SHORT = {"--pipeline-parallel-size": "-pp", "--data-parallel-size": "-dp", "--quantization": "-q",
+_SHORT = {"--pipeline-parallel-size": "-pp", "--data-parallel-size": "-dp",
           "--compilation-config": "-O"}
 # vLLM flags that change nothing here: accepted (a warning says so) -> why.
 VLLM_FLAGS_IGNORED: dict[str, str] = {

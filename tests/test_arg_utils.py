@@ -86,7 +86,7 @@ def test_engine_args_round_trip_through_the_command_line(tmp_path):
                   stream_interval=2, tensor_parallel_size=2, enable_expert_parallel=True, trust_remote_code=True,
                   generation_config="vllm",
                   override_generation_config={"temperature": 0.5}, max_logprobs=-1, disable_log_stats=True,
-                  enable_log_requests=True)
+                  enable_log_requests=True, quantization="fp8", kv_cache_dtype="fp8")
     assert set(values) == {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     argv = []
     for name, v in values.items():

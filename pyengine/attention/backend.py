@@ -6,7 +6,9 @@ block table. The model runner builds one ``AttentionMetadata`` per step and pass
 every layer.
 
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 = keys, 1 = values), dtype = model dtype.
+(index 0 = keys, 1 = values), dtype = model dtype, or float8_e4m3fn with
+``kv_cache_dtype="fp8"``: then each layer passes its per-tensor ``k_scale`` / ``v_scale``
+(floats; the cache holds ``k / k_scale`` in e4m3) and the backends read it back scaled.
 """
 from __future__ import annotations
 
@@ -58,9 +60,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (RoPE applied);
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim].
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; k_scale, v_scale: an
+        FP8 cache's scales (ignored for a cache in the model dtype).
         Writes k/v rows into kv_cache at meta.slot_mapping (skipping -1), then returns
         causal attention output [T, num_heads, head_dim] (rows past num_actual_tokens are
         unspecified)."""
@@ -69,14 +73,14 @@ class AttentionBackend(ABC):
     def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                           q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                          eps: float = 1e-6) -> torch.Tensor:
+                          eps: float = 1e-6, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Like ``forward`` but q and k come before RoPE (and before Qwen3's per-head
         RMSNorm when the norm weights are given), so a backend can fuse them with the KV
         write. positions: int64 [T]; cos_sin_cache: [max_positions, head_dim]. This default
         applies them with ``pyengine.ops.apply_rotary`` and calls ``forward``."""
         from pyengine import ops
         q, k = ops.apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
-        return self.forward(q, k, v, kv_cache, meta)
+        return self.forward(q, k, v, kv_cache, meta, k_scale, v_scale)
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

@@ -83,7 +83,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim];
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (or None/empty before
         caches are bound: then each request attends over its own rows of this step).
@@ -103,24 +104,25 @@ class TritonAttentionBackend(AttentionBackend):
             return varlen_attention(q, k, v, meta.query_start_loc, out, self.scale,
                                     meta.max_query_len, num_reqs)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        return self._attend(q, key_cache, value_cache, meta, out)
+        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
+        return self._attend(q, key_cache, value_cache, meta, out, k_scale, v_scale)
 
     def forward_with_rope(self, q, k, v, positions, cos_sin_cache, kv_cache, meta,
-                          q_norm_weight=None, k_norm_weight=None, eps=1e-6):
+                          q_norm_weight=None, k_norm_weight=None, eps=1e-6, k_scale=1.0, v_scale=1.0):
         """RoPE (and Qwen3's q/k RMSNorm) fused with the KV-cache write in one kernel;
         the rotated k exists only in the cache. Falls back to the unfused path before the
         caches are bound (profiling) or for a head_dim/2 that is not a power of two."""
         half = q.shape[-1] // 2
-        if kv_cache is None or kv_cache.numel() == 0 or half & (half - 1):
+        # An FP8 cache takes the unfused path: RoPE, then reshape_and_cache's quantizing write.
+        if kv_cache is None or kv_cache.numel() == 0 or half & (half - 1) or kv_cache.dtype == torch.float8_e4m3fn:
             return super().forward_with_rope(q, k, v, positions, cos_sin_cache, kv_cache, meta,
-                                             q_norm_weight, k_norm_weight, eps)
+                                             q_norm_weight, k_norm_weight, eps, k_scale, v_scale)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         q = rope_and_cache(q, k, v, positions, cos_sin_cache, key_cache, value_cache, meta.slot_mapping,
                            q_norm_weight, k_norm_weight, eps)
         return self._attend(q, key_cache, value_cache, meta, torch.empty_like(q))
 
-    def _attend(self, q, key_cache, value_cache, meta, out):
+    def _attend(self, q, key_cache, value_cache, meta, out, k_scale=1.0, v_scale=1.0):
         num_reqs = meta.num_reqs
         if meta.max_query_len == 1:
             splits = self.num_splits(num_reqs)
@@ -129,7 +131,9 @@ class TritonAttentionBackend(AttentionBackend):
                     self._ensure_scratch(self._scratch_units(max(num_reqs, 256)), q.device)
                 self._ensure_scratch(num_reqs * splits, q.device)
             paged_decode(q[:num_reqs], key_cache, value_cache, meta.block_table, meta.seq_lens,
-                         out[:num_reqs], self.scale, splits, self._part_out, self._part_lse)
+                         out[:num_reqs], self.scale, splits, self._part_out, self._part_lse,
+                         k_scale=k_scale, v_scale=v_scale)
             return out
         return paged_extend(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                            meta.block_table, out, self.scale, meta.max_query_len, num_reqs)
+                            meta.block_table, out, self.scale, meta.max_query_len, num_reqs,
+                            k_scale=k_scale, v_scale=v_scale)

@@ -15,7 +15,12 @@ rank every layer is exactly one ``F.linear`` — no extra op or launch — or, f
 row on CUDA, one Triton GEMV (``pyengine.ops.linear``).
 
 Every parameter carries ``weight_loader(param, loaded, shard_id=None)``, used by
-``pyengine.models.loader``. ``loaded`` is the *whole* checkpoint tensor: a torch tensor,
+``pyengine.models.loader``. A layer quantized by a method (``set_quant_method``, a
+``pyengine.layers.quantization`` linear method) holds that method's parameters instead of
+``weight``; their attributes (``output_dim``, ``input_dim``, ``row_factors``,
+``per_shard``; see ``quantization.base_config.set_weight_attrs``) tell
+the same loaders which part of each checkpoint tensor is this rank's, and ``forward``
+calls the method's ``apply``. ``loaded`` is the *whole* checkpoint tensor: a torch tensor,
 or a safetensors slice (``safe_open(...).get_slice(name)``), in which case only this
 rank's part is read from the file. Fused layers take each checkpoint part (q/k/v,
 gate/up) by shard id, or an already fused tensor with ``shard_id=None``. Shape mismatches
@@ -59,6 +64,12 @@ def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
     """Copy a whole checkpoint tensor into ``param`` (dtype/device converted).
     Raises ValueError on a shape mismatch."""
     _check_shape(loaded, param.shape)
+    if getattr(param, "same_for_parts", False) and shard_id is not None:
+        seen = param.__dict__.setdefault("loaded_parts", set())
+        if seen and not torch.equal(param.data, full_weight(loaded).to(param.dtype)):
+            raise ValueError(f"shard {shard_id!r} differs from the parts already loaded into this fused layer "
+                             f"({sorted(map(str, seen))}); it must be the same for all of them")
+        seen.add(shard_id)
     param.data.copy_(full_weight(loaded))
 
 
@@ -68,10 +79,46 @@ def divide(n: int, d: int, what: str = "size") -> int:
     return n // d
 
 
-def _param(*shape: int, loader=default_weight_loader) -> nn.Parameter:
+def _param(*shape: int, loader=default_weight_loader, **attrs) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
     p.weight_loader = loader
+    for k, v in attrs.items():
+        setattr(p, k, v)
     return p
+
+
+def _units(param, dim: int, rows: int) -> int:
+    """``rows`` logical rows along ``dim`` in entries of ``param`` (a packed or grouped dim
+    holds ``row_factors[dim]`` rows per entry). Raises ValueError when they do not divide."""
+    factor = getattr(param, "row_factors", {}).get(dim, 1)
+    if rows % factor:
+        raise ValueError(f"{rows} rows along dim {dim} do not split into whole entries of {factor} "
+                         f"(packed values, or groups/blocks of a quantization scale)")
+    return rows // factor
+
+
+def _load_whole(param: torch.Tensor, loaded, parts: Optional[Sequence] = None, shard_id=None) -> None:
+    """A tensor every rank holds whole; a ``per_shard`` one ([len(parts)]) takes one value
+    per fused part by shard id."""
+    if getattr(param, "per_shard", False) and shard_id is not None:
+        if parts is None or shard_id not in parts:
+            raise ValueError(f"unknown shard id {shard_id!r}")
+        value = full_weight(loaded)
+        if value.numel() != 1:
+            raise ValueError(f"expected one value for shard {shard_id!r}, got shape {tuple(value.shape)}")
+        param.data[list(parts).index(shard_id)] = value.reshape(())
+        return
+    if getattr(param, "per_shard", False) and weight_shape(loaded) in ((), (1,)):
+        param.data.fill_(full_weight(loaded).reshape(()).item())  # one value for every part
+        return
+    _check_shape(loaded, param.shape)
+    if getattr(param, "same_for_parts", False) and shard_id is not None:
+        seen = param.__dict__.setdefault("loaded_parts", set())
+        if seen and not torch.equal(param.data, full_weight(loaded).to(param.dtype)):
+            raise ValueError(f"shard {shard_id!r} differs from the parts already loaded into this fused layer "
+                             f"({sorted(map(str, seen))}); it must be the same for all of them")
+        seen.add(shard_id)
+    param.data.copy_(full_weight(loaded))
 
 
 class LinearBase(nn.Module):
@@ -85,6 +132,31 @@ class LinearBase(nn.Module):
         self.__dict__["tp_group"] = tp_group
         self.tp_rank = tp_group.rank if tp_group is not None else 0
         self.tp_size = tp_group.world_size if tp_group is not None else 1
+        self.quant_method = None  # a quantization LinearMethodBase, set by set_quant_method
+
+    # (input size of this rank, this rank's output rows of each fused part): set by subclasses
+    input_size_per_partition: int
+    output_partition_sizes: list[int]
+
+    def set_quant_method(self, method) -> None:
+        """Run this layer with ``method`` (a ``pyengine.layers.quantization`` linear method):
+        ``weight`` is replaced by the method's parameters, each given this layer's loader.
+        The bias, if any, stays in the compute dtype."""
+        dtype = self.weight.dtype
+        del self.weight
+        self.quant_method = method
+        method.create_weights(self, self.input_size_per_partition, list(self.output_partition_sizes),
+                              self.input_size, self.output_size, dtype)
+        for name, p in self.named_parameters(recurse=False):
+            if name != "bias" and not hasattr(p, "weight_loader"):
+                p.weight_loader = self.weight_loader
+                if getattr(self, "shard_ids", None) is not None:
+                    p.shard_ids = tuple(self.shard_ids)
+
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return _linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
@@ -100,17 +172,24 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size, tp_group)
         self.output_size_per_partition = (output_size_per_partition if output_size_per_partition is not None
                                           else divide(output_size, self.tp_size, "output size"))
-        self.weight = _param(self.output_size_per_partition, input_size, loader=self.weight_loader)
-        self.bias = _param(self.output_size_per_partition, loader=self.weight_loader) if bias else None
+        self.input_size_per_partition = input_size
+        self.output_partition_sizes = [self.output_size_per_partition]
+        self.weight = _param(self.output_size_per_partition, input_size, loader=self.weight_loader, output_dim=0)
+        self.bias = _param(self.output_size_per_partition, loader=self.weight_loader, output_dim=0) if bias else None
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
-        full = (self.output_size,) + tuple(param.shape[1:])
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            _load_whole(param, loaded, [shard_id], shard_id)
+            return
+        full = list(param.shape)
+        full[dim] = _units(param, dim, self.output_size)
         _check_shape(loaded, full)
-        n = self.output_size_per_partition
-        param.data.copy_(narrow_weight(loaded, 0, self.tp_rank * n, n))
+        n = param.shape[dim]
+        param.data.copy_(narrow_weight(loaded, dim, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -132,6 +211,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for sid, (src, size) in zip(self.shard_ids, slices):
             self._parts[sid] = (src, off, size)
             off += size
+        self.output_partition_sizes = [n for _, n in slices]
         for p in (self.weight, self.bias):
             if p is not None:
                 p.shard_ids = tuple(self.shard_ids)
@@ -145,20 +225,33 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return out
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
+        if shard_id is not None and shard_id not in self._parts:
+            raise ValueError(f"unknown shard id {shard_id!r}; expected one of {self.shard_ids}")
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            _load_whole(param, loaded, self.shard_ids, shard_id)
+            return
+
+        def rows(n: int) -> int:
+            return _units(param, dim, n)
+
+        def shape_with(n: int) -> list[int]:
+            full = list(param.shape)
+            full[dim] = rows(n)
+            return full
+
         if shard_id is None:  # an already fused checkpoint tensor: load it part by part
-            _check_shape(loaded, (self.output_size,) + tuple(param.shape[1:]))
+            _check_shape(loaded, shape_with(self.output_size))
             start = 0
             for sid, size in zip(self.shard_ids, self.output_sizes):
                 src, dst, n = self._parts[sid]
-                param.data.narrow(0, dst, n).copy_(narrow_weight(loaded, 0, start + src, n))
+                param.data.narrow(dim, rows(dst), rows(n)).copy_(narrow_weight(loaded, dim, rows(start + src), rows(n)))
                 start += size
             return
-        if shard_id not in self._parts:
-            raise ValueError(f"unknown shard id {shard_id!r}; expected one of {self.shard_ids}")
         size = self.output_sizes[self.shard_ids.index(shard_id)]
-        _check_shape(loaded, (size,) + tuple(param.shape[1:]), f" for shard {shard_id!r}")
+        _check_shape(loaded, shape_with(size), f" for shard {shard_id!r}")
         src, dst, n = self._parts[shard_id]
-        param.data.narrow(0, dst, n).copy_(narrow_weight(loaded, 0, src, n))
+        param.data.narrow(dim, rows(dst), rows(n)).copy_(narrow_weight(loaded, dim, rows(src), rows(n)))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -210,21 +303,28 @@ class RowParallelLinear(LinearBase):
                  reduce_results: bool = True):
         super().__init__(input_size, output_size, tp_group)
         self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
-        self.weight = _param(output_size, self.input_size_per_partition, loader=self.weight_loader)
+        self.output_partition_sizes = [output_size]
+        self.weight = _param(output_size, self.input_size_per_partition, loader=self.weight_loader, input_dim=1)
         self.bias = _param(output_size) if bias else None
         self.reduce_results = reduce_results
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
-        _check_shape(loaded, (self.output_size, self.input_size))
-        n = self.input_size_per_partition
-        param.data.copy_(narrow_weight(loaded, 1, self.tp_rank * n, n))
+        dim = getattr(param, "input_dim", None)
+        if dim is None:
+            _load_whole(param, loaded, [shard_id], shard_id)
+            return
+        full = list(param.shape)
+        full[dim] = _units(param, dim, self.input_size)
+        _check_shape(loaded, full)
+        n = param.shape[dim]
+        param.data.copy_(narrow_weight(loaded, dim, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return _linear(x, self.weight, self.bias)
+            return self._matmul(x, self.bias)
         if not self.reduce_results:
-            return _linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        y = self.tp_group.all_reduce(_linear(x, self.weight))
+            return self._matmul(x, self.bias if self.tp_rank == 0 else None)
+        y = self.tp_group.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 

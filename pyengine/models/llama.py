@@ -59,6 +59,10 @@ class DecoderAttention(nn.Module):
         self.__dict__["rotary"] = rotary
         self.__dict__["attn"] = attn_backend
         self.kv_cache: Optional[torch.Tensor] = None
+        # An FP8 KV cache's per-tensor scales (the checkpoint's k_scale / v_scale; see
+        # pyengine.models.loader.load_kv_cache_scales): floats, 1.0 when it has none.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -70,7 +74,7 @@ class DecoderAttention(nn.Module):
         # write where it can.
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
         o = self.attn.forward_with_rope(q, k, v, positions, self.rotary.cos_sin_cache, self.kv_cache, meta,
-                                        *qk_norm)
+                                        *qk_norm, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -9,6 +9,13 @@ left unfilled is an error naming it.
 
 Checkpoint tensors reach the parameters' ``weight_loader`` as safetensors slices, so a
 tensor-parallel rank reads only its own part of each tensor from the file.
+
+Quantized checkpoints (``pyengine.layers.quantization``): the config's method replaces each
+linear layer's weight by its own parameters before loading and processes them after. A
+quantized tensor that would reach a float parameter (an FP8 weight without its scale, an
+int32 packed weight) or that no parameter takes (a ``weight_scale`` of an unquantized
+layer) is refused with a ValueError naming it: never converted and run as if it were the
+weight.
 """
 from __future__ import annotations
 
@@ -21,7 +28,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from pyengine.layers.linear import default_weight_loader
+from pyengine.layers.linear import LinearBase, default_weight_loader, full_weight
+from pyengine.layers.quantization import get_quantization_config
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.registry import get_model_cls
 
@@ -74,6 +82,36 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int64, torch.int32, torch.int16)  # indices (g_idx, weight_shape): any width holds them
+# Names of quantization tensors (compressed-tensors, HF fp8, GPTQ, AWQ): a checkpoint tensor of
+# this name that no parameter takes means a quantized layer would run without it.
+_QUANT_TENSOR_NAMES = ("weight_scale", "weight_scale_inv", "weight_zero_point", "weight_packed", "weight_shape",
+                       "weight_global_scale", "input_scale", "input_zero_point", "qweight", "qzeros", "scales",
+                       "g_idx")
+
+
+def _dtype_of(tensor) -> torch.dtype | None:
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype
+    return _SAFETENSORS_DTYPES.get(tensor.get_dtype())
+
+
+def _check_dtype(name: str, tensor, param: torch.Tensor) -> None:
+    """Raises ValueError when a checkpoint tensor cannot be converted to its parameter's
+    dtype as a value (quantized data into a float parameter, or float into an int/FP8 one)."""
+    src = _dtype_of(tensor)
+    if src == param.dtype or (src in _FLOATS and param.dtype in _FLOATS) or (src in _INTS and param.dtype in _INTS):
+        return
+    raise ValueError(f"checkpoint tensor {name!r} is {str(src).replace('torch.', '')} but the model's parameter is "
+                     f"{str(param.dtype).replace('torch.', '')}: a quantized checkpoint needs a quantization_config in "
+                     f"config.json that vengine supports, with this tensor's layer in its scope")
+
+
 def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -> None:
     """Copy checkpoint ``weights`` (iterable of (name, tensor or safetensors slice)) into
     ``model``; each parameter's ``weight_loader`` takes its tensor-parallel part.
@@ -84,13 +122,15 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
     checkpoint tensor that fills no parameter is an error instead of being ignored.
 
     Raises ValueError naming any parameter or fused shard the checkpoint did not provide,
-    or on a shape mismatch.
+    on a shape mismatch, or for quantized tensors the model cannot use (see the module
+    docstring).
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
     remap = getattr(model, "map_checkpoint_name", None)
     strict = bool(getattr(model, "refuse_unknown_weights", False))
     loaded: dict[str, set] = {}
+    unused_quantized: list[str] = []
     for name, tensor in weights:
         if tie_word_embeddings and name.startswith("lm_head."):
             continue  # lm_head shares the embedding parameter
@@ -107,13 +147,16 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
                     break
         param = params.get(target)
         if param is None:
-            if strict and not name.endswith("rotary_emb.inv_freq"):
+            if name.rsplit(".", 1)[-1] in _QUANT_TENSOR_NAMES or _dtype_of(tensor) not in _FLOATS:
+                unused_quantized.append(name)
+            elif strict and not name.endswith("rotary_emb.inv_freq"):
                 raise ValueError(f"checkpoint tensor {name!r} has no counterpart in {type(model).__name__}: "
                                  f"a weight this implementation does not use cannot be ignored safely")
             logger.debug("ignoring checkpoint tensor %s", name)
             continue
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
+            _check_dtype(name, tensor, param)
             if shard is None:
                 loader(param, tensor)
             else:
@@ -121,6 +164,11 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
         except ValueError as e:
             raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
         loaded.setdefault(target, set()).add(shard)
+    if unused_quantized:
+        shown = ", ".join(unused_quantized[:8]) + (f" and {len(unused_quantized) - 8} more" if len(unused_quantized) > 8
+                                                   else "")
+        raise ValueError(f"the checkpoint holds quantized tensors that no layer of the model takes ({shown}): its "
+                         f"quantization_config is missing, unsupported, or does not cover these layers")
     if tie_word_embeddings:
         loaded.setdefault("lm_head.weight", set()).add(None)
     missing = []
@@ -161,8 +209,11 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
         if not getattr(model_cls, "supports_expert_parallel", False):
             raise ValueError(f"enable_expert_parallel: {model_cls.__name__} has no experts to shard.")
         kwargs["enable_expert_parallel"] = True
+    quant_config = get_quantization_config(hf_config, getattr(config, "quantization", None))
     with _default_dtype(config.dtype), torch.device(config.device):
         model = model_cls(hf_config, attn_backend, tp_group=tp_group, **kwargs)
+        if quant_config is not None:
+            quantize_linear_layers(model, quant_config)
     for m in model.modules():  # positions up to max_model_len (see EngineConfig.max_model_len)
         if isinstance(m, RotaryEmbedding):
             m.extend_to(config.max_model_len)
@@ -172,17 +223,81 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
             init_dummy_weights(model, config.seed)
         else:
             load_weights(model, iterate_weights(config.model), tie_word_embeddings=tie)
+        for m in model.modules():
+            if isinstance(m, LinearBase) and m.quant_method is not None:
+                m.quant_method.process_weights_after_loading(m)
+        if getattr(config, "kv_cache_dtype", "auto") == "fp8" and getattr(config, "load_format", "auto") != "dummy":
+            load_kv_cache_scales(model, iterate_weights(config.model))
     return model.eval()
+
+
+# Checkpoint names of a layer's FP8 KV cache scales, under its attention module (vLLM's set):
+# compressed-tensors' kv_cache_scheme, ModelOpt/Quark's k_proj/v_proj output scales, the older
+# one kv_scale for both.
+_KV_SCALE_NAMES = {"k_scale": ("k",), "v_scale": ("v",), "k_proj.output_scale": ("k",),
+                   "v_proj.output_scale": ("v",), "kv_scale": ("k", "v")}
+
+
+def load_kv_cache_scales(model: nn.Module, weights) -> int:
+    """Set each attention module's ``k_scale`` / ``v_scale`` (floats; modules that have them)
+    from the checkpoint's scale tensors (see ``_KV_SCALE_NAMES``); modules the checkpoint
+    gives none keep 1.0 (vLLM's default). Returns how many were set. Raises ValueError for a
+    scale that is not one positive finite value."""
+    modules = dict(model.named_modules())
+    found = 0
+    for name, tensor in weights:
+        for suffix, which in _KV_SCALE_NAMES.items():
+            if not name.endswith("." + suffix):
+                continue
+            module = modules.get(name[: -len(suffix) - 1])
+            if module is None or not hasattr(module, "k_scale"):
+                continue
+            t = full_weight(tensor).float()
+            if t.numel() != 1 or not (torch.isfinite(t).all() and float(t) > 0):
+                raise ValueError(f"KV cache scale {name!r} must be one positive value, got {t.flatten()[:4].tolist()}")
+            for w in which:
+                setattr(module, f"{w}_scale", float(t))
+            found += 1
+    if found:
+        logger.info("FP8 KV cache: %d per-layer scales from the checkpoint", found)
+    return found
+
+
+def quantize_linear_layers(model: nn.Module, quant_config) -> None:
+    """Give every linear layer of ``model`` its method from ``quant_config`` (layers the
+    config leaves out stay unquantized). Raises ValueError (a fused layer whose parts the
+    checkpoint quantizes differently, a shape the format cannot split)."""
+    fused_parts: dict[str, list[str]] = {}
+    for ckpt_name, (fused, _) in getattr(model, "packed_modules_mapping", {}).items():
+        fused_parts.setdefault(fused, []).append(ckpt_name)
+    for prefix, module in list(model.named_modules()):
+        if not isinstance(module, LinearBase):
+            continue
+        head, _, leaf = prefix.rpartition(".")
+        names = [f"{head}.{n}" if head else n for n in fused_parts.get(leaf, [leaf])]
+        method = quant_config.get_quant_method(module, prefix, names)
+        if method is not None:
+            try:
+                module.set_quant_method(method)
+            except ValueError as e:
+                raise ValueError(f"cannot quantize {prefix!r}: {e}") from None
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights on the model's device (vLLM's load_format="dummy"), for benchmarks
     of a model shape without a checkpoint: uniform in [-0.02, 0.02], norm weights 1."""
     gen = None
+    quantized = {id(p) for m in model.modules() if isinstance(m, LinearBase) and m.quant_method is not None
+                 for n, p in m.named_parameters(recurse=False) if n != "bias"}
     for name, p in model.named_parameters():
         if gen is None:
             gen = torch.Generator(device=p.device).manual_seed(seed)
+        if id(p) in quantized:
+            continue
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
             p.data.uniform_(-0.02, 0.02, generator=gen)
+    for m in model.modules():  # quantized layers: random values of a valid quantized weight
+        if isinstance(m, LinearBase) and m.quant_method is not None and gen is not None:
+            m.quant_method.dummy_weights(m, gen)

@@ -25,6 +25,12 @@ Three kernels:
 
 All softmax math is float32 (base-2 exponentials with the scale folded in); inputs and
 outputs are in the model dtype (bf16/fp16/fp32).
+
+FP8 KV cache (``kv_cache_dtype="fp8"``): the caches are float8_e4m3fn; a layer's K and V
+each have a per-tensor scale (the checkpoint's ``k_scale`` / ``v_scale``, else 1.0):
+``reshape_and_cache`` stores ``round_e4m3(clamp(k / k_scale))``; the attention kernels read
+the FP8 values, fold ``k_scale`` into the softmax scale and multiply the output by
+``v_scale`` (both are linear in K and V), so nothing is dequantized in memory.
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from pyengine.ops.quant import _round_fp8
 
 _LOG2E = 1.4426950408889634
 # The triton CPU interpreter computes tl.dot wrongly on bf16 operands: upcast there.
@@ -60,8 +68,9 @@ def _reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
+    k_inv_scale, v_inv_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, FP8: tl.constexpr, EMULATE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -74,14 +83,19 @@ def _reshape_and_cache_kernel(
     off = slot % BLOCK_SIZE
     dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+    if FP8:
+        k = _round_fp8(tl.clamp(k.to(tl.float32) * k_inv_scale, -448.0, 448.0), EMULATE)
+        v = _round_fp8(tl.clamp(v.to(tl.float32) * v_inv_scale, -448.0, 448.0), EMULATE)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write K/V rows into the paged cache (in place).
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
+    """Write K/V rows into the paged cache (in place); an FP8 cache gets ``k / k_scale`` and
+    ``v / v_scale`` rounded to e4m3 (clamped to +-448).
 
     k, v: [T, num_kv_heads, head_dim] (any row/head strides, last dim contiguous);
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -97,9 +111,9 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
     _reshape_and_cache_kernel[(T,)](
         k, v, key_cache, value_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1],
-        BLOCK=block, num_warps=4 if block >= 1024 else 2,
+        BLOCK=block, FP8=key_cache.dtype == torch.float8_e4m3fn, EMULATE=_INTERPRET, num_warps=4 if block >= 1024 else 2,
     )
 
 
@@ -110,7 +124,8 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
+    v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -143,19 +158,19 @@ def _decode_split_kernel(
         mask_n = offs_n < end
         page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
         row = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + head_off
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
     has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    o = acc * v_scale / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
@@ -192,8 +207,10 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                  block_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                  scale: float, num_splits: int, part_out: torch.Tensor | None = None,
                  part_lse: torch.Tensor | None = None, block_n: int | None = None,
-                 num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """Paged decode attention, one query token per request.
+                 num_warps: int = 4, num_stages: int = 3, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> torch.Tensor:
+    """Paged decode attention, one query token per request (an FP8 cache is read with its
+    ``k_scale`` / ``v_scale``).
 
     q: [B, num_heads, head_dim] (row b = request b; row/head strides free, last dim
     contiguous); key_cache/value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -224,7 +241,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
         q, key_cache, value_cache, block_table, seq_lens,
         out, part_out, part_lse,
-        scale * _LOG2E,
+        scale * _LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -246,7 +263,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 @triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kt, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -298,13 +315,13 @@ def _extend_kernel(
             row = page * stride_kt + (offs_n % BLOCK_SIZE) * stride_cs + head_off
         else:
             row = (q_start + offs_n).to(tl.int64) * stride_kt + head_off
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :])
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :]).to(q.dtype)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :])
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :]).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
@@ -316,7 +333,7 @@ def _extend_kernel(
             row = page * stride_kt + (offs_n % BLOCK_SIZE) * stride_cs + head_off
         else:
             row = (q_start + offs_n).to(tl.int64) * stride_kt + head_off
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale
         vis = (offs_n[None, :] <= qpos[:, None]) & mask_n[None, :]
         s = tl.where(vis, s, float("-inf"))
@@ -324,11 +341,11 @@ def _extend_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o = acc * v_scale / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask_r[:, None])
 
@@ -338,7 +355,7 @@ def paged_extend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                  block_table: torch.Tensor, out: torch.Tensor, scale: float,
                  max_query_len: int, num_reqs: int, block_t: int | None = None,
                  block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None) -> torch.Tensor:
+                 num_stages: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Varlen causal attention over paged context (prefill, chunked prefill, extend with a
     cached prefix, and decode rows mixed in).
 
@@ -351,7 +368,7 @@ def paged_extend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     num_kv_heads)``. Returns ``out``.
     """
     return _extend(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, out,
-                   scale, max_query_len, num_reqs, True, block_t, block_n, num_warps, num_stages)
+                   scale, max_query_len, num_reqs, True, block_t, block_n, num_warps, num_stages, k_scale, v_scale)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -366,7 +383,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _extend(q, k_src, v_src, qsl, seq_lens, block_table, out, scale, max_query_len, num_reqs,
-            paged, block_t, block_n, num_warps, num_stages):
+            paged, block_t, block_n, num_warps, num_stages, k_scale=1.0, v_scale=1.0):
     T, num_heads, head_dim = q.shape
     if T == 0 or num_reqs == 0 or max_query_len <= 0:
         return out
@@ -400,7 +417,7 @@ def _extend(q, k_src, v_src, qsl, seq_lens, block_table, out, scale, max_query_l
     grid = (triton.cdiv(max_query_len, block_t), num_reqs, num_kv_heads)
     _extend_kernel[grid](
         q, k_src, v_src, out, qsl, seq_lens, block_table,
-        scale * _LOG2E,
+        scale * _LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         stride_kt, stride_cs, stride_ch, stride_bt,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,

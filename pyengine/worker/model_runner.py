@@ -172,7 +172,7 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         d = self.dims
-        itemsize = torch.empty((), dtype=self.config.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.config.kv_cache_torch_dtype).element_size()
         return 2 * d.num_layers * self.block_size * d.num_kv_heads * d.head_dim * itemsize
 
     def determine_num_blocks(self) -> int:
@@ -261,7 +261,8 @@ class ModelRunner:
         n = num_blocks if num_blocks is not None else self.determine_num_blocks()
         d = self.dims
         self.kv_caches = [torch.zeros(2, n, self.block_size, d.num_kv_heads, d.head_dim,
-                                      dtype=self.config.dtype, device=self.device) for _ in range(d.num_layers)]
+                                      dtype=self.config.kv_cache_torch_dtype, device=self.device)
+                          for _ in range(d.num_layers)]
         self.model.bind_kv_caches(self.kv_caches)
         self.num_blocks = n
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, self.block_size,

@@ -88,6 +88,8 @@ static vllm_engine* load_engine(void) {
   mp.max_num_seqs = g_max_num_seqs;
   mp.kv_cache_memory_bytes = 16 << 20;
   if (getenv("CAPI_TEST_TP")) mp.tensor_parallel_size = atoi(getenv("CAPI_TEST_TP"));
+  mp.quantization = getenv("CAPI_TEST_QUANTIZATION");      /* NULL when unset: the checkpoint's */
+  mp.kv_cache_dtype = getenv("CAPI_TEST_KV_CACHE_DTYPE");  /* NULL when unset: auto */
   vllm_engine* e = NULL;
   vllm_status st = p_vllm_engine_load(&mp, &e);
   if (st != VLLM_OK) {

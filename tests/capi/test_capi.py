@@ -43,7 +43,7 @@ MODEL_FIELDS = ["model_path", "tokenizer_config_path", "block_size", "num_blocks
                 "max_num_seqs", "tool_parser", "reasoning_parser", "speculative_config",
                 "enable_prefix_caching", "max_num_batched_tokens", "scheduling_policy",
                 "kv_transfer_config", "enable_jump_forward", "device", "gpu_memory_utilization",
-                "kv_cache_memory_bytes", "tensor_parallel_size"]
+                "kv_cache_memory_bytes", "tensor_parallel_size", "quantization", "kv_cache_dtype"]
 SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "has_seed",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                    "ignore_eos", "stop", "n_stop", "structured_json", "structured_regex",
@@ -181,6 +181,24 @@ def test_complete_and_stream_match_python_api(capi_test_bin, capi_lib, llama_dir
     for line in out.splitlines():
         if line.startswith("FINISH "):
             assert f"COMPLETION_TOKENS {MAX_TOKENS}" in line and line.split()[1] == "length"
+
+
+def test_quantization_and_kv_cache_dtype_fields(capi_test_bin, capi_lib, llama_dir):
+    """vllm_model_params.quantization / kv_cache_dtype reach the engine: fp8 at load with an
+    FP8 KV cache serves; a method the checkpoint is not quantized with is refused, named."""
+    from pyengine import LLM, SamplingParams
+
+    out = _check(_run(capi_test_bin, capi_lib, "basic", llama_dir, MAX_TOKENS, PROMPTS[0],
+                      env={"CAPI_TEST_QUANTIZATION": "fp8", "CAPI_TEST_KV_CACHE_DTYPE": "fp8"}))
+    text = _unescape(next(line for line in out.splitlines() if line.startswith("TEXT "))[5:])
+    llm = LLM(str(llama_dir), device="cpu", quantization="fp8", kv_cache_dtype="fp8")
+    want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    assert text == want.replace("\0", "\ufffd")
+    llm.shutdown()
+    bad = _run(capi_test_bin, capi_lib, "basic", llama_dir, MAX_TOKENS, PROMPTS[0],
+               env={"CAPI_TEST_QUANTIZATION": "awq"})
+    assert "FAIL engine_load status=1" in bad.stdout and "'awq'" in bad.stdout, bad.stdout
 
 
 def test_eight_threads_submit_concurrently_minimal_path(capi_test_bin, capi_lib, llama_dir):

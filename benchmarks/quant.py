@@ -1,0 +1,402 @@
+"""Quantized models on one GPU (issue 26): batch-1 TPOT and offline throughput of FP8 and
+INT4 weights against bf16, FP8 KV cache capacity, and the kernels' bandwidth.
+
+Random weights of the named shape (default the Llama-3.1-8B shape), made on the GPU at
+start-up, no checkpoint:
+
+* ``bf16``: ``load_format="dummy"``;
+* ``fp8``: the same bf16 weights quantized at load by ``quantization="fp8"`` (per-channel
+  FP8 weights, per-token FP8 activations);
+* ``w4a16``: a GPTQ 4-bit, group-128 config (``quantization_config`` in the shape's
+  config.json) whose packed weights, scales and zero points ``load_format="dummy"`` fills
+  with random valid values on the GPU;
+* ``fp8_kv``: bf16 weights with ``kv_cache_dtype="fp8"``.
+
+Parts (``--parts``, default all):
+
+* ``tpot``: batch 1, 32-token prompt, ``--output-len`` tokens, greedy, ``ignore_eos``: time
+  per output token (request metrics), median of ``--iters``; ratios to bf16 (targets:
+  fp8 <= 0.60, w4a16 <= 0.40);
+* ``throughput``: nano-vllm's workload (``--num-requests`` 256 in flight, prompt and output
+  lengths uniform in [100, 1024]) for bf16 and fp8: output tokens/s and the ratio (target
+  >= 1.3);
+* ``kv``: KV cache blocks/tokens with the bf16 and the FP8 cache at the same
+  ``--gpu-memory-utilization`` (target 2x);
+* ``kernels``: per linear-layer shape of the model, one-token GEMV time and weight
+  bandwidth of bf16 (ops.linear), FP8 (ops.quant.fp8_gemv) and INT4 (ops.quant.int_gemv),
+  and the prefill GEMM (``--gemm-m`` rows) of bf16, FP8 (scaled_mm and the Triton kernel)
+  and INT4;
+* ``attention``: paged decode attention over bf16 and FP8 caches (batch x context from
+  ``--attn-cases``): time and KV bytes read per second.
+
+One JSON file, ``quant.json``, goes into the output directory given on the command line;
+a markdown summary is printed. On one H200 the whole run takes about 5-6 minutes.
+
+    python benchmarks/quant.py results/2026-12-02-h200                 # everything
+    python benchmarks/quant.py OUT --parts tpot,kv
+    python benchmarks/quant.py OUT --parts kernels --sweep              # GEMV tiles per layer shape
+    python benchmarks/quant.py OUT --device cpu --shape tiny --output-len 4 --num-requests 4 \\
+        --max-len 24 --iters 1 --group-size 32                           # CPU smoke (engine parts)
+    TRITON_INTERPRET=1 python benchmarks/quant.py OUT --device cpu --shape tiny --parts kernels,attention
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+from benchmarks.common import (add_common_args, free_cuda, header_md, md_table, prepare_model_dir,  # noqa: E402
+                               random_prompts, resolve_dtype, shutdown_llm, start, write_json)
+
+PARTS = ("tpot", "throughput", "kv", "kernels", "attention")
+TARGETS = {"tpot_fp8_over_bf16": 0.60, "tpot_w4a16_over_bf16": 0.40, "throughput_fp8_over_bf16": 1.3,
+           "kv_tokens_fp8_over_bf16": 2.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, default_shape="llama-3.1-8b")
+    p.add_argument("out_dir", help="directory for quant.json")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
+    p.add_argument("--output-len", type=int, default=128, help="tokens per request of the TPOT runs")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--group-size", type=int, default=128, help="INT4 group size (32 for --shape tiny)")
+    p.add_argument("--gemm-m", type=int, default=2048, help="rows of the prefill GEMMs (kernels part)")
+    p.add_argument("--attn-cases", default="1x4096,64x2048,256x1024", help="batch x context of the attention part")
+    p.add_argument("--sweep", action="store_true",
+                   help="kernels part: also time GEMV tiles (FP8: block_n x block_k x unroll; INT4: block_n x unroll x "
+                        "warps) and record the best per layer")
+    p.add_argument("--verbose", action="store_true", help="engine INFO logs")
+    return p
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def _time_us(fn: Callable[[], object], device: str, reps: int = 50) -> float:
+    """Median microseconds of ``fn`` (CUDA events on the GPU; wall time on CPU)."""
+    if device == "cuda":
+        import triton.testing
+        return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
+    fn()
+    times = []
+    for _ in range(max(3, reps // 25)):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
+# ---- engines ------------------------------------------------------------------------------
+def _w4a16_dir(base: Path, group_size: int) -> Path:
+    """The shape's dir with a GPTQ 4-bit quantization_config (files linked)."""
+    out = base.parent / f"{base.name}-gptq4-g{group_size}"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
+                                  "sym": True}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def _engine(args, model_dir: Path, variant: str, max_num_seqs: int):
+    from pyengine import LLM
+
+    kw = {"fp8": {"quantization": "fp8"}, "fp8_kv": {"kv_cache_dtype": "fp8"}}.get(variant, {})
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), load_format="dummy", dtype=resolve_dtype(args), device=args.device,
+              max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
+              gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+    _sync(args.device)
+    return llm, time.perf_counter() - t0
+
+
+def _tpot_ms(args, llm) -> float:
+    from pyengine import SamplingParams
+
+    vocab = llm.llm_engine.config.hf_config.vocab_size
+    n = args.output_len
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n, detokenize=False)
+    llm.generate(random_prompts(1, 32, 32, vocab, seed=1), SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # warm-up
+    tpots = []
+    for i in range(args.iters):
+        out = llm.generate(random_prompts(1, 32, 32, vocab, seed=100 + i), sp, use_tqdm=False)[0]
+        m = out.metrics
+        tpots.append((m.last_token_time - m.first_token_time) / max(n - 1, 1))
+    return 1e3 * statistics.median(tpots)
+
+
+def _throughput(args, llm) -> dict:
+    import random
+
+    from pyengine import SamplingParams
+
+    vocab = llm.llm_engine.config.hf_config.vocab_size
+    rng = random.Random(0)
+    prompts = random_prompts(args.num_requests, args.min_len, args.max_len, vocab, seed=0)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(args.min_len, args.max_len),
+                             detokenize=False) for _ in prompts]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    _sync(args.device)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(args.device)
+    elapsed = time.perf_counter() - t
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"output_tokens": toks, "elapsed_s": elapsed, "output_tok_s": toks / elapsed}
+
+
+def _kv_info(llm) -> dict:
+    runner = llm.llm_engine.engine_core.model_runner
+    cfg = llm.llm_engine.config
+    blocks = runner.num_blocks - 1  # the null block
+    return {"kv_cache_dtype": cfg.kv_cache_dtype, "num_blocks": blocks, "tokens": blocks * cfg.block_size,
+            "bytes_per_block": runner.kv_bytes_per_block()}
+
+
+def run_engines(args, parts: set, results: dict) -> None:
+    base = prepare_model_dir(args)
+    variants = []
+    if parts & {"tpot", "throughput", "kv"}:
+        variants.append("bf16")
+    if parts & {"tpot", "throughput"}:
+        variants.append("fp8")
+    if "tpot" in parts:
+        variants.append("w4a16")
+    if "kv" in parts:
+        variants.append("fp8_kv")
+    for v in variants:
+        model_dir = _w4a16_dir(base, args.group_size) if v == "w4a16" else base
+        # fp8_kv is sized like bf16 (same max_num_seqs: the same profiling peak), so their
+        # KV capacities compare
+        seqs = args.num_requests if (v in ("bf16", "fp8", "fp8_kv") and "throughput" in parts) else 1
+        print(f"[{v}] building the engine ...", flush=True)
+        llm, startup = _engine(args, model_dir, v, max(seqs, 1))
+        r = {"startup_s": startup, "quantization": llm.llm_engine.config.quantization}
+        if "tpot" in parts and v != "fp8_kv":
+            r["tpot_ms"] = _tpot_ms(args, llm)
+            print(f"[{v}] TPOT {r['tpot_ms']:.3f} ms", flush=True)
+        if "throughput" in parts and v in ("bf16", "fp8"):
+            r["throughput"] = _throughput(args, llm)
+            print(f"[{v}] {r['throughput']['output_tok_s']:,.0f} output tok/s", flush=True)
+        if "kv" in parts and v in ("bf16", "fp8_kv"):
+            r["kv"] = _kv_info(llm)
+        results["engines"][v] = r
+        shutdown_llm(llm)
+        del llm
+        free_cuda()
+    e = results["engines"]
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+    tp = {k: e.get(k, {}).get("tpot_ms") for k in ("bf16", "fp8", "w4a16")}
+    results["ratios"] = {
+        "tpot_fp8_over_bf16": ratio(tp["fp8"], tp["bf16"]), "tpot_w4a16_over_bf16": ratio(tp["w4a16"], tp["bf16"]),
+        "throughput_fp8_over_bf16": ratio(e.get("fp8", {}).get("throughput", {}).get("output_tok_s"),
+                                          e.get("bf16", {}).get("throughput", {}).get("output_tok_s")),
+        "kv_tokens_fp8_over_bf16": ratio(e.get("fp8_kv", {}).get("kv", {}).get("tokens"),
+                                         e.get("bf16", {}).get("kv", {}).get("tokens")),
+    }
+
+
+# ---- kernels ------------------------------------------------------------------------------
+def _layer_shapes(hf) -> dict[str, tuple[int, int]]:
+    """(N, K) of one decoder layer's linear layers (tensor parallel 1)."""
+    hd = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kvh = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    h, i = hf.hidden_size, hf.intermediate_size
+    return {"qkv_proj": ((hf.num_attention_heads + 2 * kvh) * hd, h), "o_proj": (h, hf.num_attention_heads * hd),
+            "gate_up_proj": (2 * i, h), "down_proj": (h, i)}
+
+
+def run_kernels(args, results: dict) -> None:
+    import torch
+
+    from pyengine import ops
+    from pyengine.layers.quantization.utils import fp8_quantize, pack_int32
+    from pyengine.ops import quant
+    from transformers import AutoConfig
+
+    dev = args.device
+    dtype = getattr(torch, resolve_dtype(args))
+    hf = AutoConfig.from_pretrained(str(prepare_model_dir(args)))
+    rows = []
+    gs = args.group_size
+    for name, (n, k) in _layer_shapes(hf).items():
+        w = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
+        wq, ws = fp8_quantize(w)
+        qw = pack_int32(torch.randint(0, 16, (k, n), device=dev, dtype=torch.int32), 4, 0)
+        s = torch.full((k // gs, n), 0.002, device=dev, dtype=dtype)
+        z = torch.full((k // gs, n), 8.0, device=dev, dtype=dtype)
+        x1 = torch.randn(1, k, device=dev, dtype=dtype)
+        row = {"layer": name, "N": n, "K": k}
+        for label, fn, nbytes in (
+                ("bf16_gemv", lambda: ops.linear(x1, w), n * k * w.element_size()),
+                ("fp8_gemv", lambda: quant.fp8_gemv(x1, wq, ws, act="token"), n * k),
+                ("w4a16_gemv", lambda: quant.int_gemv(x1, qw, s, z, 4, gs), n * k // 2 + 4 * n * k // gs)):
+            us = _time_us(fn, dev)
+            row[f"{label}_us"], row[f"{label}_gb_s"] = us, nbytes / us / 1e3
+        if args.sweep:
+            row["sweep"] = _sweep_gemv(dev, x1, wq, ws, qw, s, z, gs)
+        m = args.gemm_m if dev == "cuda" else 16
+        xm = torch.randn(m, k, device=dev, dtype=dtype)
+        xq, xs = quant.quant_fp8(xm)
+        flops = 2 * m * n * k
+        gemms = [("bf16_gemm", lambda: torch.nn.functional.linear(xm, w)),
+                 # what a prefill runs: activation quantization + scaled_mm (or the Triton GEMM)
+                 ("fp8_gemm", lambda: quant.fp8_linear(xm, wq, ws, None, None, None, "token")),
+                 ("fp8_gemm_triton", lambda: quant.fp8_gemm(xq, wq, ws, xs, dtype)),  # the GEMM alone
+                 ("w4a16_gemm", lambda: quant.int_gemm(xm, qw, s, z, 4, gs))]
+        for label, fn in gemms:
+            us = _time_us(fn, dev, reps=25)
+            row[f"{label}_us"], row[f"{label}_tflops"] = us, flops / us / 1e6
+        rows.append(row)
+        print(f"[kernels] {name}: " + ", ".join(f"{k_}={v:.1f}" for k_, v in row.items() if k_.endswith("_us")),
+              flush=True)
+    results["kernels"] = {"gemm_m": args.gemm_m if dev == "cuda" else 16, "group_size": gs, "rows": rows}
+
+
+def _sweep_gemv(dev, x1, wq, ws, qw, s, z, gs) -> dict:
+    """The fastest tile of each GEMV for one layer shape, with every tile's time."""
+    import itertools
+
+    from pyengine.ops import quant
+
+    small = dev != "cuda"
+    fp8 = {}
+    for bn, bk, un in itertools.product((4, 8) if small else (4, 8, 16), (256,) if small else (256, 512, 1024),
+                                        (1, 2) if small else (1, 2, 4)):
+        fp8[f"{bn}x{bk}x{un}"] = _time_us(lambda: quant.fp8_gemv(x1, wq, ws, act="token", block_n=bn, block_k=bk,
+                                                                 unroll=un), dev, reps=20)
+    w4 = {}
+    for bn, un, nw in itertools.product((16,) if small else (8, 16, 32, 64), (2,) if small else (2, 4, 8),
+                                        (4,) if small else (2, 4, 8)):
+        w4[f"{bn}x{un}x{nw}w"] = _time_us(lambda: quant.int_gemv(x1, qw, s, z, 4, gs, block_n=bn, unroll=un,
+                                                                 num_warps=nw), dev, reps=20)
+    return {"fp8_gemv_best": min(fp8, key=fp8.get), "fp8_gemv_best_us": min(fp8.values()), "fp8_gemv_us": fp8,
+            "w4a16_gemv_best": min(w4, key=w4.get), "w4a16_gemv_best_us": min(w4.values()), "w4a16_gemv_us": w4}
+
+
+def run_attention(args, results: dict) -> None:
+    import math
+
+    import torch
+
+    from pyengine.ops.paged_attention import default_num_splits, paged_decode
+    from transformers import AutoConfig
+
+    dev = args.device
+    dtype = getattr(torch, resolve_dtype(args))
+    hf = AutoConfig.from_pretrained(str(prepare_model_dir(args)))
+    hq = hf.num_attention_heads
+    hkv = getattr(hf, "num_key_value_heads", None) or hq
+    d = getattr(hf, "head_dim", None) or hf.hidden_size // hq
+    bs = 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 8
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.attn_cases.split(",")]
+    if dev != "cuda":
+        cases = [(2, 64)]
+    rows = []
+    for batch, ctx in cases:
+        per = math.ceil(ctx / bs)
+        g = torch.Generator(device=dev).manual_seed(0)
+        kv = torch.randn(2, batch * per + 1, bs, hkv, d, device=dev, dtype=dtype, generator=g)
+        bt = (torch.randperm(batch * per, device=dev, generator=g) + 1).to(torch.int32).view(batch, per)
+        seq = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(batch, hq, d, device=dev, dtype=dtype, generator=g)
+        out = torch.empty_like(q)
+        splits = default_num_splits(batch, hkv, sms)
+        part_out = torch.empty(batch * hq * splits * d, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(batch * hq * splits, dtype=torch.float32, device=dev)
+        row = {"batch": batch, "context": ctx, "splits": splits}
+        for label, cache in (("bf16", kv), ("fp8", (kv / 4).to(torch.float8_e4m3fn))):
+            us = _time_us(lambda c=cache: paged_decode(q, c[0], c[1], bt, seq, out, d ** -0.5, splits, part_out,
+                                                       part_lse, k_scale=4.0, v_scale=4.0), dev)
+            nbytes = 2 * batch * ctx * hkv * d * cache.element_size()
+            row[f"{label}_us"], row[f"{label}_kv_gb_s"] = us, nbytes / us / 1e3
+        row["fp8_speedup"] = row["bf16_us"] / row["fp8_us"]
+        rows.append(row)
+        print(f"[attention] {batch}x{ctx}: bf16 {row['bf16_us']:.1f} us, fp8 {row['fp8_us']:.1f} us", flush=True)
+    results["attention"] = {"num_heads": hq, "num_kv_heads": hkv, "head_dim": d, "block_size": bs, "rows": rows}
+
+
+# ---- report -------------------------------------------------------------------------------
+def report(results: dict, hw: dict, cmd: str) -> None:
+    print()
+    print(header_md(f"Quantized models, {results['shape']} shape (random weights)", hw, cmd))
+    e = results.get("engines", {})
+    if e:
+        print(md_table(["variant", "TPOT b=1 (ms)", "output tok/s (256 in flight)", "KV tokens", "start-up (s)"],
+                       [[v, r.get("tpot_ms"), r.get("throughput", {}).get("output_tok_s"), r.get("kv", {}).get("tokens"),
+                         r["startup_s"]] for v, r in e.items()]))
+        print()
+        print(md_table(["ratio", "measured", "target"],
+                       [[k, v, TARGETS[k]] for k, v in results.get("ratios", {}).items()]))
+        print()
+    if "kernels" in results:
+        rows = results["kernels"]["rows"]
+        print(md_table(["layer", "N x K", "bf16 GEMV us (GB/s)", "FP8 GEMV us (GB/s)", "W4A16 GEMV us (GB/s)",
+                        "bf16 GEMM us", "FP8 GEMM us", "FP8 Triton GEMM us", "W4A16 GEMM us"],
+                       [[r["layer"], f"{r['N']}x{r['K']}"] +
+                        [f"{r[f'{x}_us']:.1f} ({r[f'{x}_gb_s']:.0f})" for x in ("bf16_gemv", "fp8_gemv", "w4a16_gemv")] +
+                        [r[f"{x}_us"] for x in ("bf16_gemm", "fp8_gemm", "fp8_gemm_triton", "w4a16_gemm")]
+                        for r in rows]))
+        print()
+        if rows and "sweep" in rows[0]:
+            print(md_table(["layer", "FP8 GEMV best tile (n x k x unroll)", "us", "W4A16 GEMV best tile "
+                            "(n x unroll x warps)", "us"],
+                           [[r["layer"], r["sweep"]["fp8_gemv_best"], r["sweep"]["fp8_gemv_best_us"],
+                             r["sweep"]["w4a16_gemv_best"], r["sweep"]["w4a16_gemv_best_us"]] for r in rows]))
+            print()
+    if "attention" in results:
+        print(md_table(["batch x context", "splits", "bf16 us (KV GB/s)", "FP8 us (KV GB/s)", "FP8 speed-up"],
+                       [[f"{r['batch']}x{r['context']}", r["splits"], f"{r['bf16_us']:.1f} ({r['bf16_kv_gb_s']:.0f})",
+                         f"{r['fp8_us']:.1f} ({r['fp8_kv_gb_s']:.0f})", r["fp8_speedup"]]
+                        for r in results["attention"]["rows"]]))
+        print()
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args, hw, cmd = start(build_parser(), argv, "quant.py")
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - set(PARTS):
+        raise SystemExit(f"error: --parts takes {', '.join(PARTS)}; got {args.parts!r}")
+    t0 = time.perf_counter()
+    results: dict = {"benchmark": "quant", "command": cmd, "hardware": hw, "args": vars(args), "shape": args.shape,
+                     "targets": TARGETS, "engines": {}}
+    if "kernels" in parts:
+        run_kernels(args, results)
+    if "attention" in parts:
+        run_attention(args, results)
+    if parts & {"tpot", "throughput", "kv"}:
+        run_engines(args, parts, results)
+    results["elapsed_s"] = time.perf_counter() - t0
+    report(results, hw, cmd)
+    write_json(str(Path(args.out_dir) / "quant.json"), results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,460 @@
+"""Quantized linear kernels in Triton (roles of vllm's ``scaled_fp8_quant``,
+``w8a8_block_fp8_matmul``, ``cutlass_scaled_mm`` and the GPTQ/AWQ W4A16 GEMMs).
+
+Weight forms (pyengine/layers/quantization/utils.py makes them at load):
+
+* FP8: ``weight`` float8_e4m3fn [N, K], ``weight_scale`` float32 [N] (per output row) or
+  [ceil(N/bn), ceil(K/bk)] (blocks of ``block = (bn, bk)``).
+* packed integer: ``qweight`` int32 [K*bits/32, N] (value j of word i is row i*32/bits + j,
+  bits [j*bits, (j+1)*bits)), ``scales`` / ``zeros`` [K/group_size, N] in the compute dtype:
+  ``w[k, n] = (q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n]``.
+
+Entry points, each ``x [M, K] (bf16/fp16/fp32) -> [M, N]`` in x.dtype:
+
+* ``fp8_linear(x, weight, weight_scale, input_scale, bias, block, act)``: x is quantized to
+  FP8 as ``act`` says ("token" per row, "group" per ``bk`` columns of a row, "tensor" with
+  the static ``input_scale``; None: not at all, weight-only). One row (batch-1 decode) runs
+  ``fp8_gemv``, which quantizes x in registers (no extra launch) and reads the FP8 weight
+  (half the bytes of bf16); more rows quantize x (``quant_fp8``) and run the W8A8 GEMM:
+  ``torch.nn.functional.scaled_mm`` for row-wise scales on a GPU that has it (compute
+  capability >= 8.9; ``VENGINE_FP8_SCALED_MM=0``: the Triton kernel), else ``fp8_gemm``.
+* ``int_linear(x, qweight, scales, zeros, bits, group_size, bias)``: ``int_gemv`` for one
+  row, ``int_gemm`` (dequantize each tile in registers, then ``tl.dot``) for more.
+
+No host syncs and no allocations but the outputs (and the quantized activations): CUDA-graph
+safe. Accumulation is float32. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors
+(tests), with ``tl.dot`` operands upcast to float32 (the interpreter's low-precision dot is
+unreliable).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pyengine import envs
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor: an all-zero row still divides by something
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---- activation quantization --------------------------------------------------------------
+@triton.jit
+def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, GROUP, groups_per_row,
+                      BLOCK: tl.constexpr, STATIC: tl.constexpr, MIN_SCALE: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    start = g * GROUP
+    end = tl.minimum(start + GROUP, K)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(start, end, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < end, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0) / 448.0, MIN_SCALE)
+        tl.store(s_ptr + row.to(tl.int64) * groups_per_row + g, scale)
+    for k0 in range(start, end, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < end, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -448.0, 448.0)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < end)
+
+
+def quant_fp8(x: torch.Tensor, group_size: Optional[int] = None,
+              static_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 [M, K], float32 scales): per row ([M, 1]; ``scale = max(amax / 448,
+    1/(448*512))``), per ``group_size`` columns of a row ([M, ceil(K/group_size)]), or with the
+    static ``static_scale`` (returned expanded to [M, 1])."""
+    m, k = x.shape
+    # The interpreter rounds float32 -> e4m3 wrongly for some values (e.g. -124 -> -64): there
+    # the kernel writes the scaled float32 values and torch rounds them.
+    q = torch.empty((m, k), dtype=torch.float32 if _INTERPRET else FP8_DTYPE, device=x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    group = group_size or k
+    groups = triton.cdiv(k, group)
+    if static_scale is not None:
+        s = static_scale.reshape(1, 1).float().expand(m, 1)
+    else:
+        s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q.to(FP8_DTYPE), s
+    block = min(triton.next_power_of_2(group), 1024)
+    _fp8_quant_kernel[(m, groups)](x, q, s, static_scale if static_scale is not None else s, k, x.stride(0),
+                                   q.stride(0), group, groups, BLOCK=block, STATIC=static_scale is not None,
+                                   MIN_SCALE=_MIN_SCALE, num_warps=4)
+    return (q.to(FP8_DTYPE) if _INTERPRET else q), s
+
+
+# ---- FP8 GEMV (one row) ---------------------------------------------------------------------
+@triton.jit
+def _round_fp8(v, EMULATE: tl.constexpr):
+    """v (float32, within +-448) rounded to the nearest e4m3 value (ties to even), as float32.
+    EMULATE: in arithmetic, for the interpreter, whose float32 -> e4m3 conversion drops the
+    carry of a mantissa that rounds up to the next power of two."""
+    if EMULATE:
+        a = tl.abs(v)
+        e = tl.floor(tl.log2(tl.maximum(a, 0.015625)))  # below 2**-6: subnormal steps of 2**-9
+        ulp = tl.exp2(e - 3.0)
+        t = a / ulp
+        f = tl.floor(t)
+        d = t - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+        r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f) * ulp
+        return tl.where(v < 0, -r, r)
+    else:
+        return v.to(tl.float8e4nv).to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, K, stride_sn, BN_SCALE, BK_SCALE,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr, EMULATE: tl.constexpr):
+    # ACT: 0 x unquantized (weight-only), 1 per token, 2 per BLOCK_K (= BK_SCALE) columns, 3 static.
+    # Each outer step issues UNROLL chunks' loads before using them: bytes in flight decide a
+    # GEMV's speed (see ops/gemv.py).
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * K
+    x_scale = 1.0
+    if ACT == 1:  # the token's scale: every program reads the whole (small, cached) row
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + rk
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)))
+        x_scale = tl.maximum(tl.max(amax, 0) / 448.0, MIN_SCALE)
+    if ACT == 3:
+        x_scale = tl.load(xs_ptr).to(tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k1 in range(0, K, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            offs_k = k1 + u * BLOCK_K + rk
+            mk = offs_k < K
+            x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            if ACT == 2:
+                gs = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, MIN_SCALE)
+                x = _round_fp8(tl.clamp(x / gs, -448.0, 448.0), EMULATE) * gs
+            elif ACT != 0:
+                x = _round_fp8(tl.clamp(x / x_scale, -448.0, 448.0), EMULATE)
+            if BLOCK_SCALED:
+                s = tl.load(s_ptr + (rn // BN_SCALE)[:, None] * stride_sn + (offs_k // BK_SCALE)[None, :],
+                            mask=mask_n[:, None] & mk[None, :], other=0.0)
+                w = w * s
+            acc += w * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if ACT == 1 or ACT == 3:
+        y = y * x_scale
+    if not BLOCK_SCALED:
+        y = y * tl.load(s_ptr + rn, mask=mask_n, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+_ACT_CODES = {None: 0, "token": 1, "group": 2, "tensor": 3}
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: Optional[tuple[int, int]] = None,
+             bias: Optional[torch.Tensor] = None, act: Optional[str] = None, input_scale: Optional[torch.Tensor] = None,
+             block_n: int = 8, block_k: Optional[int] = None, unroll: Optional[int] = None,
+             num_warps: int = 4) -> torch.Tensor:
+    """One row: x [1, K] (contiguous) @ dequant(weight [N, K] FP8).T -> [1, N] in x.dtype.
+    The activation is quantized in the kernel as the GEMM path quantizes it (``act``), so a
+    request's output does not depend on the size of its batch; its scale per token is
+    computed by every program from the (cached) row. ``act="group"`` needs ``block_k`` =
+    the block's column count. The default tile (8 rows, K in chunks of 512, two chunks' loads
+    in flight; 128-column chunks, eight in flight, for per-group activations) is a starting
+    point for benchmarks/quant.py."""
+    n, k = weight.shape
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    bn, bk = block if block is not None else (1, 1)
+    if block_k is None:
+        block_k = bk if act == "group" else 512
+    if act == "group" and block_k != bk:
+        raise ValueError(f"per-group activations need block_k = {bk}")
+    if unroll is None:
+        unroll = max(1, min(8, 1024 // block_k))
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, weight_scale, bias if bias is not None else weight_scale,
+        input_scale if input_scale is not None else weight_scale, y, n, k,
+        weight_scale.stride(0) if block is not None else 0, bn, bk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
+        BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, ACT=_ACT_CODES[act], MIN_SCALE=_MIN_SCALE,
+        EMULATE=_INTERPRET, num_warps=num_warps)
+    return y
+
+
+# ---- FP8 GEMM ------------------------------------------------------------------------------
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, b_ptr, M, N, K,
+                     stride_am, stride_wn, stride_cm, stride_asm, stride_wsn, BN_SCALE, BK_SCALE,
+                     A_FP8: tl.constexpr, BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # grouped ordering: GROUP_M row tiles share the weight tiles they read (L2 reuse)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M
+    mask_n = rn < N
+    a_rows = a_ptr + rm[:, None].to(tl.int64) * stride_am
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + rk
+        mk = offs_k < K
+        a = tl.load(a_rows + offs_k[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0)
+        w = tl.load(w_cols + offs_k[:, None], mask=mk[:, None] & mask_n[None, :], other=0.0)  # [BK, BN]
+        if UPCAST:
+            part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        elif A_FP8:
+            part = tl.dot(a, w)
+        elif a.dtype == tl.float32:
+            part = tl.dot(a, w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, w.to(a.dtype))
+        if BLOCK_SCALED:  # BLOCK_K divides BK_SCALE: one scale column per step
+            kb = k0 // BK_SCALE
+            w_s = tl.load(ws_ptr + (rn // BN_SCALE) * stride_wsn + kb, mask=mask_n, other=0.0)
+            if A_FP8:
+                a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=mask_m, other=0.0)
+                acc += part * a_s[:, None] * w_s[None, :]
+            else:
+                acc += part * w_s[None, :]
+        else:
+            acc += part
+    if not BLOCK_SCALED:
+        acc = acc * tl.load(ws_ptr + rn, mask=mask_n, other=0.0)[None, :]
+        if A_FP8:
+            acc = acc * tl.load(as_ptr + rm * stride_asm, mask=mask_m, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def fp8_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, a_scale: Optional[torch.Tensor],
+             out_dtype: torch.dtype, block: Optional[tuple[int, int]] = None, bias: Optional[torch.Tensor] = None,
+             block_m: Optional[int] = None, block_n: int = 128, block_k: Optional[int] = None,
+             num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
+    """a [M, K]: FP8 with ``a_scale`` float32 [M, 1] (per row) or [M, K/bk] (``block``), or
+    unquantized (``a_scale`` None: the weight is upcast to a's dtype in registers);
+    weight [N, K] FP8 with weight_scale [N] or blocks. Returns [M, N] in ``out_dtype``."""
+    m, k = a.shape
+    n = weight.shape[0]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return c
+    if block_m is None:
+        block_m = 64 if m <= 64 else 128
+    if block_k is None:
+        block_k = min(128, block[1]) if block is not None else 128
+    if block is not None and block[1] % block_k:
+        raise ValueError(f"block_k {block_k} must divide the scale block {block[1]}")
+    bn, bk = block if block is not None else (1, 1)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _fp8_gemm_kernel[grid](
+        a, weight, c, a_scale if a_scale is not None else weight_scale, weight_scale,
+        bias if bias is not None else weight_scale, m, n, k, a.stride(0), weight.stride(0), c.stride(0),
+        a_scale.stride(0) if a_scale is not None else 0, weight_scale.stride(0) if block is not None else 0, bn, bk,
+        A_FP8=a_scale is not None, BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, UPCAST=_INTERPRET,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=num_warps, num_stages=num_stages)
+    return c
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_mm_ok(device_index: int) -> bool:
+    """Whether torch.nn.functional.scaled_mm serves row-wise FP8 GEMMs on this GPU (compute
+    capability >= 8.9, and not turned off by VENGINE_FP8_SCALED_MM=0)."""
+    return (envs.fp8_scaled_mm() and hasattr(torch.nn.functional, "scaled_mm")
+            and torch.cuda.get_device_capability(device_index) >= (8, 9))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: Optional[torch.Tensor],
+               bias: Optional[torch.Tensor], block: Optional[tuple[int, int]], act: Optional[str]) -> torch.Tensor:
+    """See the module docstring. x [M, K] -> [M, N] in x.dtype."""
+    m = x.shape[0]
+    if m == 1 and x.is_contiguous():
+        return fp8_gemv(x, weight, weight_scale, block, bias, act, input_scale)
+    if act is None:
+        return fp8_gemm(x, weight, weight_scale, None, x.dtype, block, bias)
+    if block is not None:
+        xq, xs = quant_fp8(x, group_size=block[1])
+        return fp8_gemm(xq, weight, weight_scale, xs, x.dtype, block, bias)
+    xq, xs = quant_fp8(x, static_scale=input_scale if act == "tensor" else None)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _scaled_mm_ok(x.device.index or 0):
+        f = torch.nn.functional
+        return f.scaled_mm(xq, weight.t(), xs.contiguous(), f.ScalingType.RowWise, weight_scale.reshape(1, -1),
+                           f.ScalingType.RowWise, bias=bias, output_dtype=x.dtype)
+    return fp8_gemm(xq, weight, weight_scale, xs, x.dtype, None, bias)
+
+
+# ---- packed integer (W4A16 / W8A16) --------------------------------------------------------
+@triton.jit
+def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE,
+                     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    # A chunk of BLOCK_K rows lies in one group (BLOCK_K divides GROUP_SIZE): its packed words
+    # [BLOCK_K / PER, BLOCK_N] are loaded once and split in registers, and the group's scale
+    # and zero apply once per column: sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k).
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PER
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    rw = tl.arange(0, WORDS)
+    rj = tl.arange(0, PER)
+    shifts = rj * BITS
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k1 in range(0, K, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            k0 = k1 + u * BLOCK_K
+            w_row = k0 // PER + rw  # [WORDS]
+            mw = w_row < K // PER
+            words = tl.load(qw_ptr + w_row[:, None].to(tl.int64) * N + rn[None, :], mask=mw[:, None] & mask_n[None, :],
+                            other=0)  # [WORDS, BLOCK_N]
+            offs_k = k0 + rw[:, None] * PER + rj[None, :]  # [WORDS, PER]
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            q = ((words[:, None, :] >> shifts[None, :, None]) & MASK).to(tl.float32)  # [WORDS, PER, BLOCK_N]
+            part = tl.sum(tl.sum(q * x[:, :, None], axis=1), axis=0)
+            xsum = tl.sum(tl.sum(x, axis=1), axis=0)
+            g = k0 // GROUP_SIZE
+            mg = rn < tl.where(k0 < K, N, 0)  # (a scalar `&` trips the interpreter: folded into the bound)
+            sc = tl.load(s_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32)
+            zr = tl.load(z_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32)
+            acc += sc * (part - zr * xsum)
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+             group_size: int, bias: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
+             block_k: Optional[int] = None, unroll: int = 4, num_warps: int = 4) -> torch.Tensor:
+    """One row: x [1, K] (contiguous) @ dequant(qweight).T -> [1, N] in x.dtype. Each program
+    owns ``block_n`` output columns (the packed words are contiguous along N; default 16, 32
+    from N = 16384: enough programs to fill an H200's 132 SMs several times over) and walks K
+    in chunks of ``block_k`` rows (default: 128, or the group size when it is smaller; it must
+    divide the group size), ``unroll`` chunks' loads in flight. Starting points:
+    ``benchmarks/quant.py --sweep`` measures the tiles."""
+    n = qweight.shape[1]
+    k = qweight.shape[0] * (32 // bits)
+    if block_n is None:
+        block_n = 32 if n >= 16384 else 16
+    if block_k is None:
+        block_k = min(128, group_size)
+        while group_size % block_k:
+            block_k //= 2
+    if group_size % block_k or block_k < 32 // bits:
+        raise ValueError(f"block_k {block_k} must divide the group size {group_size} and hold whole words")
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _int_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, y, n, k, group_size,
+        BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, HAS_BIAS=bias is not None, num_warps=num_warps)
+    return y
+
+
+@triton.jit
+def _int_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, c_ptr, M, N, K, GROUP_SIZE, stride_am, stride_cm,
+                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M
+    mask_n = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + rk
+        mk = offs_k < K
+        m2 = mk[:, None] & mask_n[None, :]
+        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_am + offs_k[None, :],
+                    mask=mask_m[:, None] & mk[None, :], other=0.0)
+        words = tl.load(qw_ptr + (offs_k // PER)[:, None].to(tl.int64) * N + rn[None, :], mask=m2, other=0)
+        q = ((words >> ((offs_k % PER) * BITS)[:, None]) & MASK).to(tl.float32)
+        g = (offs_k // GROUP_SIZE)[:, None].to(tl.int64) * N + rn[None, :]
+        s = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        w = (q - z) * s
+        if UPCAST:
+            acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
+        elif a.dtype == tl.float32:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w.to(a.dtype))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+             group_size: int, bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
+             block_n: int = 128, block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x [M, K] @ dequant(qweight).T -> [M, N] in x.dtype, each weight tile dequantized in
+    registers."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    c = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return c
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if block_m is None:
+        block_m = 16 if m <= 16 else (64 if m <= 64 else 128)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _int_gemm_kernel[grid](x, qweight, scales, zeros, bias if bias is not None else scales, c, m, n, k, group_size,
+                           x.stride(0), c.stride(0), BITS=bits, HAS_BIAS=bias is not None, UPCAST=_INTERPRET,
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=num_warps,
+                           num_stages=num_stages)
+    return c
+
+
+def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """See the module docstring. x [M, K] -> [M, N] in x.dtype."""
+    if x.shape[0] == 1 and x.is_contiguous():
+        return int_gemv(x, qweight, scales, zeros, bits, group_size, bias)
+    return int_gemm(x, qweight, scales, zeros, bits, group_size, bias)
+
+
+# ---- torch references (tests, benchmarks) ---------------------------------------------------
+def dequant_int_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                    group_size: int) -> torch.Tensor:
+    """The float32 [N, K] weight the packed form stands for."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
+    q = ((qweight.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)).flatten(0, 1).float()  # [K, N]
+    g = torch.arange(q.shape[0], device=q.device) // group_size
+    return ((q - zeros.float()[g]) * scales.float()[g]).t()

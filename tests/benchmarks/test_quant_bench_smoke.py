@@ -1,0 +1,44 @@
+"""benchmarks/quant.py on the tiny shape on CPU: every part's code path (the engines with
+FP8 at load, dummy GPTQ INT4 weights and the FP8 KV cache; the kernel and attention parts
+under the triton interpreter), so the H200 run works the first time. Numbers unchecked."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import common, quant
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return common.make_model_dir("tiny", tmp_path_factory.mktemp("bench_quant_tiny"))
+
+
+def _args(tiny_dir, out, *extra):
+    return [str(out), "--device", "cpu", "--shape", "tiny", "--model-dir", str(tiny_dir), "--group-size", "32",
+            *extra]
+
+
+def test_engine_parts(tiny_dir, tmp_path):
+    res = quant.main(_args(tiny_dir, tmp_path, "--parts", "tpot,throughput,kv", "--output-len", "4", "--iters", "1",
+                           "--num-requests", "3", "--min-len", "4", "--max-len", "12"))
+    e = res["engines"]
+    assert set(e) == {"bf16", "fp8", "w4a16", "fp8_kv"}
+    assert e["fp8"]["quantization"] == "fp8" and e["w4a16"]["quantization"] == "gptq"
+    assert all(e[v]["tpot_ms"] > 0 for v in ("bf16", "fp8", "w4a16"))
+    assert e["fp8"]["throughput"]["output_tokens"] > 0
+    assert e["fp8_kv"]["kv"]["kv_cache_dtype"] == "fp8"
+    # float32 on CPU: an FP8 block is a quarter of the model dtype's (bf16 on the GPU: half)
+    assert e["fp8_kv"]["kv"]["bytes_per_block"] * 4 == e["bf16"]["kv"]["bytes_per_block"]
+    saved = json.loads((tmp_path / "quant.json").read_text())
+    assert set(saved["ratios"]) == set(quant.TARGETS)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1")
+def test_kernel_parts(tiny_dir, tmp_path):
+    res = quant.main(_args(tiny_dir, tmp_path, "--parts", "kernels,attention", "--sweep"))
+    assert [r["layer"] for r in res["kernels"]["rows"]] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    assert all(r["sweep"]["fp8_gemv_best"] in r["sweep"]["fp8_gemv_us"] for r in res["kernels"]["rows"])
+    assert res["attention"]["rows"][0]["fp8_us"] > 0

@@ -1,0 +1,199 @@
+"""Quantized linear kernels (pyengine/ops/quant.py) against their dequantized references.
+
+CPU: under ``TRITON_INTERPRET=1`` (tiny shapes); GPU: ``pytest -m gpu tests/ops`` (8B-model
+shapes). The reference computes in float32 from the same quantized data (the FP8 or int
+weight dequantized; for W8A8 the activations quantized by the torch reference), so what is
+left is accumulation order and the output's rounding. Tolerance, as the largest error over
+the largest reference value: 1e-5 for float32 outputs, 1e-2 for bf16/fp16 (their rounding is
+2**-8 / 2**-11 of a value; sums of thousands of products in another order add a little).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pyengine.layers.quantization.utils import dequantize_fp8, fp8_quantize, pack_int32  # noqa: E402
+from pyengine.ops import quant  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _dev(kind):
+    if kind == "cpu":
+        if not INTERPRET:
+            pytest.skip("set TRITON_INTERPRET=1 to run triton on CPU")
+        return "cpu"
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("needs CUDA")
+    return "cuda"
+
+
+def _check(y, ref, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    err = (y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)
+    assert err <= tol, f"relative error {err:.3g} > {tol}"
+
+
+def _shapes(dev):
+    # (M, K, N): batch-1 GEMV, a few rows, a prefill chunk
+    if dev == "cpu":
+        return [(1, 128, 48), (5, 64, 96), (33, 128, 40)]
+    return [(1, 4096, 6144), (1, 14336, 4096), (7, 4096, 28672), (256, 4096, 4096), (1000, 4096, 14336)]
+
+
+def _dtypes(dev):
+    return [torch.float32, torch.bfloat16] if dev == "cpu" else [torch.bfloat16, torch.float16]
+
+
+def _fp8_weight(n, k, dev, block=None):
+    g = torch.Generator(device="cpu").manual_seed(n * 31 + k)
+    w = torch.randn(n, k, generator=g).to(dev) * 0.05
+    if block is None:
+        return fp8_quantize(w, per_row=True)
+    bn, bk = block
+    b = w.unflatten(0, (-1, bn)).unflatten(-1, (-1, bk))
+    scale = b.abs().amax((1, 3)) / 448.0
+    s = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    return (w / s).to(quant.FP8_DTYPE), scale.float()
+
+
+def test_round_fp8_emulation_is_torch_rounding():
+    """The interpreter's e4m3 rounding in arithmetic (ties, carries into the next power of
+    two, subnormals) equals torch's cast, for every e4m3 value and the midpoints between."""
+    if not INTERPRET:
+        pytest.skip("set TRITON_INTERPRET=1")
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(x_ptr, y_ptr, N: tl.constexpr):
+        r = tl.arange(0, N)
+        tl.store(y_ptr + r, quant._round_fp8(tl.load(x_ptr + r), True))
+
+    vals = torch.arange(256, dtype=torch.uint8).view(quant.FP8_DTYPE).float()
+    vals = vals[vals.isfinite()].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    x = torch.cat([vals, mids, mids.nextafter(torch.tensor(float("inf"))), mids.nextafter(torch.tensor(-float("inf")))])
+    x = x[x.abs() <= 448]
+    n = triton.next_power_of_2(x.numel())
+    xp = torch.zeros(n)
+    xp[: x.numel()] = x
+    y = torch.empty(n)
+    k[(1,)](xp, y, N=n)
+    torch.testing.assert_close(y, xp.to(quant.FP8_DTYPE).float(), rtol=0, atol=0)
+
+
+def _ref_act(x, group=None, static=None):
+    """The activation quantization as the kernels define it, in torch: (x_q float32, scale)."""
+    xf = x.float()
+    if static is not None:
+        s = static.float().reshape(1, 1)
+        return (xf / s).clamp(-448, 448).to(quant.FP8_DTYPE).float() * s
+    v = xf.unflatten(-1, (-1, group)) if group else xf.unsqueeze(-2)
+    s = (v.abs().amax(-1, keepdim=True) / 448.0).clamp(min=quant._MIN_SCALE)
+    return ((v / s).clamp(-448, 448).to(quant.FP8_DTYPE).float() * s).flatten(-2)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("act", ["token", "tensor", None])
+def test_fp8_linear_per_channel(kind, act):
+    dev = _dev(kind)
+    for dtype in _dtypes(dev):
+        for m, k, n in _shapes(dev):
+            w, ws = _fp8_weight(n, k, dev)
+            x = torch.randn(m, k, device=dev).to(dtype)
+            bias = torch.randn(n, device=dev).to(dtype)
+            static = x.float().abs().amax().reshape(1) / 448.0 * 1.5 if act == "tensor" else None
+            y = quant.fp8_linear(x, w, ws, static, bias, None, act)
+            assert y.shape == (m, n) and y.dtype == dtype
+            xr = x.float() if act is None else _ref_act(x, static=static)
+            _check(y, xr @ dequantize_fp8(w, ws).t() + bias.float(), dtype)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("act", ["group", None])
+def test_fp8_linear_block(kind, act):
+    dev = _dev(kind)
+    block = (16, 32) if dev == "cpu" else (128, 128)
+    for dtype in _dtypes(dev):
+        for m, k, n in _shapes(dev):
+            n = -(-n // block[0]) * block[0]
+            w, ws = _fp8_weight(n, k, dev, block)
+            x = torch.randn(m, k, device=dev).to(dtype)
+            y = quant.fp8_linear(x, w, ws, None, None, block, act)
+            xr = _ref_act(x, group=block[1]) if act else x.float()
+            _check(y, xr @ dequantize_fp8(w, ws, block).t(), dtype)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_quant_fp8_matches_reference(kind):
+    dev = _dev(kind)
+    x = torch.randn(9, 256, device=dev) * 3
+    x[2] = 0  # an all-zero row keeps a nonzero scale
+    q, s = quant.quant_fp8(x)
+    assert q.dtype == quant.FP8_DTYPE and s.shape == (9, 1) and bool((s > 0).all())
+    torch.testing.assert_close((q.float() * s), _ref_act(x), rtol=0, atol=0)
+    q, s = quant.quant_fp8(x, group_size=64)
+    assert s.shape == (9, 4)
+    torch.testing.assert_close((q.float().unflatten(-1, (4, 64)) * s[..., None]).flatten(-2), _ref_act(x, group=64),
+                               rtol=0, atol=0)
+
+
+def _int_weight(n, k, bits, group_size, dev):
+    g = torch.Generator(device="cpu").manual_seed(n + 7 * k + bits)
+    q = torch.randint(0, 1 << bits, (k, n), generator=g, dtype=torch.int32)
+    groups = k // group_size
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.001)
+    zeros = torch.randint(0, 1 << bits, (groups, n), generator=g).float()
+    return pack_int32(q, bits, 0).to(dev), scales.to(dev), zeros.to(dev)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 128), (8, 64), (4, -1)])
+def test_int_linear(kind, bits, group_size):
+    dev = _dev(kind)
+    for dtype in _dtypes(dev):
+        for m, k, n in _shapes(dev):
+            gs = k if group_size == -1 else min(group_size, k)
+            qw, s, z = _int_weight(n, k, bits, gs, dev)
+            s, z = s.to(dtype), z.to(dtype)
+            x = torch.randn(m, k, device=dev).to(dtype)
+            bias = torch.randn(n, device=dev).to(dtype)
+            y = quant.int_linear(x, qw, s, z, bits, gs, bias)
+            assert y.shape == (m, n) and y.dtype == dtype
+            _check(y, x.float() @ quant.dequant_int_ref(qw, s, z, bits, gs).t() + bias.float(), dtype)
+
+
+def test_dequant_int_ref_matches_unpack():
+    """The reference's unpacking is pack_int32's inverse (so the kernel tests test something)."""
+    from pyengine.layers.quantization.utils import dequantize_int, unpack_int32
+
+    qw, s, z = _int_weight(24, 64, 4, 32, "cpu")
+    q = unpack_int32(qw, 4, 0)
+    g = torch.arange(64) // 32
+    torch.testing.assert_close(quant.dequant_int_ref(qw, s, z, 4, 32), dequantize_int(q, s, z, g))
+
+
+@pytest.mark.gpu
+def test_kernels_capture_in_cuda_graph():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev, dtype = "cuda", torch.bfloat16
+    w, ws = _fp8_weight(4096, 4096, dev)
+    qw, s, z = _int_weight(4096, 4096, 4, 128, dev)
+    s, z = s.to(dtype), z.to(dtype)
+    for m in (1, 8):
+        x = torch.randn(m, 4096, device=dev, dtype=dtype)
+        eager = (quant.fp8_linear(x, w, ws, None, None, None, "token"), quant.int_linear(x, qw, s, z, 4, 128))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = (quant.fp8_linear(x, w, ws, None, None, None, "token"), quant.int_linear(x, qw, s, z, 4, 128))
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(eager, out):
+            torch.testing.assert_close(a, b)
