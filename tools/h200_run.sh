@@ -7,7 +7,7 @@
 #   apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
@@ -55,6 +55,14 @@ step 420 serve_final2 python3 $SERVE --profile-seconds 3 --cores mp --frontends 
 step 150 structured python3 benchmarks/structured.py --model-dir /tmp/q06 --json "$OUT/structured.json"
 step 120 gpu_structured python3 -m pytest -q -m gpu tests/structured_output -p no:cacheprovider --tb=short -o faulthandler_timeout=100
 step 110 gpu_quick python3 -m pytest -q -m gpu tests/test_llm.py tests/engine/test_core_client.py -k "default or identical" -p no:cacheprovider --tb=short -o faulthandler_timeout=100
+# mixture of experts (issue 25): the kernels and models on the GPU, the tile sweep (its JSON
+# configs copied back), then the Qwen3-30B-A3B-shape benchmark on the swept tiles
+step 200 gpu_moe python3 -m pytest -q -m gpu tests/layers/fused_moe tests/models/test_moe.py -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=180
+step 150 moe_sweep bash -c "python3 benchmarks/moe.py --sweep --sweep-n 768 --sweep-budget-s 100 --out-dir $OUT && mkdir -p $OUT/moe_configs && cp pyengine/layers/fused_moe/configs/*.json $OUT/moe_configs/"
+step 330 moe_bench python3 benchmarks/moe.py --out-dir "$OUT"
+# quantization (issue 26): kernels vs their dequantized references, the quantized tiny models, then the 8B-shape benchmark
+step 200 gpu_quant python3 -m pytest -q -m gpu tests/quantization tests/ops/test_quant_ops.py -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=180
+step 360 quant_bench python3 benchmarks/quant.py "$OUT"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"
