@@ -46,7 +46,7 @@ setup(
         "xgrammar>=0.2",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "openai>=1.0", "requests", "jsonschema", "hypothesis",
+        "test": ["pytest", "pytest-timeout", "openai>=1.0", "anthropic", "requests", "jsonschema", "hypothesis",
                  "triton; platform_system=='Linux'", "ruff",
                  # drives headless Chromium for the page test (tests/server/test_page.py)
                  "selenium>=4.11"],

@@ -1,13 +1,21 @@
 """Test helpers for the agent APIs: an SDK client whose HTTP calls a function answers
-(httpx2's MockTransport; the SDKs' own request building, SSE parsing and stream
-accumulation run unchanged), and a check that an SDK object has no field its type does not
-declare (the SDK models accept unknown fields, so a typo would otherwise pass)."""
+(the SDK's HTTP library's MockTransport; the SDKs' own request building, SSE parsing and
+stream accumulation run unchanged), and a check that an SDK object has no field its type
+does not declare (the SDK models accept unknown fields, so a typo would otherwise pass)."""
 from __future__ import annotations
 
+import importlib
 import json
 
-import httpx2
+import openai
 from pydantic import BaseModel
+
+
+def http_module(sdk=openai):
+    """The HTTP library ``sdk`` (``openai`` or ``anthropic``) is built on: ``httpx``, or
+    ``httpx2`` in newer releases (their public ``DefaultHttpxClient`` subclasses its Client)."""
+    client_cls = next(k for k in sdk.DefaultHttpxClient.__mro__[1:] if k.__name__ == "Client")
+    return importlib.import_module(client_cls.__module__.split(".")[0])
 
 
 class Recorder:
@@ -19,15 +27,17 @@ class Recorder:
         self.bodies: list[dict] = []
         self.paths: list[str] = []
 
-    def __call__(self, request: httpx2.Request) -> httpx2.Response:
+    def __call__(self, request):
         body = json.loads(request.content or b"{}")
         self.bodies.append(body)
         self.paths.append(request.url.path)
         ctype, data = self.reply(body)
-        return httpx2.Response(200, headers={"content-type": ctype}, content=data)
+        return http_module().Response(200, headers={"content-type": ctype}, content=data)
 
-    def http_client(self) -> httpx2.Client:
-        return httpx2.Client(transport=httpx2.MockTransport(self))
+    def http_client(self, sdk=openai):
+        """An HTTP client for ``sdk`` whose every request this recorder answers."""
+        http = http_module(sdk)
+        return http.Client(transport=http.MockTransport(self))
 
 
 def json_reply(obj) -> tuple[str, bytes]:

@@ -264,6 +264,13 @@ def test_stream_events(case):
                  "function_call": lambda i: i.arguments}[item.type](item)
         assert adds == whole
     assert final.usage.output_tokens_details.reasoning_tokens == 2
+    # and so does every .done event of the item
+    for e in events:
+        if e["type"] in ("response.output_text.done", "response.reasoning_text.done",
+                         "response.function_call_arguments.done", "response.content_part.done"):
+            adds = "".join(x.get("delta", "") for x in events if x.get("item_id") == e["item_id"]
+                           and x["type"].endswith(".delta"))
+            assert (e.get("text") or e.get("arguments") or e.get("part", {}).get("text") or "") == adds, e
 
 
 @pytest.mark.parametrize("case", ["text", "reasoning", "tool_call", "pieces", "length"])
