@@ -37,17 +37,18 @@ def _held_back(text: str, tag: str) -> int:
 class _ThinkSplitter:
     """One output's split state: the phase after the ids seen (``id_phase``), the phase of
     the text not yet placed (``text_phase``), tags whose ids came but whose text did not
-    (``pending``: tag text, phase after it, and where the tag's text should start in the
-    output text), that text (``buf``, starting at offset ``pos`` of the output text), and
-    the output ids so far (``ids``)."""
+    (``pending``: tag text, phase after it, index of its id), that text (``buf``, starting
+    at offset ``pos`` of the output text), the output ids so far (``ids``) and where the
+    first pending tag's text should start in the output text (``hint``)."""
 
     def __init__(self, parser: "BaseThinkingReasoningParser", phase: str):
         self.p = parser
         self.id_phase = self.text_phase = phase
-        self.pending: list[tuple[str, str, Optional[int]]] = []
+        self.pending: list[tuple[str, str, Optional[int]]] = []  # index None: hint already taken
         self.buf = ""
         self.pos = 0
         self.ids: list[int] = []
+        self.hint: Optional[int] = None  # of pending[0]
         self.num_reasoning_tokens = 0
 
     def feed_ids(self, ids: Sequence[int]) -> None:
@@ -76,12 +77,15 @@ class _ThinkSplitter:
     def _tag(self, tag: str, after: str) -> None:
         if self.text_phase == UNDECIDED:
             self.text_phase = REASONING
-        before = self.ids[:-1]
-        # Where the tag's text starts: the text of the ids before it (the engine's text is
-        # their decode). Checked against the text; a tag-like text before it is text.
-        hint = None if _NOT_A_TAG in before else len(self.p.decode(before))
-        self.pending.append((tag, after, hint))
+        # Where the tag's text starts is the length of the text of the ids before it (the
+        # engine's text is their decode); worked out when the text is placed (never for
+        # id-only questions), checked against the text there.
+        self.pending.append((tag, after, len(self.ids) - 1))
         self.id_phase = after
+
+    def _hint(self, at: int) -> Optional[int]:
+        before = self.ids[:at]
+        return None if _NOT_A_TAG in before else len(self.p.decode(before))
 
     def _find(self, tag: str, hint: Optional[int]) -> tuple[Optional[int], int]:
         """(where ``tag`` starts in ``buf`` or None, how much of ``buf`` surely precedes it)."""
@@ -103,8 +107,11 @@ class _ThinkSplitter:
                     return  # no token decided the phase yet
                 self._emit(len(self.buf), out)
                 return
-            tag, after, hint = self.pending[0]
-            i, cut = self._find(tag, hint)
+            tag, after, at = self.pending[0]
+            if at is not None:  # first look at this tag: where its text should be
+                self.pending[0] = (tag, after, None)
+                self.hint = self._hint(at)
+            i, cut = self._find(tag, self.hint)
             self._emit(cut, out)
             if i is None:
                 return
@@ -191,18 +198,26 @@ class BaseThinkingReasoningParser(ReasoningParser):
 
     # -- structured outputs -------------------------------------------------------
 
+    def _phase_after(self, token_ids: Sequence[int]) -> str:
+        s = _ThinkSplitter(self, self.initial_phase)
+        s.feed_ids(token_ids)
+        return s.id_phase
+
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
-        """vLLM's rule: the last think tag in ``input_ids`` is the end tag; with no tag,
-        whether the output started as content."""
-        for t in reversed(input_ids):
-            if t == self.start_token_id:
-                return False
-            if t == self.end_token_id:
-                return True
-        return self.prompt_is_reasoning_end()
+        """Whether output ids ``input_ids`` (from the first output token) are past the
+        reasoning, by the same rules as the split (O(len); per decode step use
+        ``is_reasoning_end_streaming``)."""
+        return self._phase_after(input_ids) == CONTENT
 
     def is_reasoning_end_streaming(self, input_ids: Sequence[int], delta_ids: Sequence[int]) -> bool:
-        return self.end_token_id in delta_ids
+        """Whether the reasoning ends within ``delta_ids``, the newest of the output ids
+        ``input_ids`` (O(len(delta_ids))): the end tag is among them, or they start the
+        output and its first token is not the start tag where that decides (qwen3's
+        undecided start; that first token itself came before the decision)."""
+        if self.end_token_id in delta_ids:
+            return True
+        first = len(input_ids) == len(delta_ids) and len(delta_ids) > 0
+        return first and self.initial_phase == UNDECIDED and delta_ids[0] != self.start_token_id
 
     def prompt_is_reasoning_end(self) -> bool:
         return self.initial_phase == CONTENT

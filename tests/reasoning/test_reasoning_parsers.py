@@ -203,8 +203,12 @@ def test_reasoning_end_helpers(reasoning_tokenizer):
     assert not p.prompt_is_reasoning_end()
     assert not p.is_reasoning_end([think, hmm])
     assert p.is_reasoning_end([think, hmm, end])
-    assert not p.is_reasoning_end([think, hmm, end, think])
+    assert p.is_reasoning_end([think, hmm, end, think])  # a tag in the content is text
+    assert p.is_reasoning_end([ok])  # a model that answers at once
     assert p.is_reasoning_end_streaming([think, hmm, end], [end]) and not p.is_reasoning_end_streaming([think], [think])
+    assert not p.is_reasoning_end_streaming([think, hmm], [hmm])
+    assert p.is_reasoning_end_streaming([ok], [ok])  # the first token decided: content
+    assert not p.is_reasoning_end_streaming([think, ok], [ok])
     assert p.extract_content_ids([think, hmm, end, nl, ok]) == [nl, ok]
     assert p.extract_content_ids([ok, think]) == [ok, think]  # no reasoning: all content
     assert p.extract_content_ids([think, hmm]) == []
@@ -214,5 +218,6 @@ def test_reasoning_end_helpers(reasoning_tokenizer):
     assert off.prompt_is_reasoning_end() and off.is_reasoning_end([ok])
     assert off.extract_content_ids([ok]) == [ok] and off.count_reasoning_tokens([ok]) == 0
     r1 = DeepSeekR1ReasoningParser(tok, prompt_token_ids=prompt_ids(tok, R1_STYLE_CHAT_TEMPLATE))
-    assert not r1.prompt_is_reasoning_end() and not r1.is_reasoning_end([hmm])
+    assert not r1.prompt_is_reasoning_end() and not r1.is_reasoning_end([hmm]) and r1.is_reasoning_end([hmm, end])
+    assert not r1.is_reasoning_end_streaming([ok], [ok])  # R1 starts in the reasoning: no first-token decision
     assert r1.extract_content_ids([hmm, end, ok]) == [ok] and r1.count_reasoning_tokens([hmm, end, ok]) == 1
