@@ -12,6 +12,8 @@ Differences from vLLM, on purpose:
   ``finish_streaming`` releases text held back at the end.
 - The start state is decided once, at construction, from the prompt and the chat-template
   kwargs (vLLM's ``prompt_is_reasoning_end`` check in the serving layer).
+- ``extract_reasoning(model_output, token_ids)`` takes the output's token ids (vLLM: the
+  request) so the tags are found by id there too.
 - ``get_reasoning_parser`` raises ``ValueError`` (vLLM: ``KeyError``), as
   ``ToolParserManager`` does, so ``--reasoning-parser`` errors read like the others.
 """
