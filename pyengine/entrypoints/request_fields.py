@@ -31,9 +31,10 @@ class OtherTyped(CaptureModel):
 
 def tagged(models: dict[str, type], other: type = OtherTyped, key: str = "type", default: Optional[str] = None):
     """A union of ``models`` picked by the value of ``key`` (``default`` when the key is
-    absent), ``other`` for any other value."""
+    absent or null), ``other`` for any other value."""
     def pick(v: Any) -> str:
-        t = v.get(key, default) if isinstance(v, dict) else getattr(v, key, default)
+        t = v.get(key) if isinstance(v, dict) else getattr(v, key, None)
+        t = default if t is None else t
         return t if isinstance(t, str) and t in models else "__other__"
     members = [Annotated[m, Tag(name)] for name, m in models.items()] + [Annotated[other, Tag("__other__")]]
     return Annotated[Union[tuple(members)], Discriminator(pick)]

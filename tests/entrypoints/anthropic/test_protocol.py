@@ -168,6 +168,14 @@ def test_what_cannot_be_honoured_is_refused(extra, param):
     assert e.value.parameter == param, str(e.value)
 
 
+def test_tool_type_may_be_absent_custom_or_null():
+    for extra in ({}, {"type": "custom"}, {"type": None}):
+        body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                "tools": [dict(WEATHER, **extra)]}
+        check_messages_request(parse(body))
+        assert messages_to_chat_request(parse(body))["tools"][0]["function"]["name"] == "get_weather"
+
+
 def test_strict_tool_with_a_forced_choice_is_honoured():
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
             "tools": [dict(WEATHER, strict=True)], "tool_choice": {"type": "any"}}
