@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import (build_scripted_model, build_scripted_tokenizer, build_sentencepiece_tokenizer,
-                           build_tiny_model, build_tokenizer, build_wordpiece_tokenizer, scripted_script,
-                           with_generation_config)
+from tests.helpers import (REASONING_TOOL_CALL, build_reasoning_tokenizer, build_scripted_model,
+                           build_scripted_tokenizer, build_sentencepiece_tokenizer, build_tiny_model, build_tokenizer,
+                           build_wordpiece_tokenizer, reasoning_script, scripted_script, with_generation_config)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -99,6 +99,37 @@ def scripted_dir(tmp_path_factory, scripted_tokenizer_dir, scripted_tokenizer):
     """The scripted model (tests.helpers.build_scripted_model) with scripted_script's table."""
     return build_scripted_model(tmp_path_factory.mktemp("scripted"), scripted_tokenizer_dir,
                                 scripted_script(scripted_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def reasoning_tokenizer_dir(tmp_path_factory):
+    """A Qwen3-style tokenizer: <think>, </think>, <tool_call>, </tool_call> as added tokens
+    that are not special, and a chat template with enable_thinking
+    (tests.helpers.build_reasoning_tokenizer)."""
+    return build_reasoning_tokenizer(tmp_path_factory.mktemp("reasoning_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def reasoning_tokenizer(reasoning_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(reasoning_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def reasoning_dir(tmp_path_factory, reasoning_tokenizer_dir, reasoning_tokenizer):
+    """A scripted Qwen3-style reasoning model: after a chat prompt it says
+    ``<think>Hmm</think>\n\nOK`` (``OK`` alone with enable_thinking=false)."""
+    return build_scripted_model(tmp_path_factory.mktemp("reasoning"), reasoning_tokenizer_dir,
+                                reasoning_script(reasoning_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def reasoning_tool_dir(tmp_path_factory, reasoning_tokenizer_dir, reasoning_tokenizer):
+    """The same, calling a tool after its reasoning:
+    ``<think>Hmm</think>\n\n<tool_call>{"name": "get_weather", ...}</tool_call>``."""
+    return build_scripted_model(tmp_path_factory.mktemp("reasoning_tool"), reasoning_tokenizer_dir,
+                                reasoning_script(reasoning_tokenizer, REASONING_TOOL_CALL))
 
 
 @pytest.fixture(scope="session")

@@ -244,6 +244,112 @@ def scripted_script(tok) -> dict[int, int]:
             e[1]: e[2], e[2]: e[3], e[3]: one("!"), one("!"): eos}
 
 
+# ---- a Qwen3-style reasoning model (issue 28) -------------------------------------------
+# The tokenizer is the scripted one plus Qwen's tags as added, not special, tokens (so
+# decoding with skip_special_tokens keeps them, as Qwen3's and DeepSeek-R1's tokenizers do),
+# the words the scripts below emit as added tokens, and "\n\n" as one BPE token.
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_CALL_JSON = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+REASONING_WORDS = ("Hmm", "OK", TOOL_CALL_JSON)
+REASONING_ADDED_TOKENS = (THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END) + REASONING_WORDS
+
+# Qwen3's template, cut to what the tests use: a system turn (with the tools as JSON lines
+# between <tools> tags), user / assistant / tool turns (an assistant's reasoning_content in
+# <think> tags, its tool calls as <tool_call> JSON), and the generation prompt, which with
+# enable_thinking=false holds an empty, closed think block.
+# (transformers renders with trim_blocks: no text right after a tag starts with a newline.)
+QWEN3_STYLE_CHAT_TEMPLATE = (
+    "{% if tools or messages[0].role == 'system' %}"
+    "<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "{% if tools %}# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>{% endif %}"
+    "<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and loop.first %}"
+    "{% elif m.role == 'assistant' %}"
+    "<|im_start|>assistant\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>\n\n{% endif %}"
+    "{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}"
+    "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% elif m.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+# DeepSeek-R1's way: the generation prompt opens the reasoning.
+R1_STYLE_CHAT_TEMPLATE = QWEN3_STYLE_CHAT_TEMPLATE.replace(
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}",
+    "<think>")
+assert R1_STYLE_CHAT_TEMPLATE != QWEN3_STYLE_CHAT_TEMPLATE
+
+
+def build_reasoning_tokenizer(out_dir) -> Path:
+    """The scripted tokenizer (one token per byte, ``SCRIPTED_MERGES``) plus: ``"\n\n"`` as
+    one token, ``REASONING_ADDED_TOKENS`` (``<think>``, ``</think>``, ``<tool_call>``,
+    ``</tool_call>`` and the scripts' words) as added tokens that are not special, and
+    ``QWEN3_STYLE_CHAT_TEMPLATE``. Returns ``out_dir``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.common import SPECIAL_TOKENS
+
+    merges = list(SCRIPTED_MERGES) + [("\u010a", "\u010a")]  # byte-level "\n" twice
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_ADDED_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   chat_template=QWEN3_STYLE_CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return out
+
+
+def chain_script(tok, first: str, pieces: Sequence[str]) -> dict[int, int]:
+    """A scripted model's table that makes the token of ``first`` (a prompt's last token)
+    yield the tokens of ``pieces`` in order, then EOS. Each text must be one token of ``tok``
+    and no token may repeat (the next token depends on the previous one only)."""
+    ids = []
+    for text in [first, *pieces]:
+        t = tok.encode(text, add_special_tokens=False)
+        assert len(t) == 1, (text, t)
+        ids.append(t[0])
+    ids.append(tok.eos_token_id)
+    assert len(set(ids)) == len(ids), "a chain may not repeat a token"
+    return dict(zip(ids, ids[1:]))
+
+
+# What the reasoning models say after a Qwen3-style generation prompt (which ends in "\n";
+# with enable_thinking=false, in "\n\n"; the R1-style one ends in "<think>").
+REASONING_ANSWER = [THINK_START, "Hmm", THINK_END, "\n\n", "OK"]
+REASONING_TOOL_CALL = [THINK_START, "Hmm", THINK_END, "\n\n", TOOL_CALL_START, TOOL_CALL_JSON, TOOL_CALL_END]
+
+
+def reasoning_script(tok, pieces: Sequence[str] = tuple(REASONING_ANSWER)) -> dict[int, int]:
+    """The reasoning model's table: after ``"\n"`` (a thinking prompt) the whole of
+    ``pieces``; after ``"\n\n"`` or ``"<think>"`` the rest of it from there on (a prompt that
+    closed, or opened, the reasoning)."""
+    return chain_script(tok, "\n", pieces)
+
+
 def build_scripted_model(out_dir, tokenizer_dir, script: dict[int, int], logit_gap: float = 16.0) -> Path:
     """A Llama checkpoint whose greedy next token after token ``t`` is ``script[t]``,
     whatever came before, so a prompt ending in a script key yields a fixed token sequence
