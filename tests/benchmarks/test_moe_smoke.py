@@ -4,6 +4,7 @@ before triton is imported. The numbers are not checked; the JSON's shape and the
 tile table are."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +14,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _require_triton() -> None:
+    """triton is a test dependency on Linux (setup.py): there its absence fails."""
+    if not sys.platform.startswith("linux") and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is a test dependency on Linux only")
+    import triton  # noqa: F401
 
 
 def _run(*args, tmp_path):
@@ -25,7 +33,7 @@ def _run(*args, tmp_path):
 
 @pytest.mark.timeout(900)
 def test_moe_benchmark_cpu_smoke(tmp_path):
-    pytest.importorskip("triton")
+    _require_triton()
     _run(tmp_path=tmp_path)
     res = json.loads((tmp_path / "moe_tiny.json").read_text())["results"]
     assert all("error" not in res[s] for s in ("kernels", "loading", "engine")), res
@@ -41,7 +49,7 @@ def test_moe_benchmark_cpu_smoke(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_moe_sweep_cpu_smoke_writes_a_loadable_table(tmp_path):
-    pytest.importorskip("triton")
+    _require_triton()
     _run("--sweep", tmp_path=tmp_path)
     from pyengine.layers.fused_moe import fused_moe
 
