@@ -26,7 +26,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["pyengine", "pyengine.*", "server", "server.*", "capi", "capi.*"])
     + ["pyengine.default_model", "server.static"],  # data folders: listed so setuptools ships them quietly
-    package_data={"pyengine.default_model": ["*"], "capi": ["*.c", "*.h"], "server.static": ["*"]},
+    package_data={"pyengine.default_model": ["*"], "capi": ["*.c", "*.h"], "server.static": ["*"],
+                  "pyengine.layers.fused_moe": ["configs/*.json"]},
     cmdclass={"build_py": BuildPy},
     include_package_data=True,
     install_requires=[
