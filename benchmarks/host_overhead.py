@@ -55,7 +55,7 @@ def measure(batch: int, steps: int, async_scheduling: bool, model_dir: str) -> d
     _timed(sched, "schedule", acc)
     _timed(sched, "update_from_output", acc)
     _timed(runner, "_prepare_inputs", acc)
-    _timed(runner, "_sampling_metadata", acc)
+    _timed(runner.sampling_state, "metadata", acc)
     _timed(runner, "sampler", acc)
     _timed(eng.output_processor, "process_outputs", acc)
     sp = SamplingParams(temperature=0.8, max_tokens=steps, ignore_eos=True,
@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
     import tempfile
     model_dir = str(make_model_dir("tiny", os.path.join(tempfile.gettempdir(), "vengine_bench_models", "tiny")))
     rows = [measure(b, args.steps, not args.no_async_scheduling, model_dir) for b in args.batch_sizes]
-    phases = ["schedule", "_prepare_inputs", "_sampling_metadata", "sampler", "update_from_output",
+    phases = ["schedule", "_prepare_inputs", "metadata", "sampler", "update_from_output",
               "process_outputs"]
     hw = hardware_info("cpu")
     print(header_md("Host time per decode step (model forward stubbed)", hw, command_line()))

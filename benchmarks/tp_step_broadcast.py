@@ -5,7 +5,7 @@ Three ways, for a decode step of batch 1 and of batch 256 (600-token contexts) a
 8192-token prefill step (8 x 1024):
 
 * ``packed``: rank 0 already packs every integer input of the step into two buffers for
-  its own forward (``ModelRunner._pack_inputs``); it broadcasts a fixed header and those
+  its own forward (``step_codec.pack_step``); it broadcasts a fixed header and those
   bytes over gloo (``GroupCoordinator.send_step`` without the shared-memory queue), which
   the other ranks copy to their device as they are.
 * ``shm``: the same header and bytes as one message through the shared-memory queue
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_step(num_reqs: int, new_tokens: int, context: int, block_size: int = 16):
     """A SchedulerOutput of ``num_reqs`` requests each feeding ``new_tokens`` after
-    ``context`` cached tokens, and the runner-side state ``_pack_inputs`` reads."""
+    ``context`` cached tokens, and the runner-side state ``pack_step`` reads."""
     from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
     from pyengine.request import Request
     from pyengine.sampling_params import SamplingParams
@@ -98,11 +98,11 @@ def _recv(method: str, group, tp, mq) -> None:
     import torch
     import torch.distributed as dist
 
-    from pyengine.worker.model_runner import ModelRunner, StepShape
+    from pyengine.worker.step_codec import HEADER_LEN, payload_bytes
 
     if method in ("packed", "shm"):
         tp.mq = mq if method == "shm" else None
-        tp.recv_step(StepShape.HEADER_LEN, ModelRunner._payload_bytes)
+        tp.recv_step(HEADER_LEN, payload_bytes)
     elif method == "cbor2":
         n = torch.empty(1, dtype=torch.int64)
         dist.broadcast(n, 0, group=group)
@@ -117,8 +117,6 @@ def _recv(method: str, group, tp, mq) -> None:
 def _rank_main(rank: int, init_method: str, iters: int, conn) -> None:
     import torch.distributed as dist
 
-    from pyengine.worker.model_runner import ModelRunner
-
     import torch
 
     from pyengine.distributed import GroupCoordinator
@@ -129,11 +127,11 @@ def _rank_main(rank: int, init_method: str, iters: int, conn) -> None:
     if not tp.init_message_queue():
         raise SystemExit("the shared-memory queue could not be set up (VENGINE_TP_SHM_BROADCAST=0?)")
     mq = tp.mq
-    pack = ModelRunner._pack_inputs
+    from pyengine.worker.step_codec import pack_step
     results: dict = {}
     for name, (reqs, new, ctx) in SCENARIOS.items():
         so, runner = make_step(reqs, new, ctx)
-        step = pack(runner, so)
+        step = pack_step(so, runner.block_size, runner._prev_rows)
         row = {}
         if rank == 0:
             t = []

@@ -1,5 +1,7 @@
 """Model runner: turns a SchedulerOutput into model inputs, runs the forward pass and
-samples (mirrors vllm/v1/worker/gpu_model_runner.py).
+samples (mirrors vllm/v1/worker/gpu_model_runner.py). Its parts: KV-cache sizing and
+warm-up (here), the packed step format (``step_codec``), the tensor-parallel step protocol
+(``tp_follower``), and the per-request sampling state (``sampling_state``).
 
 One code path for CPU and GPU. With async scheduling, the token a decode step feeds may
 have been sampled by the previous step and never seen by the host: it is gathered on the
@@ -9,10 +11,9 @@ copied on a side stream, with an event the engine waits on only when it consumes
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -25,83 +26,12 @@ from pyengine.messages import LogprobsEntry
 from pyengine.models.loader import load_model
 from pyengine.models.registry import model_dims
 from pyengine.worker.profiler import RankProfiler
-from pyengine.worker.sampler import Sampler, SamplingMetadata
+from pyengine.worker.sampler import Sampler
+from pyengine.worker.sampling_state import SamplingState
+from pyengine.worker.step_codec import PackedStep, pack_step
+from pyengine.worker.tp_follower import TPStepSender, follow_one_step
 
 logger = logging.getLogger(__name__)
-
-
-def _align(n: int, m: int) -> int:
-    """n rounded up to a multiple of m."""
-    return -(-n // m) * m
-
-
-class StepShape(NamedTuple):
-    """Sizes of one packed step (see ``ModelRunner._pack_inputs``); every buffer offset
-    follows from them. T tokens, R requests, P placeholder rows, S rows to sample."""
-    T: int
-    R: int
-    P: int
-    S: int
-    max_blocks: int
-    max_query_len: int
-    max_seq_len: int
-
-    HEADER_LEN = 8  # [kind, T, R, P, S, max_blocks, max_query_len, max_seq_len]
-    # kind: 0 stop, 1 a step, 2 a profiling control ([2, op, len(directory bytes), 0...],
-    # then the directory's bytes when op starts a window)
-    KIND_STEP, KIND_CONTROL = 1, 2
-
-    # int64 offsets (elements): ids 0, positions t2, slots 2*t2, placeholders o_ph, rows o_rows
-    @property
-    def t2(self) -> int:
-        return _align(self.T, 2)
-
-    @property
-    def p2(self) -> int:
-        return _align(self.P, 2)
-
-    @property
-    def o_ph(self) -> int:
-        return 3 * self.t2
-
-    @property
-    def o_rows(self) -> int:
-        return 3 * self.t2 + 2 * self.p2
-
-    @property
-    def n64(self) -> int:
-        return self.o_rows + self.S
-
-    # int32 offsets: query_start_loc 0, seq_lens o_seq, block table o_bt
-    @property
-    def o_seq(self) -> int:
-        return _align(self.R + 1, 4)
-
-    @property
-    def o_bt(self) -> int:
-        return self.o_seq + _align(self.R, 4)
-
-    @property
-    def n32(self) -> int:
-        return self.o_bt + self.R * self.max_blocks
-
-    def header(self) -> list[int]:
-        return [1, *self]
-
-    @staticmethod
-    def stop_header() -> list[int]:
-        return [0] * StepShape.HEADER_LEN
-
-    @staticmethod
-    def from_header(h: list[int]) -> Optional["StepShape"]:
-        """None for the stop header."""
-        return StepShape(*h[1:]) if h[0] == 1 else None
-
-
-class PackedStep(NamedTuple):
-    shape: StepShape
-    buf64: np.ndarray  # int64 [shape.n64]
-    buf32: np.ndarray  # int32 [shape.n32]
 
 
 @dataclass
@@ -153,10 +83,10 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
-        self.generators: dict[str, torch.Generator] = {}
-        self._gen_state_before_draw: dict[str, torch.Tensor] = {}  # see _rewind_generators
+        self.sampling_state = SamplingState(self.device, self.dims.vocab_size, config.async_scheduling)
+        self._sender = TPStepSender(tp_group) if tp_group is not None else None
         # Async scheduling: the previous launch's sampled ids (device) and row per request.
-        self._prev_sampled: Optional[torch.Tensor] = None
+        self.prev_sampled: Optional[torch.Tensor] = None
         self._prev_rows: dict[str, int] = {}
         self._deferred = None  # execute_model(defer_sampling=True) -> sample_tokens
         self.profiler: Optional[RankProfiler] = None  # open between start_profile and stop_profile
@@ -281,238 +211,93 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput):
-        """Build the step's inputs (see ``_pack_inputs``); with tensor parallelism also send
+        """Build the step's inputs (``step_codec.pack_step``); with tensor parallelism also send
         them to the other ranks first. Returns (input ids [T], positions [T],
         AttentionMetadata, rows to sample from [S] or None when every row samples)."""
         prof = self.profiler
         if prof is not None:
             prof.phase("pack")
-        step = self._pack_inputs(so)
-        if self.tp is not None:
+        step = pack_step(so, self.block_size, self._prev_rows)
+        if self._sender is not None:
             if prof is not None:
                 prof.phase("send")
-            self._broadcast_step(step)
+            self._sender.send_step(step)
         if prof is not None:
             prof.phase("prepare")
-        return self._step_tensors(step)
+        return self.step_tensors(step)
 
-    def _pack_inputs(self, so: SchedulerOutput) -> "PackedStep":
-        """All integer inputs of the step in one int64 buffer [input ids | positions | slot
-        mapping | placeholder rows | their source rows | rows to sample] and one int32
-        buffer [query_start_loc | seq_lens | block table], host side. Every region starts
-        on a 16-byte boundary: triton specialises kernels on pointer alignment, so an odd
-        offset would compile (and, cold, stall a step for) another variant of each kernel."""
-        sched = so.scheduled
-        T, R, bs = so.total_num_scheduled_tokens, len(sched), self.block_size
-        toks: list[int] = []
-        ph_rows, ph_src = [], []
-        starts = np.empty(R, dtype=np.int64)
-        ns = np.empty(R, dtype=np.int64)
-        max_blocks = max(len(s.block_ids) for s in sched)
-        shape = StepShape(T, R, 0, 0, max_blocks, 0, 0)
-        buf32 = np.zeros(shape.n32, dtype=np.int32)
-        block_table = buf32[shape.o_bt:].reshape(R, max_blocks)
-        for i, s in enumerate(sched):
-            start, n = s.num_computed_tokens, s.num_new_tokens
-            starts[i], ns[i] = start, n
-            all_ids = s.request.all_token_ids
-            if s.placeholder_input:
-                # Fed from the previous step's sampled ids, still on the device.
-                toks.extend(all_ids[start:start + n - 1])
-                ph_rows.append(len(toks))
-                ph_src.append(self._prev_rows[s.request.request_id])
-                toks.append(0)
-            elif n == 1:
-                toks.append(all_ids[start])
-            else:
-                toks.extend(all_ids[start:start + n])
-            block_table[i, :len(s.block_ids)] = s.block_ids
-        qsl = buf32[:R + 1]
-        np.cumsum(ns, out=qsl[1:])
-        seq_lens = buf32[shape.o_seq:shape.o_seq + R]
-        seq_lens[:] = starts + ns
-        rows = [int(qsl[i + 1]) - 1 for i, s in enumerate(sched) if s.sample]
-        shape = StepShape(T, R, len(ph_rows), len(rows), max_blocks, int(ns.max()), int(seq_lens.max()))
-        t2 = shape.t2
-        buf64 = np.empty(shape.n64, dtype=np.int64)
-        buf64[:T] = toks
-        req_of_tok = np.repeat(np.arange(R), ns)
-        positions = buf64[t2:t2 + T]
-        positions[:] = starts[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
-        buf64[2 * t2:2 * t2 + T] = block_table[req_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
-        o = shape.o_ph
-        buf64[o:o + shape.P] = ph_rows
-        buf64[o + shape.p2:o + shape.p2 + shape.P] = ph_src
-        buf64[shape.o_rows:] = rows
-        return PackedStep(shape, buf64, buf32)
-
-    def _step_tensors(self, step: "PackedStep"):
+    def step_tensors(self, step: PackedStep):
         """Copy a packed step to the device (two copies) and fill the placeholder rows from
         the previous step's sampled ids. Returns (ids, positions, meta, sample rows or None)."""
         sh, dev = step.shape, self.device
-        T, R, P, S, t2 = sh.T, sh.R, sh.P, sh.S, sh.t2
+        T, R, P, S = sh.num_tokens, sh.num_reqs, sh.num_placeholders, sh.num_sampled
         d64 = torch.from_numpy(step.buf64).to(dev, non_blocking=True)
         d32 = torch.from_numpy(step.buf32).to(dev, non_blocking=True)
         ids_t = d64[:T]
         if P:
-            o = sh.o_ph
-            ids_t[d64[o:o + P]] = self._prev_sampled[d64[o + sh.p2:o + sh.p2 + P]]
+            o, p2 = sh.placeholder_offset, sh.placeholders_padded
+            ids_t[d64[o:o + P]] = self.prev_sampled[d64[o + p2:o + p2 + P]]
         host32 = torch.from_numpy(step.buf32)
+        seq = sh.seq_lens_offset
         meta = AttentionMetadata(
             num_actual_tokens=T, num_reqs=R, max_query_len=sh.max_query_len, max_seq_len=sh.max_seq_len,
-            query_start_loc=d32[:R + 1], seq_lens=d32[sh.o_seq:sh.o_seq + R],
-            block_table=d32[sh.o_bt:].view(R, sh.max_blocks), slot_mapping=d64[2 * t2:2 * t2 + T],
-            query_start_loc_cpu=host32[:R + 1], seq_lens_cpu=host32[sh.o_seq:sh.o_seq + R])
-        rows_t = d64[sh.o_rows:sh.o_rows + S] if S and S != T else None
-        return ids_t, d64[t2:t2 + T], meta, rows_t
+            query_start_loc=d32[:R + 1], seq_lens=d32[seq:seq + R],
+            block_table=d32[sh.block_table_offset:].view(R, sh.max_blocks),
+            slot_mapping=d64[sh.slot_mapping_offset:sh.slot_mapping_offset + T],
+            query_start_loc_cpu=host32[:R + 1], seq_lens_cpu=host32[seq:seq + R])
+        rows_t = d64[sh.sample_rows_offset:sh.sample_rows_offset + S] if S and S != T else None
+        return ids_t, d64[sh.positions_offset:sh.positions_offset + T], meta, rows_t
 
-    # ---- tensor parallelism: rank 0 sends each step, the other ranks follow ------------
-    def _broadcast_step(self, step: "PackedStep") -> None:
-        """Rank 0: a fixed-size header (the step's shape) and the two buffers, one message
-        (``GroupCoordinator.send_step``)."""
-        self.tp.send_step(np.array(step.shape.header(), dtype=np.int64), step.buf64, step.buf32)
-
+    # ---- tensor parallelism (pyengine/worker/tp_follower.py) ---------------------------
     def broadcast_stop(self) -> None:
         """Rank 0: tell the other ranks' ``execute_follower_step`` loops to return False."""
-        self.tp.send_step(np.array(StepShape.stop_header(), dtype=np.int64))
+        self._sender.send_stop()
 
-    @staticmethod
-    def _payload_bytes(head: list[int]) -> int:
-        """Size of the payload that follows a step message's header."""
-        if head[0] == StepShape.KIND_STEP:
-            sh = StepShape(*head[1:])
-            return sh.n64 * 8 + sh.n32 * 4
-        return head[2] if head[0] == StepShape.KIND_CONTROL else 0
+    def execute_follower_step(self) -> bool:
+        """Ranks > 0: receive rank 0's next step and run the same forward. Returns False
+        when rank 0 sent stop."""
+        return follow_one_step(self)
 
     # ---- profiling windows (pyengine/worker/profiler.py) ---------------------------------
-    _PROFILE_START, _PROFILE_START_TRACE, _PROFILE_STOP = 1, 2, 3
-
     def start_profile(self, out_dir: str, trace: bool = True) -> None:
         """Open a profiling window on every rank (rank 0 calls it between steps): host
         time per step phase, and with ``trace`` a torch.profiler trace; ``stop_profile``
         writes each rank's files into ``out_dir``. Raises RuntimeError if one is open."""
         if self.profiler is not None:
             raise RuntimeError("a profiling window is already open")
-        if self.tp is not None:
-            op = self._PROFILE_START_TRACE if trace else self._PROFILE_START
-            data = np.frombuffer(os.fsencode(out_dir), dtype=np.uint8)
-            self.tp.send_step(self._control_header(op, data.nbytes), data)
-        self._open_profile(out_dir, trace)
+        if self._sender is not None:
+            self._sender.send_profile_start(out_dir, trace)
+        self.open_profile(out_dir, trace)
 
     def stop_profile(self) -> dict:
         """Close the window on every rank; returns rank 0's summary once every rank has
         written its files. Raises RuntimeError if none is open."""
         if self.profiler is None:
             raise RuntimeError("no profiling window is open")
-        if self.tp is not None:
-            self.tp.send_step(self._control_header(self._PROFILE_STOP, 0))
+        if self._sender is not None:
+            self._sender.send_profile_stop()
         summary, self.profiler = self.profiler.stop(), None
         if self.tp is not None:
             self.tp.barrier()  # the other ranks' files are written
         return summary
 
-    @staticmethod
-    def _control_header(op: int, n: int) -> np.ndarray:
-        return np.array([StepShape.KIND_CONTROL, op, n] + [0] * (StepShape.HEADER_LEN - 3), dtype=np.int64)
-
-    def _open_profile(self, out_dir: str, trace: bool) -> None:
+    def open_profile(self, out_dir: str, trace: bool) -> None:
         rank = self.tp.rank if self.tp is not None else 0
         self.profiler = RankProfiler(rank, out_dir, self._profile_windows, trace, self.device)
         self._profile_windows += 1
 
-    def _follow_control(self, op: int, data: np.ndarray) -> None:
-        """Ranks > 0: rank 0's ``start_profile`` / ``stop_profile``."""
-        if op == self._PROFILE_STOP:
-            if self.profiler is not None:
-                self.profiler, prof = None, self.profiler
-                prof.stop()
-            self.tp.barrier()
-            return
-        self._open_profile(os.fsdecode(data.tobytes()), op == self._PROFILE_START_TRACE)
+    def close_profile(self) -> None:
+        """A follower's window ends (its files written)."""
+        if self.profiler is not None:
+            self.profiler, prof = None, self.profiler
+            prof.stop()
 
-    @torch.inference_mode()
-    def execute_follower_step(self) -> bool:
-        """Ranks > 0: receive rank 0's next step and run the same forward (and the logits
-        gather, and with async scheduling take the sampled ids rank 0 broadcasts). Returns
-        False when rank 0 sent stop."""
-        prof = self.profiler
-        if prof is not None:
-            prof.phase("recv")
-        head, payload = self.tp.recv_step(StepShape.HEADER_LEN, self._payload_bytes)
-        if head[0] == StepShape.KIND_CONTROL:
-            self._follow_control(head[1], payload)
-            return True
-        shape = StepShape.from_header(head)
-        if shape is None:
-            return False
-        if prof is not None:
-            prof.phase("prepare")
-        step = PackedStep(shape, payload[:shape.n64 * 8].view(np.int64), payload[shape.n64 * 8:].view(np.int32))
-        ids, pos, meta, rows_t = self._step_tensors(step)
-        if prof is not None:
-            prof.phase("forward")
-        hidden = self._forward(ids, pos, meta)
-        if shape.S:
-            if prof is not None:
-                prof.phase("logits")
-            self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])  # the gather
-            if self.config.async_scheduling:  # the next step may feed these ids (placeholders)
-                if prof is not None:
-                    prof.phase("token_bcast")
-                self._prev_sampled = self.tp.broadcast(torch.empty(shape.S, dtype=torch.int64, device=self.device))
-        if prof is not None:
-            prof.end_step()
-        return True
-
-    def _forward(self, ids, pos, meta) -> torch.Tensor:
+    def forward(self, ids, pos, meta) -> torch.Tensor:
+        """The model's forward: a captured CUDA graph for a decode batch it covers."""
         if (self.graph_runner is not None and meta.max_query_len == 1
                 and meta.num_reqs <= self.graph_runner.max_batch_size):
             return self.graph_runner.run(ids, pos, meta)
         return self.model(ids, pos, meta)
-
-    def _sampling_metadata(self, sampled, ph_flags) -> SamplingMetadata:
-        params = [s.request.sampling_params for s in sampled]
-        need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                          for p in params)
-        # bad words alone need only the last (longest banned sequence - 1) output tokens
-        tail = max((len(w) for p in params for w in (p.bad_words_token_ids or ())), default=1) - 1
-        if need_tokens or tail:
-            # A placeholder counts as one more output token (-1: its id is on the device only;
-            # the penalties add it below, bad words compare it there).
-            outs = []
-            for s, ph in zip(sampled, ph_flags):
-                r = s.request
-                if need_tokens:
-                    o = r.output_token_ids
-                else:  # a slice of the tail only, not a copy of the whole output each step
-                    o = r.all_token_ids[max(r.num_prompt_tokens, r.num_tokens - tail):]
-                outs.append(o + [-1] if ph else o)
-            prompts = [s.request.prompt_token_ids for s in sampled] if need_tokens else [()] * len(sampled)
-        else:
-            outs = prompts = [()] * len(sampled)
-        gens = []
-        for s in sampled:
-            sp, rid = s.request.sampling_params, s.request.request_id
-            g = None
-            if sp.seed is not None and not sp.sampling_type_greedy:
-                g = self.generators.get(rid)
-                if g is None:
-                    g = self.generators[rid] = torch.Generator(device=self.device)
-                    g.manual_seed(sp.seed)
-                if self.config.async_scheduling:  # only async scheduling drops drawn tokens
-                    self._gen_state_before_draw[rid] = g.get_state()  # host-side copy, no sync
-            gens.append(g)
-        return SamplingMetadata.build(params, prompts, outs, gens, self.dims.vocab_size, self.device)
-
-    def _rewind_generators(self, request_ids) -> None:
-        """Undo the last draw of these requests' seeded generators: its token was dropped
-        (async scheduling; the request was preempted while the step was in flight), and
-        the request has not drawn since, so its next draw must repeat that one, as it would
-        under sync scheduling."""
-        for rid in request_ids:
-            g, state = self.generators.get(rid), self._gen_state_before_draw.pop(rid, None)
-            if g is not None and state is not None:
-                g.set_state(state)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, non_blocking: bool = False, grammar_output=None,
@@ -526,20 +311,18 @@ class ModelRunner:
         ``sample_tokens(grammar_output)`` samples later (vLLM's split), so the host can fill
         the bitmask, which needs the previous step's tokens, while the device runs this
         step's forward."""
-        for rid in so.finished_req_ids:
-            self.generators.pop(rid, None)
-            self._gen_state_before_draw.pop(rid, None)
-        self._rewind_generators(so.discarded_draw_req_ids)
+        self.sampling_state.forget(so.finished_req_ids)
+        self.sampling_state.rewind(so.discarded_draw_req_ids)
         # All host-side preparation (inputs and sampling metadata) comes before the first
         # kernel of the step, so the step reaches the GPU as one burst of launches.
         ids, pos, meta, rows_t = self._prepare_inputs(so)
         sampled = [s for s in so.scheduled if s.sample]
         ph_flags = [s.placeholder_input for s in sampled]
-        meta_s = self._sampling_metadata(sampled, ph_flags) if sampled else None
+        meta_s = self.sampling_state.metadata(sampled, ph_flags) if sampled else None
         prof = self.profiler
         if prof is not None:
             prof.phase("forward")
-        hidden = self._forward(ids, pos, meta)
+        hidden = self.forward(ids, pos, meta)
         if not sampled:
             out = (ModelRunnerOutput([], None) if not non_blocking
                    else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None))
@@ -586,7 +369,7 @@ class ModelRunner:
             rows = [i for i, f in enumerate(ph_flags) if f]
             idx = torch.tensor([rows, [self._prev_rows[sampled[i].request.request_id] for i in rows]],
                                pin_memory=self._is_cuda).to(self.device, non_blocking=True)
-            toks = self._prev_sampled[idx[1]]
+            toks = self.prev_sampled[idx[1]]
             if not meta_s.no_penalties:
                 meta_s.output_token_counts.index_put_(
                     (idx[0], toks),
@@ -600,7 +383,7 @@ class ModelRunner:
             if self.profiler is not None:
                 self.profiler.phase("token_bcast")
             self.tp.broadcast(tokens)  # the other ranks feed placeholders from them too
-        self._prev_sampled = tokens
+        self.prev_sampled = tokens
         self._prev_rows = {s.request.request_id: i for i, s in enumerate(sampled)}
         k_per_row = [s.request.sampling_params.logprobs for s in sampled]
         lp_host = None
@@ -637,9 +420,8 @@ class ModelRunner:
         self.graph_runner = None
         self.kv_caches = []
         self.model = None
-        self._prev_sampled = None
-        self.generators.clear()
-        self._gen_state_before_draw.clear()
+        self.prev_sampled = None
+        self.sampling_state.clear()
         if self._is_cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

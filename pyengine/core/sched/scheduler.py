@@ -393,7 +393,7 @@ class Scheduler:
             if s.epoch != req.num_preemptions:
                 # Preempted while this batch was in flight: the token is dropped, and the
                 # runner rewinds the request's seeded generator past the draw (see
-                # ModelRunner._rewind_generators) so its tokens match sync scheduling.
+                # SamplingState.rewind) so its tokens match sync scheduling.
                 self._discarded_draws.add(req.request_id)
                 continue
             try:

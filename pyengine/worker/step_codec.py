@@ -1,0 +1,165 @@
+"""One engine step's integer inputs packed into two host buffers (the model runner copies
+them to the device in two transfers; tensor-parallel rank 0 sends the same bytes to the
+other ranks, ``pyengine.worker.tp_follower``). ``StepShape`` names the sizes and every
+region's offset; ``pack_step`` builds the buffers from a ``SchedulerOutput``.
+
+Layout (elements, each region 16-byte aligned: Triton specialises kernels on pointer
+alignment, so an odd offset would compile, and when cold stall a step for, another variant
+of each kernel):
+
+- int64 ``[input ids | positions | slot mapping | placeholder rows | their source rows |
+  rows to sample]``;
+- int32 ``[query_start_loc | seq_lens | block table]``.
+
+The message header is ``[kind, *StepShape]`` (``HEADER_LEN`` int64s): kind 0 stop, 1 a
+step, 2 a control message (``[2, op, payload bytes, 0...]``, then the payload)."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from pyengine.core.sched.output import SchedulerOutput
+
+__all__ = ["StepShape", "PackedStep", "pack_step", "payload_bytes", "control_header",
+           "HEADER_LEN", "KIND_STOP", "KIND_STEP", "KIND_CONTROL"]
+
+HEADER_LEN = 8
+KIND_STOP, KIND_STEP, KIND_CONTROL = 0, 1, 2
+
+
+def _align(n: int, m: int) -> int:
+    """n rounded up to a multiple of m."""
+    return -(-n // m) * m
+
+
+class StepShape(NamedTuple):
+    """Sizes of one packed step; every buffer offset follows from them."""
+    num_tokens: int  # T: scheduled tokens
+    num_reqs: int  # R: scheduled requests
+    num_placeholders: int  # P: tokens fed from the previous step's sampled ids (async scheduling)
+    num_sampled: int  # S: rows to sample
+    max_blocks: int  # block-table width
+    max_query_len: int
+    max_seq_len: int
+
+    # int64 regions
+    @property
+    def tokens_padded(self) -> int:
+        return _align(self.num_tokens, 2)
+
+    @property
+    def placeholders_padded(self) -> int:
+        return _align(self.num_placeholders, 2)
+
+    @property
+    def positions_offset(self) -> int:
+        return self.tokens_padded
+
+    @property
+    def slot_mapping_offset(self) -> int:
+        return 2 * self.tokens_padded
+
+    @property
+    def placeholder_offset(self) -> int:
+        return 3 * self.tokens_padded
+
+    @property
+    def sample_rows_offset(self) -> int:
+        return self.placeholder_offset + 2 * self.placeholders_padded
+
+    @property
+    def int64_len(self) -> int:
+        return self.sample_rows_offset + self.num_sampled
+
+    # int32 regions (query_start_loc at 0)
+    @property
+    def seq_lens_offset(self) -> int:
+        return _align(self.num_reqs + 1, 4)
+
+    @property
+    def block_table_offset(self) -> int:
+        return self.seq_lens_offset + _align(self.num_reqs, 4)
+
+    @property
+    def int32_len(self) -> int:
+        return self.block_table_offset + self.num_reqs * self.max_blocks
+
+    def header(self) -> list[int]:
+        return [KIND_STEP, *self]
+
+    @staticmethod
+    def stop_header() -> list[int]:
+        return [KIND_STOP] * HEADER_LEN
+
+    @staticmethod
+    def from_header(h) -> Optional["StepShape"]:
+        """None for the stop header."""
+        return StepShape(*(int(x) for x in h[1:])) if h[0] == KIND_STEP else None
+
+
+class PackedStep(NamedTuple):
+    shape: StepShape
+    buf64: np.ndarray  # int64 [shape.int64_len]
+    buf32: np.ndarray  # int32 [shape.int32_len]
+
+
+def payload_bytes(head) -> int:
+    """Size of the payload that follows a step message's header."""
+    if head[0] == KIND_STEP:
+        sh = StepShape.from_header(head)
+        return sh.int64_len * 8 + sh.int32_len * 4
+    return int(head[2]) if head[0] == KIND_CONTROL else 0
+
+
+def control_header(op: int, n: int) -> np.ndarray:
+    """The header of a control message ``op`` with ``n`` payload bytes."""
+    return np.array([KIND_CONTROL, op, n] + [0] * (HEADER_LEN - 3), dtype=np.int64)
+
+
+def pack_step(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -> PackedStep:
+    """All integer inputs of the step, host side (the layout above). ``prev_rows``: the
+    row of each request in the previous step's sampled ids, for its placeholder input."""
+    sched = so.scheduled
+    T, R, bs = so.total_num_scheduled_tokens, len(sched), block_size
+    toks: list[int] = []
+    ph_rows, ph_src = [], []
+    starts = np.empty(R, dtype=np.int64)
+    ns = np.empty(R, dtype=np.int64)
+    max_blocks = max(len(s.block_ids) for s in sched)
+    shape = StepShape(T, R, 0, 0, max_blocks, 0, 0)
+    buf32 = np.zeros(shape.int32_len, dtype=np.int32)
+    block_table = buf32[shape.block_table_offset:].reshape(R, max_blocks)
+    for i, s in enumerate(sched):
+        start, n = s.num_computed_tokens, s.num_new_tokens
+        starts[i], ns[i] = start, n
+        all_ids = s.request.all_token_ids
+        if s.placeholder_input:
+            # Fed from the previous step's sampled ids, still on the device.
+            toks.extend(all_ids[start:start + n - 1])
+            ph_rows.append(len(toks))
+            ph_src.append(prev_rows[s.request.request_id])
+            toks.append(0)
+        elif n == 1:
+            toks.append(all_ids[start])
+        else:
+            toks.extend(all_ids[start:start + n])
+        block_table[i, :len(s.block_ids)] = s.block_ids
+    qsl = buf32[:R + 1]
+    np.cumsum(ns, out=qsl[1:])
+    seq_lens = buf32[shape.seq_lens_offset:shape.seq_lens_offset + R]
+    seq_lens[:] = starts + ns
+    rows = [int(qsl[i + 1]) - 1 for i, s in enumerate(sched) if s.sample]
+    shape = StepShape(T, R, len(ph_rows), len(rows), max_blocks, int(ns.max()), int(seq_lens.max()))
+    buf64 = np.empty(shape.int64_len, dtype=np.int64)
+    buf64[:T] = toks
+    req_of_tok = np.repeat(np.arange(R), ns)
+    positions = buf64[shape.positions_offset:shape.positions_offset + T]
+    positions[:] = starts[req_of_tok] + (np.arange(T) - qsl[:-1][req_of_tok])
+    slots = buf64[shape.slot_mapping_offset:shape.slot_mapping_offset + T]
+    slots[:] = block_table[req_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
+    o, p2, P = shape.placeholder_offset, shape.placeholders_padded, shape.num_placeholders
+    buf64[o:o + P] = ph_rows
+    buf64[o + p2:o + p2 + P] = ph_src
+    buf64[shape.sample_rows_offset:] = rows
+    return PackedStep(shape, buf64, buf32)

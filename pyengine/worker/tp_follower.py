@@ -1,0 +1,89 @@
+"""The tensor-parallel step protocol: rank 0's model runner sends each packed step
+(``pyengine.worker.step_codec``) and the profiling-window controls to the other ranks;
+each of those runs ``follow_one_step`` in its busy loop and repeats rank 0's forward (and
+the logits gather; with async scheduling it takes the sampled ids rank 0 broadcasts).
+Only rank 0 samples. Transport: ``GroupCoordinator.send_step`` / ``recv_step``."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pyengine.worker.step_codec import (HEADER_LEN, KIND_CONTROL, PackedStep, StepShape, control_header,
+                                        payload_bytes)
+
+if TYPE_CHECKING:
+    from pyengine.worker.model_runner import ModelRunner
+
+__all__ = ["TPStepSender", "follow_one_step"]
+
+# control ops (profiling windows, pyengine/worker/profiler.py)
+PROFILE_START, PROFILE_START_TRACE, PROFILE_STOP = 1, 2, 3
+
+
+class TPStepSender:
+    """Rank 0's side: one message per step (a fixed-size header, then the two buffers)."""
+
+    def __init__(self, tp_group):
+        self.tp = tp_group
+
+    def send_step(self, step: PackedStep) -> None:
+        self.tp.send_step(np.array(step.shape.header(), dtype=np.int64), step.buf64, step.buf32)
+
+    def send_stop(self) -> None:
+        """The other ranks' ``follow_one_step`` returns False."""
+        self.tp.send_step(np.array(StepShape.stop_header(), dtype=np.int64))
+
+    def send_profile_start(self, out_dir: str, trace: bool) -> None:
+        data = np.frombuffer(os.fsencode(out_dir), dtype=np.uint8)
+        self.tp.send_step(control_header(PROFILE_START_TRACE if trace else PROFILE_START, data.nbytes), data)
+
+    def send_profile_stop(self) -> None:
+        self.tp.send_step(control_header(PROFILE_STOP, 0))
+
+
+def _follow_control(runner: "ModelRunner", op: int, data: np.ndarray) -> None:
+    """Rank 0's ``start_profile`` / ``stop_profile``."""
+    if op == PROFILE_STOP:
+        runner.close_profile()
+        runner.tp.barrier()
+        return
+    runner.open_profile(os.fsdecode(data.tobytes()), op == PROFILE_START_TRACE)
+
+
+@torch.inference_mode()
+def follow_one_step(runner: "ModelRunner") -> bool:
+    """Ranks > 0: receive rank 0's next message and run it on ``runner``. Returns False
+    when rank 0 sent stop."""
+    prof = runner.profiler
+    if prof is not None:
+        prof.phase("recv")
+    head, payload = runner.tp.recv_step(HEADER_LEN, payload_bytes)
+    if head[0] == KIND_CONTROL:
+        _follow_control(runner, int(head[1]), payload)
+        return True
+    shape = StepShape.from_header(head)
+    if shape is None:
+        return False
+    if prof is not None:
+        prof.phase("prepare")
+    n64 = shape.int64_len * 8
+    step = PackedStep(shape, payload[:n64].view(np.int64), payload[n64:].view(np.int32))
+    ids, pos, meta, rows_t = runner.step_tensors(step)
+    if prof is not None:
+        prof.phase("forward")
+    hidden = runner.forward(ids, pos, meta)
+    if shape.num_sampled:
+        if prof is not None:
+            prof.phase("logits")
+        runner.model.compute_logits(hidden if rows_t is None else hidden[rows_t])  # the gather
+        if runner.config.async_scheduling:  # the next step may feed these ids (placeholders)
+            if prof is not None:
+                prof.phase("token_bcast")
+            runner.prev_sampled = runner.tp.broadcast(
+                torch.empty(shape.num_sampled, dtype=torch.int64, device=runner.device))
+    if prof is not None:
+        prof.end_step()
+    return True
