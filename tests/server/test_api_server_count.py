@@ -25,7 +25,7 @@ def _engine_text(tokenizer, prompt, ids) -> str:
     from pyengine.engine.detokenizer import make_incremental_detokenizer
 
     d = make_incremental_detokenizer(tokenizer, prompt, SamplingParams())
-    d.update(ids, stop_terminated=False)
+    d.update(ids, stop_terminated=False, finished=True)
     return d.get_next_output_text(finished=True, delta=False)
 
 
