@@ -159,7 +159,7 @@ class SamplingParams:
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
-    max_tokens: Optional[int] = 16  # None: up to max_model_len
+    max_tokens: Optional[int] = 16  # None: up to max_model_len (16: _DEFAULT_MAX_TOKENS)
     min_tokens: int = 0
     logprobs: Optional[int] = None  # number of top logprobs per generated token
     include_stop_str_in_output: bool = False
@@ -186,6 +186,31 @@ class SamplingParams:
     # bad_words tokenized (vLLM's _bad_words_token_ids): filled by the engine's Processor
     # from the model's tokenizer; not user-facing.
     bad_words_token_ids: Optional[list[list[int]]] = field(default=None, repr=False)
+    # Whether the caller gave max_tokens, and the default it held if not (see
+    # max_tokens_is_default); set by __init__ from the arguments, kept by clone, cross the
+    # codec as fields.
+    max_tokens_given: bool = field(default=True, repr=False, compare=False)
+    max_tokens_default: Optional[int] = field(default=None, repr=False, compare=False)
+
+    def __init__(self, **kwargs) -> None:
+        """Keyword arguments only, each a field name (an unknown one is a ValueError naming
+        the valid ones, not a TypeError); a default for every field not given."""
+        unknown = sorted(set(kwargs) - _FIELDS - _INTERNAL_FIELDS)
+        if unknown:
+            raise ValueError(f"Unknown SamplingParams field(s): {', '.join(unknown)}. "
+                             f"Valid fields: {', '.join(sorted(_FIELDS))}.")
+        kwargs.setdefault("max_tokens_given", "max_tokens" in kwargs)
+        if not kwargs["max_tokens_given"]:
+            kwargs["max_tokens_default"] = kwargs.get("max_tokens", _DEFAULT_MAX_TOKENS)
+        for f in dataclasses.fields(self):
+            if f.name in kwargs:
+                value = kwargs[f.name]
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                value = f.default
+            setattr(self, f.name, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -301,12 +326,11 @@ class SamplingParams:
 
     @property
     def max_tokens_is_default(self) -> bool:
-        """True when ``max_tokens`` was not given and still holds its default (16, or the
+        """True when ``max_tokens`` was not given (it holds its default: 16, or the
         generation config's, see ``with_defaults``): the engine then lowers it to the
         room the prompt leaves, whereas a given value that does not fit is an error (see
-        ``Processor.process``)."""
-        return (not getattr(self, "_max_tokens_given", True)
-                and self.max_tokens == getattr(self, "_max_tokens_default", _DEFAULT_MAX_TOKENS))
+        ``Processor.process``). A ``max_tokens`` set on the object later counts as given."""
+        return not self.max_tokens_given and self.max_tokens == self.max_tokens_default
 
     @classmethod
     def with_defaults(cls, **defaults) -> "SamplingParams":
@@ -314,44 +338,24 @@ class SamplingParams:
         (as if not given) rather than the caller's. The engine's default parameters
         (``--generation-config``) are made this way. Raises ValueError as the
         constructor."""
-        params = cls(**defaults)
-        return params.with_default_max_tokens(params.max_tokens)
+        return cls(**defaults, max_tokens_given=False)
 
     def with_default_max_tokens(self, max_tokens: Optional[int]) -> "SamplingParams":
         """A copy whose ``max_tokens`` is a default rather than a request: the engine caps
         it at the room the prompt leaves instead of refusing a prompt it does not fit
         (e.g. OpenAI's 16 of a completion request without max_tokens)."""
-        new = self.clone(max_tokens=max_tokens)
-        new._max_tokens_given = False
-        new._max_tokens_default = new.max_tokens
-        return new
+        return self.clone(max_tokens=max_tokens, max_tokens_given=False)
 
     def clone(self, **changes) -> "SamplingParams":
-        """A copy with ``changes`` applied (validated as by the constructor); fields not
-        changed keep whether they were given."""
-        new = dataclasses.replace(self, **changes)
-        if "max_tokens" not in changes:
-            new._max_tokens_given = getattr(self, "_max_tokens_given", True)
-            new._max_tokens_default = getattr(self, "_max_tokens_default", _DEFAULT_MAX_TOKENS)
-        return new
+        """A copy with ``changes`` applied (validated as by the constructor); a changed
+        ``max_tokens`` counts as given, the others keep whether they were."""
+        if "max_tokens" in changes:
+            changes.setdefault("max_tokens_given", True)
+        return dataclasses.replace(self, **changes)
 
 
+_DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens's default, vLLM's
 _SO_FIELDS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
 # Filled by the engine, not by callers (still accepted by the constructor: the codec and clone pass them).
-_INTERNAL_FIELDS = frozenset({"all_stop_token_ids", "bad_words_token_ids"})
+_INTERNAL_FIELDS = frozenset({"all_stop_token_ids", "bad_words_token_ids", "max_tokens_given", "max_tokens_default"})
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.name not in _INTERNAL_FIELDS}
-_DEFAULT_MAX_TOKENS = SamplingParams.max_tokens
-_MAX_TOKENS_POS = [f.name for f in dataclasses.fields(SamplingParams)].index("max_tokens")
-_dataclass_init = SamplingParams.__init__
-
-
-def _checked_init(self, *args, **kwargs):
-    unknown = sorted(set(kwargs) - _FIELDS - _INTERNAL_FIELDS)
-    if unknown:
-        raise ValueError(f"Unknown SamplingParams field(s): {', '.join(unknown)}. "
-                         f"Valid fields: {', '.join(sorted(_FIELDS))}.")
-    _dataclass_init(self, *args, **kwargs)
-    self._max_tokens_given = "max_tokens" in kwargs or len(args) > _MAX_TOKENS_POS
-
-
-SamplingParams.__init__ = _checked_init
