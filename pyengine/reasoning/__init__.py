@@ -10,10 +10,11 @@ instance per output stream: ``cls(tokenizer, chat_template_kwargs=..., prompt_to
 / ``extract_content_ids`` for structured outputs (the grammar applies to the content)."""
 from __future__ import annotations
 
-from pyengine.reasoning.abs_reasoning_parsers import DeltaMessage, ReasoningParser, ReasoningParserManager
+from pyengine.reasoning.abs_reasoning_parsers import DeltaMessage, ReasoningParser
 from pyengine.reasoning.basic_parsers import BaseThinkingReasoningParser
 from pyengine.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
 from pyengine.reasoning.qwen3_reasoning_parser import Qwen3ReasoningParser
+from pyengine.reasoning.registry import ReasoningParserManager
 
 __all__ = ["DeltaMessage", "ReasoningParser", "ReasoningParserManager", "BaseThinkingReasoningParser",
            "DeepSeekR1ReasoningParser", "Qwen3ReasoningParser"]

@@ -6,7 +6,7 @@ Only rank 0 samples. Transport: ``GroupCoordinator.send_step`` / ``recv_step``."
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -14,8 +14,23 @@ import torch
 from pyengine.worker.step_codec import (HEADER_LEN, KIND_CONTROL, PackedStep, StepShape, control_header,
                                         payload_bytes)
 
-if TYPE_CHECKING:
-    from pyengine.worker.model_runner import ModelRunner
+
+
+class ModelRunner(Protocol):
+    """What a follower rank uses of ``pyengine.worker.model_runner.ModelRunner`` (named
+    here, not imported, so the runner and its protocol do not import each other)."""
+
+    tp: Any
+    profiler: Any
+    model: Any
+    config: Any
+    device: torch.device
+    prev_sampled: torch.Tensor | None
+
+    def step_tensors(self, step: PackedStep) -> tuple: ...
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor: ...
+    def open_profile(self, out_dir: str, trace: bool) -> None: ...
+    def close_profile(self) -> None: ...
 
 __all__ = ["TPStepSender", "follow_one_step"]
 

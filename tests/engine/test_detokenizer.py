@@ -318,6 +318,7 @@ def test_check_stop_strings_unit():
     assert check_stop_strings("xxabc", 2, ["bc"], True) == ("bc", -1)
 
 
+@pytest.mark.parametrize("skip_special", [True, False])
 def test_token_text_cache_gives_the_streams_text(bpe_tokenizer, skip_special):
     """Random token ids (pieces of multi-byte characters, special tokens, whole words),
     one at a time and in chunks: the detokenizer with the token-text cache gives the
