@@ -10,7 +10,8 @@ from pyengine.exceptions import EngineDeadError, VLLMValidationError
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__version__ = "0.1.0"
+VERSION = "0.1.0"
+__version__ = VERSION
 
 _logging.getLogger("pyengine").addHandler(_logging.NullHandler())
 
@@ -32,4 +33,4 @@ def __getattr__(name):
 __all__ = ["LLM", "AsyncLLM", "MPClient", "start_engine_core_process", "SamplingParams", "StructuredOutputsParams",
            "RequestOutputKind", "EngineArgs", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob",
            "RequestMetrics", "EngineDeadError", "RequestOutputCollector", "SchedulerStats", "FinishReason",
-           "SchedulingPolicy", "VLLMValidationError", "prompt_text_for_echo", "__version__"]
+           "SchedulingPolicy", "VLLMValidationError", "prompt_text_for_echo", "VERSION", "__version__"]

@@ -32,6 +32,9 @@ import threading
 import time
 from multiprocessing.connection import wait as mp_wait
 
+from .cli_args import engine_args_from
+from .serve import serve_engine
+
 logger = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 30.0  # after SIGTERM and each API server's drain (--shutdown-timeout), before a kill
@@ -64,8 +67,6 @@ def run_api_server(args, conn, listener: socket.socket, index: int, status, pare
     _watch_parent(parent_pid)
     from pyengine import AsyncLLM, MPClient
 
-    from .cli import engine_args_from, serve_engine
-
     try:
         engine_args = engine_args_from(args)
         engine = AsyncLLM(engine_args.create_engine_config(), client=MPClient.attach(conn),
@@ -83,8 +84,6 @@ def run_api_server(args, conn, listener: socket.socket, index: int, status, pare
 def serve_api_servers(args) -> int:
     """The supervisor of ``--api-server-count N`` (N >= 2). Returns the exit status."""
     from pyengine import start_engine_core_process
-
-    from .cli import engine_args_from
 
     n = args.api_server_count
     try:

@@ -15,12 +15,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
-from pyengine import __version__, envs
+from pyengine import VERSION, envs
 from pyengine.arg_utils import add_dataclass_args
 from pyengine.config import AsyncEngineArgs
 from pyengine.tool_parsers import ToolParserManager
 
-from .app import DEFAULT_MAX_BODY_BYTES
+from .http import DEFAULT_MAX_BODY_BYTES
 from .wsgi import (DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_REQUEST_READ_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT,
                    DEFAULT_TIMEOUT_KEEP_ALIVE, RETRY_AFTER_S, ssl_args_from)
 
@@ -214,7 +214,7 @@ def make_arg_parser() -> ServeArgumentParser:
                     "Flags carry vllm serve's names.")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Hugging Face model directory (same as --model); omitted: the built-in default model.")
-    p.add_argument("--version", action="version", version=f"vengine {__version__}")
+    p.add_argument("--version", action="version", version=f"vengine {VERSION}")
     add_dataclass_args(p.add_argument_group("server", "The HTTP server's own flags."), FrontendArgs)
     AsyncEngineArgs.add_cli_args(p.add_argument_group(
         "engine", "The engine's flags: the fields of pyengine.EngineArgs (and AsyncEngineArgs)."))

@@ -14,16 +14,24 @@ from flask import Response, request
 
 from pyengine.entrypoints.openai.serving_engine import ChoiceState, ResponseBuilder, usage
 
-from .app import (SOCKET_ENVIRON_KEY, APIError, RequestFailed, ServerState, _json_response, error_body,
-                  error_response)
 from .bridge import ClientDisconnected, RequestGroup, ServerShuttingDown, is_engine_dead
+from .http import SOCKET_ENVIRON_KEY, APIError, error_body, error_response, json_response
 from .metrics import RequestTimer
+from .state import ServerState
 
 logger = logging.getLogger(__name__)
 
 _SSE_DONE = "data: [DONE]\n\n"
 # a str's JSON (what json.dumps gives for it: ASCII, escaped), the C function json uses
 _json_str = json.encoder.encode_basestring_ascii
+
+
+class RequestFailed(Exception):
+    """One engine request ended with finish_reason "error" (it failed inside the engine;
+    the others go on): HTTP 500, or an error event then [DONE] once streaming began."""
+
+    def __init__(self, error: Optional[str]):
+        super().__init__(f"The request failed inside the engine: {error or 'unknown error'}")
 
 
 def _sse(obj) -> str:
@@ -221,7 +229,7 @@ def run_job(job: GenerationJob, stream: bool) -> Response:
         resp.call_on_close(job.close)
         return resp
     try:
-        return _json_response(job.run_to_end())
+        return json_response(job.run_to_end())
     except ClientDisconnected:
         return Response(status=499)
     except RequestFailed as e:

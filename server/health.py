@@ -6,11 +6,13 @@ import asyncio
 
 from flask import Flask, Response
 
+from pyengine import VERSION
+
+from .http import error_response, json_response
+
 
 def register_health_routes(app: Flask, st) -> None:
     """Add the routes to ``app`` (``st``: its ``server.app.ServerState``)."""
-    from .app import VERSION, _json_response, error_response
-
     engine = st.engine
 
     @app.get("/health")
@@ -21,7 +23,7 @@ def register_health_routes(app: Flask, st) -> None:
 
     @app.get("/version")
     def version():
-        return _json_response({"version": VERSION})
+        return json_response({"version": VERSION})
 
     @app.get("/metrics")
     def metrics():
@@ -33,5 +35,5 @@ def register_health_routes(app: Flask, st) -> None:
         def reset_prefix_cache():
             # 200 when reset, 409 while requests hold KV blocks
             if st.bridge.run_blocking(asyncio.run, engine.reset_prefix_cache()):
-                return _json_response({"success": True})
+                return json_response({"success": True})
             return error_response(409, "The prefix cache cannot be reset while requests hold KV blocks.")

@@ -13,18 +13,18 @@ from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.openai.serving_chat import ChatResponseBuilder, chat_inputs, make_extractor
 from pyengine.entrypoints.openai.serving_engine import LogprobsFormatter
 
+from .generation import GenerationJob, run_job
+from .http import json_body
+
 
 def register_chat_routes(app: Flask, st) -> None:
     """Add ``/v1/chat/completions`` to ``app`` (``st``: its ``server.app.ServerState``)."""
-    from .app import _check_model, _parse
-    from .generation import GenerationJob, run_job
-
     cfg = st.cfg
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        req = _parse(ChatCompletionRequest)
-        model = _check_model(st, req.model)
+        req = json_body(ChatCompletionRequest)
+        model = st.check_model(req.model)
         inputs = chat_inputs(st.engine.processor, req, chat_template=cfg.chat_template,
                              tool_call_parser=cfg.tool_call_parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
                              run=st.bridge.run_blocking)

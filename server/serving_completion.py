@@ -13,16 +13,16 @@ from pyengine.entrypoints.openai.protocol import CompletionRequest
 from pyengine.entrypoints.openai.serving_completion import CompletionResponseBuilder, completion_inputs
 from pyengine.entrypoints.openai.serving_engine import LogprobsFormatter
 
+from .generation import GenerationJob, run_job
+from .http import json_body
+
 
 def register_completion_routes(app: Flask, st) -> None:
     """Add ``/v1/completions`` to ``app`` (``st``: its ``server.app.ServerState``)."""
-    from .app import _check_model, _parse
-    from .generation import GenerationJob, run_job
-
     @app.post("/v1/completions")
     def completions():
-        req = _parse(CompletionRequest)
-        model = _check_model(st, req.model)
+        req = json_body(CompletionRequest)
+        model = st.check_model(req.model)
         inputs = completion_inputs(st.engine.processor, req, run=st.bridge.run_blocking,
                                    max_sequences=st.cfg.max_sequences_per_request)
         echo = None

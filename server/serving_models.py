@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from flask import Flask
 
+from .http import json_response
+
 
 def model_card(st, name: str) -> dict:
     """One served name as an OpenAI ``Model`` object (vLLM's extra fields: ``root``,
@@ -16,12 +18,10 @@ def model_card(st, name: str) -> dict:
 
 def register_model_routes(app: Flask, st) -> None:
     """Add the model routes to ``app`` (``st``: its ``server.app.ServerState``)."""
-    from .app import _check_model, _json_response
-
     @app.get("/v1/models")
     def models():
-        return _json_response({"object": "list", "data": [model_card(st, n) for n in st.cfg.served_model_names]})
+        return json_response({"object": "list", "data": [model_card(st, n) for n in st.cfg.served_model_names]})
 
     @app.get("/v1/models/<path:model>")  # path: served names may hold "/" ("org/name")
     def retrieve_model(model: str):
-        return _json_response(model_card(st, _check_model(st, model)))
+        return json_response(model_card(st, st.check_model(model)))

@@ -18,11 +18,12 @@ from flask import Flask
 from pydantic import ConfigDict, Field
 
 from pyengine.chat_utils import apply_hf_chat_template, parse_chat_messages
+from pyengine.entrypoints.openai.protocol import ChatMessage, Schema
 
-from pyengine.entrypoints.openai.protocol import ChatMessage, _Schema
+from .http import APIError, json_body, json_response
 
 
-class _Request(_Schema):
+class _Request(Schema):
     # unknown fields are logged as ignored, as on the generation endpoints
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -78,12 +79,10 @@ def _chat_text(st, req: TokenizeChatRequest) -> str:
 
 def register_tokenization_routes(app: Flask, st) -> None:
     """Add ``/tokenize`` and ``/detokenize`` to ``app`` (``st``: its ``server.app.ServerState``)."""
-    from .app import APIError, _check_model, _json_response, _parse, _tokenize
-
     @app.post("/tokenize")
     def tokenize():
-        req = _parse(TokenizeRequest)
-        _check_model(st, req.model)
+        req = json_body(TokenizeRequest)
+        st.check_model(req.model)
         tok = st.tokenizer
         if isinstance(req, TokenizeChatRequest):
             try:
@@ -93,13 +92,13 @@ def register_tokenization_routes(app: Flask, st) -> None:
         else:
             text = req.prompt
         # no length bound here (the count is the answer, as vLLM's), but never on the hub
-        ids = _tokenize(st, [text], add_special_tokens=bool(req.add_special_tokens))[0]
-        return _json_response({"count": len(ids), "max_model_len": st.cfg.max_model_len, "tokens": ids,
+        ids = st.tokenize([text], add_special_tokens=bool(req.add_special_tokens))[0]
+        return json_response({"count": len(ids), "max_model_len": st.cfg.max_model_len, "tokens": ids,
                                "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None})
 
     @app.post("/detokenize")
     def detokenize():
-        req = _parse(DetokenizeRequest)
-        _check_model(st, req.model)
+        req = json_body(DetokenizeRequest)
+        st.check_model(req.model)
         st.engine.processor.check_token_ids(req.tokens, "tokens")
-        return _json_response({"prompt": st.tokenizer.decode(req.tokens)})
+        return json_response({"prompt": st.tokenizer.decode(req.tokens)})

@@ -41,7 +41,7 @@ from gevent.pool import Pool
 from gevent.pywsgi import WSGIHandler, WSGIServer
 from werkzeug.exceptions import RequestTimeout
 
-from .app import DEFAULT_MAX_CONCURRENT_STREAMS, SOCKET_ENVIRON_KEY, error_body
+from .http import DEFAULT_MAX_CONCURRENT_STREAMS, SOCKET_ENVIRON_KEY, error_body
 
 logger = logging.getLogger(__name__)
 

@@ -14,17 +14,18 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class _Schema(BaseModel):
-    # strict: "5" is not an int and 1 is not a bool (ints are still accepted for floats).
+class Schema(BaseModel):
+    """The base of every request schema: strict ("5" is not an int and 1 is not a bool;
+    ints are still accepted for floats), unknown fields ignored."""
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Schema):
+class StreamOptions(Schema):
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
 
 
-class _SamplingFields(_Schema):
+class _SamplingFields(Schema):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     # kept in model_extra so the app can log what it ignored
     model_config = ConfigDict(strict=True, extra="allow")
@@ -103,23 +104,23 @@ class CompletionRequest(_SamplingFields):
     prompt_embeds: Optional[Any] = None  # refused (UNSUPPORTED_FIELDS)
 
 
-class TextContentPart(_Schema):
+class TextContentPart(Schema):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Schema):
+class FunctionCall(Schema):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Schema):
+class ToolCall(Schema):
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Schema):
+class ChatMessage(Schema):
     role: str
     content: Optional[Union[str, list[TextContentPart]]] = None
     name: Optional[str] = None
