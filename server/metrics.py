@@ -13,10 +13,12 @@ server cut it, "error" when it failed), whether or not the handler saw its last 
 from __future__ import annotations
 
 import logging
+import threading
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from pyengine.metrics import StatLoggerBase
 
@@ -99,8 +101,9 @@ class ServerMetrics:
                                 lbl + ["finished_reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               lbl, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             lbl, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        labels = {"model_name": model_name}
+        self.itl = BatchedHistogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                    labels, _ITL_BUCKETS, r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
                              lbl, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         self.req_prompt = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens per request.",
@@ -108,8 +111,8 @@ class ServerMetrics:
         self.req_gen = Histogram("vllm:request_generation_tokens", "Number of generation tokens per request.",
                                  lbl, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
         # vLLM's name for the per-token gaps (dashboards read it); the same samples as the ITL.
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
-                              lbl, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.tpot = BatchedHistogram("vllm:time_per_output_token_seconds",
+                                     "Histogram of time per output token in seconds.", labels, _ITL_BUCKETS, r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.",
                                     lbl, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
@@ -138,19 +141,54 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+class BatchedHistogram:
+    """A Prometheus histogram (one label set) that takes ``n`` equal observations in one
+    update (``observe_many``): a delta of many tokens has one ITL sample per token.
+    Registered on ``registry`` as a collector (prometheus_client's public
+    ``HistogramMetricFamily``), so it is rendered as a ``Histogram`` of the same name,
+    buckets and labels would be. ``buckets``: the finite upper bounds, ascending (+Inf is
+    added). Observed from the hub thread, read by scrapes; a lock keeps a scrape's
+    buckets and sum consistent."""
+
+    def __init__(self, name: str, documentation: str, labels: dict[str, str], buckets, registry):
+        self.name, self.documentation = name, documentation
+        self._label_names, self._label_values = list(labels), list(labels.values())
+        self._bounds = [float(b) for b in buckets]
+        self._counts = [0] * (len(self._bounds) + 1)  # the last: above every bound (+Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, amount: float) -> None:
+        self.observe_many(amount, 1)
+
+    def observe_many(self, amount: float, n: int) -> None:
+        """``n`` observations of ``amount`` (seconds, or the histogram's unit)."""
+        i = bisect_left(self._bounds, amount)  # the first bucket whose bound >= amount
+        with self._lock:
+            self._counts[i] += n
+            self._sum += amount * n
+
+    def collect(self):
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, acc = [], 0
+        for bound, c in zip([*self._bounds, float("inf")], counts):
+            acc += c
+            cumulative.append((floatToGoString(bound), acc))
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self._label_names)
+        family.add_metric(self._label_values, cumulative, total)
+        return [family]
+
+
 def observe_many(histogram, amount: float, n: int) -> None:
-    """``n`` observations of the same ``amount`` on a prometheus_client ``Histogram``
-    (a labelled child): one bucket update and one sum update instead of ``n`` full
-    ``observe`` calls (a delta of many tokens has one ITL sample per token). Falls back to
-    ``observe`` per sample if the library's histogram lacks the fields this relies on."""
-    bounds, buckets, total = (getattr(histogram, "_upper_bounds", None), getattr(histogram, "_buckets", None),
-                              getattr(histogram, "_sum", None))
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for _ in range(n):
-            histogram.observe(amount)
+    """``n`` observations of ``amount``: one update on a ``BatchedHistogram``, ``n``
+    ``observe`` calls on any other histogram."""
+    if isinstance(histogram, BatchedHistogram):
+        histogram.observe_many(amount, n)
         return
-    total.inc(amount * n)
-    buckets[bisect_left(bounds, amount)].inc(n)  # the first bucket whose bound >= amount
+    for _ in range(n):
+        histogram.observe(amount)
 
 
 class RequestTimer:
@@ -177,12 +215,8 @@ class RequestTimer:
             new_tokens -= 1
         if new_tokens > 0 and ltt is not None and self._last_token_time is not None:
             gap = max(0.0, ltt - self._last_token_time) / new_tokens
-            if new_tokens == 1:
-                self.m.itl.observe(gap)
-                self.m.tpot.observe(gap)
-            else:
-                observe_many(self.m.itl, gap, new_tokens)
-                observe_many(self.m.tpot, gap, new_tokens)
+            self.m.itl.observe_many(gap, new_tokens)
+            self.m.tpot.observe_many(gap, new_tokens)
         if ltt is not None:
             self._last_token_time = ltt
 

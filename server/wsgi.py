@@ -122,8 +122,9 @@ class _Deadline:
             t.close()
 
 
-class _RequestReadTimeout(Exception):
-    """The request's headers did not arrive in time."""
+class _RequestReadTimeout(ValueError):
+    """The request's headers did not arrive in time (a ValueError: pywsgi logs it as a
+    client's error, one line, no traceback)."""
 
 
 def _raw_error_response(status_line: str, message: str) -> bytes:
@@ -237,16 +238,19 @@ class VEngineHandler(WSGIHandler):
     def read_request(self, raw_requestline):
         ok = self._deadline.run(super().read_request, raw_requestline)
         if self._deadline.expired:
-            raise _RequestReadTimeout()
+            raise _RequestReadTimeout(f"request headers not received within {self.server.limits.request_read_timeout:g} s; "
+                                      "closing")
         return ok
 
-    def _handle_client_error(self, ex):
-        if isinstance(ex, _RequestReadTimeout):
+    def handle_one_request(self):
+        # pywsgi answers a request whose headers could not be read with its 400 (the
+        # ``(status, raw response)`` this method returns); late headers get a 408 instead.
+        result = super().handle_one_request()
+        if isinstance(result, tuple) and self._deadline is not None and self._deadline.expired:
             t = self.server.limits.request_read_timeout
-            self.log_error("(from %s) request headers not received within %g s; closing", self.client_address, t)
             return ("408", _raw_error_response(
                 "408 Request Timeout", f"The request headers did not arrive within {t:g} s (--request-read-timeout)."))
-        return super()._handle_client_error(ex)
+        return result
 
     def get_environ(self):
         env = super().get_environ()

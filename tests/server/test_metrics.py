@@ -72,15 +72,17 @@ def test_histogram_buckets_are_vllms(server):
 
 
 def test_observe_many_equals_repeated_observe():
-    """``observe_many(h, v, n)`` leaves a histogram as ``n`` calls of ``h.observe(v)`` do,
-    bucket bounds included (a value equal to a bound counts in that bucket)."""
+    """``BatchedHistogram.observe_many(v, n)`` renders as ``n`` calls of a prometheus_client
+    ``Histogram``'s ``observe(v)`` do, bucket bounds included (a value equal to a bound
+    counts in that bucket)."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from server.metrics import observe_many
+    from server.metrics import BatchedHistogram, observe_many
 
     buckets = (0.01, 0.025, 0.05, 1.0)
     regs = [CollectorRegistry(auto_describe=False) for _ in range(2)]
-    many, loop = (Histogram("h", "doc", ["m"], buckets=buckets, registry=r).labels("x") for r in regs)
+    many = BatchedHistogram("h", "doc", {"m": "x"}, buckets, regs[0])
+    loop = Histogram("h", "doc", ["m"], buckets=buckets, registry=regs[1]).labels("x")
     for v, n in ((0.0, 3), (0.01, 2), (0.02, 5), (0.05, 1), (0.5, 4), (7.0, 6)):
         observe_many(many, v, n)
         for _ in range(n):
