@@ -87,6 +87,15 @@ class StructuredOutputsParams:
     properties; vengine always does this unless the schema allows more), and
     ``whitespace_pattern`` (not supported with xgrammar: refused).
 
+    Reasoning models (set by the front end from its ``--reasoning-parser``, vLLM's
+    reasoner-aware grammar): with ``reasoning_end_token_id`` the output starts as reasoning,
+    which is not constrained, and the constraint applies to the tokens after that token (the
+    token itself is not fed to the grammar). With ``reasoning_start_token_id`` too, the first
+    output token decides (Qwen3's optional ``<think>``): that token opens the reasoning, any
+    other first token is already the constrained content (so the first token may be that
+    token or one the grammar allows). Neither set: the constraint applies from the first
+    token.
+
     Raises:
         ValueError (``VLLMValidationError``, ``parameter`` "structured_outputs"): none or
             more than one constraint set, or a field of the wrong type. Whether the
@@ -102,6 +111,8 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: Optional[str] = None
     structural_tag: Optional[str] = None
+    reasoning_end_token_id: Optional[int] = None
+    reasoning_start_token_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.json_object is False:
@@ -132,6 +143,14 @@ class StructuredOutputsParams:
             if not isinstance(getattr(self, name), bool):
                 raise VLLMValidationError(f"structured_outputs.{name} must be a boolean.",
                                           parameter=f"structured_outputs.{name}")
+        for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
+            v = getattr(self, name)
+            if v is not None and (type(v) is not int or v < 0):
+                raise VLLMValidationError(f"structured_outputs.{name} must be a token id (an int >= 0), got {v!r}.",
+                                          parameter=f"structured_outputs.{name}")
+        if self.reasoning_start_token_id is not None and self.reasoning_end_token_id is None:
+            raise VLLMValidationError("structured_outputs.reasoning_start_token_id needs reasoning_end_token_id.",
+                                      parameter="structured_outputs.reasoning_start_token_id")
 
     @property
     def kind(self) -> str:

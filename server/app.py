@@ -23,7 +23,9 @@ from .middleware import apply_http_options, limit_request_body
 from .page import create_page_blueprint
 from .serving_chat import register_chat_routes
 from .serving_completion import register_completion_routes
+from .serving_messages import register_messages_routes
 from .serving_models import register_model_routes
+from .serving_responses import register_responses_routes
 from .serving_tokenization import register_tokenization_routes
 from .state import ServerConfig, ServerState
 
@@ -66,6 +68,8 @@ def create_app(engine, args=None) -> Flask:
     register_tokenization_routes(app, st)  # POST /tokenize, /detokenize
     register_completion_routes(app, st)  # POST /v1/completions
     register_chat_routes(app, st)  # POST /v1/chat/completions
+    register_responses_routes(app, st)  # POST /v1/responses
+    register_messages_routes(app, st)  # POST /v1/messages, /v1/messages/count_tokens
     return app
 
 
@@ -112,8 +116,9 @@ def _register_gate(app: Flask, st: ServerState) -> None:
             resp = error_response(503, "The server is shutting down.")
             resp.headers["Connection"] = "close"
             return resp
-        if cfg.api_keys and request.method != "OPTIONS" and request.path.startswith("/v1") and not _authorized(
-                request.headers.get("Authorization", ""), cfg.api_keys):
+        if cfg.api_keys and request.method != "OPTIONS" and request.path.startswith("/v1") and not (
+                _authorized(request.headers.get("Authorization", ""), cfg.api_keys)
+                or _authorized("Bearer " + request.headers.get("x-api-key", ""), cfg.api_keys)):  # Anthropic's
             return error_response(401, "Invalid or missing API key.")
         st.active_requests += 1
         request.environ[_COUNTED_ENVIRON_KEY] = True

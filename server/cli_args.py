@@ -18,6 +18,7 @@ from typing import Literal, Optional, Sequence
 from pyengine import VERSION, envs
 from pyengine.arg_utils import add_dataclass_args
 from pyengine.config import AsyncEngineArgs
+from pyengine.reasoning import ReasoningParserManager
 from pyengine.tool_parsers import ToolParserManager
 
 from .http import DEFAULT_MAX_BODY_BYTES
@@ -35,7 +36,7 @@ class FrontendArgs:
     port: int = 8000
     """Bind port (0: any free port)."""
     api_key: Optional[str] = None
-    """Require 'Authorization: Bearer KEY' on /v1/* (default: $VENGINE_API_KEY or
+    """Require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1/* (default: $VENGINE_API_KEY or
     $VLLM_API_KEY, else none)."""
     chat_template: Optional[str] = None
     """Jinja chat template, or a file holding one (default: the tokenizer's)."""
@@ -44,6 +45,12 @@ class FrontendArgs:
     tool_call_parser: Optional[str] = field(default=None, metadata={"choices": sorted(ToolParserManager.tool_parsers)})
     """How tool calls are read from the model's output (hermes: <tool_call>{...}</tool_call>,
     the Qwen/Hermes format). tool_choice "required" and named functions work without it."""
+    reasoning_parser: Optional[str] = field(default=None, metadata={
+        "choices": ReasoningParserManager.list_registered()})
+    """How the reasoning is read from a reasoning model's output (qwen3, deepseek_r1: between
+    <think> and </think>): returned as reasoning_content (chat), reasoning items
+    (/v1/responses), thinking blocks (/v1/messages); tool calls and structured outputs
+    apply to the content after it. The tokenizer must have the think tokens."""
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     """CORS: origins allowed to call the API from a browser."""
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
@@ -117,7 +124,6 @@ VLLM_FLAGS_NOT_SUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
     "--lora-modules": ((), "LoRA adapters are not supported"),
     "--max-loras": ((), "LoRA adapters are not supported"),
     "--max-lora-rank": ((), "LoRA adapters are not supported"),
-    "--reasoning-parser": ((), "reasoning parsers are not supported"),
     "--limit-mm-per-prompt": ((), "multimodal inputs are not supported"),
     "--mm-processor-kwargs": ((), "multimodal inputs are not supported"),
     "--kv-transfer-config": ((), "KV transfer (disaggregated prefill) is not supported"),

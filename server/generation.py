@@ -161,7 +161,7 @@ class GenerationJob:
     def run_to_end(self) -> dict:
         """The whole response object."""
         lp_acc: dict[int, list] = {}
-        keep_ids = self.want_logprobs or self.builder.return_token_ids
+        keep_ids = self.want_logprobs or self.builder.needs_token_ids
         for idx, _, _, token_ids, logprobs, _ in self.events():
             if keep_ids and token_ids:
                 lp_acc.setdefault(idx, []).append((token_ids, logprobs))
@@ -198,38 +198,50 @@ class GenerationJob:
         if self.include_usage:
             yield self.builder.chunk([], usage=self.usage())
 
-    def stream(self):
+    def stream(self, view=None):
         """The SSE stream: the chunks, then ``[DONE]``; an error once streaming began is an
-        error event (OpenAI's error body) before ``[DONE]``."""
+        error event (OpenAI's error body) before ``[DONE]``. ``view``: an endpoint built on
+        chat (``serving_responses.ResponsesJob``, ``serving_messages.MessagesJob``) that
+        frames the chunks as its own events (``sse_events``, ``sse_error``, ``sse_done``)."""
+        def error(status: int, msg: str) -> str:
+            return _sse(error_body(status, msg)) if view is None else view.sse_error(status, msg)
         try:
-            for chunk in self._chunks():
-                yield _sse(chunk)
+            if view is None:
+                for chunk in self._chunks():
+                    yield _sse(chunk)
+            else:
+                yield from view.sse_events(self._chunks())
         except ClientDisconnected:
             return
         except RequestFailed as e:
-            yield _sse(error_body(500, str(e)))
+            yield error(500, str(e))
         except ServerShuttingDown as e:
-            yield _sse(error_body(503, str(e)))
+            yield error(503, str(e))
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             if is_engine_dead(e, self.st.engine):
                 status, msg = 503, f"The engine is dead: {e}"
             else:
                 logger.exception("error while streaming %s", self.id)
                 status, msg = 500, f"Internal error while streaming: {type(e).__name__}: {e}"
-            yield _sse(error_body(status, msg))
-        yield _SSE_DONE
+            yield error(status, msg)
+        done = _SSE_DONE if view is None else view.sse_done
+        if done:
+            yield done
 
 
-def run_job(job: GenerationJob, stream: bool) -> Response:
-    """Start ``job`` and answer: an SSE stream, or the whole response once finished."""
+def run_job(job: GenerationJob, stream: bool, view=None) -> Response:
+    """Start ``job`` and answer: an SSE stream, or the whole response once finished.
+    ``view``: an endpoint built on chat that translates the stream (``GenerationJob.stream``)
+    and the response (``view.response(chat_completion)``)."""
     job.start(request.environ.get(SOCKET_ENVIRON_KEY))
     if stream:
-        resp = Response(job.stream(), mimetype="text/event-stream",
+        resp = Response(job.stream(view), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         resp.call_on_close(job.close)
         return resp
     try:
-        return json_response(job.run_to_end())
+        obj = job.run_to_end()
+        return json_response(obj if view is None else view.response(obj))
     except ClientDisconnected:
         return Response(status=499)
     except RequestFailed as e:

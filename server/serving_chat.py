@@ -27,14 +27,14 @@ def register_chat_routes(app: Flask, st) -> None:
         model = st.check_model(req.model)
         inputs = chat_inputs(st.engine.processor, req, chat_template=cfg.chat_template,
                              tool_call_parser=cfg.tool_call_parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
-                             run=st.bridge.run_blocking)
+                             run=st.bridge.run_blocking, reasoning_parser=cfg.reasoning_parser_cls)
         n = inputs.sampling_params.n
         formatter = (LogprobsFormatter(st.tokenizer, inputs.num_top_logprobs, bool(req.return_tokens_as_token_ids))
                      if req.logprobs else None)
         extractors = [make_extractor(inputs.tool_mode, cfg.tool_call_parser, st.tokenizer) for _ in range(n)]
         builder = ChatResponseBuilder("chatcmpl-" + (req.request_id or uuid.uuid4().hex), model, int(time.time()),
                                       formatter, extractors, inputs.echo,
-                                      inputs.prompt_token_ids if req.return_token_ids else None)
+                                      inputs.prompt_token_ids if req.return_token_ids else None, inputs.reasoning)
         so = req.stream_options
         job = GenerationJob(st, builder, [(inputs.text, inputs.prompt_token_ids)], inputs.sampling_params,
                             inputs.priority, include_usage=bool(so and so.include_usage),

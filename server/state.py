@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pyengine import envs
+from pyengine.entrypoints.reasoning import load_reasoning_parser
 
 from .bridge import GeventBridge
 from .http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_STREAMS, APIError
@@ -24,6 +25,8 @@ class ServerConfig:
     dev_mode: bool = False  # VENGINE_SERVER_DEV_MODE (vLLM's VLLM_SERVER_DEV_MODE): development endpoints (/reset_prefix_cache)
     tool_call_parser: Optional[str] = None  # --tool-call-parser (pyengine.tool_parsers)
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: Optional[str] = None  # --reasoning-parser (pyengine.reasoning)
+    reasoning_parser_cls: Optional[type] = None  # its class, checked against the tokenizer at start-up
     # prompts × n in one request: at most the requests the server serves at once
     # (--max-concurrent-streams), so one request cannot queue more work than that many clients
     max_sequences_per_request: int = DEFAULT_MAX_CONCURRENT_STREAMS
@@ -49,6 +52,10 @@ class ServerConfig:
                    max_model_len=int(getattr(ecfg, "max_model_len", 0) or 0),
                    tool_call_parser=getattr(args, "tool_call_parser", None) if args is not None else None,
                    enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
+                   reasoning_parser=getattr(args, "reasoning_parser", None) if args is not None else None,
+                   reasoning_parser_cls=load_reasoning_parser(
+                       getattr(args, "reasoning_parser", None) if args is not None else None,
+                       getattr(engine, "tokenizer", None)),
                    max_sequences_per_request=int(getattr(args, "max_concurrent_streams", None)
                                                  or DEFAULT_MAX_CONCURRENT_STREAMS),
                    dev_mode=envs.server_dev_mode())

@@ -4,6 +4,7 @@ ValueError there and nothing reaches the engine."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import json
 import time
@@ -177,12 +178,22 @@ class Processor:
         hit = self._so_cache.get(key) if key is not None else None
         if hit is not None:
             self._so_cache.move_to_end(key)
-            return hit
-        checked = validate_structured_outputs(so)
-        if key is not None:
-            self._so_cache[key] = checked
-            if len(self._so_cache) > _SO_CACHE_SIZE:
-                self._so_cache.popitem(last=False)
+            checked = hit
+        else:
+            checked = validate_structured_outputs(so)
+            if key is not None:
+                self._so_cache[key] = checked
+                if len(self._so_cache) > _SO_CACHE_SIZE:
+                    self._so_cache.popitem(last=False)
+        gate = {"reasoning_end_token_id": so.reasoning_end_token_id,
+                "reasoning_start_token_id": so.reasoning_start_token_id}
+        vocab = self.vocab_size
+        for name, tid in gate.items():
+            if tid is not None and tid >= vocab:
+                raise VLLMValidationError(f"structured_outputs.{name} {tid} is not in the vocabulary (size {vocab}).",
+                                          parameter=f"structured_outputs.{name}")
+        if any(getattr(checked, k) != v for k, v in gate.items()):  # the cache is keyed by the constraint only
+            checked = dataclasses.replace(checked, **gate)
         return checked
 
     def check_prompt_text(self, text: str, parameter: str = "prompt") -> None:

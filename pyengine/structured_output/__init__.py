@@ -40,15 +40,41 @@ class GrammarOutput:
     bitmask: torch.Tensor
 
 
-class StructuredOutputRequest:
-    """One request's constraint: its params, then (once compiled) its grammar state."""
+REASONING, CONTENT, UNDECIDED = "reasoning", "content", "undecided"
 
-    __slots__ = ("params", "_future", "grammar")
+
+class StructuredOutputRequest:
+    """One request's constraint: its params, then (once compiled) its grammar state, and
+    the phase of its output (``phase``): ``"content"`` is constrained; ``"reasoning"``
+    (until ``params.reasoning_end_token_id``) is not; ``"undecided"`` (the first token
+    decides, ``params.reasoning_start_token_id`` opens the reasoning) is constrained with
+    that token allowed as well. The phase advances only with accepted tokens (``advance``)."""
+
+    __slots__ = ("params", "_future", "grammar", "phase")
 
     def __init__(self, params: StructuredOutputsParams, future: concurrent.futures.Future):
         self.params = params
         self._future = future
         self.grammar = None  # XgrammarGrammar once ready
+        if params.reasoning_end_token_id is None:
+            self.phase = CONTENT
+        else:
+            self.phase = REASONING if params.reasoning_start_token_id is None else UNDECIDED
+
+    def advance(self, token: int) -> bool:
+        """The phase after accepted output token ``token``; True when the grammar takes
+        it (content), False when it is reasoning or a reasoning tag."""
+        if self.phase == CONTENT:
+            return True
+        if self.phase == UNDECIDED:
+            if token == self.params.reasoning_start_token_id:
+                self.phase = REASONING
+                return False
+            self.phase = CONTENT
+            return True
+        if token == self.params.reasoning_end_token_id:
+            self.phase = CONTENT
+        return False
 
     def is_ready(self) -> bool:
         """True once the grammar compiled (or failed: ``take_grammar`` then raises)."""
@@ -59,6 +85,13 @@ class StructuredOutputRequest:
         if self.grammar is None:
             compiled = self._future.result()
             self.grammar = backend_fn().new_grammar(compiled)
+
+
+def allow_token(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Set token ``token``'s bit in row ``row`` of an int32 ``[B, ceil(V / 32)]`` bitmask
+    (bit ``token % 32`` of word ``token // 32``; bit 31 is the int32 sign bit)."""
+    bit = token % 32
+    bitmask[row, token // 32] |= (1 << bit) if bit < 31 else -(1 << 31)
 
 
 class StructuredOutputManager:
@@ -126,6 +159,7 @@ class StructuredOutputManager:
         t0 = time.perf_counter()
         rows: list[int] = []
         grammars = []
+        also: list[tuple[int, int]] = []  # (row, token) allowed besides the grammar's (an undecided start)
         row = 0
         for s in so.scheduled:
             if not s.sample:
@@ -133,7 +167,10 @@ class StructuredOutputManager:
             req = s.request
             sor = req.structured_output_request
             if (sor is not None and sor.grammar is not None and not req.is_finished()
-                    and s.epoch == req.num_preemptions and not sor.grammar.is_terminated()):
+                    and s.epoch == req.num_preemptions and not sor.grammar.is_terminated()
+                    and sor.phase != REASONING):  # reasoning is not constrained
+                if sor.phase == UNDECIDED:
+                    also.append((row, sor.params.reasoning_start_token_id))
                 rows.append(row)
                 grammars.append(sor.grammar)
             row += 1
@@ -146,6 +183,8 @@ class StructuredOutputManager:
         bitmask = self._bitmasks[self._turn]
         self._turn ^= 1  # the other buffer may still be copying to the device
         self.backend().fill_bitmasks(grammars, bitmask, rows)
+        for r, tok in also:
+            allow_token(bitmask, r, tok)
         self.bitmask_time_s += time.perf_counter() - t0
         self.bitmask_steps += 1
         self.bitmask_rows += len(rows)

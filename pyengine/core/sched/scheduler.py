@@ -441,7 +441,7 @@ class Scheduler:
             sor = req.structured_output_request
             # the rows update_from_output keeps (not finished meanwhile, not preempted since)
             if (sor is not None and not req.is_finished() and req.request_id in self.requests
-                    and s.epoch == req.num_preemptions):
+                    and s.epoch == req.num_preemptions and sor.advance(tok)):  # reasoning: not the grammar's
                 reqs.append(req)
                 grammars.append(sor.grammar)
                 toks.append(tok)

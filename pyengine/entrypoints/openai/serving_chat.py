@@ -16,6 +16,7 @@ from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.openai.serving_engine import (ChoiceState, LogprobsFormatter, ResponseBuilder,
                                                        check_stream_options, refuse_unsupported, to_sampling_params,
                                                        usage)
+from pyengine.entrypoints.reasoning import ChoiceReasoning, RequestReasoning
 from pyengine.entrypoints.structured_outputs import structured_outputs_from_request
 from pyengine.entrypoints.tool_calls import (ToolCallExtractor, ToolCallMode, messages_for_template, normalize_tools,
                                              resolve_tool_choice)
@@ -131,17 +132,21 @@ class ChatInputs:
     num_top_logprobs: Optional[int]  # None: no logprobs
     echo: Optional[str] = None  # what each choice's message starts with (chat_echo)
     cache_salt: Optional[str] = None  # the engine prompt's "cache_salt"
+    reasoning: Optional[RequestReasoning] = None  # --reasoning-parser: the split of each choice
 
 
 def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: Optional[str] = None,
                 tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
                 output_kind: RequestOutputKind = RequestOutputKind.DELTA, stream: Optional[bool] = None,
-                run: Callable = lambda fn: fn()) -> ChatInputs:
+                run: Callable = lambda fn: fn(), reasoning_parser: Optional[type] = None) -> ChatInputs:
     """Every rule of a chat request, in the order the front ends report them (the
     request's own fields first, then the rendered prompt). ``run(fn)``: how to call the
     rendering and tokenization (the HTTP server runs them off its event loop); ``stream``:
     whether the response is streamed, where the front end decides it (the C ABI's two
-    functions) rather than the request's ``stream`` field. Raises
+    functions) rather than the request's ``stream`` field; ``reasoning_parser``: the
+    ``--reasoning-parser`` class (``reasoning.load_reasoning_parser``): each choice is then
+    split into reasoning and content, and a structured-output constraint (tool_choice
+    required / named included) applies to the content only. Raises
     VLLMValidationError."""
     check_stream_options(req, stream)
     refuse_unsupported(req)
@@ -156,7 +161,13 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: Optiona
                                 logprobs_param="top_logprobs")
     salt = processor.check_cache_salt(req.cache_salt)
     text, ids = run(lambda: render_chat_prompt(processor, req, chat_template, tools, params))
-    return ChatInputs(text, ids, params, req.priority or 0, mode, num_top, chat_echo(req), salt)
+    reasoning = None
+    if reasoning_parser is not None:
+        reasoning = RequestReasoning(reasoning_parser, processor.tokenizer, req.chat_template_kwargs, ids,
+                                     req.include_reasoning is not False)
+        if params.structured_outputs is not None:
+            params = params.clone(structured_outputs=reasoning.gate(params.structured_outputs))
+    return ChatInputs(text, ids, params, req.priority or 0, mode, num_top, chat_echo(req), salt, reasoning)
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,18 +178,47 @@ class ChatResponseBuilder(ResponseBuilder):
     """``chat.completion`` objects and ``chat.completion.chunk`` chunks (OpenAI's
     ``ChatCompletion`` / ``ChatCompletionChunk``), content and tool calls per choice from
     ``extractors`` (one ``ToolCallExtractor`` per choice). ``echo``: the text every
-    choice's content starts with (``chat_echo``): its own chunk after the role, as vLLM."""
+    choice's content starts with (``chat_echo``): its own chunk after the role, as vLLM.
+    ``reasoning``: with a reasoning parser, the request's setup: each choice's output is
+    split first (``reasoning_content`` and vLLM's ``reasoning`` alias, in the message and
+    in the deltas), and only the content goes to its extractor."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
                  extractors: list[ToolCallExtractor], echo: Optional[str] = None,
-                 prompt_token_ids: Optional[list[int]] = None):
+                 prompt_token_ids: Optional[list[int]] = None, reasoning: Optional[RequestReasoning] = None):
         super().__init__(request_id, model, created, formatter,
                          None if prompt_token_ids is None else [prompt_token_ids])
         self.extractors = extractors
         self.echo = echo
+        self.reasoning = reasoning
+        self.splits: Optional[list[ChoiceReasoning]] = (None if reasoning is None else
+                                                        [reasoning.choice() for _ in extractors])
+        self._whole_reasoning_tokens: Optional[int] = None  # of the choices built by choice()
+
+    @property
+    def needs_token_ids(self) -> bool:
+        """The whole response needs each choice's token ids (the reasoning split is by id)."""
+        return self.reasoning is not None or self.return_token_ids
+
+    def reasoning_tokens(self) -> int:
+        """Reasoning tokens streamed so far, over all choices (0 without a parser)."""
+        return sum(sp.reasoning_tokens() for sp in self.splits or ())
+
+    def _split_deltas(self, idx: int, text: str, token_ids, finish: Optional[str]) -> list[dict]:
+        """A choice's delta split by its reasoning parser: the reasoning delta, then the
+        content's deltas from the extractor."""
+        split, ext = self.splits[idx], self.extractors[idx]
+        out: list[dict] = []
+        pieces = [split.stream(text, token_ids)] + ([split.finish()] if finish is not None else [])
+        for r, c in pieces:
+            if r:
+                out.append({"reasoning_content": r, "reasoning": r})
+            if c:
+                out += ext.stream(c)
+        return out
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         chunks = [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -196,9 +236,12 @@ class ChatResponseBuilder(ResponseBuilder):
         if self.formatter is not None and token_ids:
             lp = self.formatter.chat_logprobs(token_ids, logprobs or [None] * len(token_ids))
         ext = self.extractors[idx]
-        deltas = ext.stream(text) + (ext.finish() if finish is not None else [])
-        if not deltas and ext.plain:
-            deltas = [{"content": text}]  # a token without text yet: vLLM's DeltaMessage(content="")
+        if self.splits is not None:
+            deltas = self._split_deltas(idx, text, token_ids, finish) + (ext.finish() if finish is not None else [])
+        else:
+            deltas = ext.stream(text) + (ext.finish() if finish is not None else [])
+            if not deltas and ext.plain:
+                deltas = [{"content": text}]  # a token without text yet: vLLM's DeltaMessage(content="")
         if finish is not None:
             finish = ext.finish_reason(finish)
         # every delta but the last goes in a chunk of its own
@@ -216,12 +259,21 @@ class ChatResponseBuilder(ResponseBuilder):
 
     def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
         return (self._template_of(idx) if self.formatter is None and self.extractors[idx].plain
-                and not self.return_token_ids else None)
+                and not self.return_token_ids and self.splits is None else None)
 
     def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
         lp = self.formatter.chat_logprobs(token_ids, logprobs) if self.formatter is not None else None
         ext = self.extractors[idx]
-        message = ext.message("".join(ch.text))
+        if self.splits is not None:
+            reasoning, content = self.splits[idx].whole("".join(ch.text), token_ids)
+            self._whole_reasoning_tokens = (self._whole_reasoning_tokens or 0) + \
+                self.splits[idx].reasoning_tokens(token_ids)
+            message = ext.message(content or "")
+            if content is None and not message.get("tool_calls"):
+                message["content"] = None
+            message.update(reasoning_content=reasoning, reasoning=reasoning)
+        else:
+            message = ext.message("".join(ch.text))
         if self.echo:
             message["content"] = self.echo + (message.get("content") or "")
         c = {"index": idx, "message": message, "logprobs": lp,
@@ -232,6 +284,8 @@ class ChatResponseBuilder(ResponseBuilder):
 
     def response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         out = super().response(choices, prompt_tokens, completion_tokens)
+        if self.splits is not None and self._whole_reasoning_tokens is not None:
+            out["usage"]["completion_tokens_details"] = {"reasoning_tokens": self._whole_reasoning_tokens}
         if self.return_token_ids:  # vLLM: the prompt's ids at the top of a chat response
             out["prompt_token_ids"] = self.prompt_token_ids[0]
         return out
@@ -242,21 +296,29 @@ class ChatStream:
     text on (the C ABI's ``vllm_chat`` / ``vllm_chat_stream``): ``feed`` each output
     delta; streamed, it returns the chunks to send now (the role first, the finish, then
     ``usage`` when ``include_usage``); not streamed, the ``chat.completion`` object once
-    finished. The same builder as the HTTP server's."""
+    finished. The same builder as the HTTP server's. ``reasoning``: the request's
+    reasoning setup (``ChatInputs.reasoning``): the JSON then carries ``reasoning_content``
+    (and ``reasoning``) as the HTTP server's does."""
 
     def __init__(self, request_id: str, model: str, prompt_tokens: int, *, stream: bool,
                  include_usage: bool = False, tool_mode: Optional[ToolCallMode] = None, created: Optional[int] = None,
-                 echo: Optional[str] = None):
+                 echo: Optional[str] = None, reasoning: Optional[RequestReasoning] = None):
         mode = tool_mode or resolve_tool_choice([], None)
         self.builder = ChatResponseBuilder(request_id, model, int(time.time()) if created is None else created,
-                                           None, [ToolCallExtractor(mode, None)], echo)
+                                           None, [ToolCallExtractor(mode, None)], echo, reasoning=reasoning)
         self.prompt_tokens, self.stream, self.include_usage = prompt_tokens, stream, include_usage
         self.choice = ChoiceState()
         self.started = False
+        self.token_ids: list[int] = []  # the output's, for the reasoning split
 
-    def feed(self, text: str, num_tokens: int, finish_reason: Optional[str], stop_reason=None) -> list[dict]:
-        """The objects to emit for this delta (``finish_reason`` None: more follows)."""
+    def feed(self, text: str, num_tokens: int, finish_reason: Optional[str], stop_reason=None,
+             token_ids=None) -> list[dict]:
+        """The objects to emit for this delta (``finish_reason`` None: more follows).
+        ``token_ids``: the delta's token ids (needed with a reasoning parser; else
+        ``num_tokens`` counts them)."""
         ch = self.choice
+        ids = list(token_ids) if token_ids is not None else []
+        self.token_ids += ids
         ch.num_tokens += num_tokens
         if finish_reason is not None:
             ch.finish_reason, ch.stop_reason = finish_reason, stop_reason
@@ -264,14 +326,14 @@ class ChatStream:
         if self.stream:
             if not self.started:
                 out += self.builder.first_chunks(1)
-            if text or finish_reason is not None:
-                out += self.builder.delta_chunks(0, ch, text, (), None, finish_reason)
+            if text or finish_reason is not None or (ids and self.builder.splits is not None):
+                out += self.builder.delta_chunks(0, ch, text, ids, None, finish_reason)
             if finish_reason is not None and self.include_usage:
                 out.append(self.builder.chunk([], usage=usage(self.prompt_tokens, ch.num_tokens)))
         self.started = True
         if text:
             ch.text.append(text)
         if not self.stream and finish_reason is not None:
-            out.append(self.builder.response([self.builder.choice(0, ch, [], [])], self.prompt_tokens,
+            out.append(self.builder.response([self.builder.choice(0, ch, self.token_ids, [])], self.prompt_tokens,
                                              ch.num_tokens))
         return out

@@ -224,6 +224,11 @@ class ResponseBuilder:
     def return_token_ids(self) -> bool:
         return self.prompt_token_ids is not None
 
+    @property
+    def needs_token_ids(self) -> bool:
+        """``choice`` needs the choice's output token ids (else it may get none)."""
+        return self.return_token_ids
+
     def head(self, chunk: bool = True) -> dict:
         return {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
                 "created": self.created, "model": self.model}

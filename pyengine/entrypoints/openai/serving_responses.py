@@ -1,0 +1,120 @@
+"""``POST /v1/responses`` (mirrors vllm/entrypoints/openai/serving_responses.py, its simple
+non-harmony path): the request parsed and checked (``protocol_responses``), mapped onto a
+chat request (``responses_utils.responses_to_chat_request``) that goes through the chat
+endpoint's rules, template and engine ``Processor`` (``chat_job.prepare_chat``), and the
+chat builder's result or chunks translated back: the ``Response`` object, or the typed
+event stream (``responses_utils.ResponsesStreamState``) as SSE text.
+
+A front end (the HTTP server) does the I/O: ``ServingResponses.parse(body)``, then
+``prepare(req, model=..., run=...)`` -> a ``ResponsesJob`` whose ``chat`` it runs on the
+engine (its prompts, sampling params and builder, with usage at the end of a stream), and
+answers with ``job.response(chat_completion)`` or ``job.sse_events(chat_chunks)``
+(``sse_error`` for a failure once streaming began; ``sse_done`` is empty: this stream has
+no ``[DONE]``)."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable, Iterable, Iterator, Optional
+
+from pydantic import ValidationError
+
+from pyengine.entrypoints.chat_job import ChatJob, ChatSettings, prepare_chat
+from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
+from pyengine.entrypoints.openai.protocol_responses import (ResponsesRequest, check_responses_request, error_event,
+                                                           random_id)
+from pyengine.entrypoints.openai.responses_utils import (ResponsesStreamState, chat_to_response, responses_param,
+                                                        responses_to_chat_request, sse)
+from pyengine.entrypoints.openai.serving_engine import parse_request, validation_error
+from pyengine.exceptions import VLLMValidationError
+
+
+def chat_request_of(body: dict, rename: Callable[[Optional[str]], Optional[str]]) -> ChatCompletionRequest:
+    """A converted body as a ``ChatCompletionRequest``; a refusal names the endpoint's
+    own field (``rename``)."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = validation_error(e)
+        raise VLLMValidationError(str(err), parameter=rename(err.parameter)) from None
+
+
+def renamed(e: VLLMValidationError, rename: Callable[[Optional[str]], Optional[str]]) -> VLLMValidationError:
+    return VLLMValidationError(str(e), parameter=rename(e.parameter), value=e.value)
+
+
+def chunk_dict(chunk) -> dict:
+    """A chat chunk as the chat builder gives it: a dict, or its JSON text (the fast path)."""
+    return json.loads(chunk) if type(chunk) is str else chunk
+
+
+class ResponsesJob:
+    """One ``/v1/responses`` request made ready: ``chat`` (the engine inputs and the chat
+    builder) and the translation of its result."""
+
+    sse_done = ""
+
+    def __init__(self, req: ResponsesRequest, chat: ChatJob, model: str, response_id: str):
+        self.req, self.chat, self.model, self.id = req, chat, model, response_id
+        self.created_at = time.time()
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.req.stream)
+
+    def response(self, chat_completion: dict) -> dict:
+        """The ``Response`` of the finished chat result (``chat.builder``'s response)."""
+        return chat_to_response(self.req, chat_completion, response_id=self.id, created_at=self.created_at)
+
+    def sse_events(self, chunks: Iterable) -> Iterator[str]:
+        """The SSE stream of ``chunks`` (the chat builder's stream chunks, ending with the
+        usage chunk): ``response.created`` … ``response.completed``."""
+        st = ResponsesStreamState(self.req, self.model, self.chat.prompt_tokens, response_id=self.id,
+                                  created_at=self.created_at)
+        for ev in st.start():
+            yield sse(ev)
+        finish, completion_tokens = None, 0
+        for chunk in chunks:
+            chunk = chunk_dict(chunk)
+            for c in chunk.get("choices") or ():
+                for ev in st.chat_delta(c.get("delta") or {}):
+                    yield sse(ev)
+                finish = c.get("finish_reason") or finish
+            if chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+        for ev in st.finish(finish, completion_tokens, reasoning_tokens=self.chat.builder.reasoning_tokens()):
+            yield sse(ev)
+
+    def sse_error(self, status: int, message: str) -> str:
+        """The ``error`` event of a failure after the stream began."""
+        ev = dict(error_event(message, code=str(status)), sequence_number=0)
+        return sse(ev)
+
+
+class ServingResponses:
+    """The ``/v1/responses`` endpoint over the server's chat ``settings``."""
+
+    request_schema = ResponsesRequest
+
+    def __init__(self, settings: ChatSettings):
+        self.settings = settings
+
+    @staticmethod
+    def parse(raw) -> ResponsesRequest:
+        """The JSON body (``str`` / ``bytes``) as a checked ``ResponsesRequest``: unknown
+        and unsupported fields (``store``, ``previous_response_id``, hosted tools, ...)
+        refused. Raises VLLMValidationError."""
+        req = parse_request(ResponsesRequest, raw)
+        check_responses_request(req)
+        return req
+
+    def prepare(self, req: ResponsesRequest, *, model: str, run: Callable = lambda fn: fn()) -> ResponsesJob:
+        """The engine inputs of ``req`` by the chat endpoint's rules. Raises
+        VLLMValidationError naming the Responses field."""
+        response_id = "resp_" + (req.request_id or random_id("resp")[5:])
+        creq = chat_request_of(responses_to_chat_request(req), responses_param)
+        try:
+            chat = prepare_chat(self.settings, creq, model=model, response_id=response_id, run=run)
+        except VLLMValidationError as e:
+            raise renamed(e, responses_param) from None
+        return ResponsesJob(req, chat, model, response_id)
