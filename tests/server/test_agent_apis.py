@@ -220,8 +220,9 @@ def test_messages_create(servers):
 
 
 def test_messages_stream_forced_tool_use(servers):
+    forced = {"type": "tool", "name": "get_weather"}
     with anth(servers["tool"]).messages.stream(model=MODEL, max_tokens=40, messages=ASK, tools=[ANTH_TOOL],
-                                               extra_body={"temperature": 0}, tool_choice={"type": "tool", "name": "get_weather"}) as s:
+                                               extra_body={"temperature": 0}, tool_choice=forced) as s:
         events = [e.type for e in s]
         m = s.get_final_message()
     assert events[0] == "message_start" and events[-1] == "message_stop"
@@ -230,8 +231,9 @@ def test_messages_stream_forced_tool_use(servers):
 
 
 def test_messages_create_forced_tool_use_and_stream_text(servers):
+    forced = {"type": "any", "disable_parallel_tool_use": True}
     m = anth(servers["tool"]).messages.create(model=MODEL, max_tokens=96, messages=ASK, tools=[ANTH_TOOL],
-                                              extra_body={"temperature": 0}, tool_choice={"type": "any", "disable_parallel_tool_use": True})
+                                              extra_body={"temperature": 0}, tool_choice=forced)
     assert m.stop_reason == "tool_use" and m.content[-1].input == {"city": "Paris"}
     with anth(servers["answer"]).messages.stream(model=MODEL, max_tokens=16, messages=ASK) as s:
         text = "".join(s.text_stream)
