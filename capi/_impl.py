@@ -26,6 +26,8 @@ from pathlib import Path
 from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 from pyengine.entrypoints.openai.serving_chat import ChatStream
+from pyengine.entrypoints.reasoning import load_reasoning_parser
+from pyengine.reasoning import ReasoningParserManager
 
 from capi.chat import ChatRequestError, parse_chat_request
 
@@ -73,7 +75,7 @@ class _Live:
 
 def _chat_text(chat: ChatStream, c, finish_reason) -> bytes:
     """A chat request's delta as the lines of OpenAI JSON the C side passes on."""
-    objs = chat.feed(c.text, len(c.token_ids), finish_reason, c.stop_reason)
+    objs = chat.feed(c.text, len(c.token_ids), finish_reason, c.stop_reason, c.token_ids)
     return "".join(json.dumps(o, separators=(",", ":")) + "\n" for o in objs).encode("utf-8", "replace")
 
 
@@ -115,9 +117,10 @@ def _push(batch) -> None:
 class _Bridge:
     """One loaded engine as seen from the C ABI."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str = ""):
+    def __init__(self, llm: AsyncLLM, model_name: str = "", reasoning_parser=None):
         self.llm = llm
         self.model_name = model_name  # the "model" of chat responses
+        self.reasoning_parser = reasoning_parser  # vllm_model_params.reasoning_parser's class (vllm_chat*)
         self.lock = threading.Lock()  # guards live; drains + pushes happen under it (order)
         self.live: dict[str, _Live] = {}
         self.closed = False
@@ -216,7 +219,7 @@ class _Bridge:
 # ---------------------------------------------------------------------------
 # argument conversion
 
-_UNSUPPORTED_MODEL_STRINGS = ("tool_parser", "reasoning_parser", "speculative_config", "kv_transfer_config")
+_UNSUPPORTED_MODEL_STRINGS = ("tool_parser", "speculative_config", "kv_transfer_config")
 
 
 def _engine_args(p) -> EngineArgs:
@@ -405,6 +408,12 @@ def _message(e: BaseException) -> str:
 def _vg_py_load(p, eng_id_out, name_buf, namelen, err, errlen):
     try:
         args = _engine_args(p)
+        reasoning = _cstr(p.reasoning_parser) or None
+        if reasoning is not None:
+            try:
+                ReasoningParserManager.get_reasoning_parser(reasoning)
+            except ValueError as e:
+                raise _Refused(f"vllm_model_params.reasoning_parser: {e}") from None
         model = Path(args.model)
         if not model.is_dir():
             return _fail(err, errlen, f"vllm_engine_load: model_path {args.model!r} is not a directory", MODEL_LOAD)
@@ -423,7 +432,12 @@ def _vg_py_load(p, eng_id_out, name_buf, namelen, err, errlen):
         eid = next(_NEXT_ID)
         cfg = getattr(llm, "config", None)
         name = str(getattr(cfg, "served_model_name", None) or model.name)
-        _ENGINES[eid] = _Bridge(llm, name)
+        try:
+            parser = load_reasoning_parser(reasoning, llm.tokenizer)
+        except ValueError as e:
+            llm.shutdown()
+            return _fail(err, errlen, f"vllm_engine_load: vllm_model_params.reasoning_parser: {e}", INVALID)
+        _ENGINES[eid] = _Bridge(llm, name, parser)
         eng_id_out[0] = eid
         _write(name_buf, namelen, name)
         return OK
@@ -455,10 +469,11 @@ def _vg_py_submit(eng_id, req, num, prompt, toks, ntoks, sp, err, errlen):
 def _vg_py_submit_chat(eng_id, req, num, raw, stream, err, errlen):
     try:
         br = _bridge(eng_id)
-        parsed = parse_chat_request(ffi.string(raw).decode("utf-8"), br.llm.processor, RequestOutputKind.DELTA)
+        parsed = parse_chat_request(ffi.string(raw).decode("utf-8"), br.llm.processor, RequestOutputKind.DELTA,
+                                    br.reasoning_parser)
         chat = ChatStream(f"chatcmpl-{parsed.request_id or f'vengine-{int(num)}'}", br.model_name,
                           len(parsed.prompt_token_ids), stream=bool(stream), include_usage=bool(parsed.flags & 1),
-                          echo=parsed.echo)
+                          echo=parsed.echo, reasoning=parsed.reasoning)
         prompt = parsed.prompt_token_ids if parsed.cache_salt is None else {
             "prompt_token_ids": parsed.prompt_token_ids, "cache_salt": parsed.cache_salt}
         br.submit(req, int(num), prompt, parsed.sampling_params, parsed.priority, chat)

@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.openai.serving_chat import chat_inputs
 from pyengine.entrypoints.openai.serving_engine import parse_request
+from pyengine.entrypoints.reasoning import RequestReasoning
 
 # Chat request fields vllm_chat cannot honour (its response has one choice and no logprobs
 # or tool calls): name -> values that mean "not used".
@@ -52,21 +53,25 @@ class ParsedChat(NamedTuple):
     echo: Optional[str]  # what the message starts with (echo, serving_chat.chat_echo)
     request_id: Optional[str]  # the client's request_id (the response's "chatcmpl-<id>")
     cache_salt: Optional[str]  # the prefix-cache salt
+    reasoning: Optional[RequestReasoning] = None  # with a reasoning parser: the split (reasoning_content)
 
 
-def parse_chat_request(raw: str, processor, output_kind) -> ParsedChat:
+def parse_chat_request(raw: str, processor, output_kind, reasoning_parser: Optional[type] = None) -> ParsedChat:
     """The request as ``vllm_chat`` serves it. ``processor``: the engine's input
-    processing (``AsyncLLM.processor``). Raises the protocol layer's
+    processing (``AsyncLLM.processor``); ``reasoning_parser``: the class
+    ``vllm_model_params.reasoning_parser`` names (the response then carries
+    ``reasoning_content``, and structured outputs apply after the reasoning). Raises the protocol layer's
     ``VLLMValidationError`` (the message every front end gives) or ``ChatRequestError``
     (what only vllm_chat refuses)."""
     req = parse_request(ChatCompletionRequest, raw)
     # The engine's and the protocol's rules first (the messages HTTP gives), then what
     # only this front end cannot serve.
-    inputs = chat_inputs(processor, req, output_kind=output_kind, stream=True)  # the function decides
+    inputs = chat_inputs(processor, req, output_kind=output_kind, stream=True,  # the function decides
+                         reasoning_parser=reasoning_parser)
     _refuse_unsupported(req)
     if inputs.sampling_params.n != 1:
         raise ChatRequestError(f"n must be 1 for vllm_chat (one choice per response), got {inputs.sampling_params.n}")
     so = req.stream_options
     flags = 1 if so is not None and so.include_usage else 0
     return ParsedChat(inputs.prompt_token_ids, inputs.sampling_params, inputs.priority, flags, inputs.echo,
-                      req.request_id, inputs.cache_salt)
+                      req.request_id, inputs.cache_salt, inputs.reasoning)

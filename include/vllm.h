@@ -83,7 +83,8 @@ typedef struct vllm_model_params {
   int32_t max_model_len;             /* <= 0: from the model config */
   int32_t max_num_seqs;              /* <= 0: engine default */
   const char* tool_parser;           /* not supported: must be NULL or "" */
-  const char* reasoning_parser;      /* not supported: must be NULL or "" */
+  const char* reasoning_parser;      /* "qwen3" / "deepseek_r1": vllm_chat* JSON carries reasoning_content
+                                        (the tokenizer must have <think> </think>); NULL or "": none */
   const char* speculative_config;    /* not supported: must be NULL or "" */
   int32_t enable_prefix_caching;     /* 0: default (on), 1: on, 2: off */
   int32_t max_num_batched_tokens;    /* <= 0: engine default */

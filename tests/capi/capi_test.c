@@ -90,6 +90,7 @@ static vllm_engine* load_engine(void) {
   if (getenv("CAPI_TEST_TP")) mp.tensor_parallel_size = atoi(getenv("CAPI_TEST_TP"));
   mp.quantization = getenv("CAPI_TEST_QUANTIZATION");      /* NULL when unset: the checkpoint's */
   mp.kv_cache_dtype = getenv("CAPI_TEST_KV_CACHE_DTYPE");  /* NULL when unset: auto */
+  mp.reasoning_parser = getenv("CAPI_TEST_REASONING_PARSER");  /* NULL when unset: none */
   vllm_engine* e = NULL;
   vllm_status st = p_vllm_engine_load(&mp, &e);
   if (st != VLLM_OK) {

@@ -320,6 +320,25 @@ def test_chat_matches_python_api_with_template(capi_test_bin, capi_lib, llama_di
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
 
 
+def test_chat_carries_the_reasoning_fields(capi_test_bin, capi_lib, reasoning_dir, llama_dir):
+    """vllm_model_params.reasoning_parser="qwen3" on the scripted Qwen3-style model: vllm_chat's
+    message and vllm_chat_stream's deltas carry reasoning_content (and reasoning) apart from
+    the content, as over HTTP (tests/server/test_agent_apis.py); a tokenizer without the
+    think tokens is refused at load."""
+    req = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0})
+    env = {"CAPI_TEST_REASONING_PARSER": "qwen3"}
+    out = _check(_run(capi_test_bin, capi_lib, "chat", reasoning_dir, req, env=env))
+    msg = json.loads(_unescape(next(x for x in out.splitlines() if x.startswith("CHAT "))[5:]))["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["reasoning"], msg["content"]) == ("Hmm", "Hmm", "\n\nOK")
+    out = _check(_run(capi_test_bin, capi_lib, "chat_chunks", reasoning_dir, req, env=env))
+    deltas = [c["choices"][0]["delta"] for c in (json.loads(_unescape(x[6:])) for x in out.splitlines()
+                                                 if x.startswith("CHUNK ")) if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Hmm"
+    assert "".join(d.get("content", "") for d in deltas) == "\n\nOK"
+    proc = _run(capi_test_bin, capi_lib, "chat", llama_dir, req, env=env)
+    assert proc.returncode != 0 and "<think>" in proc.stdout + proc.stderr
+
+
 def test_engine_defaults_come_from_the_generation_config(capi_test_bin, capi_lib, llama_greedy_dir):
     # the model recommends greedy sampling, top_k 7 and 3 new tokens (generation_config.json)
     from pyengine import LLM, SamplingParams
