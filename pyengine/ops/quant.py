@@ -338,7 +338,9 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE
                      HAS_BIAS: tl.constexpr):
     # A chunk of BLOCK_K rows lies in one group (BLOCK_K divides GROUP_SIZE): its packed words
     # [BLOCK_K / PER, BLOCK_N] are loaded once and split in registers, and the group's scale
-    # and zero apply once per column: sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k).
+    # and zero are one row each. The products accumulate elementwise in a [WORDS, PER,
+    # BLOCK_N] tile, reduced once after the loop: no cross-thread reduction (and barrier)
+    # per chunk, so the UNROLL chunks' loads are all in flight together.
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     WORDS: tl.constexpr = BLOCK_K // PER
@@ -348,7 +350,7 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE
     rw = tl.arange(0, WORDS)
     rj = tl.arange(0, PER)
     shifts = rj * BITS
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([WORDS, PER, BLOCK_N], dtype=tl.float32)
     for k1 in range(0, K, BLOCK_K * UNROLL):
         for u in tl.static_range(UNROLL):
             k0 = k1 + u * BLOCK_K
@@ -357,16 +359,14 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE
             words = tl.load(qw_ptr + w_row[:, None].to(tl.int64) * N + rn[None, :], mask=mw[:, None] & mask_n[None, :],
                             other=0)  # [WORDS, BLOCK_N]
             offs_k = k0 + rw[:, None] * PER + rj[None, :]  # [WORDS, PER]
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # 0 past K: adds nothing
             q = ((words[:, None, :] >> shifts[None, :, None]) & MASK).to(tl.float32)  # [WORDS, PER, BLOCK_N]
-            part = tl.sum(tl.sum(q * x[:, :, None], axis=1), axis=0)
-            xsum = tl.sum(tl.sum(x, axis=1), axis=0)
             g = k0 // GROUP_SIZE
             mg = rn < tl.where(k0 < K, N, 0)  # (a scalar `&` trips the interpreter: folded into the bound)
             sc = tl.load(s_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32)
-            zr = tl.load(z_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32)
-            acc += sc * (part - zr * xsum)
-    y = acc
+            zs = tl.load(z_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32) * sc
+            acc += (q * sc[None, None, :] - zs[None, None, :]) * x[:, :, None]
+    y = tl.sum(tl.sum(acc, axis=1), axis=0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
