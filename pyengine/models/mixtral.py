@@ -17,7 +17,8 @@ from pyengine.models.moe_base import MoECausalLMMixin, check_moe_config
 
 class MixtralSparseMoeBlock(nn.Module):
     """``gate`` (the router, replicated: [num_local_experts, hidden]) then ``experts``
-    (``FusedMoE``, renormalised top-k, the weights kept float32 as transformers' router keeps them). ``forward(x [T, H]) -> [T, H]``, this rank's
+    (``FusedMoE``, renormalised top-k, the weights kept float32 as transformers' router
+    keeps them). ``forward(x [T, H]) -> [T, H]``, this rank's
     partial sum."""
 
     def __init__(self, hf_config, tp_group=None, enable_expert_parallel: bool = False):

@@ -219,8 +219,8 @@ def _times_weight(acc, w, ACT: tl.constexpr, CAST_W: tl.constexpr, EMULATE: tl.c
 def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_ptr,
                     N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_cm,
                     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, CAST_W: tl.constexpr,
-                    IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr):
+                    IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # One (M-block of sorted pairs, N-block) tile: C[pairs, n] = A[rows of pairs] @ B[e]^T.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
