@@ -60,16 +60,26 @@ def _check_shape(loaded, expected: Sequence[int], what: str = "") -> None:
         raise ValueError(f"shape mismatch{what}: expected {tuple(expected)} in the checkpoint, got {got}")
 
 
+def _check_same_for_parts(param: torch.Tensor, loaded, shard_id) -> None:
+    """For a ``same_for_parts`` parameter of a fused layer (e.g. GPTQ's ``g_idx``), which
+    every part's checkpoint holds: the first part's copy is taken, each later one must equal
+    what was loaded. The checkpoint tensor is brought to the parameter's device and dtype
+    for the comparison (a CUDA parameter against a host tensor). Raises ValueError when a
+    part differs."""
+    if not (getattr(param, "same_for_parts", False) and shard_id is not None):
+        return
+    seen = param.__dict__.setdefault("loaded_parts", set())
+    if seen and not torch.equal(param.data, full_weight(loaded).to(device=param.device, dtype=param.dtype)):
+        raise ValueError(f"shard {shard_id!r} differs from the parts already loaded into this fused layer "
+                         f"({sorted(map(str, seen))}); it must be the same for all of them")
+    seen.add(shard_id)
+
+
 def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
     """Copy a whole checkpoint tensor into ``param`` (dtype/device converted).
     Raises ValueError on a shape mismatch."""
     _check_shape(loaded, param.shape)
-    if getattr(param, "same_for_parts", False) and shard_id is not None:
-        seen = param.__dict__.setdefault("loaded_parts", set())
-        if seen and not torch.equal(param.data, full_weight(loaded).to(param.dtype)):
-            raise ValueError(f"shard {shard_id!r} differs from the parts already loaded into this fused layer "
-                             f"({sorted(map(str, seen))}); it must be the same for all of them")
-        seen.add(shard_id)
+    _check_same_for_parts(param, loaded, shard_id)
     param.data.copy_(full_weight(loaded))
 
 
@@ -112,12 +122,7 @@ def _load_whole(param: torch.Tensor, loaded, parts: Optional[Sequence] = None, s
         param.data.fill_(full_weight(loaded).reshape(()).item())  # one value for every part
         return
     _check_shape(loaded, param.shape)
-    if getattr(param, "same_for_parts", False) and shard_id is not None:
-        seen = param.__dict__.setdefault("loaded_parts", set())
-        if seen and not torch.equal(param.data, full_weight(loaded).to(param.dtype)):
-            raise ValueError(f"shard {shard_id!r} differs from the parts already loaded into this fused layer "
-                             f"({sorted(map(str, seen))}); it must be the same for all of them")
-        seen.add(shard_id)
+    _check_same_for_parts(param, loaded, shard_id)
     param.data.copy_(full_weight(loaded))
 
 

@@ -17,7 +17,8 @@ from pyengine.models.moe_base import MoECausalLMMixin, check_moe_config
 
 class MixtralSparseMoeBlock(nn.Module):
     """``gate`` (the router, replicated: [num_local_experts, hidden]) then ``experts``
-    (``FusedMoE``, renormalised top-k). ``forward(x [T, H]) -> [T, H]``, this rank's
+    (``FusedMoE``, renormalised top-k, the weights kept float32 as transformers' router
+    keeps them). ``forward(x [T, H]) -> [T, H]``, this rank's
     partial sum."""
 
     def __init__(self, hf_config, tp_group=None, enable_expert_parallel: bool = False):
@@ -25,7 +26,8 @@ class MixtralSparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(hf_config.hidden_size, hf_config.num_local_experts)
         self.experts = FusedMoE(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.hidden_size,
                                 hf_config.intermediate_size, renormalize=True, tp_group=tp_group,
-                                enable_expert_parallel=enable_expert_parallel, hidden_act=hf_config.hidden_act)
+                                enable_expert_parallel=enable_expert_parallel, hidden_act=hf_config.hidden_act,
+                                cast_routing_weights=False)  # transformers' MixtralTopKRouter: float32 weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from pyengine import envs
+from pyengine.ops import smem
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -253,13 +254,23 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, b_ptr, M, N, K,
              mask=mask_m[:, None] & mask_n[None, :])
 
 
+def fp8_gemm_tile_bytes(block_m: int, block_n: int, block_k: int, act_bytes: int, a_fp8: bool) -> tuple[int, int]:
+    """``(per_stage, fixed)`` shared-memory bytes of ``_fp8_gemm_kernel``'s tiles (see
+    ``pyengine.ops.smem``): per stage the activation and FP8 weight tiles and their scale
+    rows; fixed: the weight tile upcast to the activations' dtype when they are not FP8."""
+    per_stage = block_m * block_k * act_bytes + block_k * block_n + 4 * (block_m + block_n)
+    return per_stage, 0 if a_fp8 else block_k * block_n * act_bytes
+
+
 def fp8_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, a_scale: Optional[torch.Tensor],
              out_dtype: torch.dtype, block: Optional[tuple[int, int]] = None, bias: Optional[torch.Tensor] = None,
              block_m: Optional[int] = None, block_n: int = 128, block_k: Optional[int] = None,
              num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
     """a [M, K]: FP8 with ``a_scale`` float32 [M, 1] (per row) or [M, K/bk] (``block``), or
     unquantized (``a_scale`` None: the weight is upcast to a's dtype in registers);
-    weight [N, K] FP8 with weight_scale [N] or blocks. Returns [M, N] in ``out_dtype``."""
+    weight [N, K] FP8 with weight_scale [N] or blocks. Returns [M, N] in ``out_dtype``.
+    The stages (then ``block_n``, ``block_m``) are cut until the tiles fit the device's
+    shared memory (``fp8_gemm_tile_bytes``)."""
     m, k = a.shape
     n = weight.shape[0]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -272,6 +283,17 @@ def fp8_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     if block is not None and block[1] % block_k:
         raise ValueError(f"block_k {block_k} must divide the scale block {block[1]}")
     bn, bk = block if block is not None else (1, 1)
+    limit = smem.max_shared_mem(a.device)
+    while True:  # cut the stages, then block_n, then block_m, until the tiles fit (pyengine.ops.smem)
+        stages = smem.fit_stages(*fp8_gemm_tile_bytes(block_m, block_n, block_k, a.element_size(),
+                                                      a_scale is not None), num_stages, limit)
+        if stages or (block_n <= 16 and block_m <= 16):
+            break
+        if block_n > 16:
+            block_n //= 2
+        else:
+            block_m //= 2
+    num_stages = max(1, stages)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_gemm_kernel[grid](
         a, weight, c, a_scale if a_scale is not None else weight_scale, weight_scale,
@@ -316,7 +338,9 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE
                      HAS_BIAS: tl.constexpr):
     # A chunk of BLOCK_K rows lies in one group (BLOCK_K divides GROUP_SIZE): its packed words
     # [BLOCK_K / PER, BLOCK_N] are loaded once and split in registers, and the group's scale
-    # and zero apply once per column: sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k).
+    # and zero are one row each. The products accumulate elementwise in a [WORDS, PER,
+    # BLOCK_N] tile, reduced once after the loop: no cross-thread reduction (and barrier)
+    # per chunk, so the UNROLL chunks' loads are all in flight together.
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     WORDS: tl.constexpr = BLOCK_K // PER
@@ -326,7 +350,7 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE
     rw = tl.arange(0, WORDS)
     rj = tl.arange(0, PER)
     shifts = rj * BITS
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([WORDS, PER, BLOCK_N], dtype=tl.float32)
     for k1 in range(0, K, BLOCK_K * UNROLL):
         for u in tl.static_range(UNROLL):
             k0 = k1 + u * BLOCK_K
@@ -335,16 +359,14 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE
             words = tl.load(qw_ptr + w_row[:, None].to(tl.int64) * N + rn[None, :], mask=mw[:, None] & mask_n[None, :],
                             other=0)  # [WORDS, BLOCK_N]
             offs_k = k0 + rw[:, None] * PER + rj[None, :]  # [WORDS, PER]
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # 0 past K: adds nothing
             q = ((words[:, None, :] >> shifts[None, :, None]) & MASK).to(tl.float32)  # [WORDS, PER, BLOCK_N]
-            part = tl.sum(tl.sum(q * x[:, :, None], axis=1), axis=0)
-            xsum = tl.sum(tl.sum(x, axis=1), axis=0)
             g = k0 // GROUP_SIZE
             mg = rn < tl.where(k0 < K, N, 0)  # (a scalar `&` trips the interpreter: folded into the bound)
             sc = tl.load(s_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32)
-            zr = tl.load(z_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32)
-            acc += sc * (part - zr * xsum)
-    y = acc
+            zs = tl.load(z_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32) * sc
+            acc += (q * sc[None, None, :] - zs[None, None, :]) * x[:, :, None]
+    y = tl.sum(tl.sum(acc, axis=1), axis=0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
@@ -378,10 +400,14 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
 
 @triton.jit
 def _int_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, c_ptr, M, N, K, GROUP_SIZE, stride_am, stride_cm,
-                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, TILE_IN_GROUP: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Each K step loads the BLOCK_K / PER packed words of its rows once ([WORDS, BLOCK_N], not
+    # one word per row) and splits them in registers; with TILE_IN_GROUP (BLOCK_K divides
+    # GROUP_SIZE) the step's rows share one group, whose scale and zero are one row each.
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PER
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -393,21 +419,31 @@ def _int_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, c_ptr, M, N, K, GROUP_S
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    rw = tl.arange(0, WORDS)
+    shifts = tl.arange(0, PER) * BITS
     mask_m = rm < M
     mask_n = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + rk
         mk = offs_k < K
-        m2 = mk[:, None] & mask_n[None, :]
         a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_am + offs_k[None, :],
                     mask=mask_m[:, None] & mk[None, :], other=0.0)
-        words = tl.load(qw_ptr + (offs_k // PER)[:, None].to(tl.int64) * N + rn[None, :], mask=m2, other=0)
-        q = ((words >> ((offs_k % PER) * BITS)[:, None]) & MASK).to(tl.float32)
-        g = (offs_k // GROUP_SIZE)[:, None].to(tl.int64) * N + rn[None, :]
-        s = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
-        w = (q - z) * s
+        w_row = k0 // PER + rw
+        words = tl.load(qw_ptr + w_row[:, None].to(tl.int64) * N + rn[None, :],
+                        mask=(w_row < K // PER)[:, None] & mask_n[None, :], other=0)  # [WORDS, BLOCK_N]
+        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, [BLOCK_K, BLOCK_N]).to(tl.float32)
+        if TILE_IN_GROUP:  # rows past K: q is 0 there and so is a
+            g = (k0 // GROUP_SIZE).to(tl.int64) * N + rn
+            s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)
+            w = (q - z[None, :]) * s[None, :]
+        else:
+            m2 = mk[:, None] & mask_n[None, :]
+            g = (offs_k // GROUP_SIZE)[:, None].to(tl.int64) * N + rn[None, :]
+            s = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+            w = (q - z) * s
         if UPCAST:
             acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
         elif a.dtype == tl.float32:
@@ -420,11 +456,25 @@ def _int_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, c_ptr, M, N, K, GROUP_S
              mask=mask_m[:, None] & mask_n[None, :])
 
 
+def int_gemm_tile_bytes(block_m: int, block_n: int, block_k: int, bits: int, act_bytes: int, scale_bytes: int,
+                        tile_in_group: bool) -> tuple[int, int]:
+    """``(per_stage, fixed)`` shared-memory bytes of ``_int_gemm_kernel``'s tiles (see
+    ``pyengine.ops.smem``): per stage the activation tile, the packed words and the scale
+    and zero rows (whole [BLOCK_K, BLOCK_N] tiles when a step spans groups); fixed: the
+    dequantized weight tile handed to ``tl.dot``."""
+    sz = 2 * block_n * scale_bytes * (1 if tile_in_group else block_k)
+    per_stage = block_m * block_k * act_bytes + block_k * bits // 8 * block_n + sz
+    return per_stage, block_k * block_n * act_bytes
+
+
 def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
              group_size: int, bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
              block_n: int = 128, block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x [M, K] @ dequant(qweight).T -> [M, N] in x.dtype, each weight tile dequantized in
-    registers."""
+    registers. The stages (then ``block_n``, then ``block_m``) are cut until the tiles fit
+    the device's shared memory (``int_gemm_tile_bytes``); ``block_k`` (at least 16 and 32 / bits)
+    is halved while that makes it divide ``group_size``. Raises ValueError for a
+    ``block_k`` that is not a power of two holding whole packed words."""
     m, k = x.shape
     n = qweight.shape[1]
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -432,13 +482,29 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         return c
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if block_k & (block_k - 1) or block_k < max(16, 32 // bits):
+        raise ValueError(f"block_k {block_k} must be a power of two >= {max(16, 32 // bits)}")
     if block_m is None:
         block_m = 16 if m <= 16 else (64 if m <= 64 else 128)
+    while group_size % block_k and block_k // 2 >= max(16, 32 // bits):
+        block_k //= 2
+    tile_in_group = group_size % block_k == 0
+    limit = smem.max_shared_mem(x.device)
+    ab, sb = x.element_size(), scales.element_size()
+    while True:
+        stages = smem.fit_stages(*int_gemm_tile_bytes(block_m, block_n, block_k, bits, ab, sb, tile_in_group),
+                                 num_stages, limit)
+        if stages or (block_n <= 16 and block_m <= 16):
+            break
+        if block_n > 16:
+            block_n //= 2
+        else:
+            block_m //= 2
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _int_gemm_kernel[grid](x, qweight, scales, zeros, bias if bias is not None else scales, c, m, n, k, group_size,
                            x.stride(0), c.stride(0), BITS=bits, HAS_BIAS=bias is not None, UPCAST=_INTERPRET,
-                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=num_warps,
-                           num_stages=num_stages)
+                           TILE_IN_GROUP=tile_in_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                           num_warps=num_warps, num_stages=max(1, stages))
     return c
 
 

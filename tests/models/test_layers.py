@@ -187,3 +187,31 @@ def test_parallel_loader_rejects_wrong_checkpoint_shape():
             RowParallelLinear(8, 4, tp_group=group).weight, torch.zeros(4, 4))
     with pytest.raises(ValueError, match="not divisible by tensor_parallel_size 2"):
         RowParallelLinear(7, 4, tp_group=group)
+
+
+def test_same_for_parts_compared_on_the_parameters_device(monkeypatch):
+    """A ``same_for_parts`` tensor (GPTQ's ``g_idx``) of a fused layer is loaded from each
+    part's checkpoint; the later parts are compared with the parameter where it lives (a
+    CUDA parameter against a host checkpoint tensor failed on the H200). The parameter sits
+    on the meta device here; the comparison must see both tensors there."""
+    import pyengine.layers.linear as linear
+
+    seen = []
+
+    def equal(a, b):
+        seen.append((a.device.type, b.device.type))
+        return True
+    monkeypatch.setattr(linear.torch, "equal", equal)
+    param = torch.nn.Parameter(torch.empty(8, dtype=torch.int32, device="meta"), requires_grad=False)
+    param.same_for_parts = True
+    loaded = torch.arange(8, dtype=torch.int64)
+    for load in (linear.default_weight_loader, lambda p, t, s: linear._load_whole(p, t, [0, 1], s)):
+        param.__dict__.pop("loaded_parts", None)
+        for shard in (0, 1):
+            load(param, loaded, shard)
+    assert seen == [("meta", "meta")] * 2  # the second part of each, against the first
+    param.__dict__.pop("loaded_parts")
+    monkeypatch.setattr(linear.torch, "equal", lambda a, b: False)
+    linear.default_weight_loader(param, loaded, 0)
+    with pytest.raises(ValueError, match="shard 1 differs"):
+        linear.default_weight_loader(param, loaded, 1)

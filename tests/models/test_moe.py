@@ -218,6 +218,31 @@ def test_tp2_greedy_matches_transformers(variant, ep, moe_dir, prompts):
 # ---- GPU: the Triton fused-MoE path in bf16 ------------------------------------------
 
 NEAR_TIE = 0.2  # top-2 logprob gap under which a bf16 greedy flip is accepted
+# A router whose k-th and (k+1)-th logits are this close picks its experts by bf16 noise:
+# the attention and norms round differently from transformers' (cuBLAS/SDPA against Triton),
+# the hidden states differ in the last bits, and a tied router may take the other expert,
+# which changes the token's output entirely (seen on CPU too: an exact bf16 tie of two
+# router logits behind a flip 10.9 nats from transformers' choice). Such flips are accepted,
+# counted, and must stay rare.
+ROUTER_TIE = 0.0625
+
+
+def _router_gaps(hf, token_ids, top_k):
+    """Per position, the smallest gap between the k-th and (k+1)-th router logit over the
+    MoE layers of transformers' forward of ``token_ids`` (and the log-probs)."""
+    caps, hooks = [], []
+    for layer in hf.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and not isinstance(gate, torch.nn.Linear):  # a router, not a dense MLP's
+            hooks.append(gate.register_forward_hook(lambda m, a, o: caps.append(o[0].float())))
+    try:
+        with torch.no_grad():
+            logits = hf(torch.tensor([token_ids], device="cuda")).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    gaps = torch.stack([(lambda v: v[:, top_k - 1] - v[:, top_k])(c.topk(top_k + 1, -1).values) for c in caps])
+    return torch.log_softmax(logits, -1), gaps.amin(0)
 
 
 @pytest.mark.gpu
@@ -235,31 +260,34 @@ def test_gpu_fp32_matches_transformers(variant, moe_dir, prompts):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("variant", ["qwen3_moe_norm_sharded", "mixtral", "qwen2_moe"])
 def test_gpu_bf16_matches_transformers_bf16(variant, moe_dir, prompts):
-    """bf16 greedy tokens against transformers' bf16 model on the GPU, up to a near tie."""
+    """bf16 greedy tokens against transformers' bf16 model on the GPU, fed our tokens: where
+    transformers would pick another token, the pick is a near tie, or a router of that
+    position is tied within ``ROUTER_TIE`` (rare)."""
     from transformers import AutoModelForCausalLM
 
     d = moe_dir(variant)
     hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16).cuda().eval()
+    top_k = hf.config.num_experts_per_tok
     llm = LLM(str(d), device="cuda", dtype="bfloat16", max_num_seqs=16, **STRESS)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False,
                                                     ignore_eos=True), use_tqdm=False)
     finally:
         llm.shutdown()
-    same = total = 0
+    same = total = router_ties = 0
     for p, o in zip(prompts, outs):
         toks = list(o.outputs[0].token_ids)
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + toks], device="cuda")).logits[0, len(p) - 1:-1].float()
-        lp = torch.log_softmax(logits, -1)
-        total += len(toks)
+        lp, gaps = _router_gaps(hf, p + toks, top_k)
         for i, t in enumerate(toks):
-            top2 = lp[i].topk(2)
-            if int(top2.indices[0]) != t:  # transformers, fed our tokens, would pick another
-                assert float(top2.values[0] - lp[i, t]) < NEAR_TIE, f"{variant}: token {i} is no near tie"
-            else:
+            pos = len(p) - 1 + i
+            total += 1
+            top2 = lp[pos].topk(2)
+            if int(top2.indices[0]) == t:
                 same += 1
-    assert same >= 0.5 * total
+            elif float(top2.values[0] - lp[pos, t]) >= NEAR_TIE:  # transformers would pick another, clearly
+                assert float(gaps[pos]) < ROUTER_TIE, f"{variant}: token {i} is no near tie and no router tie"
+                router_ties += 1
+    assert same >= 0.5 * total and router_ties <= 0.1 * total, (same, router_ties, total)
 
 
 @pytest.mark.gpu

@@ -159,7 +159,7 @@ def _int_weight(n, k, bits, group_size, dev):
 
 
 @pytest.mark.parametrize("kind", DEVICES)
-@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 128), (8, 64), (4, -1)])
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 128), (8, 64), (4, -1), (4, 8)])  # 8: a step spans groups
 def test_int_linear(kind, bits, group_size):
     dev = _dev(kind)
     for dtype in _dtypes(dev):

@@ -46,6 +46,17 @@ def test_scheme_matches_transformers(scheme, llama_dir, tokenizer, prompts, tmp_
     assert hf_greedy(llama_dir, prompts, MAX_TOKENS) != ref or scheme == "W8A16"
 
 
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8", "W4A16"])
+def test_qwen3_scheme_matches_transformers(scheme, qwen3_dir, tokenizer, prompts, tmp_path):
+    """A Qwen3 (per-head q/k norms, a sharded source checkpoint) quantized by compressed-tensors:
+    W8A8 FP8 with dynamic per-token and static per-tensor activations, and pack-quantized
+    W4A16 (group 32: the tiny model is 64 wide)."""
+    opts = dict(SCHEMES[scheme])
+    calib = prompt_token_ids(tokenizer, 4, seed=5) if opts.pop("calibrate", False) else None
+    d = compressed_tensors_checkpoint(qwen3_dir, tmp_path / scheme, scheme, calibration=calib, **opts)
+    assert _engine_greedy(d, prompts) == hf_greedy(d, prompts, MAX_TOKENS)
+
+
 @pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W4A16"])
 def test_sentencepiece_model(scheme, llama_sp_dir, sp_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer

@@ -7,9 +7,13 @@ the (token, slot) pairs and one sum:
 1. gate/up: ``inter[p] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)`` for pair p = (t, slot)
    routed to expert e, SiLU-and-mul fused into the GEMM (two accumulators, one for the
    gate rows and one for the up rows of the same output columns);
-2. down: ``out[p] = w[p] * (inter[p] @ down_e^T)``, the routing weight applied in float32
-   before the one rounding to the activation dtype;
+2. down: ``out[p] = w[p] * (inter[p] @ down_e^T)``;
 3. ``out.view(T, k, H).sum(1)`` (float32 accumulation in torch's reduction).
+
+The roundings are transformers' (``moe_torch``): each GEMM's output, the SiLU and the
+gate*up product are rounded to the activation dtype; the routing weight and its product
+too when the router casts its weights (Qwen-MoE, ``cast_weights``), else the product is
+float32 until the sum (Mixtral). In float32 none of this rounds.
 
 Two ways to run passes 1 and 2, picked per number of tokens M by the tile config:
 
@@ -40,6 +44,7 @@ override a field for one pass. The entry of the nearest M is used; without a fil
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -47,11 +52,16 @@ import torch
 import triton
 import triton.language as tl
 
+from pyengine.ops import smem
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # moe_align_block_size ranks pairs by a running one-hot count up to this many
 # pairs x experts (16 MiB of int32: every decode batch), by a sort above it.
 ONE_HOT_MAX = 1 << 22
 PASSES = ("w13", "w2")
+# Under triton's interpreter (CPU tests) the kernels round to bf16 in integer arithmetic
+# and take float32 dot operands: its own conversions truncate and its bf16 dot is unreliable.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---- tile configs ----------------------------------------------------------------------
@@ -166,11 +176,51 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
 
 # ---- kernels ---------------------------------------------------------------------------
 
+@triton.jit
+def _round(x, ACT: tl.constexpr, EMULATE: tl.constexpr):
+    # float32 x rounded to the activation dtype ACT (to nearest, ties to even), as float32.
+    # EMULATE (the interpreter, whose float32 -> bf16 conversion truncates): bf16 rounding in
+    # integer arithmetic on the bits.
+    if EMULATE:
+        if ACT == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            return b.to(tl.float32, bitcast=True)
+        else:
+            return x.to(ACT).to(tl.float32)
+    else:
+        return x.to(ACT).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul(gate, up, ACT: tl.constexpr, EMULATE: tl.constexpr):
+    # transformers' act_fn(gate) * up on GEMM outputs in the activation dtype ACT: gate and
+    # up rounded to ACT, SiLU rounded, then the product (the caller rounds it). In float32
+    # the roundings are exact.
+    g = _round(gate, ACT, EMULATE)
+    s = _round(g / (1.0 + tl.exp(-g)), ACT, EMULATE)
+    return s * _round(up, ACT, EMULATE)
+
+
+@triton.jit
+def _times_weight(acc, w, ACT: tl.constexpr, CAST_W: tl.constexpr, EMULATE: tl.constexpr):
+    # The down projection's output (rounded to ACT, as the GEMM's) times the routing weight
+    # w (float32): with CAST_W the weight is rounded to ACT and so is the product (Qwen-MoE);
+    # else a float32 product (Mixtral).
+    y = _round(acc, ACT, EMULATE)
+    if CAST_W:
+        y = _round(y * _round(w, ACT, EMULATE), ACT, EMULATE)
+    else:
+        y = y * w
+    return y
+
+
 @triton.jit(do_not_specialize=["EM", "num_valid"])  # one compiled variant whatever the batch size
 def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_ptr,
                     N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_cm,
-                    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, CAST_W: tl.constexpr,
+                    IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # One (M-block of sorted pairs, N-block) tile: C[pairs, n] = A[rows of pairs] @ B[e]^T.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -202,29 +252,36 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_pt
         kmask = rk < K - k0
         a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if IEEE:
+        if EMULATE:  # the interpreter's low-precision dot is unreliable: float32 operands
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE or EMULATE:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
         if GATED:  # the up rows of the same columns, N rows further
             bu = tl.load(b_ptrs + N * stride_bn, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            if IEEE:
+            if EMULATE:
+                bu = bu.to(tl.float32)
+            if IEEE or EMULATE:
                 acc_up += tl.dot(a, bu, input_precision="ieee")
             else:
                 acc_up += tl.dot(a, bu)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = _silu_and_mul(acc, acc_up, c_ptr.dtype.element_ty, EMULATE)
     if MUL_WEIGHT:
-        acc = acc * tl.load(w_ptr + pairs, mask=pmask, other=0.0)[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+        acc = _times_weight(acc, tl.load(w_ptr + pairs, mask=pmask, other=0.0)[:, None], a_ptr.dtype.element_ty,
+                            CAST_W, EMULATE)
+    tl.store(c_ptrs, _round(acc, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
 def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, stride_be, stride_bn, stride_cm,
                  K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                 HAS_EMAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 CAST_W: tl.constexpr, HAS_EMAP: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     # One (pair, N-block): c[p, n] = a[row of p] . B[e][n, :], e the pair's expert.
     p = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -251,23 +308,26 @@ def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, st
             acc_up += wu.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if GATED:
-        y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
+        y = _silu_and_mul(y, tl.sum(acc_up, axis=1), c_ptr.dtype.element_ty, EMULATE)
     if MUL_WEIGHT:
-        y = y * tl.load(w_ptr + p)
-    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=nmask)
+        y = _times_weight(y, tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
+    tl.store(c_ptrs, _round(y, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
 def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, stride_be, stride_bn,
                           stride_cm, K: tl.constexpr, TOP_K: tl.constexpr, HAS_EMAP: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One (token, N-block): c[t, n] = sum over the token's slots of w * (a[pair] . B[e][n, :]),
-    # the routing weights folded into the inputs and the k-sum done in the accumulator.
+                          CAST_W: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    # One (token, N-block): c[t, n] = sum over the token's slots, in slot order, of the pair's
+    # down projection (rounded to the activation dtype) times its routing weight
+    # (``_times_weight``), accumulated in float32 and rounded once: transformers' per-pair
+    # products and sum, without the [T*k, H] buffer.
     t = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for s in tl.static_range(TOP_K):
         p = t * TOP_K + s
         e = tl.load(ids_ptr + p).to(tl.int64)
@@ -276,14 +336,16 @@ def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stri
         # another rank's expert adds nothing: its rows are masked off
         rows_here = nmask & ((e + tl.zeros([BLOCK_N], dtype=tl.int64)) >= 0)
         e = tl.maximum(e, 0)
-        wt = tl.load(w_ptr + p)
         b_rows = b_ptr + e * stride_be + rn[:, None] * stride_bn
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             kmask = k0 + rk < K
-            x = tl.load(a_ptr + p * stride_am + k0 + rk, mask=kmask, other=0.0).to(tl.float32) * wt
+            x = tl.load(a_ptr + p * stride_am + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
             wv = tl.load(b_rows + k0 + rk[None, :], mask=rows_here[:, None] & kmask[None, :], other=0.0)
             acc += wv.to(tl.float32) * x[None, :]
-    tl.store(c_ptr + t * stride_cm + rn, tl.sum(acc, axis=1).to(c_ptr.dtype.element_ty), mask=nmask)
+        total += _times_weight(tl.sum(acc, axis=1), tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
+    tl.store(c_ptr + t * stride_cm + rn, _round(total, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty),
+             mask=nmask)
 
 
 @triton.jit
@@ -331,10 +393,11 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
 
 # ---- launch ----------------------------------------------------------------------------
 
-def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg):
+def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg, cast_weights=True):
     """One pass on the GEMV path: ``c[p] = f(a[p // a_row_div] . b[expert of p]^T)`` for
     every pair p; ``gated``: b holds gate then up rows and f is SiLU-and-mul;
-    ``mul_weight``: times the pair's routing weight. ``cfg``: that pass's tile."""
+    ``mul_weight``: times the pair's routing weight (rounded to a's dtype first with
+    ``cast_weights``). ``cfg``: that pass's tile."""
     n_out = c.shape[1]
     k = a.shape[1]
     block_k = min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k))
@@ -342,47 +405,61 @@ def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_
     grid = (pairs, triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
     _gemv_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids,
                        n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-                       K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, HAS_EMAP=expert_map is not None,
+                       K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights),
+                       HAS_EMAP=expert_map is not None, EMULATE=_INTERPRET,
                        BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)))
 
 
-def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg):
+def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg, cast_weights=True):
     """The small-batch down pass with the k-sum fused: ``c[t] = sum_slot w * (a[t*k+slot]
-    . b[expert]^T)``; c: [T, N]. ``cfg``: the w2 pass's tile."""
+    . b[expert]^T)``; c: [T, N]. ``cfg``: the w2 pass's tile; ``cast_weights`` as
+    ``gemv_pass``."""
     n_out = c.shape[1]
     k = a.shape[1]
     block_k = min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k))
     grid = (c.shape[0], triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
     _gemv_down_sum_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids,
                                 n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0), K=k,
-                                TOP_K=topk_ids.shape[1], HAS_EMAP=expert_map is not None,
+                                TOP_K=topk_ids.shape[1], HAS_EMAP=expert_map is not None, CAST_W=bool(cast_weights),
+                                EMULATE=_INTERPRET,
                                 BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)))
 
 
-def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, cfg, num_valid):
+def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, cfg, num_valid, cast_weights=True):
     """One pass on the grouped-GEMM path over ``aligned`` (``moe_align_block_size``'s
     output for ``cfg["BLOCK_SIZE_M"]``); otherwise as ``gemv_pass``."""
     sorted_ids, expert_ids, npost = aligned
     n_out = c.shape[1]
     bm, bn, bk = int(cfg["BLOCK_SIZE_M"]), int(cfg["BLOCK_SIZE_N"]), int(cfg["BLOCK_SIZE_K"])
     em = sorted_ids.numel()
+    # the stages this tile can have in the device's shared memory (a tile of the table was
+    # measured on its GPU; this guards the defaults and other GPUs)
+    per_stage = bm * bk * a.element_size() + (2 if gated else 1) * bk * bn * b.element_size()
+    stages = smem.fit_stages(per_stage, 0, int(cfg.get("num_stages", 3)), smem.max_shared_mem(a.device))
+    if stages == 0:
+        raise ValueError(f"fused-MoE tile {bm}x{bn}x{bk} does not fit the device's shared memory")
     grid = (triton.cdiv(em, bm) * triton.cdiv(n_out, bn),)
     _grouped_kernel[grid](a, b, c, topk_weights, sorted_ids, expert_ids, npost,
                           n_out, a.shape[1], em, num_valid, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-                          A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
+                          A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights),
+                          IEEE=a.dtype == torch.float32, EMULATE=_INTERPRET,
                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=int(cfg.get("GROUP_SIZE_M", 1)),
-                          num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 3)))
+                          num_warps=int(cfg.get("num_warps", 4)), num_stages=stages)
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor] = None,
-                  config: Optional[dict] = None, tile_configs: Optional[dict[int, dict]] = None) -> torch.Tensor:
+                  config: Optional[dict] = None, tile_configs: Optional[dict[int, dict]] = None,
+                  cast_weights: bool = True) -> torch.Tensor:
     """hidden: [T, H]; w13: [E_local, 2 * I, H] (gate rows then up rows); w2: [E_local, H, I];
     topk_weights: float32 [T, k]; topk_ids: int32 [T, k] (global ids); expert_map: int32
     [E_global] or None (see ``moe_align_block_size``). Weights and hidden share a dtype
     and have unit stride along their last dim. ``config``: the tile config to use
-    (default: ``pick_config(tile_configs, T, ...)``). Returns [T, H] in hidden's dtype,
-    the same value as ``moe_torch.fused_experts_torch`` up to rounding."""
+    (default: ``pick_config(tile_configs, T, ...)``). ``cast_weights``: the routing weights
+    are rounded to hidden's dtype before they scale the experts' outputs (Qwen-MoE), else
+    the product is float32 (Mixtral); see ``moe_torch``. Returns [T, H] in hidden's dtype:
+    ``moe_torch.fused_experts_torch``'s operations and roundings (exactly its value in
+    float32 up to summation order, and in bf16 up to the GEMMs' own rounding)."""
     t, h = hidden.shape
     e_local, two_i, _ = w13.shape
     inter = two_i // 2
@@ -395,20 +472,22 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     cfg = config if config is not None else pick_config(tile_configs, t, e_local, inter, h, top_k)
     pairs = t * top_k
     mid = torch.empty((pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    # the per-pair products: in hidden's dtype when the weights are cast, else float32
+    pair_dtype = hidden.dtype if cast_weights else torch.float32
     c13, c2 = pass_config(cfg, "w13"), pass_config(cfg, "w2")
     if cfg.get("small_batch"):
         gemv_pass(hidden, w13, mid, topk_weights, topk_ids, expert_map, True, False, top_k, c13)
         if c2.get("FUSE_SUM", True):  # default: no [T*k, H] buffer and no separate sum
             out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
-            gemv_down_sum_pass(mid, w2, out, topk_weights, topk_ids, expert_map, c2)
+            gemv_down_sum_pass(mid, w2, out, topk_weights, topk_ids, expert_map, c2, cast_weights)
             return out
-        out = torch.empty((pairs, h), dtype=hidden.dtype, device=hidden.device)
-        gemv_pass(mid, w2, out, topk_weights, topk_ids, expert_map, False, True, 1, c2)
+        out = torch.empty((pairs, h), dtype=pair_dtype, device=hidden.device)
+        gemv_pass(mid, w2, out, topk_weights, topk_ids, expert_map, False, True, 1, c2, cast_weights)
     else:
-        out = torch.empty((pairs, h), dtype=hidden.dtype, device=hidden.device)
+        out = torch.empty((pairs, h), dtype=pair_dtype, device=hidden.device)
         if int(c13["BLOCK_SIZE_M"]) != int(c2["BLOCK_SIZE_M"]):
             raise ValueError("the two passes of a grouped-GEMM tile config must share BLOCK_SIZE_M")
         aligned = moe_align_block_size(topk_ids, int(c13["BLOCK_SIZE_M"]), e_local, expert_map)
         grouped_pass(hidden, w13, mid, topk_weights, aligned, True, False, top_k, c13, pairs)
-        grouped_pass(mid, w2, out, topk_weights, aligned, False, True, 1, c2, pairs)
-    return out.view(t, top_k, h).sum(dim=1)
+        grouped_pass(mid, w2, out, topk_weights, aligned, False, True, 1, c2, pairs, cast_weights)
+    return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)

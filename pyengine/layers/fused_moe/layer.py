@@ -60,17 +60,21 @@ def expert_checkpoint_target(name: str, proj_names: dict[str, str]) -> Optional[
 
 class FusedMoE(nn.Module):
     """``FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
-    tp_group=None, enable_expert_parallel=False, hidden_act="silu")``.
+    tp_group=None, enable_expert_parallel=False, hidden_act="silu", cast_routing_weights=True)``.
 
     ``forward(hidden [T, H], router_logits [T, E]) -> [T, H]`` (hidden's dtype; this rank's
     partial sum): top-k over softmax(router_logits) (``fused_topk``), renormalised when
     ``renormalize`` (``norm_topk_prob``), then the weighted sum of the chosen experts'
-    SiLU-gated MLPs. Raises ValueError (at construction) for an activation other than
+    SiLU-gated MLPs. ``cast_routing_weights``: the top-k weights are cast to the model's
+    dtype before they scale the experts' outputs, as transformers' Qwen-MoE routers do
+    (``router_top_value.to(router_logits.dtype)``); Mixtral's router keeps them float32
+    (False). It changes nothing in float32. Raises ValueError (at construction) for an activation other than
     SiLU, ``top_k`` outside [1, E], or sizes that do not split over the ranks.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 tp_group=None, enable_expert_parallel: bool = False, hidden_act: str = "silu"):
+                 tp_group=None, enable_expert_parallel: bool = False, hidden_act: str = "silu",
+                 cast_routing_weights: bool = True):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"Unsupported hidden_act {hidden_act!r} for the experts; only 'silu' is supported.")
@@ -81,6 +85,7 @@ class FusedMoE(nn.Module):
         self.global_num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
+        self.cast_routing_weights = bool(cast_routing_weights)
         self.hidden_size = hidden_size
         self.use_ep = bool(enable_expert_parallel) and tp_size > 1
         if self.use_ep:
@@ -144,10 +149,11 @@ class FusedMoE(nn.Module):
                                                                   self.intermediate_size_per_partition)
                                       if hidden.is_cuda else None)
             return fused_moe.fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                           expert_map=self.expert_map, tile_configs=self._tile_configs)
+                                           expert_map=self.expert_map, tile_configs=self._tile_configs,
+                                           cast_weights=self.cast_routing_weights)
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
         return fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                   expert_map=self.expert_map)
+                                   expert_map=self.expert_map, cast_weights=self.cast_routing_weights)
 
     @torch.inference_mode()
     def warm_up(self, max_num_tokens: int) -> int:
@@ -175,4 +181,5 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.global_num_experts} (local {self.local_num_experts} from {self.expert_start}), "
                 f"top_k={self.top_k}, hidden={self.hidden_size}, intermediate={self.intermediate_size} "
-                f"(local {self.intermediate_size_per_partition}), renormalize={self.renormalize}, ep={self.use_ep}")
+                f"(local {self.intermediate_size_per_partition}), renormalize={self.renormalize}, ep={self.use_ep}, "
+                f"cast_routing_weights={self.cast_routing_weights}")

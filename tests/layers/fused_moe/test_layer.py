@@ -77,6 +77,42 @@ def test_torch_experts_match_transformers_bitwise():
     assert torch.equal(fused_experts_torch(x, w13, w2, w, ids), ref)
 
 
+_EXPERTS = {"qwen3_moe": ("Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeExperts", True),
+            "mixtral": ("MixtralConfig", "mixtral", "MixtralExperts", False),
+            "qwen2_moe": ("Qwen2MoeConfig", "qwen2_moe", "Qwen2MoeExperts", True)}
+
+
+@pytest.mark.parametrize("arch", list(_EXPERTS))
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+def test_torch_experts_match_transformers_bf16(arch, impl):
+    """bf16, transformers' default experts implementation (``grouped_mm``): each GEMM output,
+    the SiLU and gate*up rounded to bf16, the routing weight in the router's dtype (bf16 for
+    Qwen-MoE, float32 for Mixtral) times the down output, then the slots summed in float32
+    and rounded once. Bit for bit. transformers' eager loop instead adds each product into a
+    bf16 output (a rounding per expert): the same for Qwen-MoE here, not for Mixtral, whose
+    float32 products it rounds before adding."""
+    import importlib
+
+    cfg_name, mod, cls, cast = _EXPERTS[arch]
+    experts_cls = getattr(importlib.import_module(f"transformers.models.{mod}.modeling_{mod}"), cls)
+    hf = experts_cls(_hf_config(cfg_name, experts_implementation=impl)).to(torch.bfloat16)
+    w13, w2 = _weights(dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(w13)
+        hf.down_proj.copy_(w2)
+        for t in (1, 5, 17):
+            x = torch.randn(t, H, generator=g).to(torch.bfloat16)
+            w, ids = fused_topk(torch.randn(t, E, generator=g), K, True)
+            ref = hf(x, ids.long(), w.to(torch.bfloat16) if cast else w)
+            got = fused_experts_torch(x, w13, w2, w, ids, cast_weights=cast)
+            assert got.dtype == torch.bfloat16
+            if impl == "grouped_mm" or cast:
+                assert torch.equal(got, ref), (arch, impl, t)
+            else:  # Mixtral under the eager loop: its per-expert bf16 rounding, within an ulp or two
+                torch.testing.assert_close(got.float(), ref.float(), atol=0.13, rtol=2 ** -6)
+
+
 class _Rank(SimpleNamespace):
     """What FusedMoE reads of a GroupCoordinator."""
 
