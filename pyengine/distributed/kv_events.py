@@ -5,19 +5,21 @@ the engine core hands the step's events to a publisher, one ``KVEventBatch`` per
 Routers that follow prefix-cache content (vllm-router's ``kv_aware`` policy, llm-d, the
 production-stack router, Dynamo) read them.
 
-Wire format (vLLM's msgspec structs with ``array_like=True, omit_defaults=True,
-tag=True``, written here with plain msgpack):
+Wire format (vLLM's msgspec structs, written here with plain msgpack: the batch an
+``array_like`` struct, each event a ``tag=True`` struct, i.e. a map whose ``"type"`` is
+the class name; what vllm-router's ``kv_aware`` subscriber decodes, and refuses otherwise:
+"KV event batch must be an array", "KV event must be a tagged map"):
 
 - a ZMQ multipart message ``[topic, seq, payload]``: ``topic`` the configured bytes,
   ``seq`` the batch's sequence number as 8 bytes big-endian (0, 1, ...), ``payload`` the
   msgpack batch;
 - the batch: an array ``[ts, events, data_parallel_rank]``: ``ts`` float seconds since
   the epoch (``time.time()``), ``data_parallel_rank`` an int (left out when None);
-- each event: an array whose first element is its tag (the class name) and then its
-  fields in vLLM's order, trailing fields equal to their default left out:
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-  medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
-  ``["AllBlocksCleared"]``.
+- each event: a map of ``"type"`` (the tag) then its fields by name, in vLLM's order:
+  ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+  "block_size", "lora_id", "medium", "lora_name"}``, ``{"type": "BlockRemoved",
+  "block_hashes", "medium"}``, ``{"type": "AllBlocksCleared"}`` (vLLM's optional later
+  fields, ``extra_keys``, ``group_idx``..., are left out: msgspec's ``omit_defaults``).
 
 Block hashes go out as unsigned 64-bit ints (the engine's chained ``hash()`` of
 (parent hash, token ids, extra keys), taken modulo 2**64): ``BlockStored`` lists the
@@ -68,9 +70,10 @@ class BlockStored:
     medium: Optional[str] = MEDIUM_GPU
     lora_name: Optional[str] = None
 
-    def to_wire(self) -> list:
-        return _trim(["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size,
-                      self.lora_id, self.medium, self.lora_name], required=5)
+    def to_wire(self) -> dict:
+        return {"type": "BlockStored", "block_hashes": self.block_hashes, "parent_block_hash": self.parent_block_hash,
+                "token_ids": self.token_ids, "block_size": self.block_size, "lora_id": self.lora_id,
+                "medium": self.medium, "lora_name": self.lora_name}
 
 
 @dataclass
@@ -79,28 +82,19 @@ class BlockRemoved:
     block_hashes: list[int]
     medium: Optional[str] = MEDIUM_GPU
 
-    def to_wire(self) -> list:
-        return _trim(["BlockRemoved", self.block_hashes, self.medium], required=2)
+    def to_wire(self) -> dict:
+        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": self.medium}
 
 
 @dataclass
 class AllBlocksCleared:
     """The prefix cache was reset: every block hash published so far is gone."""
 
-    def to_wire(self) -> list:
-        return ["AllBlocksCleared"]
+    def to_wire(self) -> dict:
+        return {"type": "AllBlocksCleared"}
 
 
 KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-
-
-def _trim(fields: list, required: int) -> list:
-    """vLLM's msgspec ``omit_defaults`` on an array-like struct: trailing fields with
-    default values (None) are left out; the ``required`` first elements stay."""
-    n = len(fields)
-    while n > required and fields[n - 1] is None:
-        n -= 1
-    return fields[:n]
 
 
 @dataclass
@@ -132,11 +126,12 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     ts, events, *rest = msgpack.unpackb(payload, raw=False)
     out = []
     for e in events:
-        tag, *fields = e
+        fields = dict(e)
+        tag = fields.pop("type", None)
         cls = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}.get(tag)
         if cls is None:
             raise ValueError(f"unknown KV event tag {tag!r}")
-        out.append(cls(*fields))
+        out.append(cls(**fields))
     return KVEventBatch(ts, out, rest[0] if rest else None)
 
 

@@ -21,14 +21,14 @@ from pyengine.distributed.kv_events import (AllBlocksCleared, BlockRemoved, Bloc
 
 
 # vLLM's wire types, declared as a consumer of vLLM's events does (vllm/distributed/kv_events.py's
-# field order; array_like, omit_defaults, tagged by class name).
+# field order; the batch array_like, the events tagged maps, omit_defaults).
 class _EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: Optional[int] = None
 
 
-class _KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -38,13 +38,16 @@ class _BlockStored(_KVCacheEvent, tag="BlockStored"):
     token_ids: list[int]
     block_size: int
     lora_id: Optional[int]
-    medium: Optional[str] = None
-    lora_name: Optional[str] = None
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[list] = None
+    group_idx: Optional[int] = None
 
 
 class _BlockRemoved(_KVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int]
-    medium: Optional[str] = None
+    medium: Optional[str]
+    group_idx: Optional[int] = None
 
 
 class _AllBlocksCleared(_KVCacheEvent, tag="AllBlocksCleared"):
@@ -70,6 +73,9 @@ def test_wire_format_decodes_as_vllms_structs():
     assert isinstance(removed, _BlockRemoved) and removed.block_hashes == [7] and removed.medium == "GPU"
     assert isinstance(cleared, _AllBlocksCleared)
     assert decode_batch(encode_batch(batch)) == batch
+    import msgpack
+    raw = msgpack.unpackb(encode_batch(batch))  # the layout vllm-router's kv_aware subscriber requires
+    assert isinstance(raw, list) and raw[1][0]["type"] == "BlockStored" and raw[1][2] == {"type": "AllBlocksCleared"}
     # a batch without a rank leaves it out (omit_defaults)
     assert _DECODER.decode(encode_batch(KVEventBatch(1.0, []))).data_parallel_rank is None
 
