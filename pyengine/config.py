@@ -182,7 +182,7 @@ class EngineArgs:
     "replay_endpoint": null, "buffer_steps": 10000, "hwm": 100000, "topic": ""}): msgpack
     KVEventBatch messages of BlockStored / BlockRemoved / AllBlocksCleared on a ZMQ PUB
     socket (data-parallel rank r on port + r), for routers that follow prefix-cache
-    content (vllm-router --policy kv_aware)."""
+    content (vllm-router's kv_aware policy)."""
     enable_expert_parallel: bool = False
     """MoE models: each rank holds whole experts (num_experts / tensor_parallel_size of
     them) instead of a slice of every expert's intermediate dim (vLLM's flag)."""
