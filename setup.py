@@ -53,7 +53,12 @@ setup(
                  # itself pins transformers <= 5.17, below ours) and lets transformers load them
                  "compressed-tensors>=0.20",
                  # drives headless Chromium for the page test (tests/server/test_page.py)
-                 "selenium>=4.11"],
+                 "selenium>=4.11",
+                 # issue 29: KV events (publisher and a vLLM-typed subscriber), the router end-to-end
+                 # test, benchmarks/serve.py's aiohttp client
+                 "pyzmq", "msgpack", "msgspec", "vllm-router", "aiohttp"],
+        # --kv-events-config (ZMQ publisher of vLLM's KV events)
+        "kv-events": ["pyzmq", "msgpack"],
     },
     entry_points={"console_scripts": ["vengine=server.cli:main"]},
 )

@@ -6,7 +6,10 @@
 * ``asyncllm`` — ``AsyncLLM.generate`` asyncio streams in one process;
 * ``http``     — ``vengine serve`` streaming ``/v1/completions`` to clients spread over
   ``--http-clients`` other processes (one Python client cannot parse 50k SSE events/s);
-  ``http-xN`` the same with ``--api-server-count N``;
+  ``http-xN`` the same with ``--api-server-count N``, ``http-auto`` with the server's own
+  choice (``auto_api_server_count``); ``http-aio`` (``http-aio-xN``) the same through an
+  aiohttp client shaped like ``vllm bench serve``'s (pooled keep-alive connections, TTFT
+  at the first chunk with ``choices``) instead of this file's raw-socket one;
 * ``capi``     — ``vllm_request_submit`` streams from a C host (``libvengine.so``),
 
 each in its own process, for each engine core (``--cores inproc,mp``: the engine loop on a
@@ -281,6 +284,90 @@ def run_http(base_url: str, reqs: list[Req], model: Optional[str], endpoint: str
         pool.spawn(one, i, r)
     pool.join()
     return results, time.perf_counter() - t0
+
+
+def run_http_aiohttp(base_url: str, reqs: list[Req], model: Optional[str], endpoint: str,
+                     max_concurrency: Optional[int], request_rate: float, seed: int, api_key: Optional[str],
+                     ignore_eos: bool = True, start_at: Optional[float] = None) -> tuple[list, float]:
+    """The same requests through an aiohttp client shaped like ``vllm bench serve``'s
+    (vllm/benchmarks/lib/endpoint_request_func.py): one ``ClientSession`` whose connector
+    pools keep-alive connections (``limit`` = the concurrency), each stream read by lines
+    of ``response.content``, TTFT taken at the first chunk that has ``choices`` (empty text
+    or not), ITL between later such chunks. Returns (results, seconds from the first send
+    to the last end)."""
+    import asyncio
+
+    import aiohttp
+
+    url = base_url.rstrip("/") + endpoint
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    chat = "chat" in endpoint
+    results = [Result(False, len(r.prompt)) for r in reqs]
+
+    async def one(session, sem, i: int, r: Req):
+        payload = {"max_tokens": r.output_len, "stream": True, "temperature": 0.0, "ignore_eos": ignore_eos,
+                   "stream_options": {"include_usage": True}}
+        if model:
+            payload["model"] = model
+        if chat:
+            payload["messages"] = [{"role": "user", "content": " ".join(str(t) for t in r.prompt)}]
+        else:
+            payload["prompt"] = r.prompt
+        res = results[i]
+        async with sem:
+            res.start, st = time.time(), time.perf_counter()
+            last = None
+            try:
+                async with session.post(url, json=payload, headers=headers) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]!r}")
+                    async for line in resp.content:
+                        chunk = line.strip()
+                        if not chunk.startswith(b"data: "):
+                            continue
+                        data = chunk[6:]
+                        if data == b"[DONE]":
+                            break
+                        obj = json.loads(data)
+                        if "error" in obj:
+                            raise RuntimeError(f"stream error: {obj['error'].get('message')}")
+                        if obj.get("choices"):
+                            now = time.perf_counter()
+                            if last is None:
+                                res.ttft = now - st
+                            else:
+                                res.itls.append(now - last)
+                            last = now
+                            res.events += 1
+                            res.bytes += len(chunk) + 2
+                        elif obj.get("usage"):
+                            res.output_tokens = obj["usage"]["completion_tokens"]
+                res.e2e = time.perf_counter() - st
+                res.end = time.time()
+                res.ok = True
+            except Exception as e:  # noqa: BLE001 - counted as a failed request
+                res.ok, res.error = False, f"{type(e).__name__}: {e}"
+
+    async def main() -> float:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        limit = max_concurrency or len(reqs) or 1
+        sem = asyncio.Semaphore(limit)
+        conn = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=60, enable_cleanup_closed=True)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=6 * 3600)) as session:
+            t0 = time.perf_counter()
+            tasks = []
+            for i, (r, gap) in enumerate(zip(reqs, _arrival_gaps(len(reqs), request_rate, seed))):
+                if gap:
+                    await asyncio.sleep(gap)
+                tasks.append(asyncio.create_task(one(session, sem, i, r)))
+            await asyncio.gather(*tasks)
+            return time.perf_counter() - t0
+
+    return results, asyncio.run(main())
+
+
+HTTP_CLIENTS = {"own": run_http, "aiohttp": run_http_aiohttp}
 
 
 # ----------------------------------------------------------------------------------------
@@ -564,7 +651,8 @@ def child_asyncllm(spec: dict) -> dict:
 
 def _serve_cmd(spec: dict) -> list[str]:
     args = [spec["model"], "--port", "0", "--device", spec["device"], "--dtype", spec["dtype"],
-            "--api-server-count", str(spec.get("api_server_count", 1)),
+            *([] if spec.get("api_server_count") == "auto" else
+              ["--api-server-count", str(spec.get("api_server_count", 1))]),
             "--max-num-seqs", str(spec["max_num_seqs"]), "--seed", str(spec["seed"]),
             "--disable-access-log", "--log-level", "warning"]
     if spec.get("max_model_len"):
@@ -610,7 +698,7 @@ def _http_level(url: str, spec: dict, reqs: list[Req], c: int) -> tuple[list[Res
         shard = reqs[i::k]
         conc = c // k + (1 if i < c % k else 0)
         payload = json.dumps({"url": url, "reqs": [asdict(r) for r in shard], "concurrency": conc,
-                              "start_at": start_at, "seed": spec["seed"]})
+                              "start_at": start_at, "seed": spec["seed"], "client": spec.get("client", "own")})
         p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--http-client"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, cwd=_REPO)
         p.stdin.write(payload)
@@ -631,8 +719,9 @@ def _http_level(url: str, spec: dict, reqs: list[Req], c: int) -> tuple[list[Res
 def http_client_main() -> int:
     job = json.loads(sys.stdin.read())
     reqs = [Req(**r) for r in job["reqs"]]
-    res, _ = run_http(job["url"], reqs, None, "/v1/completions", job["concurrency"], math.inf, job["seed"], None,
-                      start_at=job["start_at"])
+    run = HTTP_CLIENTS[job.get("client", "own")]
+    res, _ = run(job["url"], reqs, None, "/v1/completions", job["concurrency"], math.inf, job["seed"], None,
+                 start_at=job["start_at"])
     print("RESULT " + json.dumps([asdict(r) for r in res]), flush=True)
     return 0
 
@@ -798,6 +887,12 @@ CHILDREN = {"offline": child_offline, "asyncllm": child_asyncllm, "http": child_
 
 def child_main(name: str) -> int:
     spec = json.loads(sys.stdin.read())
+    if name.startswith("http-aio"):  # http-aio[-xN]: the aiohttp client (vllm bench serve's shape)
+        spec["client"] = "aiohttp"
+        name = "http" + name[len("http-aio"):].replace("-x", "-x", 1)
+    if name == "http-auto":  # vengine serve's own --api-server-count (auto_api_server_count)
+        spec["api_server_count"] = "auto"
+        name = "http"
     if name.startswith("http-x"):  # http-xN: --api-server-count N
         spec["api_server_count"] = int(name[len("http-x"):])
         name = "http"
@@ -978,6 +1073,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=256, help="HTTP client mode: token-id range of prompts")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf: all at once.")
     p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--client", default="own", choices=sorted(HTTP_CLIENTS),
+                   help="HTTP client mode: own (gevent, raw sockets, one connection per request) or aiohttp "
+                        "(pooled keep-alive connections, as vllm bench serve)")
     # internal
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--http-client", action="store_true", help=argparse.SUPPRESS)
@@ -996,7 +1094,8 @@ def main(argv=None) -> int:
     if not a.base_url:
         raise SystemExit("give --suite, or --base-url of a running server")
     reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.vocab_size, a.seed)
-    res, dur = run_http(a.base_url, reqs, a.model, a.endpoint, a.max_concurrency, a.request_rate, a.seed, a.api_key)
+    res, dur = HTTP_CLIENTS[a.client](a.base_url, reqs, a.model, a.endpoint, a.max_concurrency, a.request_rate,
+                                      a.seed, a.api_key)
     out = summarize(res, dur)
     print_summary(f"HTTP {a.endpoint}", out)
     if a.json_out:

@@ -24,13 +24,13 @@ def __getattr__(name):
     if name == "AsyncLLM":
         from pyengine.engine.async_llm import AsyncLLM
         return AsyncLLM
-    if name in ("MPClient", "start_engine_core_process"):  # several front ends, one engine process
+    if name in ("MPClient", "DPClient", "start_engine_core_process"):  # several front ends, one engine process
         from pyengine.engine import core_client
         return getattr(core_client, name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncLLM", "MPClient", "start_engine_core_process", "SamplingParams", "StructuredOutputsParams",
+__all__ = ["LLM", "AsyncLLM", "MPClient", "DPClient", "start_engine_core_process", "SamplingParams", "StructuredOutputsParams",
            "RequestOutputKind", "EngineArgs", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob",
            "RequestMetrics", "EngineDeadError", "RequestOutputCollector", "SchedulerStats", "FinishReason",
            "SchedulingPolicy", "VLLMValidationError", "prompt_text_for_echo", "VERSION", "__version__"]

@@ -171,6 +171,18 @@ class EngineArgs:
     its end go at once."""
     tensor_parallel_size: int = field(default=1, metadata={"flags": ("-tp",)})
     """Shard the model over this many ranks (one process and, on CUDA, one GPU each)."""
+    data_parallel_size: int = field(default=1, metadata={"flags": ("-dp",)})
+    """Run this many engine cores (vLLM's data parallelism), each with its own scheduler,
+    KV cache and model replica (tensor_parallel_size devices each: rank r takes devices
+    r*tp .. r*tp+tp-1 of CUDA_VISIBLE_DEVICES; on CPU, one process each), behind one
+    endpoint; each request goes to the least-loaded core."""
+    kv_events_config: Optional[dict] = None
+    """Publish KV cache events as vLLM does (a JSON object of vLLM's KVEventsConfig:
+    {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+    "replay_endpoint": null, "buffer_steps": 10000, "hwm": 100000, "topic": ""}): msgpack
+    KVEventBatch messages of BlockStored / BlockRemoved / AllBlocksCleared on a ZMQ PUB
+    socket (data-parallel rank r on port + r), for routers that follow prefix-cache
+    content (vllm-router's kv_aware policy)."""
     enable_expert_parallel: bool = False
     """MoE models: each rank holds whole experts (num_experts / tensor_parallel_size of
     them) instead of a slice of every expert's intermediate dim (vLLM's flag)."""
@@ -259,6 +271,9 @@ class EngineConfig:
     max_logprobs: int = 20  # already resolved: -1 became the vocabulary size
     quantization: Optional[str] = None  # the method in effect: the checkpoint's, or applied at load
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3)
+    data_parallel_size: int = 1  # engine cores behind the front end
+    data_parallel_rank: int = 0  # this engine core's index (set per core by the client)
+    kv_events_config: Optional["KVEventsConfig"] = None  # None: no KV events published
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -291,6 +306,10 @@ class EngineConfig:
                               else "cpu")
         hf_config = AutoConfig.from_pretrained(model, trust_remote_code=bool(a.trust_remote_code))
         _check_tensor_parallel(a.tensor_parallel_size, hf_config, device)
+        _check_data_parallel(a.data_parallel_size, a.tensor_parallel_size, device)
+        kv_events = KVEventsConfig.from_value(a.kv_events_config)
+        if kv_events is not None and not a.enable_prefix_caching:
+            raise ValueError("kv_events_config publishes prefix-cache content: it needs enable_prefix_caching.")
         quantization = _resolve_quantization(a.quantization, hf_config)
         if a.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"Unknown kv_cache_dtype {a.kv_cache_dtype!r}; valid: {', '.join(KV_CACHE_DTYPES)}.")
@@ -371,7 +390,8 @@ class EngineConfig:
             disable_log_stats=bool(a.disable_log_stats),
             trust_remote_code=bool(a.trust_remote_code), generation_config=a.generation_config,
             override_generation_config=_check_override_generation_config(a.override_generation_config),
-            max_logprobs=max_logprobs, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+            max_logprobs=max_logprobs, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+            data_parallel_size=a.data_parallel_size, kv_events_config=kv_events)
         config._check_generation_config()
         return config
 
@@ -451,6 +471,73 @@ def _check_override_generation_config(values) -> Optional[dict]:
     if not isinstance(values, dict):
         raise ValueError(f"override_generation_config must be a dict (a JSON object), got {values!r}.")
     return dict(values)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig`` (vllm/config/kv_events.py): where the engine core
+    publishes its KV cache events. ``endpoint``: a ZMQ address, bound when it has a
+    wildcard (``tcp://*:5557``) or is ipc/inproc, else connected; data-parallel rank r
+    publishes on the port + r. ``replay_endpoint``: a ZMQ ROUTER address where a
+    subscriber asks for missed batches (the last ``buffer_steps``) by their sequence
+    number. ``hwm``: the PUB socket's high-water mark (messages). ``topic``: the first
+    frame of every message."""
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: Optional[str] = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    PUBLISHERS = ("null", "zmq")
+
+    @classmethod
+    def from_value(cls, value) -> Optional["KVEventsConfig"]:
+        """The config of ``value`` (a dict, a KVEventsConfig or None); None when events are
+        off (no value, ``enable_kv_cache_events`` false, or the null publisher). Raises
+        ValueError naming an unknown field or a bad value."""
+        if value is None:
+            return None
+        if isinstance(value, cls):
+            cfg = value
+        else:
+            if not isinstance(value, dict):
+                raise ValueError(f"kv_events_config must be a JSON object, got {value!r}.")
+            names = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - names)
+            if unknown:
+                raise ValueError(f"Unknown kv_events_config field(s): {', '.join(unknown)}; "
+                                 f"valid: {', '.join(sorted(names))}.")
+            cfg = cls(**value)
+        if not isinstance(cfg.enable_kv_cache_events, bool):
+            raise ValueError("kv_events_config.enable_kv_cache_events must be true or false.")
+        if cfg.publisher not in cls.PUBLISHERS:
+            raise ValueError(f"Unknown kv_events_config.publisher {cfg.publisher!r}; "
+                             f"valid: {', '.join(cls.PUBLISHERS)}.")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(cfg, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"kv_events_config.{name} must be a positive integer, got {v!r}.")
+        if not isinstance(cfg.endpoint, str) or "://" not in cfg.endpoint:
+            raise ValueError(f"kv_events_config.endpoint must be a ZMQ address such as tcp://*:5557, "
+                             f"got {cfg.endpoint!r}.")
+        if not isinstance(cfg.topic, str):
+            raise ValueError("kv_events_config.topic must be a string.")
+        if not cfg.enable_kv_cache_events or cfg.publisher == "null":
+            return None
+        return cfg
+
+
+def _check_data_parallel(dp, tp: int, device: torch.device) -> None:
+    """Raises ValueError unless ``dp`` is a positive integer and, on CUDA, ``dp * tp`` GPUs
+    are visible."""
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"data_parallel_size must be a positive integer, got {dp!r}.")
+    if device.type == "cuda" and dp * tp > torch.cuda.device_count():
+        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} GPUs; "
+                         f"{torch.cuda.device_count()} visible.")
 
 
 def _check_tensor_parallel(tp, hf_config, device: torch.device) -> None:

@@ -19,6 +19,13 @@ the engine, is the limit (docs/benchmarks.md). With N API servers:
 
 Each API server's ``/metrics`` counts the requests it served; the engine's own figures
 (running, waiting, KV cache) are the same in all of them.
+
+With ``--data-parallel-size N`` there are N engine-core processes (one per rank, each with
+its own scheduler and KV cache) and each API server holds one pipe to each of them
+(``pyengine.engine.core_client.DPClient``): it places its requests on the least-loaded
+core, as published by the cores. An engine core that dies fails only its own requests;
+the server goes on with the others (``/health`` names the dead one) and stops only when
+none is left.
 """
 from __future__ import annotations
 
@@ -65,11 +72,12 @@ def run_api_server(args, conn, listener: socket.socket, index: int, status, pare
     logging.basicConfig(level="DEBUG" if args.log_level == "trace" else args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api server {index}]: %(message)s")
     _watch_parent(parent_pid)
-    from pyengine import AsyncLLM, MPClient
+    from pyengine import AsyncLLM, DPClient, MPClient
 
     try:
         engine_args = engine_args_from(args)
-        engine = AsyncLLM(engine_args.create_engine_config(), client=MPClient.attach(conn),
+        client = DPClient.attach(conn) if isinstance(conn, (list, tuple)) else MPClient.attach(conn)
+        engine = AsyncLLM(engine_args.create_engine_config(), client=client,
                           log_requests=engine_args.enable_log_requests, log_stats=not engine_args.disable_log_stats)
     except Exception as e:  # noqa: BLE001 - reported by the supervisor
         status.put((index, f"{type(e).__name__}: {e}"))
@@ -82,7 +90,8 @@ def run_api_server(args, conn, listener: socket.socket, index: int, status, pare
 
 
 def serve_api_servers(args) -> int:
-    """The supervisor of ``--api-server-count N`` (N >= 2). Returns the exit status."""
+    """The supervisor of ``--api-server-count N`` (N >= 2), or of one API server over
+    several engine cores (``--data-parallel-size``). Returns the exit status."""
     from pyengine import start_engine_core_process
 
     n = args.api_server_count
@@ -97,30 +106,39 @@ def serve_api_servers(args) -> int:
         print(f"vengine serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     port = listener.getsockname()[1]
-    engine, conns = start_engine_core_process(config, n)
+    dp = config.data_parallel_size
+    engines, conns = [], []  # conns[r][i]: engine rank r's pipe to API server i
+    for r in range(dp):
+        proc, rank_conns = start_engine_core_process(config.replace(data_parallel_rank=r), n)
+        engines.append(proc)
+        conns.append(rank_conns)
     ctx = multiprocessing.get_context("spawn")
     status = ctx.SimpleQueue()
-    servers = [ctx.Process(target=run_api_server, args=(args, conns[i], listener, i, status, os.getpid()),
+    servers = [ctx.Process(target=run_api_server,
+                           args=(args, conns[0][i] if dp == 1 else [conns[r][i] for r in range(dp)], listener, i,
+                                 status, os.getpid()),
                            name=f"APIServer-{i}") for i in range(n)]
     for p in servers:
         p.start()
-    for c in conns:  # the API servers hold them now: the engine sees their end when they exit
-        c.close()
+    for rank_conns in conns:  # the API servers hold them now: an engine sees their end when they exit
+        for c in rank_conns:
+            c.close()
     listener.close()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    code = _await_ready(status, servers, engine, n, stop)
+    code = _await_ready(status, servers, engines, n, stop)
     if code == 0:
         scheme = "https" if args.ssl_keyfile else "http"
+        cores = f", {dp} engine cores" if dp > 1 else ""
         print(f"vengine: serving {', '.join(args.served_model_name or [config.served_model_name])} "
-              f"on {scheme}://{args.host}:{port}{args.root_path or ''} ({n} API servers)", flush=True)
-        code = _supervise(servers, engine, stop)
-    _stop_all(servers, engine, args.shutdown_timeout + _STOP_GRACE_S)
+              f"on {scheme}://{args.host}:{port}{args.root_path or ''} ({n} API servers{cores})", flush=True)
+        code = _supervise(servers, engines, stop)
+    _stop_all(servers, engines, args.shutdown_timeout + _STOP_GRACE_S)
     return code
 
 
-def _await_ready(status, servers, engine, n: int, stop: threading.Event) -> int:
+def _await_ready(status, servers, engines, n: int, stop: threading.Event) -> int:
     ready = 0
     while ready < n:
         if stop.is_set():
@@ -132,33 +150,41 @@ def _await_ready(status, servers, engine, n: int, stop: threading.Event) -> int:
                 return 2
             ready += 1
             continue
-        if any(p.exitcode is not None for p in servers) or engine.exitcode is not None:
+        if any(p.exitcode is not None for p in servers + engines):
             print("vengine serve: a process exited during start-up (see the log above)", file=sys.stderr)
             return 2
         time.sleep(0.05)
     return 0
 
 
-def _supervise(servers, engine, stop: threading.Event) -> int:
-    sentinels = {p.sentinel: p for p in servers}
-    sentinels[engine.sentinel] = engine
+def _supervise(servers, engines, stop: threading.Event) -> int:
+    """Until SIGTERM/SIGINT (0), an API server's exit or the last engine core's (1). With
+    several engine cores one that exits is logged and the others serve on (the API
+    servers fail its requests and report it on /health)."""
+    sentinels = {p.sentinel: p for p in servers + engines}
+    live_engines = set(engines)
     while not stop.is_set():
         done = mp_wait(list(sentinels), timeout=0.5)
-        if done:
-            gone = sentinels[done[0]]
+        for s in done:
+            gone = sentinels.pop(s)
+            if gone in live_engines and len(live_engines) > 1:
+                live_engines.discard(gone)
+                logger.error("%s exited (status %s); the other engine cores go on serving.", gone.name,
+                             gone.exitcode)
+                continue
             logger.error("%s exited (status %s); stopping the server.", gone.name, gone.exitcode)
             return 1
     return 0
 
 
-def _stop_all(servers, engine, grace: float) -> None:
+def _stop_all(servers, engines, grace: float) -> None:
     """SIGTERM to every API server (each drains), then the engine ends with the last pipe;
     what still runs ``grace`` seconds later is killed."""
     for p in servers:
         if p.is_alive():
             p.terminate()
     deadline = time.monotonic() + grace
-    for p in servers + [engine]:
+    for p in servers + engines:
         p.join(max(0.1, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()

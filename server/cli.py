@@ -29,7 +29,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=_log_level(args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for what in getattr(args, IGNORED_FLAGS_ATTR, None) or []:
         logger.warning("Ignoring the vLLM flag %s.", what)
-    if args.api_server_count > 1:
+    if args.api_server_count > 1:  # (one API server over several engine cores is the process below)
         return serve_api_servers(args)
     from pyengine import AsyncLLM
 

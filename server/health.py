@@ -17,8 +17,14 @@ def register_health_routes(app: Flask, st) -> None:
 
     @app.get("/health")
     def health():
+        # 503 once the engine died, or one of its data-parallel engine cores (the others
+        # still serve, but a router should know); while draining, the gate answers 503.
         if getattr(engine, "errored", False):
             return error_response(503, f"The engine is dead: {getattr(engine, 'dead_error', None)!r}")
+        dead = engine.dead_engines() if hasattr(engine, "dead_engines") else {}
+        if dead:
+            return error_response(503, "Engine core(s) dead: " + "; ".join(
+                f"engine {i}: {why}" for i, why in sorted(dead.items())))
         return Response(status=200)
 
     @app.get("/version")

@@ -35,56 +35,57 @@ _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 
 
 class _IterationTokensLogger(StatLoggerBase):
-    """Observes the tokens of every engine step (from the engine's SchedulerStats)."""
+    """Observes the tokens of every engine step (from the engine's SchedulerStats), under
+    the step's engine core (vLLM's ``engine`` label)."""
 
-    def __init__(self, histogram):
+    def __init__(self, histogram, model_name: str):
         self.histogram = histogram
+        self.model_name = model_name
 
     def record(self, scheduler_stats, iteration_stats) -> None:
         if scheduler_stats is not None and scheduler_stats.num_batched_tokens > 0:
-            self.histogram.observe(scheduler_stats.num_batched_tokens)
+            self.histogram.labels(self.model_name, str(scheduler_stats.engine_index)).observe(
+                scheduler_stats.num_batched_tokens)
 
 
 class _EngineStatsCollector:
-    """Custom collector: one ``get_stats()`` call per scrape."""
+    """Custom collector: one stats read per scrape; one sample per engine core, labelled
+    ``engine="<index>"`` as vLLM's (data parallelism: one per core)."""
 
     def __init__(self, engine, model_name: str):
         self._engine = engine
-        self._labels = {"model_name": model_name}
+        self._model_name = model_name
 
     def collect(self):
         try:
-            st = self._engine.get_stats()
+            per = (self._engine.get_stats_per_engine() if hasattr(self._engine, "get_stats_per_engine")
+                   else [self._engine.get_stats()])
         except Exception:  # noqa: BLE001 - a dead engine still lets /metrics answer
             logger.debug("get_stats failed", exc_info=True)
             return
-        names, values = list(self._labels), list(self._labels.values())
+        names = ["model_name", "engine"]
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, float(value))
-            return g
+        def family(kind, name, doc, field_name):
+            f = kind(name, doc, labels=names)
+            for st in per:
+                f.add_metric([self._model_name, str(getattr(st, "engine_index", 0))],
+                             float(getattr(st, field_name, 0)))
+            return f
 
-        def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, float(value))
-            return c
+        def gauge(name, doc, field_name):
+            return family(GaugeMetricFamily, name, doc, field_name)
 
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    getattr(st, "num_running", 0))
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    getattr(st, "num_waiting", 0))
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    getattr(st, "kv_cache_usage", 0.0))
-        yield gauge("vllm:num_gpu_blocks", "Number of KV cache blocks.", getattr(st, "num_gpu_blocks", 0))
-        yield gauge("vllm:num_free_blocks", "Number of free KV cache blocks.",
-                    getattr(st, "num_free_blocks", 0))
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.",
-                      getattr(st, "prefix_cache_queries", 0))
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.",
-                      getattr(st, "prefix_cache_hits", 0))
-        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.",
-                      getattr(st, "num_preemptions", 0))
+        def counter(name, doc, field_name):
+            return family(CounterMetricFamily, name, doc, field_name)
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running")
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting")
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage")
+        yield gauge("vllm:num_gpu_blocks", "Number of KV cache blocks.", "num_gpu_blocks")
+        yield gauge("vllm:num_free_blocks", "Number of free KV cache blocks.", "num_free_blocks")
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", "prefix_cache_queries")
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", "prefix_cache_hits")
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions")
 
 
 class ServerMetrics:
@@ -123,9 +124,10 @@ class ServerMetrics:
                                      "Histogram of time spent in DECODE phase for request.",
                                      lbl, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                                     lbl, buckets=_ITERATION_TOKEN_BUCKETS, registry=r).labels(model_name)
+                                     lbl + ["engine"], buckets=_ITERATION_TOKEN_BUCKETS, registry=r)
         add = getattr(engine, "add_stat_logger", None)
-        self._remove_stat_logger = add(_IterationTokensLogger(iteration_tokens)) if add is not None else None
+        self._remove_stat_logger = (add(_IterationTokensLogger(iteration_tokens, model_name)) if add is not None
+                                    else None)
         r.register(_EngineStatsCollector(engine, model_name))
 
     def close(self) -> None:

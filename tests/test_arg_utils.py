@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import dataclasses
 import enum
 from dataclasses import dataclass, field
@@ -86,7 +87,8 @@ def test_engine_args_round_trip_through_the_command_line(tmp_path):
                   stream_interval=2, tensor_parallel_size=2, enable_expert_parallel=True, trust_remote_code=True,
                   generation_config="vllm",
                   override_generation_config={"temperature": 0.5}, max_logprobs=-1, disable_log_stats=True,
-                  enable_log_requests=True, quantization="fp8", kv_cache_dtype="fp8")
+                  enable_log_requests=True, quantization="fp8", kv_cache_dtype="fp8", data_parallel_size=2,
+                  kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq"})
     assert set(values) == {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     argv = []
     for name, v in values.items():
@@ -95,7 +97,7 @@ def test_engine_args_round_trip_through_the_command_line(tmp_path):
         elif isinstance(v, list):
             argv += [flag_name(name), *v]
         elif isinstance(v, dict):
-            argv += [flag_name(name), '{"temperature": 0.5}']
+            argv += [flag_name(name), json.dumps(v)]
         else:
             argv += [flag_name(name), str(v)]
     p = argparse.ArgumentParser()

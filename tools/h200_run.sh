@@ -9,7 +9,7 @@
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
 # STEP: gpufix_tests gpufix_quant_kernels gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
-#       serve_final2 structured gpu_structured
+#       serve_final2 structured gpu_structured serve_default
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
 # (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast tp_profile (tools/tp_h200x2.sh).
@@ -48,6 +48,9 @@ step 330 serve_inproc python3 $SERVE --cores inproc --frontends asyncllm,http,ca
 # the final serving run: every front end on the engine process (with profiles), the thread core
 # for the default decision, then a quick GPU correctness pass (one config per family + MP identity)
 step 400 serve_final_mp python3 $SERVE --profile-seconds 3 --cores mp --frontends offline,asyncllm,http,http-x4,capi --json "$OUT/serve_mp.json"
+# issue 29: the default vengine serve (automatic --api-server-count) against offline at c=256 with both
+# clients (this file's and the aiohttp one shaped like vllm bench serve's); target >= 0.85x, TTFT p50 <= 250 ms
+step 420 serve_default python3 $SERVE --cores mp --concurrency 256 --frontends offline,http,http-aio,http-auto,http-aio-x4 --json "$OUT/serve_default.json"
 step 150 serve_final_inproc python3 $SERVE --cores inproc --frontends asyncllm,http --concurrency 64,256 --profile 0 --json "$OUT/serve_inproc.json"
 # the second session's final run: every front end against both ceilings (LLM.generate, and the
 # closed-loop offline rate at each concurrency), then structured outputs (issue 15)

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from pyengine.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_block_hash
+
 logger = logging.getLogger(__name__)
 
 NONE_HASH = 0x5EED_5EED
@@ -35,9 +37,12 @@ def hash_block_tokens(parent_hash: Optional[int], token_ids: Iterable[int], extr
 
 class BlockPool:
     """Owns ``num_blocks`` KV blocks. Block 0 is reserved as the null block (padding
-    rows of block tables point at it), so ``num_blocks - 1`` are usable."""
+    rows of block tables point at it), so ``num_blocks - 1`` are usable.
 
-    def __init__(self, num_blocks: int, enable_caching: bool):
+    With ``enable_kv_cache_events`` it records what enters and leaves the prefix cache
+    (vLLM's KV events, pyengine/distributed/kv_events.py) until ``take_events``."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False):
         if num_blocks < 2:
             raise ValueError(f"KV cache needs at least 2 blocks, got {num_blocks}.")
         self.num_blocks = num_blocks
@@ -47,6 +52,8 @@ class BlockPool:
         # Freed blocks only; ids len(self.blocks) .. num_blocks-1 are free and never used.
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+        self.enable_kv_cache_events = enable_kv_cache_events and enable_caching
+        self.kv_events: list = []  # since the last take_events
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_queue) + self.num_blocks - len(self.blocks)
@@ -82,6 +89,8 @@ class BlockPool:
             if b.block_hash is not None:  # lazy eviction of a cached prefix
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
+                    if self.enable_kv_cache_events:
+                        self.kv_events.append(BlockRemoved([external_block_hash(b.block_hash)]))
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
@@ -92,6 +101,21 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached.setdefault(block_hash, block)
+
+    def record_stored(self, block_hashes: list[int], parent_hash: Optional[int], token_ids: list[int],
+                      block_size: int) -> None:
+        """Record a ``BlockStored`` event (with events on): consecutive full blocks of one
+        request, their chained hashes, the hash before the first (None: none) and their
+        tokens (``block_size`` each)."""
+        if self.enable_kv_cache_events and block_hashes:
+            self.kv_events.append(BlockStored([external_block_hash(h) for h in block_hashes],
+                                              None if parent_hash is None else external_block_hash(parent_hash),
+                                              list(token_ids), block_size))
+
+    def take_events(self) -> list:
+        """The KV events recorded since the last call, oldest first."""
+        events, self.kv_events = self.kv_events, []
+        return events
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the free queue's tail in the given order."""
@@ -111,5 +135,7 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self.cached.clear()
+        if self.enable_kv_cache_events:
+            self.kv_events.append(AllBlocksCleared())
         logger.info("Prefix cache reset.")
         return True

@@ -20,10 +20,10 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, enable_kv_cache_events: bool = False):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -113,10 +113,14 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        blocks = self.req_to_blocks[rid]
+        blocks, hashes, pool = self.req_to_blocks[rid], request.block_hashes, self.block_pool
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+            pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = num_full
+        if pool.enable_kv_cache_events:
+            bs = self.block_size
+            pool.record_stored(hashes[start:num_full], hashes[start - 1] if start else None,
+                               request.all_token_ids[start * bs:num_full * bs], bs)
 
     def free(self, request: Request) -> None:
         """Release all blocks of the request, tail first so that the tail is evicted first."""
@@ -130,6 +134,10 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """See ``BlockPool.reset_prefix_cache``: False while any block is in use."""
         return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list:
+        """The KV events (pyengine/distributed/kv_events.py) since the last call."""
+        return self.block_pool.take_events()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_to_block_ids[request_id]

@@ -26,7 +26,7 @@ from pyengine.engine.output_processor import OutputProcessor, RequestOutputColle
 from pyengine.exceptions import EngineDeadError
 from pyengine.engine.processor import Processor
 from pyengine.metrics.loggers import StatLoggerBase, make_stat_logger_manager
-from pyengine.metrics.stats import IterationStats
+from pyengine.metrics.stats import IterationStats, combine_scheduler_stats
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import load_tokenizer
@@ -53,7 +53,8 @@ class AsyncLLM:
         self.config = config
         self.log_requests = log_requests
         self.stat_loggers = make_stat_logger_manager(
-            not config.disable_log_stats if log_stats is None else log_stats, stat_loggers)
+            not config.disable_log_stats if log_stats is None else log_stats, stat_loggers,
+            config.data_parallel_size)
         self._lock = threading.Lock()  # serializes OutputProcessor use across threads
         self._listeners: list[Callable[[list[str]], None]] = []
         self.dead_error: Optional[BaseException] = None
@@ -69,7 +70,8 @@ class AsyncLLM:
             self.engine_core.shutdown()
             self.engine_core.close()
             raise
-        self._stats = self.engine_core.ready.stats
+        ready_all = getattr(self.engine_core, "ready_all", None) or [self.engine_core.ready]
+        self._stats_per_engine: list[SchedulerStats] = [r.stats for r in ready_all]
         freeze_gc_heap()
         self._output_thread = threading.Thread(target=self._output_handler_loop, name="OutputHandler", daemon=True)
         self._output_thread.start()
@@ -111,6 +113,12 @@ class AsyncLLM:
         if self._shutdown or not self.engine_core.is_alive():
             raise EngineDeadError("The engine core is not running.")
 
+    def dead_engines(self) -> dict[int, str]:
+        """{engine index: why it died} of the data-parallel engine cores that died while
+        the others serve (their requests failed; no new ones go there). Empty with one
+        engine core, whose death is the engine's (``errored``)."""
+        return self.engine_core.dead_engines()
+
     async def reset_prefix_cache(self) -> bool:
         """vLLM's ``AsyncLLM.reset_prefix_cache``: forget every cached prefix, on the
         engine-core side between two steps. Returns False, and changes nothing, while
@@ -137,8 +145,7 @@ class AsyncLLM:
         collector = RequestOutputCollector(request_id, params.output_kind)
         with self._lock:
             self.output_processor.add_request(request_id, text, ids, params, core_reqs, collector)
-        for r in core_reqs:
-            self.engine_core.add_request(r)
+        self.engine_core.add_requests(core_reqs)
         return collector
 
     def abort(self, request_id: str | Iterable[str]) -> None:
@@ -177,8 +184,14 @@ class AsyncLLM:
         return remove
 
     def get_stats(self) -> SchedulerStats:
-        """Scheduler and KV-cache figures as of the last engine step."""
-        return self._stats
+        """Scheduler and KV-cache figures as of the last engine step (with several engine
+        cores, their sum: ``combine_scheduler_stats``)."""
+        return combine_scheduler_stats(self._stats_per_engine)
+
+    def get_stats_per_engine(self) -> list[SchedulerStats]:
+        """Each engine core's figures as of its last step, by engine index
+        (``SchedulerStats.engine_index``); one element without data parallelism."""
+        return list(self._stats_per_engine)
 
     def add_stat_logger(self, stat_logger: StatLoggerBase) -> Callable[[], None]:
         """Feed ``stat_logger`` every engine step's ``SchedulerStats`` and
@@ -206,8 +219,9 @@ class AsyncLLM:
                 with self._lock:
                     deliveries, to_abort = self.output_processor.process_outputs(outs.outputs, outs.timestamp,
                                                                                  iteration_stats)
-                if outs.scheduler_stats is not None:
-                    self._stats = outs.scheduler_stats
+                st = outs.scheduler_stats
+                if st is not None:
+                    self._stats_per_engine[st.engine_index] = st
                 waiters = []
                 for collector, ro in deliveries:
                     w = collector.put(ro, False)

@@ -5,6 +5,7 @@ or a process of its own — is the client's choice (pyengine/engine/core_client.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Optional
 
@@ -13,6 +14,7 @@ from pyengine.config import EngineConfig
 from pyengine.core.sched.async_scheduler import AsyncScheduler
 from pyengine.core.sched.scheduler import Scheduler
 from pyengine.messages import (EngineCoreOutputs, EngineCoreRequest, ErrorInfo, SchedulerStats, UtilityOutput, UtilityRequest)
+from pyengine.distributed.kv_events import KVEventBatch, make_publisher
 from pyengine.executor import Executor
 from pyengine.request import Request, RequestStatus
 
@@ -38,6 +40,11 @@ class EngineCore:
             self.model_executor.shutdown()
             raise
         self.scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(config, num_blocks)
+        try:  # vLLM's KV events (pyengine/distributed/kv_events.py): None unless configured
+            self.kv_event_publisher = make_publisher(config.kv_events_config, config.data_parallel_rank)
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
         # (scheduler output, pending runner output), oldest first.
         self.batch_queue: deque = deque()
         self.batch_queue_size = 2 if config.async_scheduling else 1
@@ -60,7 +67,18 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache``: forget every cached prefix. Returns False, and
         changes nothing, while requests hold KV blocks."""
-        return self.scheduler.reset_prefix_cache()
+        done = self.scheduler.reset_prefix_cache()
+        self.publish_kv_events()
+        return done
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV events recorded since the last call (one engine step's) to the
+        publisher as one ``KVEventBatch``; nothing without a publisher or events."""
+        if self.kv_event_publisher is None:
+            return
+        events = self.scheduler.kv_cache_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(time.time(), events, self.config.data_parallel_rank))
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)
@@ -132,11 +150,24 @@ class EngineCore:
     def shutdown(self) -> None:
         """Release device memory (model, KV cache, graphs); no more steps after this."""
         self.batch_queue.clear()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
         self.scheduler.structured_output_manager.shutdown()
         self.model_executor.shutdown()
 
     def step_fn(self):
-        return self.step_with_batch_queue if self.config.async_scheduling else self.step
+        """The step function of this configuration; with KV events, one that publishes each
+        step's events after it."""
+        step = self.step_with_batch_queue if self.config.async_scheduling else self.step
+        if self.kv_event_publisher is None:
+            return step
+
+        def step_and_publish():
+            out = step()
+            self.publish_kv_events()
+            return out
+        return step_and_publish
 
     # ---- utility calls (front ends reach the scheduler only through these) ----------
     UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache"})

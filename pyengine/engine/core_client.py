@@ -45,11 +45,12 @@ from typing import Any, Optional, Union
 from pyengine import envs
 from pyengine.config import EngineConfig
 from pyengine.engine.core import EngineCore
-from pyengine.engine.core_proc import EngineCoreProc, run_engine_core
+from pyengine.engine.core_proc import EngineCoreProc, run_engine_core, run_engine_core_on_devices
 from pyengine.codec import decode, encode
 from pyengine.exceptions import EngineDeadError, exception_from
-from pyengine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
-                               EngineCoreShutdown, EngineDeadMessage, UtilityOutput, UtilityRequest)
+from pyengine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
+                               EngineCoreRequest, EngineCoreShutdown, EngineDeadMessage, FinishReason, UtilityOutput,
+                               UtilityRequest)
 from pyengine.utils import UNGUARDED_MAIN_EXIT_CODE, choose_start_method, run_forked, unguarded_main_message
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,10 @@ def make_client(config: EngineConfig, multiprocess: Optional[bool] = None, wait:
     raised while starting (``ValueError`` for a bad model or configuration)."""
     if multiprocess is None:
         multiprocess = multiprocessing_enabled()
-    client = MPClient(config) if multiprocess else InprocClient(config)
+    if config.data_parallel_size > 1:
+        client = DPClient.start(config, multiprocess)
+    else:
+        client = MPClient(config) if multiprocess else InprocClient(config)
     if wait:
         client.wait_ready()
     return client
@@ -123,9 +127,28 @@ class EngineCoreClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(request)
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Add the engine requests of one front-end request (its n > 1 samples) together:
+        a data-parallel client places them on one engine core."""
+        for r in requests:
+            self.add_request(r)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._send(EngineCoreAbort(list(request_ids)))
+
+    def call_utility_all(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> list:
+        """``call_utility`` on every engine core; one result per core (one here)."""
+        return [self.call_utility(method, *args, timeout=timeout)]
+
+    def dead_engines(self) -> dict[int, str]:
+        """{engine index: why it died} of the engine cores that died while others serve
+        (data parallelism); empty otherwise (one core's death is the engine's)."""
+        return {}
+
+    def engine_count(self) -> int:
+        """How many engine cores serve behind this client."""
+        return 1
 
     def call_utility(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> Any:
         """Run ``EngineCore.<method>(*args)`` between two engine steps and return its result.
@@ -248,6 +271,25 @@ def _exit_reason(code: Optional[int]) -> str:
     return f"exit status {code}"
 
 
+def data_parallel_devices(config: EngineConfig, rank: int) -> Optional[str]:
+    """``CUDA_VISIBLE_DEVICES`` of data-parallel rank ``rank``: its
+    ``tensor_parallel_size`` devices (rank r takes r*tp .. r*tp+tp-1 of the devices this
+    process sees); None off CUDA or without data parallelism (the environment is kept)."""
+    if config.device.type != "cuda" or config.data_parallel_size == 1:
+        return None
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = ([d.strip() for d in visible.split(",") if d.strip()] if visible
+           else [str(i) for i in range(torch.cuda.device_count())])
+    tp = config.tensor_parallel_size
+    mine = ids[rank * tp:(rank + 1) * tp]
+    if len(mine) < tp:
+        raise ValueError(f"data-parallel rank {rank} needs devices {rank * tp}..{(rank + 1) * tp - 1}; "
+                         f"only {len(ids)} visible ({','.join(ids)}).")
+    return ",".join(mine)
+
+
 def start_engine_core_process(config: EngineConfig, num_front_ends: int):
     """Start one engine-core process for ``num_front_ends`` front-end processes (each then
     serves through ``MPClient.attach(conn)``). Returns ``(process, [conn, ...])``; the
@@ -258,7 +300,10 @@ def start_engine_core_process(config: EngineConfig, num_front_ends: int):
     ctx, _ = _mp_context(config, prefer_fork=False)
     pairs = [ctx.Pipe(duplex=True) for _ in range(num_front_ends)]
     level = logging.getLogger("pyengine").getEffectiveLevel()
-    proc = ctx.Process(target=run_engine_core, args=(config, [b for _, b in pairs], level), name="EngineCore")
+    rank = config.data_parallel_rank
+    proc = ctx.Process(target=run_engine_core_on_devices,
+                       args=(data_parallel_devices(config, rank), config, [b for _, b in pairs], level),
+                       name=f"EngineCore_DP{rank}" if config.data_parallel_size > 1 else "EngineCore")
     proc.start()
     for _, b in pairs:
         b.close()
@@ -273,7 +318,8 @@ class MPClient(EngineCoreClient):
     ends): it has no process handle, learns of the engine's death from the pipe's end, and
     its ``shutdown`` only closes its own connection."""
 
-    def __init__(self, config: Optional[EngineConfig] = None, target=None, conn=None):
+    def __init__(self, config: Optional[EngineConfig] = None, target=None, conn=None, prefer_fork: bool = True,
+                 close_in_child: tuple = ()):
         super().__init__()
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -284,16 +330,23 @@ class MPClient(EngineCoreClient):
         if conn is not None:
             self._conn, self.proc = conn, None
             return
-        ctx, self._start_note = _mp_context(config)
+        ctx, self._start_note = _mp_context(config, prefer_fork)
         self.start_method = ctx.get_start_method()
         self._conn, child_conn = ctx.Pipe(duplex=True)
         level = logging.getLogger("pyengine").getEffectiveLevel()
         target, args = target or run_engine_core, (config, child_conn, level)
+        devices = data_parallel_devices(config, config.data_parallel_rank)
+        if devices is not None:  # this rank's GPUs only, set in the child before CUDA starts
+            target, args = run_engine_core_on_devices, (devices, *args)
         if self.start_method == "fork":  # the copy must not hold this side's ends open
-            target, args = run_forked, ([self._conn, self._wake_r, self._wake_w], target, *args)
+            target, args = run_forked, ([self._conn, self._wake_r, self._wake_w, *close_in_child], target, *args)
         self.proc = ctx.Process(target=target, args=args, name="EngineCore")
         self.proc.start()
         child_conn.close()
+
+    def parent_ends(self) -> tuple:
+        """This side's pipe ends (the connection and the wake-up fds)."""
+        return (self._conn, self._wake_r, self._wake_w)
 
     @classmethod
     def attach(cls, conn) -> "MPClient":
@@ -423,3 +476,237 @@ class MPClient(EngineCoreClient):
                 self.proc.close()
             except ValueError:  # still running: shutdown was not called
                 pass
+
+
+class DPClient(EngineCoreClient):
+    """N engine cores behind one front end: vLLM's data parallelism (mirrors
+    vllm/v1/engine/core_client.py's ``DPLBAsyncMPClient`` and the load its DP coordinator
+    publishes). Each core is a client of its own (``MPClient``: a process per
+    data-parallel rank, with ``CUDA_VISIBLE_DEVICES`` set to the rank's devices; or an
+    attached connection, ``vengine serve --api-server-count``), with its own scheduler and
+    KV cache.
+
+    Placement: each front-end request (its n > 1 samples together) goes to the core with
+    the least load, load being the requests it has waiting plus running: the larger of
+    this front end's own count (placed, not yet finished) and the core's last published
+    ``num_waiting + num_running`` (every front end's) plus what this front end placed
+    since; ties go round-robin. Aborts go to the owning core; utility calls to every core.
+
+    One reader thread per core moves its outputs onto one queue (``get_output``), so the
+    front end sees one stream of ``EngineCoreOutputs``, each with its core's
+    ``scheduler_stats`` (``engine_index``). A core that dies fails only its own requests
+    (a terminal output with finish_reason "error" each) and is placed on no more;
+    ``dead_engines`` names it. When the last one dies, ``get_output`` returns the
+    ``EngineDeadMessage``."""
+
+    def __init__(self, clients: list[EngineCoreClient]):
+        super().__init__()
+        if len(clients) < 2:
+            raise ValueError("a data-parallel client needs at least two engine cores")
+        self.clients = clients
+        n = len(clients)
+        self._lock = threading.Lock()
+        self.owner: dict[str, int] = {}  # request id -> engine index
+        self.in_flight = [0] * n  # this front end's requests on each core, not yet finished
+        self.published = [0] * n  # each core's last published num_waiting + num_running
+        self.since_published = [0] * n  # placed on each core since its last stats
+        self.num_placed = [0] * n  # cumulative engine requests placed on each core
+        self.dead: dict[int, str] = {}
+        self._rr = 0
+        self._out: queue.Queue = queue.Queue()
+        self._stopping = False
+        self._readers: list[threading.Thread] = []
+
+    @classmethod
+    def start(cls, config: EngineConfig, multiprocess: bool = True) -> "DPClient":
+        """Start ``config.data_parallel_size`` engine cores, rank r with
+        ``config.replace(data_parallel_rank=r)``: processes (never forked on CUDA, so that
+        each rank's ``CUDA_VISIBLE_DEVICES`` takes effect), or with ``multiprocess=False``
+        threads of this process (CPU debugging). Raises what a core raised while starting
+        (the others are stopped)."""
+        clients: list[EngineCoreClient] = []
+        try:
+            for r in range(config.data_parallel_size):
+                cfg = config.replace(data_parallel_rank=r)
+                if multiprocess:  # a forked rank must not hold the earlier ranks' pipe ends open
+                    ends = tuple(e for c in clients for e in c.parent_ends())
+                    clients.append(MPClient(cfg, prefer_fork=config.device.type != "cuda", close_in_child=ends))
+                else:
+                    clients.append(InprocClient(cfg))
+        except BaseException:
+            for c in clients:
+                c.shutdown()
+                c.close()
+            raise
+        return cls(clients)
+
+    @classmethod
+    def attach(cls, conns: list) -> "DPClient":
+        """A client over one connection to each engine process of ranks 0..N-1, started
+        elsewhere (``vengine serve --api-server-count``)."""
+        return cls([MPClient.attach(c) for c in conns])
+
+    def wait_ready(self) -> None:
+        if hasattr(self, "ready"):
+            return
+        try:
+            for c in self.clients:
+                c.wait_ready()
+        except BaseException:
+            for c in self.clients:
+                c.shutdown()
+                c.close()
+            raise
+        self.ready_all = [c.ready for c in self.clients]
+        self.ready = self.ready_all[0]
+        for i in range(len(self.clients)):
+            self.published[i] = 0
+            t = threading.Thread(target=self._read, args=(i,), name=f"EngineCoreOutput-DP{i}", daemon=True)
+            self._readers.append(t)
+            t.start()
+
+    def engine_count(self) -> int:
+        return len(self.clients)
+
+    # -- placement ------------------------------------------------------------------------
+    def _load(self, i: int) -> int:
+        return max(self.in_flight[i], self.published[i] + self.since_published[i])
+
+    def choose_engine(self) -> int:
+        """The engine index the next request goes to (call with the lock held). Raises
+        EngineDeadError when every core is dead."""
+        n = len(self.clients)
+        best, best_load = -1, None
+        for k in range(n):
+            i = (self._rr + k) % n
+            if i in self.dead:
+                continue
+            load = self._load(i)
+            if best_load is None or load < best_load:
+                best, best_load = i, load
+        if best < 0:
+            raise EngineDeadError("every engine core died: " + "; ".join(f"{i}: {m}" for i, m in
+                                                                         sorted(self.dead.items())))
+        self._rr = (best + 1) % n
+        return best
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        if not requests:
+            return
+        with self._lock:  # a core's death handler waits: it fails what was placed on it
+            i = self.choose_engine()
+            for r in requests:
+                self.owner[r.request_id] = i
+            k = len(requests)
+            self.in_flight[i] += k
+            self.since_published[i] += k
+            self.num_placed[i] += k
+            try:
+                for r in requests:
+                    self.clients[i].add_request(r)
+            except EngineDeadError:
+                pass  # its reader sees the death and fails these requests
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        per: dict[int, list[str]] = {}
+        with self._lock:
+            for rid in request_ids:
+                i = self.owner.get(rid)
+                if i is not None and i not in self.dead:
+                    per.setdefault(i, []).append(rid)
+        for i, ids in per.items():
+            try:
+                self.clients[i].abort_requests(ids)
+            except EngineDeadError:
+                pass
+
+    # -- outputs ----------------------------------------------------------------------------
+    def _read(self, i: int) -> None:
+        client = self.clients[i]
+        while True:
+            msg = client.get_output(None)
+            if self._stopping:
+                return
+            if msg is None:
+                continue
+            if isinstance(msg, EngineDeadMessage):
+                self._core_died(i, msg)
+                return
+            with self._lock:
+                st = msg.scheduler_stats
+                if st is not None:
+                    self.published[i] = st.num_waiting + st.num_running
+                    self.since_published[i] = 0
+                for o in msg.outputs:
+                    if o.finish_reason is not None and self.owner.pop(o.request_id, None) is not None:
+                        self.in_flight[i] -= 1
+            self._out.put(msg)
+
+    def _core_died(self, i: int, msg: EngineDeadMessage) -> None:
+        reason = msg.message
+        with self._lock:
+            self.dead[i] = reason
+            ids = [rid for rid, o in self.owner.items() if o == i]
+            for rid in ids:
+                del self.owner[rid]
+            self.in_flight[i] = 0
+            all_dead = len(self.dead) == len(self.clients)
+        logger.error("Engine core %d died (%s); %d of its requests failed.%s", i, reason, len(ids),
+                     "" if all_dead else " The other engine cores go on serving.")
+        if ids:
+            error = f"engine core {i} died: {reason}"
+            self._out.put(EngineCoreOutputs([EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, error=error)
+                                             for rid in ids], None, 0.0))
+        if all_dead:
+            self._fail_calls(reason)
+            self._out.put(EngineDeadMessage("every engine core died: " + "; ".join(
+                f"engine core {k}: {m}" for k, m in sorted(self.dead.items())), msg.error))
+
+    def get_output(self, timeout: Optional[float] = None) -> Output:
+        try:
+            return self._out.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def wake_output_reader(self) -> None:
+        self._out.put(None)
+
+    def dead_engines(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self.dead)
+
+    def is_alive(self) -> bool:
+        return any(i not in self.dead and c.is_alive() for i, c in enumerate(self.clients))
+
+    # -- utility calls ------------------------------------------------------------------------
+    def call_utility_all(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> list:
+        """``call_utility`` on every live engine core, in engine order (each core's reader
+        thread resolves its answers)."""
+        live = [c for i, c in enumerate(self.clients) if i not in self.dead]
+        if not live:
+            raise EngineDeadError("every engine core died")
+        return [c.call_utility(method, *args, timeout=timeout) for c in live]
+
+    def call_utility(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> Any:
+        """Every live core's answer; booleans combined (True when every core answered
+        True: ``reset_prefix_cache``), anything else as the list of answers."""
+        results = self.call_utility_all(method, *args, timeout=timeout)
+        return all(results) if all(isinstance(r, bool) for r in results) else results
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._stopping = True
+        for c in self.clients:
+            c.shutdown()
+            c.wake_output_reader()
+        for t in self._readers:
+            if t is not threading.current_thread():
+                t.join(10)
+        self._fail_calls("the engine was shut down")
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()

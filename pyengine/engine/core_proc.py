@@ -231,6 +231,15 @@ def run_engine_core(config: EngineConfig, conns, log_level: int = logging.WARNIN
     _exit(0 if ok else 1)
 
 
+def run_engine_core_on_devices(devices, config: EngineConfig, conns, log_level: int = logging.WARNING) -> None:
+    """``run_engine_core`` on the GPUs ``devices`` (a ``CUDA_VISIBLE_DEVICES`` value, set
+    before CUDA starts in this process; None keeps the environment): one data-parallel
+    rank's engine-core process."""
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    run_engine_core(config, conns, log_level)
+
+
 def _exit(code: int) -> None:
     """Leave without the interpreter's teardown (torch's is slow and there is nothing to
     save: the device memory goes back with the process)."""

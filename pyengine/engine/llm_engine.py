@@ -12,15 +12,21 @@ from pyengine.engine.core import EngineCore
 from pyengine.engine.output_processor import OutputProcessor
 from pyengine.engine.processor import Processor
 from pyengine.metrics.loggers import StatLoggerBase, make_stat_logger_manager
-from pyengine.metrics.stats import IterationStats
+from pyengine.metrics.stats import IterationStats, combine_scheduler_stats
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 
 
-def _shutdown(engine_core: EngineCore) -> None:
+def _shutdown(engine_core) -> None:
     engine_core.shutdown()
+    if not isinstance(engine_core, EngineCore):  # an engine-core client: its pipes too
+        engine_core.close()
     unfreeze_gc_heap()
+
+
+# Seconds one step waits for the engine cores' next outputs (data parallelism).
+_CLIENT_STEP_TIMEOUT_S = 1.0
 
 
 class LLMEngine:
@@ -31,24 +37,39 @@ class LLMEngine:
     Shut down by ``shutdown()``, or when the engine is garbage-collected (``del llm``,
     ``gc.collect()``, as vLLM's docs tell users to free an engine), or at interpreter exit:
     the device memory and a tensor-parallel process group go, so another engine can be
-    built in this process."""
+    built in this process.
+
+    With ``config.data_parallel_size`` N > 1 the engine cores are N processes behind a
+    ``DPClient`` (pyengine/engine/core_client.py) instead of one on this thread: each
+    step hands out the outputs of whichever cores have some, waiting up to a second for
+    them."""
 
     def __init__(self, config: EngineConfig, log_stats: Optional[bool] = None,
                  stat_loggers: Optional[list[StatLoggerBase]] = None):
         self.config = config
         self.stat_loggers = make_stat_logger_manager(
-            not config.disable_log_stats if log_stats is None else log_stats, stat_loggers)
+            not config.disable_log_stats if log_stats is None else log_stats, stat_loggers,
+            config.data_parallel_size)
         # The engine core first: its tensor-parallel workers start before the tokenizer's
         # thread pool does, so they can still be forked (pyengine.utils.choose_start_method).
-        self.engine_core = EngineCore(config)
+        self.data_parallel = config.data_parallel_size > 1
+        if self.data_parallel:
+            from pyengine.engine.core_client import make_client
+            self.engine_core = make_client(config, multiprocess=True, wait=False)
+        else:
+            self.engine_core = EngineCore(config)
         try:
             self.tokenizer = load_tokenizer(config)
+            if self.data_parallel:
+                self.engine_core.wait_ready()
         except BaseException:
-            self.engine_core.shutdown()
+            _shutdown(self.engine_core)
             raise
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._step = self.engine_core.step_fn()
+        self._step = None if self.data_parallel else self.engine_core.step_fn()  # (no bound method: no cycle)
+        if self.data_parallel:
+            self._stats_per_engine = [r.stats for r in self.engine_core.ready_all]
         # Holds the core, not this object: runs when this object is collected.
         self._finalizer = weakref.finalize(self, _shutdown, self.engine_core)
         freeze_gc_heap()
@@ -62,8 +83,11 @@ class LLMEngine:
         """Queue a request already validated by ``self.processor.process``."""
         text, ids, params, core_reqs = processed
         self.output_processor.add_request(request_id, text, ids, params, core_reqs)
-        for r in core_reqs:
-            self.engine_core.add_request(r)
+        if self.data_parallel:
+            self.engine_core.add_requests(core_reqs)
+        else:
+            for r in core_reqs:
+                self.engine_core.add_request(r)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Ends these requests at once (their ids are free again); unknown ids are ignored."""
@@ -71,10 +95,25 @@ class LLMEngine:
         self.engine_core.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
+        if self.data_parallel:
+            return self.output_processor.get_num_unfinished_requests() > 0
         return self.output_processor.get_num_unfinished_requests() > 0 or self.engine_core.has_work()
 
+    def _client_step(self):
+        """The next outputs of the engine cores (data parallelism), or None after
+        ``_CLIENT_STEP_TIMEOUT_S``. Raises EngineDeadError once every core died."""
+        from pyengine.exceptions import EngineDeadError
+        from pyengine.messages import EngineDeadMessage
+
+        outs = self.engine_core.get_output(_CLIENT_STEP_TIMEOUT_S)
+        if isinstance(outs, EngineDeadMessage):
+            raise EngineDeadError(f"Engine core died: {outs.message}")
+        if outs is not None and outs.scheduler_stats is not None:
+            self._stats_per_engine[outs.scheduler_stats.engine_index] = outs.scheduler_stats
+        return outs
+
     def step(self) -> list[RequestOutput]:
-        outs = self._step()
+        outs = self._client_step() if self.data_parallel else self._step()
         if outs is None:
             return []
         loggers = self.stat_loggers
@@ -88,11 +127,22 @@ class LLMEngine:
         return [ro for _, ro in deliveries]
 
     def reset_prefix_cache(self) -> bool:
-        """False (nothing changed) while requests hold KV blocks."""
+        """False (nothing changed) while requests hold KV blocks (on any engine core)."""
+        if self.data_parallel:
+            return all(self.engine_core.call_utility_all("reset_prefix_cache"))
         return self.engine_core.reset_prefix_cache()
 
     def get_stats(self):
+        """The scheduler's figures (several engine cores: summed, ``combine_scheduler_stats``)."""
+        if self.data_parallel:
+            return combine_scheduler_stats(self.get_stats_per_engine())
         return self.engine_core.scheduler.make_stats()
+
+    def get_stats_per_engine(self) -> list:
+        """Each engine core's ``SchedulerStats`` (as of its last step), by engine index."""
+        if self.data_parallel:
+            return list(self._stats_per_engine)
+        return [self.get_stats()]
 
     def shutdown(self) -> None:
         """Release the model, KV cache and CUDA graphs (device memory). Idempotent."""

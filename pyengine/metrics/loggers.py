@@ -51,6 +51,8 @@ class LoggingStatLogger(StatLoggerBase):
 
     def record(self, scheduler_stats: Optional[SchedulerStats],
                iteration_stats: Optional[IterationStats]) -> None:
+        if scheduler_stats is not None and scheduler_stats.engine_index != self.engine_index:
+            return
         if iteration_stats is not None:
             self.num_prompt_tokens += iteration_stats.num_prompt_tokens
             self.num_generation_tokens += iteration_stats.num_generation_tokens
@@ -125,9 +127,10 @@ class StatLoggerManager:
                 logger.exception("Stat logger %r failed", stat_logger)
 
 
-def make_stat_logger_manager(log_stats: bool, stat_loggers: Optional[list[StatLoggerBase]] = None
-                             ) -> StatLoggerManager:
-    """A front end's loggers: ``stat_loggers``, after a ``LoggingStatLogger`` when
-    ``log_stats``; the interval is ``VENGINE_LOG_STATS_INTERVAL`` (ValueError if bad)."""
-    loggers = ([LoggingStatLogger()] if log_stats else []) + list(stat_loggers or [])
+def make_stat_logger_manager(log_stats: bool, stat_loggers: Optional[list[StatLoggerBase]] = None,
+                             num_engines: int = 1) -> StatLoggerManager:
+    """A front end's loggers: ``stat_loggers``, after one ``LoggingStatLogger`` per engine
+    core when ``log_stats``; the interval is ``VENGINE_LOG_STATS_INTERVAL`` (ValueError if
+    bad)."""
+    loggers = ([LoggingStatLogger(i) for i in range(num_engines)] if log_stats else []) + list(stat_loggers or [])
     return StatLoggerManager(loggers, envs.log_stats_interval())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["IterationStats", "SchedulerStats"]
+__all__ = ["IterationStats", "SchedulerStats", "combine_scheduler_stats"]
 
 
 @dataclass
@@ -15,7 +15,7 @@ class SchedulerStats:
     fraction in [0, 1]; prefix-cache queries and hits are in tokens;
     ``num_batched_tokens`` is the number of tokens the step that produced these outputs
     ran through the model (0 for outputs that no model step produced: aborts, start-up,
-    utility calls)."""
+    utility calls). ``engine_index``: which engine core (data-parallel rank) sent them."""
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -30,6 +30,23 @@ class SchedulerStats:
     grammar_bitmask_time_s: float = 0.0  # cumulative host time filling structured-output bitmasks, seconds
     grammar_bitmask_steps: int = 0  # cumulative steps that had constrained rows (a bitmask filled)
     grammar_bitmask_rows: int = 0  # cumulative constrained rows (one per constrained request per such step)
+    engine_index: int = 0  # the data-parallel rank of the engine core that reported these
+
+
+def combine_scheduler_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
+    """One ``SchedulerStats`` for several engine cores (data parallelism): counts and
+    times summed, ``kv_cache_usage`` the fraction of all their blocks in use,
+    ``engine_index`` 0. The one element itself when there is one."""
+    if len(per_engine) == 1:
+        return per_engine[0]
+    out = SchedulerStats()
+    for name in SchedulerStats.__dataclass_fields__:
+        if name not in ("kv_cache_usage", "engine_index"):
+            setattr(out, name, sum(getattr(st, name) for st in per_engine))
+    blocks = sum(st.num_gpu_blocks for st in per_engine)
+    used = sum(st.kv_cache_usage * st.num_gpu_blocks for st in per_engine)
+    out.kv_cache_usage = used / blocks if blocks else 0.0
+    return out
 
 
 @dataclass(slots=True)

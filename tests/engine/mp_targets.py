@@ -20,3 +20,19 @@ def run_with_faulty_step(config, conn, log_level):
         return orig(self, *a, **k)
     ModelRunner.execute_model = boom
     run_engine_core(config, conn, log_level)
+
+
+def run_with_slow_steps(config, conn, log_level):
+    """Every model step takes 20 ms more: long requests are surely still running when the
+    test looks at them."""
+    import time
+
+    from pyengine.worker.model_runner import ModelRunner
+
+    orig = ModelRunner.execute_model
+
+    def slow(self, *a, **k):
+        time.sleep(0.02)
+        return orig(self, *a, **k)
+    ModelRunner.execute_model = slow
+    run_engine_core(config, conn, log_level)

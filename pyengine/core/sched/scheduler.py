@@ -44,7 +44,8 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.policy = SchedulingPolicy.parse(config.scheduling_policy)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                               config.kv_events_config is not None)
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -482,4 +483,5 @@ class Scheduler:
             step_host_time_s=self.step_host_time_s, num_batched_tokens=num_batched_tokens,
             grammar_bitmask_time_s=self.structured_output_manager.bitmask_time_s,
             grammar_bitmask_steps=self.structured_output_manager.bitmask_steps,
-            grammar_bitmask_rows=self.structured_output_manager.bitmask_rows)
+            grammar_bitmask_rows=self.structured_output_manager.bitmask_rows,
+            engine_index=self.config.data_parallel_rank)
