@@ -18,14 +18,19 @@ given to ``install``.
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import traceback
 from pathlib import Path
 
-from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from pyengine.entrypoints.openai.serving_chat import ChatStream
+from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pyengine.engine.processor import ProcessedRequest
+from pyengine.entrypoints.openai.serving_chat import OpenAIServingChat
+from pyengine.entrypoints.openai.serving_engine import DeltaDriver, chunk_json
+from pyengine.entrypoints.openai.serving_models import OpenAIServingModels
+from pyengine.entrypoints.output_drain import OutputDrain, Subscriber
 from pyengine.entrypoints.reasoning import load_reasoning_parser
 from pyengine.reasoning import ReasoningParserManager
 
@@ -65,151 +70,171 @@ def _request_id(num: int) -> str:
 
 
 class _Live:
-    __slots__ = ("req", "coll", "chat")
+    """One C request in flight (a ``Subscriber``'s target): ``req``, the C ``vllm_request``
+    (cdata void*, alive until its final delta); ``driver``, for a ``vllm_chat`` request,
+    its OpenAI JSON (one object per line of the delta text); ``done`` once its final
+    delta was pushed."""
+    __slots__ = ("req", "driver", "stream", "started", "done")
 
-    def __init__(self, req, chat: ChatStream | None = None):
-        self.req = req   # cdata void*: the C vllm_request, alive until its final delta
-        self.coll = None
-        self.chat = chat  # vllm_chat*: its OpenAI JSON, one object per line of the delta text
+    def __init__(self, req, driver: DeltaDriver | None = None, stream: bool = False):
+        self.req = req
+        self.driver = driver
+        self.stream = stream
+        self.started = False
+        self.done = False
+
+    def chat_text(self, out, failed: bool) -> bytes:
+        """A chat request's delta as the lines of OpenAI JSON the C side passes on: the
+        role chunk first, then the delta's chunks and, at the end, ``usage`` (streamed), or
+        the ``chat.completion`` object once finished (not streamed). A failed request ends
+        with no more chunks (its error goes in the delta's error)."""
+        d = self.driver
+        assert d is not None
+        objs: list = d.first_chunks() if self.stream and not self.started else []
+        self.started = True
+        if not failed:
+            if self.stream:
+                objs += d.feed(0, out)
+                if out.finished:
+                    objs += d.last_chunks()
+            else:
+                d.accumulate(0, out)
+                if out.finished:
+                    objs.append(d.response())
+        return "".join(chunk_json(o) + "\n" for o in objs).encode("utf-8", "replace")
 
 
-def _chat_text(chat: ChatStream, c, finish_reason) -> bytes:
-    """A chat request's delta as the lines of OpenAI JSON the C side passes on."""
-    objs = chat.feed(c.text, len(c.token_ids), finish_reason, c.stop_reason, c.token_ids)
-    return "".join(json.dumps(o, separators=(",", ":")) + "\n" for o in objs).encode("utf-8", "replace")
+@dataclass
+class _Delivery:
+    """One ``vg_delta`` (include/vllm.h's delivery to C): the request's new ``text``
+    (UTF-8), ``token_ids``, whether it ``finished``, its ``status`` (a VLLM_* code),
+    ``prompt_tokens`` (-1: not known), ``finish_reason`` and ``error`` (or None)."""
+    req: object
+    text: bytes
+    token_ids: Sequence[int]
+    finished: bool
+    status: int
+    prompt_tokens: int
+    finish_reason: str | None
+    error: str | None
 
 
-def _push(batch) -> None:
-    """One vg_push call for a list of (req, text: bytes, token_ids, finished, status,
-    prompt_tokens, finish_reason, error)."""
+def _push(batch: list[_Delivery]) -> None:
+    """One vg_push call for a list of deliveries."""
     n = len(batch)
     arr = ffi.new("vg_delta[]", n)
-    blob = b"".join(item[1] for item in batch)
+    blob = b"".join(item.text for item in batch)
     tbuf = ffi.from_buffer(blob)
-    flat = [t for item in batch for t in item[2]]
+    flat = [t for item in batch for t in item.token_ids]
     tokbuf = ffi.new("int32_t[]", flat) if flat else ffi.NULL
     keep = []
     off = toff = 0
-    for i, (req, text, toks, fin, status, plen, reason, err) in enumerate(batch):
+    for i, item in enumerate(batch):
         d = arr[i]
-        d.req = req
+        d.req = item.req
         d.text = tbuf + off
-        d.text_len = len(text)
-        off += len(text)
-        if toks:
+        d.text_len = len(item.text)
+        off += len(item.text)
+        if item.token_ids:
             d.token_ids = tokbuf + toff
-            d.n_tokens = len(toks)
-            toff += len(toks)
-        d.finished = 1 if fin else 0
-        d.status = status
-        d.prompt_tokens = plen
-        if reason:
-            r = ffi.new("char[]", reason.encode())
+            d.n_tokens = len(item.token_ids)
+            toff += len(item.token_ids)
+        d.finished = 1 if item.finished else 0
+        d.status = item.status
+        d.prompt_tokens = item.prompt_tokens
+        if item.finish_reason:
+            r = ffi.new("char[]", item.finish_reason.encode())
             keep.append(r)
             d.finish_reason = r
-        if err:
-            e = ffi.new("char[]", err.encode("utf-8", "replace"))
+        if item.error:
+            e = ffi.new("char[]", item.error.encode("utf-8", "replace"))
             keep.append(e)
             d.error = e
     lib.vg_push(arr, n)
 
 
 class _Bridge:
-    """One loaded engine as seen from the C ABI."""
+    """One loaded engine as seen from the C ABI: the C delivery over the engine's output
+    drain (``pyengine.entrypoints.output_drain``). The drain hands each step's
+    subscribers to ``_on_ready`` on the engine's output-handler thread, which drains
+    their collectors and pushes the deltas into C with one ``vg_push`` call."""
 
     def __init__(self, llm: AsyncLLM, model_name: str = "", reasoning_parser=None):
         self.llm = llm
         self.model_name = model_name  # the "model" of chat responses
         self.reasoning_parser = reasoning_parser  # vllm_model_params.reasoning_parser's class (vllm_chat*)
-        self.lock = threading.Lock()  # guards live; drains + pushes happen under it (order)
-        self.live: dict[str, _Live] = {}
+        self.chat = OpenAIServingChat(llm, OpenAIServingModels([model_name or "vengine"]),
+                                      reasoning_parser=reasoning_parser)
+        self.lock = threading.Lock()  # drains + pushes happen under it (order)
         self.closed = False
-        self.unsubscribe = llm.add_output_listener(self._on_outputs)
+        self.drain = OutputDrain(llm, self._on_ready)
 
     # -- output thread ------------------------------------------------------
-    def _on_outputs(self, request_ids) -> None:
-        if not self.live:
-            return
+    def _on_ready(self, subscribers: list[Subscriber]) -> None:
         with self.lock:
-            batch = []
-            for rid in request_ids:
-                ent = self.live.get(rid)
-                if ent is not None and ent.coll is not None:
-                    self._take(rid, ent, batch)
+            batch = [d for d in map(self._take, subscribers) if d is not None]
             if batch:
                 _push(batch)
 
-    def _take(self, rid: str, ent: _Live, batch) -> None:
-        """Drain one collector into ``batch`` (caller holds the lock)."""
+    def _end(self, sub: Subscriber) -> None:
+        sub.target.done = True
+        self.drain.remove(sub.request_id)
+
+    def _take(self, sub: Subscriber) -> _Delivery | None:
+        """Drain one collector (caller holds the lock)."""
+        ent: _Live = sub.target
+        if ent.done:
+            return None
         try:
-            out = ent.coll.get_nowait()
+            out = sub.take()
         except EngineDeadError as e:
-            del self.live[rid]
-            batch.append((ent.req, b"", (), True, RUNTIME, -1, "error", f"engine dead: {e}"))
-            return
+            self._end(sub)
+            return _Delivery(ent.req, b"", (), True, RUNTIME, -1, "error", f"engine dead: {e}")
         except Exception as e:  # a collector must not break the stream of others
-            del self.live[rid]
-            batch.append((ent.req, b"", (), True, UNKNOWN, -1, "error",
-                          f"vengine: reading the request's output failed: {e!r}"))
-            return
+            self._end(sub)
+            return _Delivery(ent.req, b"", (), True, UNKNOWN, -1, "error",
+                             f"vengine: reading the request's output failed: {e!r}")
         if out is None:
-            return
+            return None
         c = out.outputs[0]
         plen = len(out.prompt_token_ids) if out.prompt_token_ids is not None else -1
         if out.finished:
-            del self.live[rid]
+            self._end(sub)
         # finish_reason "error": this request failed inside the engine (the others go on)
         failed = c.finish_reason == "error"
-        if ent.chat is not None:
-            text = _chat_text(ent.chat, c, None if failed else c.finish_reason)
-        else:
-            text = c.text.encode("utf-8", "replace")
-        batch.append((ent.req, text, c.token_ids, out.finished,
-                      RUNTIME if failed else OK, plen, c.finish_reason,
-                      f"the request failed inside the engine: {c.error}" if failed else None))
+        text = ent.chat_text(out, failed) if ent.driver is not None else c.text.encode("utf-8", "replace")
+        return _Delivery(ent.req, text, c.token_ids, out.finished, RUNTIME if failed else OK, plen, c.finish_reason,
+                         f"the request failed inside the engine: {c.error}" if failed else None)
 
     # -- host threads ---------------------------------------------------------
-    def submit(self, req, num: int, prompt, params: SamplingParams, priority: int,
-               chat: ChatStream | None = None) -> None:
-        rid = _request_id(num)
-        ent = _Live(req, chat)
+    def submit(self, req, request: ProcessedRequest, driver: DeltaDriver | None = None, stream: bool = False) -> None:
+        """Queue a request the Processor validated; its deltas go to the C request ``req``."""
         with self.lock:
             if self.closed:
                 raise _Freed("the engine was freed (vllm_engine_free)")
-            self.live[rid] = ent
-        try:
-            coll = self.llm.add_request(rid, prompt, params, priority=priority)
-        except BaseException:
-            with self.lock:
-                self.live.pop(rid, None)
-            raise
-        with self.lock:
-            ent.coll = coll
-            if rid in self.live:  # output may already be waiting: drain it now
-                batch = []
-                self._take(rid, ent, batch)
-                if batch:
-                    _push(batch)
+        sub = self.drain.add(request, _Live(req, driver, stream))
+        with self.lock:  # output may already be waiting: drain it now
+            delivery = self._take(sub)
+            if delivery is not None:
+                _push([delivery])
 
     def fail_all(self, status: int, message: str) -> None:
         with self.lock:
             batch = []
-            for rid, ent in list(self.live.items()):
-                if ent.coll is not None:  # a final output may be waiting
-                    self._take(rid, ent, batch)
-                if rid in self.live:
-                    del self.live[rid]
-                    batch.append((ent.req, b"", (), True, status, -1, "abort", message))
+            for sub in self.drain.subscribers():
+                d = self._take(sub)  # a final output may be waiting
+                if d is not None:
+                    batch.append(d)
+                if not sub.target.done:
+                    self._end(sub)
+                    batch.append(_Delivery(sub.target.req, b"", (), True, status, -1, "abort", message))
             if batch:
                 _push(batch)
 
     def close(self) -> None:
         with self.lock:
             self.closed = True
-        try:
-            self.unsubscribe()
-        except Exception:
-            pass
+        self.drain.close()
         try:
             self.llm.shutdown()
         finally:
@@ -430,8 +455,7 @@ def _vg_py_load(p, eng_id_out, name_buf, namelen, err, errlen):
         return _fail(err, errlen, f"vllm_engine_load: loading the model failed: {_message(e)}", MODEL_LOAD)
     try:
         eid = next(_NEXT_ID)
-        cfg = getattr(llm, "config", None)
-        name = str(getattr(cfg, "served_model_name", None) or model.name)
+        name = str(llm.config.served_model_name or model.name)
         try:
             parser = load_reasoning_parser(reasoning, llm.tokenizer)
         except ValueError as e:
@@ -460,7 +484,7 @@ def _vg_py_submit(eng_id, req, num, prompt, toks, ntoks, sp, err, errlen):
                 raise _Refused(f"prompt is not valid UTF-8: {e}") from None
         else:
             text = list(ffi.unpack(toks, ntoks))
-        br.submit(req, int(num), text, params, priority)
+        br.submit(req, br.llm.processor.process(_request_id(int(num)), text, params, priority))
         return OK
     except BaseException as e:
         return _fail(err, errlen, _message(e), _status_of(e))
@@ -471,12 +495,10 @@ def _vg_py_submit_chat(eng_id, req, num, raw, stream, err, errlen):
         br = _bridge(eng_id)
         parsed = parse_chat_request(ffi.string(raw).decode("utf-8"), br.llm.processor, RequestOutputKind.DELTA,
                                     br.reasoning_parser)
-        chat = ChatStream(f"chatcmpl-{parsed.request_id or f'vengine-{int(num)}'}", br.model_name,
-                          len(parsed.prompt_token_ids), stream=bool(stream), include_usage=bool(parsed.flags & 1),
-                          echo=parsed.echo, reasoning=parsed.reasoning)
-        prompt = parsed.prompt_token_ids if parsed.cache_salt is None else {
-            "prompt_token_ids": parsed.prompt_token_ids, "cache_salt": parsed.cache_salt}
-        br.submit(req, int(num), prompt, parsed.sampling_params, parsed.priority, chat)
+        driver = br.chat.driver(parsed.request, parsed.inputs, f"chatcmpl-{parsed.request_id or f'vengine-{int(num)}'}",
+                                br.model_name, include_usage=bool(parsed.flags & 1), continuous_usage=False,
+                                token_only_chunks=False)
+        br.submit(req, br.chat.engine_request(parsed.inputs, _request_id(int(num))), driver, bool(stream))
         return OK
     except UnicodeDecodeError as e:
         return _fail(err, errlen, f"chat request: request_json is not valid UTF-8: {e}", INVALID)
@@ -508,8 +530,8 @@ def _vg_py_poll(eng_id):
     br = _ENGINES.get(eng_id)
     if br is None or br.closed:
         return
-    if getattr(br.llm, "errored", False):
-        err = getattr(br.llm, "dead_error", None)
+    if br.llm.errored:
+        err = br.llm.dead_error
         br.fail_all(RUNTIME, f"engine dead: {err!r}" if err is not None else "engine dead")
 
 

@@ -4,7 +4,7 @@ server uses (``pyengine.entrypoints.openai``): the same schema, chat rendering a
 so the same bad request gets the same message. What ``vllm_chat`` cannot serve (tool
 calling, logprobs, several choices) is refused, never ignored.
 
-The response JSON comes from the same layer (``serving_chat.ChatStream``, see capi/_impl.py);
+The response JSON comes from the same layer (``OpenAIServingChat.driver``, see capi/_impl.py);
 the C side passes it on.
 """
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
-from pyengine.entrypoints.openai.serving_chat import chat_inputs
+from pyengine.entrypoints.openai.serving_chat import ChatInputs, chat_inputs
 from pyengine.entrypoints.openai.serving_engine import parse_request
-from pyengine.entrypoints.reasoning import RequestReasoning
 
 # Chat request fields vllm_chat cannot honour (its response has one choice and no logprobs
 # or tool calls): name -> values that mean "not used".
@@ -53,7 +52,8 @@ class ParsedChat(NamedTuple):
     echo: Optional[str]  # what the message starts with (echo, serving_chat.chat_echo)
     request_id: Optional[str]  # the client's request_id (the response's "chatcmpl-<id>")
     cache_salt: Optional[str]  # the prefix-cache salt
-    reasoning: Optional[RequestReasoning] = None  # with a reasoning parser: the split (reasoning_content)
+    request: ChatCompletionRequest  # the parsed request
+    inputs: ChatInputs  # its checked inputs (the engine request and response driver are made of them; .reasoning: the split)
 
 
 def parse_chat_request(raw: str, processor, output_kind, reasoning_parser: Optional[type] = None) -> ParsedChat:
@@ -74,4 +74,4 @@ def parse_chat_request(raw: str, processor, output_kind, reasoning_parser: Optio
     so = req.stream_options
     flags = 1 if so is not None and so.include_usage else 0
     return ParsedChat(inputs.prompt_token_ids, inputs.sampling_params, inputs.priority, flags, inputs.echo,
-                      req.request_id, inputs.cache_salt, inputs.reasoning)
+                      req.request_id, inputs.cache_salt, req, inputs)

@@ -16,17 +16,13 @@ from werkzeug.exceptions import HTTPException
 from pyengine import VLLMValidationError
 from pyengine.entrypoints.openai.serving_engine import validation_error
 
+from pyengine.entrypoints.openai.errors import ClientDisconnected, RequestCancelled, RequestFailed
+
 from .bridge import is_engine_dead
-from .health import register_health_routes
 from .http import APIError, error_response
 from .middleware import apply_http_options, limit_request_body
 from .page import create_page_blueprint
-from .serving_chat import register_chat_routes
-from .serving_completion import register_completion_routes
-from .serving_messages import register_messages_routes
-from .serving_models import register_model_routes
-from .serving_responses import register_responses_routes
-from .serving_tokenization import register_tokenization_routes
+from .routes import register_routes
 from .state import ServerConfig, ServerState
 
 logger = logging.getLogger(__name__)
@@ -63,13 +59,7 @@ def create_app(engine, args=None) -> Flask:
     apply_http_options(app, args)  # CORS, --root-path
     _register_error_handlers(app, st)
     _register_gate(app, st)
-    register_health_routes(app, st)  # /health, /version, /metrics, /reset_prefix_cache (dev mode)
-    register_model_routes(app, st)  # GET /v1/models, /v1/models/<model>
-    register_tokenization_routes(app, st)  # POST /tokenize, /detokenize
-    register_completion_routes(app, st)  # POST /v1/completions
-    register_chat_routes(app, st)  # POST /v1/chat/completions
-    register_responses_routes(app, st)  # POST /v1/responses
-    register_messages_routes(app, st)  # POST /v1/messages, /v1/messages/count_tokens
+    register_routes(app, st)  # the health, model, tokenization, completion, chat, responses and messages routes
     return app
 
 
@@ -80,6 +70,18 @@ def _register_error_handlers(app: Flask, st: ServerState) -> None:
     @app.errorhandler(APIError)
     def _api_error(e: APIError):
         return error_response(e.status, e.message, e.param)
+
+    @app.errorhandler(ClientDisconnected)
+    def _client_gone(e: ClientDisconnected):  # nobody reads the answer
+        return Response(status=499)
+
+    @app.errorhandler(RequestFailed)
+    def _failed(e: RequestFailed):
+        return error_response(500, str(e))
+
+    @app.errorhandler(RequestCancelled)
+    def _cut(e: RequestCancelled):
+        return error_response(503, str(e))
 
     @app.errorhandler(VLLMValidationError)
     def _refused(e: VLLMValidationError):  # the engine's or the protocol layer's one answer

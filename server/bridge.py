@@ -1,17 +1,20 @@
-"""The bridge from the engine's output-handler thread to gevent greenlets.
+"""The HTTP server's adapter over the engine's output drain
+(``pyengine.entrypoints.output_drain``): gevent wake-ups, and one HTTP request's engine
+requests read on the hub.
 
-The engine calls our listener on its (native) output-handler thread once per step with
-the ids of the requests whose collectors were just filled. The listener only appends the
-ids to a thread-safe ``deque`` and calls ``send()`` on one ``loop.async_()`` watcher: that
-is the only gevent call ever made from a native thread. The watcher's callback runs on
-the hub and sets the ``gevent.event.Event`` of each waiting handler; the handler then
-drains its collectors with ``get_nowait()``. One engine step for N streams costs one
+The drain calls our ``on_ready`` on the engine's (native) output-handler thread once per
+step with the subscribers whose collectors were just filled. It only appends them to a
+thread-safe ``deque`` and calls ``send()`` on one ``loop.async_()`` watcher: that is the
+only gevent call ever made from a native thread. The watcher's callback runs on the hub
+and sets the ``gevent.event.Event`` of each subscriber's handler; the handler then drains
+its collectors with ``Subscriber.take``. One engine step for N streams costs one
 cross-thread wake-up, not N, and the hub never blocks on a native lock.
 
 A ``RequestGroup`` is the set of engine requests one HTTP request made (a prompt list
-makes several); all of them share one Event. It also watches the client socket, so a
-client that leaves while its request sits in a long prefill (nothing is written, so a
-write error cannot reveal the disconnect) is noticed at once.
+makes several; the serving object's ``Generation``); all of them share one Event. It also
+watches the client socket, so a client that leaves while its request sits in a long
+prefill (nothing is written, so a write error cannot reveal the disconnect) is noticed at
+once. ``HTTPSession`` is the serving object's ``Session`` of one HTTP request.
 """
 from __future__ import annotations
 
@@ -20,12 +23,17 @@ import queue
 import socket as _stdsocket
 import threading
 from collections import deque
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import gevent
 from gevent.event import Event
 
-from pyengine import EngineDeadError
+from pyengine import EngineDeadError, RequestOutput
+from pyengine.engine.processor import ProcessedRequest
+from pyengine.entrypoints.openai.errors import APIError, ClientDisconnected, RequestCancelled
+from pyengine.entrypoints.output_drain import OutputDrain, Subscriber
+
+from .metrics import RequestRecorder, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +42,11 @@ logger = logging.getLogger(__name__)
 _POLL_S = 1.0
 
 
-class ClientDisconnected(Exception):
-    """The HTTP client closed its connection."""
-
-
-class ServerShuttingDown(Exception):
-    """The server's shutdown drain ran out (``--shutdown-timeout``): this request was cut."""
-
-
 def is_engine_dead(exc: BaseException, engine=None) -> bool:
     """True for pyengine's ``EngineDeadError``, or any error once the engine died."""
     if isinstance(exc, EngineDeadError):
         return True
-    return bool(engine is not None and getattr(engine, "errored", False))
+    return engine is not None and engine.errored
 
 
 class GeventBridge:
@@ -54,21 +54,26 @@ class GeventBridge:
 
     def __init__(self, engine):
         self._engine = engine
-        self._pending: deque = deque()  # filled by the output thread, drained on the hub
-        self._waiters: dict[str, Event] = {}  # request id -> Event; hub thread only
+        self._pending: deque = deque()  # lists of subscribers, filled by the output thread, drained on the hub
+        self._drain: Optional[OutputDrain] = None
         self._watcher = None
         self._health_timer = None
         self._hub = None
-        self._unsubscribe = None
-        self._abort_q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._abort_q: queue.SimpleQueue = queue.SimpleQueue()
         self._aborter: Optional[threading.Thread] = None
 
     # -- engine calls that take the engine's locks: never on the hub -------------------
-    def add_request(self, request_id, prompt, sampling_params, priority):
-        """``engine.add_request`` on a gevent threadpool thread: it takes the engine's
-        output-processor lock, which the output thread holds while it processes a whole
-        step; the calling greenlet waits cooperatively, the hub keeps serving."""
-        return self.run_blocking(self._engine.add_request, request_id, prompt, sampling_params, priority=priority)
+    def add_request(self, request: ProcessedRequest, event: Event) -> Subscriber:
+        """Queue ``request`` through the drain on a gevent threadpool thread: it takes the
+        engine's output-processor lock, which the output thread holds while it processes
+        a whole step; the calling greenlet waits cooperatively, the hub keeps serving."""
+        self.ensure_started()
+        assert self._drain is not None
+        return self.run_blocking(self._drain.add, request, event)
+
+    def remove(self, request_id: str) -> None:
+        if self._drain is not None:
+            self._drain.remove(request_id)
 
     @staticmethod
     def run_blocking(fn, *args, **kwargs):
@@ -110,55 +115,39 @@ class GeventBridge:
         # handler's wait (a Timeout object per wait, i.e. per engine step per stream).
         timer = hub.loop.timer(_POLL_S, _POLL_S)
         timer.ref = False  # never keeps the hub's loop alive
-        timer.start(self._on_health_poll)
+        timer.start(self.wake_all)
         self._hub, self._watcher, self._health_timer = hub, watcher, timer
-        self._unsubscribe = self._engine.add_output_listener(self._listener)
+        self._drain = OutputDrain(self._engine, self._on_ready)
 
     def close(self) -> None:
         if self._aborter is not None:
             self._abort_q.put(None)
             self._aborter = None
-        if self._unsubscribe is not None:
-            try:
-                self._unsubscribe()
-            except Exception:  # noqa: BLE001 - engine may be gone already
-                pass
-            self._unsubscribe = None
+        if self._drain is not None:
+            self._drain.close()
         for w in (self._watcher, self._health_timer):
             if w is not None:
                 w.stop()
                 w.close()
         self._watcher = self._health_timer = None
 
-    def register(self, request_id: str, event: Event) -> None:
-        self._waiters[request_id] = event
-
-    def unregister(self, request_id: str) -> None:
-        self._waiters.pop(request_id, None)
-
     def _on_wake(self) -> None:
-        pending, waiters = self._pending, self._waiters
+        pending = self._pending
         while pending:
-            ids = pending.popleft()
-            for rid in ids:
-                ev = waiters.get(rid)
-                if ev is not None:
-                    ev.set()
-
-    def _on_health_poll(self) -> None:
-        # Every waiting handler re-checks its collectors and the engine's health once per
-        # _POLL_S, as a timeout on its own wait would make it (a dead engine might never
-        # call the listener again).
-        self.wake_all()
+            for sub in pending.popleft():
+                sub.target.set()
 
     def wake_all(self) -> None:
-        """Wake every waiter (hub thread), e.g. when the engine died."""
-        for ev in list(self._waiters.values()):
-            ev.set()
+        """Wake every waiter (hub thread): each re-checks its collectors and the engine's
+        health once per _POLL_S, as a timeout on its own wait would make it (a dead
+        engine might never call the listener again)."""
+        if self._drain is not None:
+            for sub in self._drain.subscribers():
+                sub.target.set()
 
     # -- output-handler thread ------------------------------------------------------
-    def _listener(self, request_ids) -> None:
-        self._pending.append(request_ids)
+    def _on_ready(self, subscribers: list[Subscriber]) -> None:
+        self._pending.append(subscribers)
         w = self._watcher
         if w is not None:
             w.send()
@@ -189,10 +178,14 @@ class _SocketWatch:
 
     def _on_readable(self) -> None:
         self.stop()
-        raw = getattr(self._sock, "_sock", self._sock)
         gone = False
         try:
-            data = raw.recv(1, _stdsocket.MSG_PEEK | _stdsocket.MSG_DONTWAIT)
+            # a plain socket over the same descriptor (gevent's recv would wait, on the hub)
+            raw = _stdsocket.socket(fileno=self._sock.fileno())
+            try:
+                data = raw.recv(1, _stdsocket.MSG_PEEK | _stdsocket.MSG_DONTWAIT)
+            finally:
+                raw.detach()  # the descriptor stays the connection's
             gone = not data
         except BlockingIOError:
             self._restart()
@@ -218,22 +211,30 @@ class _SocketWatch:
 
 
 class RequestGroup:
-    """The engine requests of one HTTP request, read on the hub without blocking it."""
+    """The engine requests of one HTTP request, read on the hub without blocking it (the
+    serving object's ``Generation``); ``recorder``: their metrics; ``on_close``: called
+    once when it is closed."""
 
-    def __init__(self, bridge: GeventBridge, engine, sock=None):
+    def __init__(self, bridge: GeventBridge, engine, recorder: RequestRecorder, sock=None,
+                 on_close: Optional[Callable[["RequestGroup"], None]] = None):
         self.bridge = bridge
         self.engine = engine
+        self.recorder = recorder
         self.event = Event()
-        self.request_ids: list[str] = []
-        self.collectors: list = []
+        self.subscribers: list[Subscriber] = []
         self.disconnected = False
         self.cancelled: Optional[str] = None  # why the server cut this request (shutdown)
         self._done: set[int] = set()
         self._aborted: set[str] = set()
+        self._on_close = on_close
         self._watch: Optional[_SocketWatch] = None
         bridge.ensure_started()
         if sock is not None:
             self._watch = _SocketWatch(sock, self._on_disconnect)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [s.request_id for s in self.subscribers]
 
     def _on_disconnect(self) -> None:
         self.disconnected = True
@@ -243,59 +244,56 @@ class RequestGroup:
 
     def cancel(self, message: str) -> None:
         """End this request's generation on the server's behalf (hub thread): its engine
-        requests are aborted and its reader raises ``ServerShuttingDown(message)``."""
+        requests are aborted and its reader raises ``RequestCancelled(message)``."""
         self.cancelled = message
         self.abort_unfinished()
         self.event.set()
 
-    def add(self, request_id: str, prompt, sampling_params, priority: int = 0):
-        """``engine.add_request``; raises its ValueError / EngineDeadError unchanged."""
-        self.bridge.register(request_id, self.event)
-        try:
-            collector = self.bridge.add_request(request_id, prompt, sampling_params, priority)
-        except BaseException:
-            self.bridge.unregister(request_id)
-            raise
-        self.request_ids.append(request_id)
-        self.collectors.append(collector)
+    def add(self, request: ProcessedRequest) -> Subscriber:
+        """Queue one engine request; raises the engine's ValueError / EngineDeadError unchanged."""
+        sub = self.bridge.add_request(request, self.event)
+        self.subscribers.append(sub)
+        self.recorder.admitted(len(request.prompt_token_ids))
         if self.disconnected or self.cancelled:  # the client left / shutdown came while admitting
             self.abort_unfinished()
-        return collector
+        return sub
 
-    def outputs(self) -> Iterator[tuple[int, object]]:
-        """Yield ``(index, RequestOutput)`` as outputs arrive until all requests finished.
+    def _check(self) -> None:
+        if self.disconnected:
+            raise ClientDisconnected()
+        if self.cancelled:
+            raise RequestCancelled(self.cancelled)
 
-        Raises ``ClientDisconnected`` when the client left, ``ServerShuttingDown`` when
-        the server cut it (shutdown), and the engine's ``EngineDeadError`` when the engine
+    def outputs(self) -> Iterator[tuple[int, RequestOutput]]:
+        """Yield ``(index, RequestOutput)`` as outputs arrive until all requests finished;
+        each is recorded (metrics) when taken, before it is yielded.
+
+        Raises ``ClientDisconnected`` when the client left, ``RequestCancelled`` when the
+        server cut it (shutdown), and the engine's ``EngineDeadError`` when the engine
         died.
         """
-        collectors, done, event = self.collectors, self._done, self.event
+        subs, done, event = self.subscribers, self._done, self.event
         woken = False  # the last pass followed a wake-up
-        while len(done) < len(collectors):
-            if self.disconnected:
-                raise ClientDisconnected()
-            if self.cancelled:
-                raise ServerShuttingDown(self.cancelled)
+        while len(done) < len(subs):
+            self._check()
             got = False
-            for i, col in enumerate(collectors):
+            for i, sub in enumerate(subs):
                 if i in done:
                     continue
-                out = col.get_nowait()
+                out = sub.take()
                 if out is None:
                     continue
                 got = True
                 if out.finished:
                     done.add(i)
+                self.recorder.output(i, out)
                 yield i, out
-                if self.disconnected:
-                    raise ClientDisconnected()
-                if self.cancelled:
-                    raise ServerShuttingDown(self.cancelled)
-            if not got and len(done) < len(collectors):
+                self._check()
+            if not got and len(done) < len(subs):
                 if woken:  # woken with nothing to read: the bridge's periodic poll
                     self._check_engine()
-                # No switch happened since the get_nowait calls above, so a fill after
-                # them is followed by a listener call that sets the event after clear().
+                # No switch happened since the take calls above, so a fill after them is
+                # followed by an on_ready call that sets the event after clear().
                 event.clear()
                 event.wait()
                 woken = True
@@ -303,22 +301,64 @@ class RequestGroup:
                 woken = False
 
     def _check_engine(self) -> None:
-        if getattr(self.engine, "errored", False):
-            raise EngineDeadError(f"The engine died: {getattr(self.engine, 'dead_error', None)!r}")
+        if self.engine.errored:
+            raise EngineDeadError(f"The engine died: {self.engine.dead_error!r}")
 
     def abort_unfinished(self) -> None:
-        ids = [rid for i, rid in enumerate(self.request_ids) if i not in self._done
-               and rid not in self._aborted and not getattr(self.collectors[i], "finished", False)]
+        ids = [s.request_id for i, s in enumerate(self.subscribers) if i not in self._done
+               and s.request_id not in self._aborted and not s.finished]
         if ids:
             self._aborted.update(ids)
             self.bridge.abort(ids)
 
     def close(self) -> None:
-        """Abort what is still running and drop every hook (idempotent)."""
+        """Abort what is still running and drop every hook (idempotent); the requests
+        whose end was not seen are recorded as aborted."""
         self.abort_unfinished()
-        for rid in self.request_ids:
-            self.bridge.unregister(rid)
-        self._done.update(range(len(self.collectors)))
+        for s in self.subscribers:
+            self.bridge.remove(s.request_id)
+        self._done.update(range(len(self.subscribers)))
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        self.recorder.close()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close(self)
+
+
+class HTTPSession:
+    """The serving object's ``Session`` of one HTTP request: blocking work on the gevent
+    threadpool, and its engine requests as a ``RequestGroup`` (watching ``sock``, the
+    client's socket, and counted in ``jobs`` for the shutdown drain). ``cut_message()``:
+    why new generations are refused (the drain cut those in flight), or None."""
+
+    def __init__(self, bridge: GeventBridge, engine, metrics: ServerMetrics, jobs: set,
+                 cut_message: Callable[[], Optional[str]], sock=None):
+        self.bridge, self.engine, self.metrics = bridge, engine, metrics
+        self.jobs, self.sock, self.cut_message = jobs, sock, cut_message
+
+    def run_blocking(self, fn):
+        return self.bridge.run_blocking(fn)
+
+    def start(self, requests: list[ProcessedRequest]) -> RequestGroup:
+        """Raises ``APIError`` (400: the engine refused a request; 503: the server is
+        cutting its requests, or the engine is dead); nothing stays queued then."""
+        cut = self.cut_message()
+        if cut is not None:
+            raise APIError(503, cut)
+        group = RequestGroup(self.bridge, self.engine, RequestRecorder(self.metrics), self.sock,
+                             on_close=self.jobs.discard)
+        self.jobs.add(group)
+        try:
+            for r in requests:
+                group.add(r)
+        except ValueError as e:  # the engine refused it (a duplicate id)
+            group.close()
+            raise APIError(400, str(e), getattr(e, "parameter", None)) from None
+        except Exception as e:
+            group.close()
+            if is_engine_dead(e, self.engine):
+                raise APIError(503, f"The engine is dead: {e}") from None
+            raise
+        return group

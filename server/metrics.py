@@ -4,8 +4,9 @@ per-app ``CollectorRegistry``.
 Engine gauges and the prefix-cache / preemption counters are read from
 ``AsyncLLM.get_stats()`` at scrape time; ``vllm:iteration_tokens_total`` from each engine
 step's ``SchedulerStats`` (a stat logger on the engine: the stats arrive as messages from
-the engine core); request histograms and token counters are recorded by the request
-handlers (``server.generation``) from ``RequestOutput.metrics`` timestamps. Every admitted
+the engine core); request histograms and token counters are recorded per HTTP request
+(``RequestRecorder``, fed by ``server.bridge.RequestGroup``) from ``RequestOutput.metrics``
+timestamps. Every admitted
 engine request adds its prompt to ``vllm:prompt_tokens`` once, when admitted, and ends
 once in ``vllm:request_success`` (its finish reason; "abort" when its client left or the
 server cut it, "error" when it failed), whether or not the handler saw its last output.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from bisect import bisect_left
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -58,8 +60,7 @@ class _EngineStatsCollector:
 
     def collect(self):
         try:
-            per = (self._engine.get_stats_per_engine() if hasattr(self._engine, "get_stats_per_engine")
-                   else [self._engine.get_stats()])
+            per = self._engine.get_stats_per_engine()
         except Exception:  # noqa: BLE001 - a dead engine still lets /metrics answer
             logger.debug("get_stats failed", exc_info=True)
             return
@@ -68,7 +69,7 @@ class _EngineStatsCollector:
         def family(kind, name, doc, field_name):
             f = kind(name, doc, labels=names)
             for st in per:
-                f.add_metric([self._model_name, str(getattr(st, "engine_index", 0))],
+                f.add_metric([self._model_name, str(st.engine_index)],
                              float(getattr(st, field_name, 0)))
             return f
 
@@ -125,9 +126,8 @@ class ServerMetrics:
                                      lbl, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      lbl + ["engine"], buckets=_ITERATION_TOKEN_BUCKETS, registry=r)
-        add = getattr(engine, "add_stat_logger", None)
-        self._remove_stat_logger = (add(_IterationTokensLogger(iteration_tokens, model_name)) if add is not None
-                                    else None)
+        self._remove_stat_logger: Optional[Callable[[], None]] = engine.add_stat_logger(
+            _IterationTokensLogger(iteration_tokens, model_name))
         r.register(_EngineStatsCollector(engine, model_name))
 
     def close(self) -> None:
@@ -206,7 +206,7 @@ class RequestTimer:
         self._tokens = 0
 
     def observe(self, out, new_tokens: int) -> None:
-        rm = getattr(out, "metrics", None)
+        rm = out.metrics
         if rm is None or new_tokens <= 0:
             return
         ftt, ltt = rm.first_token_time, rm.last_token_time
@@ -226,7 +226,7 @@ class RequestTimer:
         """The request's e2e latency and its queue / prefill / decode phases (vLLM's
         definitions: arrival to first scheduled, first scheduled to first token, first to
         last token)."""
-        rm = getattr(out, "metrics", None)
+        rm = out.metrics
         if rm is None:
             return
         m = self.m
@@ -240,3 +240,66 @@ class RequestTimer:
                 m.prefill_time.observe(max(0.0, first - scheduled))
         if first is not None and last is not None:
             m.decode_time.observe(max(0.0, last - first))
+
+
+class RequestRecorder:
+    """The metrics of one HTTP request's engine requests (prompt ``i`` each): its prompt
+    counted in ``vllm:prompt_tokens`` once admitted (vLLM counts them at prefill, aborted
+    requests included: not at the end the handler may never see), the tokens of each
+    output, the TTFT / ITL / e2e timings, and each request's end counted once in
+    ``vllm:request_success`` with its finish reason ("error" when it failed, "abort" when
+    its end was never seen: the client left, the engine died, the server cut it)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+        self._prompt_lens: list[int] = []
+        self._tokens: list[int] = []
+        self._reasons: list[dict[int, str]] = []  # per prompt: choice index -> finish reason
+        self._timers: list[RequestTimer] = []
+        self._recorded: set[int] = set()
+
+    def admitted(self, prompt_tokens: int) -> None:
+        """The next prompt's engine request was queued."""
+        self._prompt_lens.append(prompt_tokens)
+        self._tokens.append(0)
+        self._reasons.append({})
+        self._timers.append(RequestTimer(self.m))
+        self.m.prompt_tokens.inc(prompt_tokens)
+
+    def output(self, i: int, out) -> None:
+        """One ``RequestOutput`` (a delta) of prompt ``i``, as it is taken: a finished
+        one ends the request before its chunks go out (a client gone at that moment
+        does not make it an abort)."""
+        reasons = self._reasons[i]
+        newest = total = 0
+        for o in out.outputs:
+            self._tokens[i] += len(o.token_ids)
+            if o.finish_reason == "error":
+                self.ended(i, "error")
+                return
+            if o.finish_reason is not None:
+                reasons.setdefault(o.index, o.finish_reason)
+            newest, total = max(newest, len(o.token_ids)), total + len(o.token_ids)
+        if newest:
+            self.m.generation_tokens.inc(total)
+            self._timers[i].observe(out, newest)
+        if out.finished:
+            self.ended(i, reasons[min(reasons)] if reasons else "abort", out)
+
+    def ended(self, i: int, reason: str, out=None) -> None:
+        """Prompt ``i``'s request ended (``reason``: its finish reason, "abort" or
+        "error"): counted once, whichever way it ended."""
+        if i in self._recorded:
+            return
+        self._recorded.add(i)
+        m = self.m
+        m.req_prompt.observe(self._prompt_lens[i])
+        m.req_gen.observe(self._tokens[i])
+        m.finished(reason)
+        if out is not None and reason not in ("abort", "error"):
+            self._timers[i].finish(out)
+
+    def close(self) -> None:
+        """The HTTP request is over: requests whose end was not seen count as aborted."""
+        for i in range(len(self._prompt_lens)):
+            self.ended(i, "abort")

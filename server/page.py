@@ -75,7 +75,7 @@ def create_page_blueprint() -> Blueprint:
     def stats():
         st = current_app.extensions["vengine"]
         body = stats_snapshot(st.metrics.registry)
-        body = {"model_name": st.metrics.model_name, "engine_alive": not getattr(st.engine, "errored", False), **body}
+        body = {"model_name": st.metrics.model_name, "engine_alive": not st.engine.errored, **body}
         resp = current_app.json.response(body)
         resp.headers["Cache-Control"] = "no-store"
         return resp

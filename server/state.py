@@ -2,15 +2,20 @@
 share, below them and below ``server.app`` that assembles them."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from pyengine import envs
+from pyengine.entrypoints.anthropic.serving_messages import ServingMessages
+from pyengine.entrypoints.openai.serving_chat import OpenAIServingChat
+from pyengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pyengine.entrypoints.openai.serving_models import OpenAIServingModels
+from pyengine.entrypoints.openai.serving_responses import ServingResponses
+from pyengine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pyengine.entrypoints.reasoning import load_reasoning_parser
 
-from .bridge import GeventBridge
-from .http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_STREAMS, APIError
+from .bridge import GeventBridge, HTTPSession, RequestGroup
+from .http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_STREAMS
 from .metrics import ServerMetrics
 
 
@@ -33,12 +38,12 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, engine, args) -> "ServerConfig":
-        ecfg = getattr(engine, "config", None)
+        ecfg = engine.config
         names = getattr(args, "served_model_name", None) if args is not None else None
         if isinstance(names, str):
             names = [names]
         if not names:
-            names = [getattr(ecfg, "served_model_name", None) or "vengine"]
+            names = [ecfg.served_model_name or "vengine"]
         api_key = getattr(args, "api_key", None) if args is not None else None
         keys = [api_key] if isinstance(api_key, str) and api_key else list(api_key or [])
         template = getattr(args, "chat_template", None) if args is not None else None
@@ -48,8 +53,8 @@ class ServerConfig:
         return cls(served_model_names=list(names), api_keys=keys, chat_template=template,
                    max_request_body_bytes=int(getattr(args, "max_request_body_bytes", None)
                                               or DEFAULT_MAX_BODY_BYTES),
-                   model_path=str(getattr(ecfg, "model", "")),
-                   max_model_len=int(getattr(ecfg, "max_model_len", 0) or 0),
+                   model_path=str(ecfg.model),
+                   max_model_len=int(ecfg.max_model_len),
                    tool_call_parser=getattr(args, "tool_call_parser", None) if args is not None else None,
                    enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
                    reasoning_parser=getattr(args, "reasoning_parser", None) if args is not None else None,
@@ -62,23 +67,35 @@ class ServerConfig:
 
 
 class ServerState:
-    """Everything one app instance owns."""
+    """Everything one app instance owns: the engine, the bridge to its outputs, the
+    metrics, one serving object per endpoint, and the shutdown drain's state."""
 
     def __init__(self, engine, cfg: ServerConfig):
         self.engine = engine
         self.cfg = cfg
-        self.tokenizer = engine.tokenizer
         self.bridge = GeventBridge(engine)
         self.metrics = ServerMetrics(engine, cfg.served_model_names[0])
-        self.created = int(time.time())
+        self.models = OpenAIServingModels(cfg.served_model_names, cfg.model_path, cfg.max_model_len)
+        self.completion = OpenAIServingCompletion(engine, self.models, cfg.max_sequences_per_request)
+        self.chat = OpenAIServingChat(engine, self.models, chat_template=cfg.chat_template,
+                                      tool_call_parser=cfg.tool_call_parser,
+                                      enable_auto_tool_choice=cfg.enable_auto_tool_choice,
+                                      reasoning_parser=cfg.reasoning_parser_cls)
+        self.responses = ServingResponses(self.chat)  # /v1/responses, built on chat
+        self.messages = ServingMessages(self.chat)  # /v1/messages, built on chat
+        self.tokenization = OpenAIServingTokenization(engine, self.models, cfg.chat_template)
         # Shutdown drain (hub thread only): HTTP requests being served (admission and
         # tokenization included, until the response is closed), the generations among them
-        # (jobs), and whether new requests are refused (draining) or the generations in
-        # flight were cut (cut_message).
+        # (jobs: RequestGroups), and whether new requests are refused (draining) or the
+        # generations in flight were cut (cut_message).
         self.active_requests = 0
-        self.jobs: set = set()
+        self.jobs: set[RequestGroup] = set()
         self.draining = False
         self.cut_message: Optional[str] = None
+
+    def session(self, sock=None) -> HTTPSession:
+        """The serving objects' ``Session`` of one HTTP request (``sock``: its client socket)."""
+        return HTTPSession(self.bridge, self.engine, self.metrics, self.jobs, lambda: self.cut_message, sock)
 
     def begin_shutdown(self) -> None:
         """Refuse new requests (503); the ones in flight go on."""
@@ -88,25 +105,9 @@ class ServerState:
         """End every request still in flight: its engine requests are aborted, a stream
         gets an error event then [DONE], a plain request a 503."""
         self.cut_message = message
-        for job in list(self.jobs):
-            job.cut(message)
+        for group in list(self.jobs):
+            group.cancel(message)
 
     def close(self) -> None:
         self.bridge.close()
         self.metrics.close()
-
-    def check_model(self, model: Optional[str]) -> str:
-        """The served name a request's ``model`` names (None: the first). Raises
-        ``APIError`` 404 for a name this server does not serve."""
-        if model is None:
-            return self.cfg.served_model_names[0]
-        if model not in self.cfg.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
-        return model
-
-    def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Token ids of each text (the engine's ``Processor.encode``), computed on a
-        threadpool thread: the Rust tokenizer releases the GIL, so a long prompt does not
-        stall the hub (other streams)."""
-        encode = self.engine.processor.encode
-        return self.bridge.run_blocking(lambda: [encode(t, add_special_tokens) for t in texts])

@@ -24,7 +24,7 @@ from pyengine.engine.core_client import EngineCoreClient, make_client
 from pyengine.messages import EngineDeadMessage, SchedulerStats
 from pyengine.engine.output_processor import OutputProcessor, RequestOutputCollector, wake_asyncio_readers
 from pyengine.exceptions import EngineDeadError
-from pyengine.engine.processor import Processor
+from pyengine.engine.processor import ProcessedRequest, Processor
 from pyengine.metrics.loggers import StatLoggerBase, make_stat_logger_manager
 from pyengine.metrics.stats import IterationStats, combine_scheduler_stats
 from pyengine.outputs import RequestOutput
@@ -131,22 +131,34 @@ class AsyncLLM:
     # ---- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, sampling_params: Optional[SamplingParams] = None,
                     priority: int = 0) -> RequestOutputCollector:
-        """Validate and enqueue one request; returns its collector.
+        """Validate and enqueue one request (``Processor.process``); returns its collector.
 
         Raises ValueError (bad input, duplicate id) or EngineDeadError; nothing is queued then."""
+        self._check_alive()
+        return self.add_processed_request(self.processor.process(request_id, prompt, sampling_params, priority))
+
+    def add_processed_request(self, request: ProcessedRequest) -> RequestOutputCollector:
+        """Enqueue a request the ``Processor`` already validated (``Processor.process``, or
+        a front end's own steps ending in ``Processor.engine_request``): no rule runs
+        again. Returns its collector. Raises ValueError (a duplicate id) or
+        EngineDeadError; nothing is queued then."""
+        self._check_alive()
+        rid, params = request.request_id, request.params
+        if self.log_requests:
+            logger.info("Received request %s: prompt: %d tokens, priority: %d, params: %r",
+                        rid, len(request.prompt_token_ids), request.priority, params)
+        collector = RequestOutputCollector(rid, params.output_kind)
+        with self._lock:
+            self.output_processor.add_request(rid, request.prompt_text, request.prompt_token_ids, params,
+                                              request.core_requests, collector)
+        self.engine_core.add_requests(request.core_requests)
+        return collector
+
+    def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         if self._shutdown:
             raise EngineDeadError("AsyncLLM was shut down.")
-        text, ids, params, core_reqs = self.processor.process(request_id, prompt, sampling_params, priority)
-        if self.log_requests:
-            logger.info("Received request %s: prompt: %d tokens, priority: %d, params: %r",
-                        request_id, len(ids), priority, params)
-        collector = RequestOutputCollector(request_id, params.output_kind)
-        with self._lock:
-            self.output_processor.add_request(request_id, text, ids, params, core_reqs, collector)
-        self.engine_core.add_requests(core_reqs)
-        return collector
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Idempotent; unknown or finished ids are ignored. The stream ends at once with

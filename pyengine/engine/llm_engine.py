@@ -10,7 +10,7 @@ from pyengine.config import EngineConfig
 from pyengine.tokenizer import load_tokenizer
 from pyengine.engine.core import EngineCore
 from pyengine.engine.output_processor import OutputProcessor
-from pyengine.engine.processor import Processor
+from pyengine.engine.processor import ProcessedRequest, Processor
 from pyengine.metrics.loggers import StatLoggerBase, make_stat_logger_manager
 from pyengine.metrics.stats import IterationStats, combine_scheduler_stats
 from pyengine.outputs import RequestOutput
@@ -79,14 +79,14 @@ class LLMEngine:
         """Raises ValueError for bad input; nothing is queued then."""
         self.add_processed(request_id, self.processor.process(request_id, prompt, params, priority))
 
-    def add_processed(self, request_id: str, processed) -> None:
+    def add_processed(self, request_id: str, processed: ProcessedRequest) -> None:
         """Queue a request already validated by ``self.processor.process``."""
-        text, ids, params, core_reqs = processed
-        self.output_processor.add_request(request_id, text, ids, params, core_reqs)
+        self.output_processor.add_request(request_id, processed.prompt_text, processed.prompt_token_ids,
+                                          processed.params, processed.core_requests)
         if self.data_parallel:
-            self.engine_core.add_requests(core_reqs)
+            self.engine_core.add_requests(processed.core_requests)
         else:
-            for r in core_reqs:
+            for r in processed.core_requests:
                 self.engine_core.add_request(r)
 
     def abort_request(self, request_ids: list[str]) -> None:

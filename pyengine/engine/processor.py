@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pyengine.config import EngineConfig, SchedulingPolicy
@@ -121,6 +122,22 @@ def max_chars_per_token(tokenizer) -> Optional[float]:
     else:  # WordPiece (an unknown word is one token), WordLevel
         return None
     return max(len(t) for t in vocab) * factor
+
+
+@dataclass
+class ProcessedRequest:
+    """One user request as the engine queues it (``Processor.process``, or a front end's
+    own steps ending in ``Processor.engine_request``): every request rule has run once.
+    ``params``: the request's, with the fields the rules derive (all stop token ids, bad
+    words' token ids, allowed token ids sorted, the structured-output constraint
+    normalized); ``core_requests``: one ``EngineCoreRequest`` per each of the ``n``
+    completions, whose ids carry a unique suffix."""
+    request_id: str
+    prompt_text: Optional[str]  # None for a token-id prompt, or once truncation cut the text's ids
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    core_requests: list[EngineCoreRequest]
+    priority: int = 0
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -402,28 +419,43 @@ class Processor:
                 f"max_tokens.", parameter="max_tokens", value=params.max_tokens)
         return params.max_tokens
 
-    def process(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams],
-                priority: int = 0, arrival_time: Optional[float] = None
-                ) -> tuple[Optional[str], list[int], SamplingParams, list[EngineCoreRequest]]:
-        """Validate one user request; returns (prompt text, prompt ids, params, core
-        requests: one per each of the n completions). Raises ValueError."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string.")
-        if params is None:
-            params = self.get_default_sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        self.check_logprobs(params)
+    def check_params(self, params: SamplingParams, priority: int = 0, logprobs_param: str = "logprobs") -> None:
+        """The request rules that need no prompt: logprobs under ``max_logprobs``
+        (``logprobs_param``: the request's name for the count, chat's
+        ``top_logprobs``), the priority against the scheduling policy, the stop token ids
+        in the vocabulary. Raises ``VLLMValidationError``."""
+        self.check_logprobs(params, logprobs_param)
         self.check_priority(priority)
-        salt = self.check_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
-        truncated = params.truncate_prompt_tokens is not None
-        text, ids = self.tokenize(prompt, truncated=truncated)
-        if truncated:
+        self.check_stop_token_ids(params)
+
+    def finish_prompt(self, text: Optional[str], ids: list[int], params: SamplingParams, parameter: str = "prompt",
+                      length_checked: bool = False) -> tuple[Optional[str], list[int]]:
+        """A tokenized prompt's last rules: cut to ``params.truncate_prompt_tokens`` (the
+        text is then None), then the length rule (``check_prompt_length``), unless
+        ``length_checked`` (``check_prompt`` checked an untruncated token-id prompt).
+        Returns (text or None, ids). Raises ``VLLMValidationError`` naming ``parameter``."""
+        if params.truncate_prompt_tokens is not None:
             cut = self.truncate_prompt(ids, params)
             if len(cut) != len(ids):
                 text, ids = None, cut  # the text no longer matches the prompt
-        self.check_prompt_length(len(ids))
-        self.check_stop_token_ids(params)
+            length_checked = False
+        if not length_checked:
+            self.check_prompt_length(len(ids), parameter)
+        return text, ids
+
+    def engine_request(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams,
+                       priority: int = 0, cache_salt: Optional[str] = None,
+                       arrival_time: Optional[float] = None) -> ProcessedRequest:
+        """The engine request of a prompt that passed its rules (``check_prompt`` /
+        ``tokenize``, ``finish_prompt``) and of params that passed ``check_params``: the
+        derived sampling fields (stop token ids with the EOS ids unless ``ignore_eos``,
+        bad words tokenized, allowed token ids, the structured-output constraint
+        validated), ``max_tokens`` resolved against the prompt's length, and one
+        ``EngineCoreRequest`` per completion (``arrival_time``: ``time.monotonic()``
+        seconds, now if None). Raises ``VLLMValidationError`` (bad words, allowed token
+        ids, structured outputs, ``max_tokens``)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string.")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -439,5 +471,23 @@ class Processor:
         for i in range(params.n):
             child = params if params.n == 1 else params.clone(n=1, seed=child_seed(params.seed, i))
             core_reqs.append(EngineCoreRequest(child_request_id(request_id, i, params.n) + suffix, ids, child,
-                                               max_tokens, arrival, priority, salt))
-        return text, ids, params, core_reqs
+                                               max_tokens, arrival, priority, cache_salt))
+        return ProcessedRequest(request_id, text, ids, params, core_reqs, priority)
+
+    def process(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams],
+                priority: int = 0, arrival_time: Optional[float] = None) -> ProcessedRequest:
+        """Validate one user request (every rule once: ``check_params``, the cache salt,
+        ``tokenize``, ``finish_prompt``, ``engine_request``). Raises ValueError
+        (``VLLMValidationError`` naming the field for a rule)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string.")
+        if params is None:
+            params = self.get_default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        self.check_params(params, priority)
+        salt = self.check_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+        truncated = params.truncate_prompt_tokens is not None
+        text, ids = self.tokenize(prompt, truncated=truncated)
+        text, ids = self.finish_prompt(text, ids, params, length_checked=text is None and not truncated)
+        return self.engine_request(request_id, text, ids, params, priority, salt, arrival_time)

@@ -1,60 +1,69 @@
 """One chat request made ready for the engine, for the endpoints built on chat
-(``/v1/responses``, ``/v1/messages``): ``ChatSettings`` (what the server was started with)
-and ``prepare_chat(settings, ChatCompletionRequest)`` -> ``ChatJob`` (the engine inputs by
-``serving_chat.chat_inputs``, the chat endpoint's own rules and the engine's ``Processor``,
-and the ``ChatResponseBuilder`` whose chunks and response these endpoints translate).
-Mirrors how vLLM's Responses and Anthropic serving objects reuse ``OpenAIServingChat``."""
+(``/v1/responses``, ``/v1/messages``): ``prepare_chat(chat, ChatCompletionRequest)`` ->
+``ChatJob`` (the engine inputs by the chat endpoint's own rules, ``OpenAIServingChat.inputs``,
+its engine request, and the ``DeltaDriver`` over the ``ChatResponseBuilder`` whose chunks
+and response these endpoints translate, ``ChatView``). The request then runs as a chat
+completion does (``OpenAIServing.run(prepared, session, view)``). Mirrors how vLLM's
+Responses and Anthropic serving objects reuse ``OpenAIServingChat``."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Protocol
 
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
-from pyengine.entrypoints.openai.serving_chat import ChatInputs, ChatResponseBuilder, chat_inputs, make_extractor
-from pyengine.sampling_params import RequestOutputKind
+from pyengine.entrypoints.openai.serving_chat import ChatInputs, ChatResponseBuilder, OpenAIServingChat
+from pyengine.entrypoints.openai.serving_engine import Chunk, DeltaDriver, Prepared
 
 
-@dataclass
-class ChatSettings:
-    """The server's chat settings: the engine's ``processor``, ``--chat-template`` text,
-    ``--tool-call-parser``, ``--enable-auto-tool-choice`` and the ``--reasoning-parser``
-    class (``reasoning.load_reasoning_parser``)."""
-    processor: object
-    chat_template: Optional[str] = None
-    tool_call_parser: Optional[str] = None
-    enable_auto_tool_choice: bool = False
-    reasoning_parser: Optional[type] = None
+class ChatView(Protocol):
+    """An endpoint built on chat, as ``OpenAIServing.run`` frames its answer: the whole
+    ``response(chat_completion)``, or the stream's events of the chat chunks
+    (``sse_events``), of a failure once streaming began (``sse_error``), and the last
+    event (``sse_done``; empty: none)."""
+
+    sse_done: str
+
+    def response(self, chat_completion: dict) -> dict:
+        ...
+
+    def sse_events(self, chunks: Iterable[Chunk]) -> Iterator[str]:
+        ...
+
+    def sse_error(self, status: int, message: str) -> str:
+        ...
 
 
 @dataclass
 class ChatJob:
-    """``request``'s engine inputs and response builder (one choice, no logprobs)."""
+    """``request``'s engine inputs and response driver (one choice, no logprobs; usage
+    at the end of a stream), by the chat endpoint's serving object ``chat``."""
+    chat: OpenAIServingChat
     request: ChatCompletionRequest
     inputs: ChatInputs
-    builder: ChatResponseBuilder
+    driver: DeltaDriver
+    response_id: str
 
     @property
-    def prompts(self) -> list[tuple[Optional[str], list[int]]]:
-        return [(self.inputs.text, self.inputs.prompt_token_ids)]
+    def builder(self) -> ChatResponseBuilder:
+        return self.driver.builder  # type: ignore[return-value]
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.inputs.prompt_token_ids)
 
+    def prepared(self, stream: bool, run: Callable = lambda fn: fn()) -> Prepared:
+        """What ``OpenAIServing.run`` queues and drives: the engine request made
+        (``Processor.engine_request``; raises VLLMValidationError as the chat endpoint does)."""
+        chat = self.chat
+        request = run(lambda: chat.engine_request(self.inputs, chat.engine_request_id(self.response_id)))
+        return Prepared([request], self.driver, stream)
 
-def prepare_chat(settings: ChatSettings, req: ChatCompletionRequest, *, model: str, response_id: str,
-                 run: Callable = lambda fn: fn(), output_kind: RequestOutputKind = RequestOutputKind.DELTA
-                 ) -> ChatJob:
-    """``req`` (built by an endpoint's conversion) as the chat endpoint would serve it.
-    Raises VLLMValidationError naming the chat field (the caller renames it)."""
-    inputs = chat_inputs(settings.processor, req, chat_template=settings.chat_template,
-                         tool_call_parser=settings.tool_call_parser,
-                         enable_auto_tool_choice=settings.enable_auto_tool_choice, output_kind=output_kind,
-                         run=run, reasoning_parser=settings.reasoning_parser)
-    tok = settings.processor.tokenizer
-    extractors = [make_extractor(inputs.tool_mode, settings.tool_call_parser, tok)
-                  for _ in range(inputs.sampling_params.n)]
-    builder = ChatResponseBuilder(response_id, model, int(time.time()), None, extractors, inputs.echo,
-                                  reasoning=inputs.reasoning)
-    return ChatJob(req, inputs, builder)
+
+def prepare_chat(chat: OpenAIServingChat, req: ChatCompletionRequest, *, model: str, response_id: str,
+                 run: Callable = lambda fn: fn()) -> ChatJob:
+    """``req`` (built by an endpoint's conversion) as the chat endpoint would serve it
+    (``chat``: its serving object, with the server's template, tool and reasoning
+    parsers). Raises VLLMValidationError naming the chat field (the caller renames it)."""
+    inputs = chat.inputs(req, run)
+    driver = chat.driver(req, inputs, response_id, model, include_usage=True, continuous_usage=False)
+    return ChatJob(chat, req, inputs, driver, response_id)

@@ -14,10 +14,11 @@ def processor(llama_dir, tokenizer):
 
 
 def test_eos_and_stop_ids_resolved(processor, tokenizer):
-    text, ids, params, reqs = processor.process("a", "def f(x):", SamplingParams(stop_token_ids=[7]))
+    out = processor.process("a", "def f(x):", SamplingParams(stop_token_ids=[7]))
+    text, ids, reqs = out.prompt_text, out.prompt_token_ids, out.core_requests
     assert ids == tokenizer.encode("def f(x):") and text == "def f(x):"
     assert reqs[0].sampling_params.all_stop_token_ids == {7, tokenizer.eos_token_id}
-    _, _, _, reqs = processor.process("b", [5, 6], SamplingParams(stop_token_ids=[7], ignore_eos=True))
+    reqs = processor.process("b", [5, 6], SamplingParams(stop_token_ids=[7], ignore_eos=True)).core_requests
     assert reqs[0].sampling_params.all_stop_token_ids == {7}
 
 
@@ -28,23 +29,23 @@ def test_user_params_not_mutated(processor):
 
 
 def test_max_tokens_resolution(processor):
-    _, _, _, reqs = processor.process("d", [5] * 10, SamplingParams(max_tokens=None))
+    reqs = processor.process("d", [5] * 10, SamplingParams(max_tokens=None)).core_requests
     assert reqs[0].max_tokens == 64 - 10
-    _, _, _, reqs = processor.process("f", [5] * 10, SamplingParams(max_tokens=3))
+    reqs = processor.process("f", [5] * 10, SamplingParams(max_tokens=3)).core_requests
     assert reqs[0].max_tokens == 3
-    _, _, _, reqs = processor.process("e", [5] * 10, SamplingParams(max_tokens=54))
+    reqs = processor.process("e", [5] * 10, SamplingParams(max_tokens=54)).core_requests
     assert reqs[0].max_tokens == 54
 
 
 def test_default_max_tokens_capped_at_the_room_left(processor):
     # Issue 17: a 63-token prompt in a 64-token model with max_tokens not given gets the
     # default 16 lowered to the 1 token left, not an error.
-    _, _, _, reqs = processor.process("g1", [5] * 63, SamplingParams())
+    reqs = processor.process("g1", [5] * 63, SamplingParams()).core_requests
     assert reqs[0].max_tokens == 1
-    _, _, _, reqs = processor.process("g2", [5] * 40, SamplingParams(temperature=0.5))
+    reqs = processor.process("g2", [5] * 40, SamplingParams(temperature=0.5)).core_requests
     assert reqs[0].max_tokens == 16
     # also through clone() (LLM.generate clones the user's params) and with n > 1
-    _, _, _, reqs = processor.process("g3", [5] * 60, SamplingParams(n=2, seed=1).clone(seed=3))
+    reqs = processor.process("g3", [5] * 60, SamplingParams(n=2, seed=1).clone(seed=3)).core_requests
     assert [r.max_tokens for r in reqs] == [4, 4]
 
 
@@ -72,7 +73,7 @@ def test_max_tokens_default_flag():
 
 
 def test_n_fans_out_with_distinct_seeds(processor):
-    _, _, _, reqs = processor.process("g", [5, 6], SamplingParams(n=3, seed=10, temperature=1.0))
+    reqs = processor.process("g", [5, 6], SamplingParams(n=3, seed=10, temperature=1.0)).core_requests
     assert [r.request_id.rsplit("-", 1)[0] for r in reqs] == ["0_g", "1_g", "2_g"]
     assert len({r.request_id.rsplit("-", 1)[1] for r in reqs}) == 1
     assert [r.sampling_params.seed for r in reqs] == [10, 11, 12]
@@ -81,14 +82,14 @@ def test_n_fans_out_with_distinct_seeds(processor):
 
 def test_core_request_ids_unique_per_request(processor):
     # an aborted id may be reused at once while its core request is still in flight
-    a = processor.process("same", [5], None)[3][0].request_id
-    b = processor.process("same", [5], None)[3][0].request_id
+    a = processor.process("same", [5], None).core_requests[0].request_id
+    b = processor.process("same", [5], None).core_requests[0].request_id
     assert a != b and a.startswith("same-") and b.startswith("same-")
 
 
 def test_child_seeds_wrap_inside_the_seed_range(processor):
     from pyengine.sampling_params import INT64_MAX, INT64_MIN
-    _, _, _, reqs = processor.process("s", [5], SamplingParams(n=3, seed=INT64_MAX - 1, temperature=1.0))
+    reqs = processor.process("s", [5], SamplingParams(n=3, seed=INT64_MAX - 1, temperature=1.0)).core_requests
     assert [r.sampling_params.seed for r in reqs] == [INT64_MAX - 1, INT64_MAX, INT64_MIN]
 
 
@@ -264,20 +265,24 @@ def test_generation_config_defaults_when_no_params(llama_greedy_dir, tokenizer):
     proc = Processor(cfg, tokenizer)
     d = proc.get_default_sampling_params()
     assert (d.temperature, d.top_k, d.max_tokens, d.top_p) == (0.0, 7, 3, 1.0)
-    _, _, params, reqs = proc.process("gd1", [5] * 10, None)
+    _p = proc.process("gd1", [5] * 10, None)
+    _, _, params, reqs = _p.prompt_text, _p.prompt_token_ids, _p.params, _p.core_requests
     assert params.temperature == 0.0 and params.top_k == 7 and reqs[0].max_tokens == 3
     # the generation config's max_tokens is a default: capped at the room left, not refused
-    _, _, _, reqs = proc.process("gd2", [5] * 62, None)
+    _p = proc.process("gd2", [5] * 62, None)
+    _, _, _, reqs = _p.prompt_text, _p.prompt_token_ids, _p.params, _p.core_requests
     assert reqs[0].max_tokens == 2
     # it also caps requests that give no number of their own (chat's absent max_tokens is
     # None; a completion's is the default 16) ...
-    assert proc.process("gd3", [5] * 10, SamplingParams(max_tokens=None))[3][0].max_tokens == 3
-    assert proc.process("gd4", [5] * 10, SamplingParams())[3][0].max_tokens == 3
+    assert proc.process("gd3", [5] * 10, SamplingParams(max_tokens=None)).core_requests[0].max_tokens == 3
+    assert proc.process("gd4", [5] * 10, SamplingParams()).core_requests[0].max_tokens == 3
     # ... but not an explicit one, and explicit params are taken as they are (as vLLM's LLM)
-    _, _, params, reqs = proc.process("gd5", [5] * 10, SamplingParams(max_tokens=20))
+    _p = proc.process("gd5", [5] * 10, SamplingParams(max_tokens=20))
+    _, _, params, reqs = _p.prompt_text, _p.prompt_token_ids, _p.params, _p.core_requests
     assert reqs[0].max_tokens == 20 and params.temperature == 1.0
     # fields a front end sets over the defaults
-    _, _, params, reqs = proc.process("gd6", [5] * 10, d.clone(top_k=2))
+    _p = proc.process("gd6", [5] * 10, d.clone(top_k=2))
+    _, _, params, reqs = _p.prompt_text, _p.prompt_token_ids, _p.params, _p.core_requests
     assert (params.temperature, params.top_k, reqs[0].max_tokens) == (0.0, 2, 3)
     # --generation-config vllm: vLLM's neutral defaults
     neutral = Processor(cfg.replace(generation_config="vllm"), tokenizer)
@@ -343,12 +348,12 @@ def test_bad_words_tokenized_as_vllm(kind, llama_dir, llama_sp_dir, tokenizer):
     else:  # SentencePiece prepends "▁": the word already is its mid-text form, and " self" is longer
         assert tok.convert_ids_to_tokens(got[0])[0].startswith("\u2581") and len(got) == len(words)
     out = proc.process("b", "def f(x):", SamplingParams(bad_words=["self"]))
-    assert out[3][0].sampling_params.bad_words_token_ids == got[:2 if kind == "byte_level" else 1]
+    assert out.core_requests[0].sampling_params.bad_words_token_ids == got[:2 if kind == "byte_level" else 1]
 
 
 def test_allowed_token_ids_checked_and_normalized(processor):
     out = processor.process("a", "def f(x):", SamplingParams(allowed_token_ids=[9, 3, 9]))
-    assert out[3][0].sampling_params.allowed_token_ids == [3, 9]
+    assert out.core_requests[0].sampling_params.allowed_token_ids == [3, 9]
     with pytest.raises(ValueError, match="Token id 100000 in allowed_token_ids is out of vocabulary"):
         processor.process("a", "x", SamplingParams(allowed_token_ids=[3, 100000]))
     with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
@@ -357,14 +362,18 @@ def test_allowed_token_ids_checked_and_normalized(processor):
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(processor):
     long = list(range(10, 110))  # 100 tokens: more than max_model_len (64)
-    _, ids, _, reqs = processor.process("t", long, SamplingParams(truncate_prompt_tokens=20, max_tokens=5))
+    _p = processor.process("t", long, SamplingParams(truncate_prompt_tokens=20, max_tokens=5))
+    _, ids, _, reqs = _p.prompt_text, _p.prompt_token_ids, _p.params, _p.core_requests
     assert ids == long[-20:] and reqs[0].prompt_token_ids == long[-20:]
     # -1: as many as fit next to the given max_tokens
-    _, ids, _, _ = processor.process("t", long, SamplingParams(truncate_prompt_tokens=-1, max_tokens=10))
+    _p = processor.process("t", long, SamplingParams(truncate_prompt_tokens=-1, max_tokens=10))
+    _, ids, _, _ = _p.prompt_text, _p.prompt_token_ids, _p.params, _p.core_requests
     assert ids == long[-54:]
-    _, ids, _, _ = processor.process("t", long[:5], SamplingParams(truncate_prompt_tokens=20))
+    _p = processor.process("t", long[:5], SamplingParams(truncate_prompt_tokens=20))
+    _, ids, _, _ = _p.prompt_text, _p.prompt_token_ids, _p.params, _p.core_requests
     assert ids == long[:5]
-    text, ids, _, _ = processor.process("t", "def f(x): return x " * 40, SamplingParams(truncate_prompt_tokens=8))
+    _p = processor.process("t", "def f(x): return x " * 40, SamplingParams(truncate_prompt_tokens=8))
+    text, ids, _, _ = _p.prompt_text, _p.prompt_token_ids, _p.params, _p.core_requests
     assert text is None and len(ids) == 8  # the text no longer matches the prompt
     with pytest.raises(ValueError, match=r"truncate_prompt_tokens=60 cannot be greater than max_model_len - "
                                          r"max_tokens = 54"):

@@ -6,20 +6,22 @@ rules, template and engine ``Processor`` (``chat_job.prepare_chat``), and the ch
 builder's result or chunks translated back: the ``Message``, or Anthropic's event stream
 (``messages_utils.MessagesStreamState``) as SSE text.
 
-A front end does the I/O as for ``serving_responses``: ``ServingMessages.parse(body)``,
-``prepare(req, model=..., run=...)`` -> a ``MessagesJob`` (``chat`` to run; ``response`` /
-``sse_events`` / ``sse_error``; no ``[DONE]``); ``count_tokens(body, run=...)`` ->
+As for ``serving_responses``: ``ServingMessages.create_message(body, session)`` parses,
+checks the model, ``prepare``s a ``MessagesJob`` (``chat`` to run; ``response`` /
+``sse_events`` / ``sse_error``; no ``[DONE]``) and runs it as the chat endpoint does
+(``OpenAIServing.run`` with the job as its view); ``count_tokens(body, run=...)`` ->
 ``{"input_tokens": N}``. Errors are to be answered with ``error_body`` (Anthropic's)."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Union
 
 from pyengine.entrypoints.anthropic.messages_utils import (MessagesStreamState, anthropic_param, chat_to_message,
                                                           messages_to_chat_request, random_id, sse)
 from pyengine.entrypoints.anthropic.protocol import (CountTokensRequest, MessagesRequest, check_messages_request,
                                                     count_tokens_response, error_body)
-from pyengine.entrypoints.chat_job import ChatJob, ChatSettings, prepare_chat
-from pyengine.entrypoints.openai.serving_engine import parse_request
+from pyengine.entrypoints.chat_job import ChatJob, prepare_chat
+from pyengine.entrypoints.openai.serving_chat import OpenAIServingChat
+from pyengine.entrypoints.openai.serving_engine import Session, SSEStream, parse_request
 from pyengine.entrypoints.openai.serving_responses import chat_request_of, chunk_dict, renamed
 from pyengine.exceptions import VLLMValidationError
 
@@ -70,10 +72,18 @@ class MessagesJob:
 
 
 class ServingMessages:
-    """The ``/v1/messages`` endpoints over the server's chat ``settings``."""
+    """The ``/v1/messages`` endpoints over the server's chat serving object ``chat``."""
 
-    def __init__(self, settings: ChatSettings):
-        self.settings = settings
+    def __init__(self, chat: OpenAIServingChat):
+        self.chat = chat
+
+    def create_message(self, raw, session: Session) -> Union[dict, SSEStream]:
+        """The ``Message``, or the ``SSEStream`` of its events. Raises
+        ``VLLMValidationError``, ``APIError`` (404: an unknown model) and what
+        ``OpenAIServing.run`` raises."""
+        req = self.parse(raw)
+        job = self.prepare(req, model=self.chat.check_model(req.model), run=session.run_blocking)
+        return self.chat.run(job.chat.prepared(job.stream, session.run_blocking), session, job)
 
     @staticmethod
     def parse(raw, schema=MessagesRequest):
@@ -86,7 +96,7 @@ class ServingMessages:
     def _chat(self, req, model: str, message_id: str, run: Callable) -> ChatJob:
         creq = chat_request_of(messages_to_chat_request(req), anthropic_param)
         try:
-            return prepare_chat(self.settings, creq, model=model, response_id=message_id, run=run)
+            return prepare_chat(self.chat, creq, model=model, response_id=message_id, run=run)
         except VLLMValidationError as e:
             raise renamed(e, anthropic_param) from None
 
@@ -96,11 +106,9 @@ class ServingMessages:
         message_id = "msg_" + (req.request_id or random_id()[4:])
         return MessagesJob(req, self._chat(req, model, message_id, run), model, message_id)
 
-    def count_tokens(self, raw, *, model_of: Callable[[str], str] = lambda m: m,
-                     run: Callable = lambda fn: fn()) -> dict:
+    def count_tokens(self, raw, *, run: Callable = lambda fn: fn()) -> dict:
         """``/v1/messages/count_tokens``: the prompt's token count as ``/v1/messages``
-        would render it (``model_of(model)`` checks the model). Raises
-        VLLMValidationError."""
+        would render it. Raises VLLMValidationError, ``APIError`` (404: an unknown model)."""
         req = self.parse(raw, CountTokensRequest)
-        model = model_of(req.model)
+        model = self.chat.check_model(req.model)
         return count_tokens_response(self._chat(req, model, random_id(), run).prompt_tokens)

@@ -8,14 +8,18 @@ constraint, the conversation rendered with the chat template (transformers'
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from pyengine.chat_utils import apply_hf_chat_template
+from pyengine.engine.processor import ProcessedRequest
+from pyengine.entrypoints.openai.serving_models import OpenAIServingModels
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
-from pyengine.entrypoints.openai.serving_engine import (ChoiceState, LogprobsFormatter, ResponseBuilder,
-                                                       check_stream_options, refuse_unsupported, to_sampling_params,
-                                                       usage)
+from pyengine.entrypoints.openai.serving_engine import (ChoiceState, DeltaDriver, LogprobsFormatter, OpenAIServing,
+                                                       Prepared, ResponseBuilder, Session, SSEStream,
+                                                       check_stream_options, parse_request, refuse_unsupported,
+                                                       to_sampling_params)
 from pyengine.entrypoints.reasoning import ChoiceReasoning, RequestReasoning
 from pyengine.entrypoints.structured_outputs import structured_outputs_from_request
 from pyengine.entrypoints.tool_calls import (ToolCallExtractor, ToolCallMode, messages_for_template, normalize_tools,
@@ -98,15 +102,15 @@ def render_chat_prompt(processor, req: ChatCompletionRequest, chat_template: Opt
     except ValueError as e:  # no template, reserved kwargs, the template failed on this input
         raise VLLMValidationError(str(e), parameter="messages") from None
     special = bool(req.add_special_tokens)
-    if params is not None and params.truncate_prompt_tokens is not None:
+    if params is not None and params.truncate_prompt_tokens is not None:  # no character bound: it is cut
         ids = processor.check_encoded(processor.encode(text, add_special_tokens=special), "messages")
-        cut = processor.truncate_prompt(ids, params)
-        text, ids = (text, ids) if len(cut) == len(ids) else (None, cut)
     else:
-        ids = processor.encode_prompt(text, add_special_tokens=special, parameter="messages")
-        processor.check_encoded(ids, "messages")
-    processor.check_prompt_length(len(ids), "messages")
-    return text, ids
+        ids = processor.check_encoded(processor.encode_prompt(text, add_special_tokens=special,
+                                                              parameter="messages"), "messages")
+    if params is None:
+        processor.check_prompt_length(len(ids), "messages")
+        return text, ids
+    return processor.finish_prompt(text, ids, params, "messages")
 
 
 def chat_echo(req: ChatCompletionRequest) -> Optional[str]:
@@ -203,6 +207,12 @@ class ChatResponseBuilder(ResponseBuilder):
         """The whole response needs each choice's token ids (the reasoning split is by id)."""
         return self.reasoning is not None or self.return_token_ids
 
+    @property
+    def streams_token_ids(self) -> bool:
+        """A delta of token ids without text still goes to ``delta_chunks`` (the reasoning
+        split reads the ids: ``</think>`` may have no text)."""
+        return self.splits is not None
+
     def reasoning_tokens(self) -> int:
         """Reasoning tokens streamed so far, over all choices (0 without a parser)."""
         return sum(sp.reasoning_tokens() for sp in self.splits or ())
@@ -291,49 +301,72 @@ class ChatResponseBuilder(ResponseBuilder):
         return out
 
 
-class ChatStream:
-    """One single-choice chat request's OpenAI JSON, for a front end that only passes
-    text on (the C ABI's ``vllm_chat`` / ``vllm_chat_stream``): ``feed`` each output
-    delta; streamed, it returns the chunks to send now (the role first, the finish, then
-    ``usage`` when ``include_usage``); not streamed, the ``chat.completion`` object once
-    finished. The same builder as the HTTP server's. ``reasoning``: the request's
-    reasoning setup (``ChatInputs.reasoning``): the JSON then carries ``reasoning_content``
-    (and ``reasoning``) as the HTTP server's does."""
+# ---------------------------------------------------------------------------------------
+# The endpoint
 
-    def __init__(self, request_id: str, model: str, prompt_tokens: int, *, stream: bool,
-                 include_usage: bool = False, tool_mode: Optional[ToolCallMode] = None, created: Optional[int] = None,
-                 echo: Optional[str] = None, reasoning: Optional[RequestReasoning] = None):
-        mode = tool_mode or resolve_tool_choice([], None)
-        self.builder = ChatResponseBuilder(request_id, model, int(time.time()) if created is None else created,
-                                           None, [ToolCallExtractor(mode, None)], echo, reasoning=reasoning)
-        self.prompt_tokens, self.stream, self.include_usage = prompt_tokens, stream, include_usage
-        self.choice = ChoiceState()
-        self.started = False
-        self.token_ids: list[int] = []  # the output's, for the reasoning split
 
-    def feed(self, text: str, num_tokens: int, finish_reason: Optional[str], stop_reason=None,
-             token_ids=None) -> list[dict]:
-        """The objects to emit for this delta (``finish_reason`` None: more follows).
-        ``token_ids``: the delta's token ids (needed with a reasoning parser; else
-        ``num_tokens`` counts them)."""
-        ch = self.choice
-        ids = list(token_ids) if token_ids is not None else []
-        self.token_ids += ids
-        ch.num_tokens += num_tokens
-        if finish_reason is not None:
-            ch.finish_reason, ch.stop_reason = finish_reason, stop_reason
-        out: list[dict] = []
-        if self.stream:
-            if not self.started:
-                out += self.builder.first_chunks(1)
-            if text or finish_reason is not None or (ids and self.builder.splits is not None):
-                out += self.builder.delta_chunks(0, ch, text, ids, None, finish_reason)
-            if finish_reason is not None and self.include_usage:
-                out.append(self.builder.chunk([], usage=usage(self.prompt_tokens, ch.num_tokens)))
-        self.started = True
-        if text:
-            ch.text.append(text)
-        if not self.stream and finish_reason is not None:
-            out.append(self.builder.response([self.builder.choice(0, ch, self.token_ids, [])], self.prompt_tokens,
-                                             ch.num_tokens))
-        return out
+class OpenAIServingChat(OpenAIServing):
+    """``/v1/chat/completions`` end to end (vLLM's ``OpenAIServingChat``): the request
+    parsed, its rules run once and its prompt rendered (``chat_inputs``), its engine
+    request made (``Processor.engine_request``) and queued through the front end's
+    ``Session``; the answer is the ``chat.completion`` object, or the ``SSEStream`` of its
+    chunks. ``chat_template``: the server's (``--chat-template``), else the tokenizer's;
+    ``tool_call_parser`` / ``enable_auto_tool_choice``: ``--tool-call-parser`` /
+    ``--enable-auto-tool-choice``; ``reasoning_parser``: the ``--reasoning-parser`` class
+    (``reasoning.load_reasoning_parser``): each choice split into ``reasoning_content``
+    and content. The C ABI's ``vllm_chat`` and the endpoints built on chat
+    (``serving_responses``, ``anthropic.serving_messages``) use the same steps (``inputs``,
+    ``engine_request``, ``driver``)."""
+
+    def __init__(self, engine, models: OpenAIServingModels, *, chat_template: Optional[str] = None,
+                 tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
+                 reasoning_parser: Optional[type] = None):
+        super().__init__(engine, models)
+        self.chat_template = chat_template
+        self.tool_call_parser, self.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
+        self.reasoning_parser = reasoning_parser
+
+    def create_chat_completion(self, request: Union[ChatCompletionRequest, str, bytes],
+                               session: Session) -> Union[dict, SSEStream]:
+        """Raises ``VLLMValidationError`` (a field refused), ``APIError`` (404: an
+        unknown model) and what ``OpenAIServing.run`` raises."""
+        return self.run(self.prepare(parse_request(ChatCompletionRequest, request), session.run_blocking), session)
+
+    def prepare(self, req: ChatCompletionRequest, run: Callable = lambda fn: fn()) -> Prepared:
+        model = self.check_model(req.model)
+        inputs = self.inputs(req, run)
+        response_id = "chatcmpl-" + (req.request_id or uuid.uuid4().hex)
+        request = run(lambda: self.engine_request(inputs, self.engine_request_id(response_id)))
+        driver = self.driver(req, inputs, response_id, model)
+        return Prepared([request], driver, bool(req.stream))
+
+    def inputs(self, req: ChatCompletionRequest, run: Callable = lambda fn: fn(),
+               stream: Optional[bool] = None) -> ChatInputs:
+        """Every rule of the request and its rendered prompt (``chat_inputs``)."""
+        return chat_inputs(self.processor, req, chat_template=self.chat_template,
+                           tool_call_parser=self.tool_call_parser, enable_auto_tool_choice=self.enable_auto_tool_choice,
+                           stream=stream, run=run, reasoning_parser=self.reasoning_parser)
+
+    def engine_request(self, inputs: ChatInputs, request_id: str) -> ProcessedRequest:
+        """The engine request of checked inputs (``Processor.engine_request``)."""
+        return self.processor.engine_request(request_id, inputs.text, inputs.prompt_token_ids, inputs.sampling_params,
+                                             inputs.priority, inputs.cache_salt)
+
+    def driver(self, req: ChatCompletionRequest, inputs: ChatInputs, response_id: str, model: str, *,
+               include_usage: Optional[bool] = None, continuous_usage: Optional[bool] = None,
+               token_only_chunks: bool = True) -> DeltaDriver:
+        """The response driver of one request (``include_usage`` / ``continuous_usage``:
+        None takes the request's ``stream_options``)."""
+        formatter = (LogprobsFormatter(self.tokenizer, inputs.num_top_logprobs, bool(req.return_tokens_as_token_ids))
+                     if req.logprobs else None)
+        n = inputs.sampling_params.n
+        extractors = [make_extractor(inputs.tool_mode, self.tool_call_parser, self.tokenizer) for _ in range(n)]
+        builder = ChatResponseBuilder(response_id, model, int(time.time()), formatter, extractors, inputs.echo,
+                                      inputs.prompt_token_ids if req.return_token_ids else None, inputs.reasoning)
+        so = req.stream_options
+        if include_usage is None:
+            include_usage = bool(so and so.include_usage)
+        if continuous_usage is None:
+            continuous_usage = bool(so and so.continuous_usage_stats)
+        return DeltaDriver(builder, 1, n, len(inputs.prompt_token_ids), include_usage=include_usage,
+                           continuous_usage=continuous_usage, token_only_chunks=token_only_chunks)

@@ -4,13 +4,18 @@ engine inputs (the prompts checked and tokenized by the engine's ``Processor``, 
 is a ``VLLMValidationError``."""
 from __future__ import annotations
 
+import time
+import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
+from pyengine.engine.detokenizer import prompt_text_for_echo
+from pyengine.entrypoints.openai.serving_models import OpenAIServingModels
 from pyengine.entrypoints.openai.protocol import CompletionRequest
 from pyengine.entrypoints.openai.serving_chat import request_structured_outputs
-from pyengine.entrypoints.openai.serving_engine import (ENGINE_DEFAULT, ChoiceState, LogprobsFormatter,
-                                                       ResponseBuilder, check_stream_options, refuse_unsupported,
+from pyengine.entrypoints.openai.serving_engine import (ENGINE_DEFAULT, ChoiceState, DeltaDriver, LogprobsFormatter,
+                                                       OpenAIServing, Prepared, ResponseBuilder, Session, SSEStream,
+                                                       check_stream_options, parse_request, refuse_unsupported,
                                                        to_sampling_params)
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
@@ -40,8 +45,8 @@ def completion_prompts(processor, req: CompletionRequest, run: Callable = lambda
     """(text or None, token ids) of each prompt. The rules that need no tokenization run
     on every prompt first (``Processor.check_prompt``), then the texts are tokenized
     together through ``run(fn)`` (with special tokens unless ``add_special_tokens`` is
-    false) and, with ``params.truncate_prompt_tokens``, cut on the left (the text is then
-    None: it no longer matches). ``max_sequences``: the most prompts × ``n`` one request
+    false), then, given ``params``, ``Processor.finish_prompt`` (``truncate_prompt_tokens``
+    cuts on the left, the text is then None; the length rule). ``max_sequences``: the most prompts × ``n`` one request
     may ask for (None: no bound). Raises VLLMValidationError."""
     p = req.prompt
     if isinstance(p, str) or (p and isinstance(p[0], int)):
@@ -59,14 +64,11 @@ def completion_prompts(processor, req: CompletionRequest, run: Callable = lambda
     for item in items:
         processor.check_prompt(item, "prompt", truncated)
     texts = [item for item in items if isinstance(item, str)]
-    encoded = iter(run(lambda: [processor.tokenize(t, add_special_tokens=special, truncated=truncated)[1]
-                                for t in texts]) if texts else [])
+    encoded = iter(run(lambda: [processor.check_encoded(processor.encode(t, special)) for t in texts]) if texts else [])
     prompts = [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items]
-    if truncated:
-        cut = [processor.truncate_prompt(ids, params) for _, ids in prompts]
-        prompts = [(text if len(c) == len(ids) else None, c) for (text, ids), c in zip(prompts, cut)]
-        for _, ids in prompts:
-            processor.check_prompt_length(len(ids), "prompt")
+    if params is not None:  # truncation, then the length rule where check_prompt did not apply it
+        prompts = [processor.finish_prompt(text, ids, params, length_checked=text is None and not truncated)
+                   for text, ids in prompts]
     return prompts
 
 
@@ -146,3 +148,53 @@ class CompletionResponseBuilder(ResponseBuilder):
             c["prompt_token_ids"] = self.prompt_token_ids[idx // self.n]
             c["token_ids"] = list(token_ids)
         return c
+
+
+# ---------------------------------------------------------------------------------------
+# The endpoint
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """``/v1/completions`` end to end (vLLM's ``OpenAIServingCompletion``): the request
+    parsed, its rules run once (``completion_inputs``), its prompts tokenized, its engine
+    requests made (``Processor.engine_request``) and queued through the front end's
+    ``Session``; the answer is the ``text_completion`` object, or the ``SSEStream`` of its
+    chunks. ``max_sequences``: the most prompts × n one request may ask for."""
+
+    def __init__(self, engine, models: OpenAIServingModels, max_sequences: Optional[int] = None):
+        super().__init__(engine, models)
+        self.max_sequences = max_sequences
+
+    def create_completion(self, request: Union[CompletionRequest, str, bytes],
+                          session: Session) -> Union[dict, SSEStream]:
+        """Raises ``VLLMValidationError`` (a field refused), ``APIError`` (404: an
+        unknown model) and what ``OpenAIServing.run`` raises."""
+        return self.run(self.prepare(parse_request(CompletionRequest, request), session.run_blocking), session)
+
+    def prepare(self, req: CompletionRequest, run: Callable = lambda fn: fn()) -> Prepared:
+        """The checked request's engine requests and response driver (``run(fn)``: how
+        tokenization runs)."""
+        model = self.check_model(req.model)
+        processor = self.processor
+        inputs = completion_inputs(processor, req, run=run, max_sequences=self.max_sequences)
+        echo = None
+        if req.echo:
+            echo = [text if text is not None else prompt_text_for_echo(self.tokenizer, ids)
+                    for text, ids in inputs.prompts]
+        params = inputs.sampling_params
+        n = params.n
+        formatter = (LogprobsFormatter(self.tokenizer, req.logprobs, bool(req.return_tokens_as_token_ids))
+                     if req.logprobs is not None else None)
+        response_id = "cmpl-" + (req.request_id or uuid.uuid4().hex)
+        builder = CompletionResponseBuilder(response_id, model, int(time.time()), formatter,
+                                            [len(echo[i // n]) for i in range(len(echo) * n)] if echo else None,
+                                            [ids for _, ids in inputs.prompts] if req.return_token_ids else None, n)
+        engine_id = self.engine_request_id(response_id)
+        requests = run(lambda: [processor.engine_request(f"{engine_id}-{i}", text, ids, params, inputs.priority,
+                                                         inputs.cache_salt)
+                                for i, (text, ids) in enumerate(inputs.prompts)])
+        so = req.stream_options
+        driver = DeltaDriver(builder, len(inputs.prompts), n, sum(len(ids) for _, ids in inputs.prompts),
+                             echo_texts=echo, include_usage=bool(so and so.include_usage),
+                             continuous_usage=bool(so and so.continuous_usage_stats))
+        return Prepared(requests, driver, bool(req.stream))

@@ -5,27 +5,29 @@ endpoint's rules, template and engine ``Processor`` (``chat_job.prepare_chat``),
 chat builder's result or chunks translated back: the ``Response`` object, or the typed
 event stream (``responses_utils.ResponsesStreamState``) as SSE text.
 
-A front end (the HTTP server) does the I/O: ``ServingResponses.parse(body)``, then
-``prepare(req, model=..., run=...)`` -> a ``ResponsesJob`` whose ``chat`` it runs on the
-engine (its prompts, sampling params and builder, with usage at the end of a stream), and
-answers with ``job.response(chat_completion)`` or ``job.sse_events(chat_chunks)``
-(``sse_error`` for a failure once streaming began; ``sse_done`` is empty: this stream has
-no ``[DONE]``)."""
+``ServingResponses.create_response(body, session)`` does it end to end as the chat
+endpoint does (``OpenAIServingChat``'s steps, run by ``OpenAIServing.run``): parse, model
+check, ``prepare`` -> a ``ResponsesJob`` (its ``chat``: the engine inputs and the chat
+driver, with usage at the end of a stream), the engine request, then the job as the run's
+view (``chat_job.ChatView``): ``job.response(chat_completion)`` or
+``job.sse_events(chat_chunks)`` (``sse_error`` for a failure once streaming began;
+``sse_done`` is empty: this stream has no ``[DONE]``)."""
 from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 from pydantic import ValidationError
 
-from pyengine.entrypoints.chat_job import ChatJob, ChatSettings, prepare_chat
+from pyengine.entrypoints.chat_job import ChatJob, prepare_chat
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.openai.protocol_responses import (ResponsesRequest, check_responses_request, error_event,
                                                            random_id)
 from pyengine.entrypoints.openai.responses_utils import (ResponsesStreamState, chat_to_response, responses_param,
                                                         responses_to_chat_request, sse)
-from pyengine.entrypoints.openai.serving_engine import parse_request, validation_error
+from pyengine.entrypoints.openai.serving_chat import OpenAIServingChat
+from pyengine.entrypoints.openai.serving_engine import Session, SSEStream, parse_request, validation_error
 from pyengine.exceptions import VLLMValidationError
 
 
@@ -92,12 +94,20 @@ class ResponsesJob:
 
 
 class ServingResponses:
-    """The ``/v1/responses`` endpoint over the server's chat ``settings``."""
+    """The ``/v1/responses`` endpoint over the server's chat serving object ``chat``."""
 
     request_schema = ResponsesRequest
 
-    def __init__(self, settings: ChatSettings):
-        self.settings = settings
+    def __init__(self, chat: OpenAIServingChat):
+        self.chat = chat
+
+    def create_response(self, raw, session: Session) -> Union[dict, SSEStream]:
+        """The ``Response`` object, or the ``SSEStream`` of its events. Raises
+        ``VLLMValidationError`` (a field refused), ``APIError`` (404: an unknown model) and
+        what ``OpenAIServing.run`` raises."""
+        req = self.parse(raw)
+        job = self.prepare(req, model=self.chat.check_model(req.model), run=session.run_blocking)
+        return self.chat.run(job.chat.prepared(job.stream, session.run_blocking), session, job)
 
     @staticmethod
     def parse(raw) -> ResponsesRequest:
@@ -114,7 +124,7 @@ class ServingResponses:
         response_id = "resp_" + (req.request_id or random_id("resp")[5:])
         creq = chat_request_of(responses_to_chat_request(req), responses_param)
         try:
-            chat = prepare_chat(self.settings, creq, model=model, response_id=response_id, run=run)
+            chat = prepare_chat(self.chat, creq, model=model, response_id=response_id, run=run)
         except VLLMValidationError as e:
             raise renamed(e, responses_param) from None
         return ResponsesJob(req, chat, model, response_id)

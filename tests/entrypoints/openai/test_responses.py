@@ -2,23 +2,37 @@
 and the C ABI's chat send validates against the ``openai`` package's own types."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from pyengine.entrypoints.openai.serving_chat import ChatResponseBuilder, ChatStream
+from pyengine.entrypoints.openai.errors import RequestFailed
+from pyengine.entrypoints.openai.serving_chat import ChatResponseBuilder
 from pyengine.entrypoints.openai.serving_completion import CompletionResponseBuilder
-from pyengine.entrypoints.openai.serving_engine import ChoiceState, LogprobsFormatter
+from pyengine.entrypoints.openai.serving_engine import ChoiceState, DeltaDriver, LogprobsFormatter, chunk_json
 from pyengine.entrypoints.tool_calls import ToolCallExtractor, resolve_tool_choice
-from pyengine.outputs import Logprob
+from pyengine.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def _delta(text: str, token: int, finish=None) -> RequestOutput:
+    return RequestOutput("r", None, [1] * 7, [CompletionOutput(0, text, [token], finish_reason=finish)],
+                         finish is not None)
+
+
+def _chat_driver(response_id: str, prompt_tokens: int, **kw) -> DeltaDriver:
+    builder = ChatResponseBuilder(response_id, "m", 5, None, [ToolCallExtractor(resolve_tool_choice([], None), None)])
+    return DeltaDriver(builder, 1, 1, prompt_tokens, **kw)
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_chat_stream_chunks(include_usage):
-    s = ChatStream("chatcmpl-1", "m", 7, stream=True, include_usage=include_usage, created=5)
-    out = s.feed("Hel", 1, None) + s.feed("lo", 1, None) + s.feed("", 1, "length")
+    d = _chat_driver("chatcmpl-1", 7, include_usage=include_usage)
+    out = d.first_chunks() + d.feed(0, _delta("Hel", 5)) + d.feed(0, _delta("lo", 6)) + d.feed(
+        0, _delta("", 7, "length")) + d.last_chunks()
+    out = [json.loads(chunk_json(c)) for c in out]
     for chunk in out:
         ChatCompletionChunk.model_validate(chunk)
     assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -33,12 +47,20 @@ def test_chat_stream_chunks(include_usage):
 
 
 def test_chat_stream_response():
-    s = ChatStream("chatcmpl-2", "m", 4, stream=False)
-    assert s.feed("a", 1, None) == []
-    (resp,) = s.feed("b", 1, "stop", None)
+    d = _chat_driver("chatcmpl-2", 4)
+    d.accumulate(0, _delta("a", 5))
+    d.accumulate(0, _delta("b", 6, "stop"))
+    resp = d.response()
     ChatCompletion.model_validate(resp)
     assert resp["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
     assert resp["usage"]["completion_tokens"] == 2 and resp["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_failed_output_raises():
+    d = _chat_driver("chatcmpl-3", 4)
+    failed = RequestOutput("r", None, [1], [CompletionOutput(0, "", [], finish_reason="error", error="boom")], True)
+    with pytest.raises(RequestFailed, match="boom"):
+        d.feed(0, failed)
 
 
 def test_chat_logprobs_and_completion_objects(tokenizer):
