@@ -19,6 +19,9 @@ class ScheduledRequest:
     sample: bool  # this chunk reaches the end of the sequence: sample one token
     placeholder_input: bool  # the last fed token was sampled by the previous step, still on device
     epoch: int  # request.num_preemptions at schedule time; stale outputs are dropped
+    # draft tokens fed after the newest token (speculative decoding; their count is part of
+    # num_new_tokens): the runner verifies them and samples len + 1 rows for this request
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
