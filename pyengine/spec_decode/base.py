@@ -66,3 +66,59 @@ class TokenProposer(Proposer):
             k = num_drafts_wanted(self.spec, so, s, len(g), self.max_model_len)
             out.append(list(self.draft(s.request, s.request.all_token_ids + list(g), k))[:k] if k else [])
         return out
+
+
+def draft_attn_metadata(seqs, block_size: int, device):
+    """Inputs of a proposer model's forward over ``seqs``: (start position, token ids,
+    block ids) per request, its tokens at positions start .. start + len - 1 over the
+    cached context before ``start``. Returns (ids int64 [T], positions int64 [T],
+    ``AttentionMetadata``) on ``device``; a position past the request's blocks gets slot
+    -1 (not written). Raises ValueError for an empty ``seqs``."""
+    import numpy as np
+
+    from pyengine.attention.backend import AttentionMetadata
+
+    if not seqs:
+        raise ValueError("no sequences")
+    R = len(seqs)
+    width = max(1, max(len(b) for _, _, b in seqs))
+    bt = np.zeros((R, width), dtype=np.int32)
+    ids, pos, slots, qsl, seq = [], [], [], [0], []
+    for i, (start, toks, blocks) in enumerate(seqs):
+        bt[i, :len(blocks)] = blocks
+        cap = len(blocks) * block_size
+        for j, t in enumerate(toks):
+            p = start + j
+            ids.append(t)
+            pos.append(p)
+            slots.append(int(blocks[p // block_size]) * block_size + p % block_size if p < cap else -1)
+        qsl.append(qsl[-1] + len(toks))
+        seq.append(start + len(toks))
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    seq_t = torch.tensor(seq, dtype=torch.int32)
+    T = len(ids)
+    meta = AttentionMetadata(T, R, max(len(t) for _, t, _ in seqs), max(seq), qsl_t.to(device), seq_t.to(device),
+                             torch.from_numpy(bt).to(device), torch.tensor(slots, dtype=torch.int64).to(device),
+                             qsl_t, seq_t)
+    return (torch.tensor(ids, dtype=torch.int64).to(device), torch.tensor(pos, dtype=torch.int64).to(device), meta)
+
+
+def load_draft(config, hf_config, model_dir: str, block_size: int):
+    """(model, attention backend, dims) of a proposer checkpoint ``model_dir`` with
+    ``hf_config``, in the target's dtype and device and attention backend kind."""
+    from pyengine.attention.backend import get_backend_cls
+    from pyengine.models.loader import load_model
+    from pyengine.models.registry import model_dims
+
+    dims = model_dims(hf_config)
+    attn = get_backend_cls(config.attention_backend)(dims.num_heads, dims.num_kv_heads, dims.head_dim,
+                                                     dims.head_dim ** -0.5, block_size, config.dtype, config.device)
+    dcfg = config.replace(model=model_dir, tokenizer=model_dir, hf_config=hf_config, quantization=None,
+                          kv_cache_dtype="auto", speculative_config=None, enable_expert_parallel=False,
+                          load_format="auto")
+    return load_model(dcfg, attn), attn, dims
+
+
+def kv_bytes(dims, block_size: int, dtype) -> int:
+    """KV cache bytes per block of a model of ``dims`` (ModelDims) in ``dtype``."""
+    return 2 * dims.num_layers * block_size * dims.num_kv_heads * dims.head_dim * torch.empty((), dtype=dtype).element_size()
