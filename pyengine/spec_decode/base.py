@@ -41,6 +41,11 @@ class Proposer:
     def forget(self, request_ids) -> None:
         """These requests finished."""
 
+    def capture_cuda_graphs(self, capture_error_mode: str) -> float:
+        """Capture the proposer's own CUDA graphs (CUDA, after ``initialize_kv_cache``);
+        returns seconds (0: none)."""
+        return 0.0
+
     def propose(self, so, sampled: Sequence, generated: Sequence[Sequence[int]],
                 hidden: Optional[torch.Tensor]) -> list[list[int]]:
         """Drafts per sampled row (``sampled[i]``, a ``ScheduledRequest``, got the tokens

@@ -28,6 +28,22 @@ class DraftModelProposer(Proposer):
                                                       config.block_size)
         self.kv_caches: list[torch.Tensor] = []
         self._valid: dict[str, tuple[int, int]] = {}  # request id -> (epoch, positions with valid draft KV)
+        self._graphs = None  # CUDAGraphRunner of the one-token draft steps (CUDA)
+
+    def capture_cuda_graphs(self, capture_error_mode: str) -> float:
+        from pyengine.core.kv_cache_manager import cdiv
+        from pyengine.worker.cuda_graph import CUDAGraphRunner
+
+        c = self.config
+        self._graphs = CUDAGraphRunner(self.model, self.attn, c.max_num_seqs, cdiv(c.max_model_len, c.block_size),
+                                       c.max_model_len, self.device, capture_error_mode=capture_error_mode)
+        return self._graphs.capture()
+
+    def _forward(self, ids, pos, meta):
+        g = self._graphs
+        if g is not None and meta.max_query_len == 1 and g.covers(meta):
+            return g.run(ids, pos, meta)
+        return self.model(ids, pos, meta)
 
     def kv_bytes_per_block(self) -> int:
         return kv_bytes(self.dims, self.block_size, self.config.dtype)
@@ -70,7 +86,7 @@ class DraftModelProposer(Proposer):
         drafts = {}
         if seqs:
             ids, pos, meta = draft_attn_metadata(seqs, self.block_size, self.device)
-            h = self.model(ids, pos, meta)
+            h = self._forward(ids, pos, meta)
             last = torch.tensor([meta.query_start_loc_cpu[i + 1].item() - 1 for i, (_, k) in enumerate(want) if k],
                                 dtype=torch.int64)
             if last.numel():
@@ -84,7 +100,7 @@ class DraftModelProposer(Proposer):
                         break
                     batch = [(ends[i] - 1 + j, [drafts[id(s)][-1]], s.block_ids) for i, s, _ in active]
                     ids, pos, meta = draft_attn_metadata(batch, self.block_size, self.device)
-                    tok = self.model.compute_logits(self.model(ids, pos, meta)).argmax(dim=-1).tolist()
+                    tok = self.model.compute_logits(self._forward(ids, pos, meta)).argmax(dim=-1).tolist()
                     for (_, s, _), t in zip(active, tok):
                         drafts[id(s)].append(t)
         return [drafts.get(id(s), []) for s in sampled]

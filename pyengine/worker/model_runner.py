@@ -111,6 +111,7 @@ class ModelRunner:
         self._profile_windows = 0
         self._is_cuda = self.device.type == "cuda"
         self.graph_runner = None  # CUDAGraphRunner once captured (CUDA, triton backend, not enforce_eager)
+        self.verify_graph_runner = None  # the same for uniform speculative verification steps
         self.graph_capture_time_s = 0.0
         if self._is_cuda:
             self._copy_stream = torch.cuda.Stream()
@@ -230,6 +231,18 @@ class ModelRunner:
                                                 self.max_blocks_per_req, self.config.max_model_len, self.device,
                                                 capture_error_mode=mode)
             self.graph_capture_time_s = self.graph_runner.capture()
+            spec = self.spec_config
+            if spec is not None:
+                # verification steps where every request carries all k drafts (batch 1 with
+                # a hit, and small batches: disable_by_batch_size turns larger ones off)
+                top = min(self.config.max_num_seqs, 64, (spec.disable_by_batch_size or 65) - 1)
+                if top >= 1:
+                    self.verify_graph_runner = CUDAGraphRunner(
+                        self.model, self.attn_backend, top, self.max_blocks_per_req, self.config.max_model_len,
+                        self.device, capture_error_mode=mode, query_len=1 + spec.num_speculative_tokens)
+                    self.graph_capture_time_s += self.verify_graph_runner.capture()
+            if self.drafter is not None:
+                self.graph_capture_time_s += self.drafter.capture_cuda_graphs(mode)
         return n
 
     # ---- one step ------------------------------------------------------------------
@@ -320,6 +333,9 @@ class ModelRunner:
         if (self.graph_runner is not None and meta.max_query_len == 1
                 and meta.num_reqs <= self.graph_runner.max_batch_size):
             return self.graph_runner.run(ids, pos, meta)
+        vg = self.verify_graph_runner
+        if vg is not None and vg.covers(meta):
+            return vg.run(ids, pos, meta)
         return self.model(ids, pos, meta)
 
     @torch.inference_mode()
@@ -485,6 +501,8 @@ class ModelRunner:
         if self.model is not None and self.kv_caches:
             self.model.bind_kv_caches([None] * len(self.kv_caches))
         self.graph_runner = None
+        self.verify_graph_runner = None
+        self.drafter = None
         self.kv_caches = []
         self.model = None
         self.prev_sampled = None
