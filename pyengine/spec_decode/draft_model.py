@@ -92,7 +92,7 @@ class DraftModelProposer(Proposer):
             if last.numel():
                 tok = self.model.compute_logits(h[last.to(self.device)]).argmax(dim=-1).tolist()
                 active = [(i, s, k) for i, (s, k) in enumerate(want) if k]
-                for (i, s, k), t in zip(active, tok):
+                for (_, s, _), t in zip(active, tok):
                     drafts[id(s)] = [t]
                 for j in range(1, max(k for _, _, k in active)):
                     active = [(i, s, k) for i, s, k in active if k > j]
