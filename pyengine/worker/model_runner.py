@@ -493,6 +493,12 @@ class ModelRunner:
                 glps = None
         drafts = self.drafter.propose(self._last_so, sampled, generated, self._step_hidden)
         self._step_hidden = None
+        vg = self.verify_graph_runner
+        if vg is not None:
+            # fewer than k drafts: pad with the last one, so that the next verification is
+            # uniform and replays a CUDA graph (a padded draft is verified like any other)
+            k = vg.query_len - 1
+            drafts = [d + [d[-1]] * (k - len(d)) if 0 < len(d) < k else d for d in drafts]
         return ModelRunnerOutput([g[0] for g in generated], None, generated, glps, drafts)
 
     def release(self) -> None:
