@@ -107,14 +107,23 @@ def _batch1(llm, prompts: list[str], max_tokens: int) -> dict:
 
 
 def _on_off(model: str, args, spec: dict, prompts: list[str]) -> dict:
-    res = {}
-    for name, s in (("off", None), ("on", spec)):
+    """off, on, off again (a cold first engine must not flatter the speedup): each mode's
+    faster run counts; every run's TPOT is kept in ``tpot_runs_ms``."""
+    runs = {"off": [], "on": []}
+    for name, s in (("off", None), ("on", spec), ("off", None)):
         llm = _llm(model, args, s)
-        res[name] = _batch1(llm, prompts, args.output_len)
+        runs[name].append(_batch1(llm, prompts, args.output_len))
         common.shutdown_llm(llm)
         del llm
         common.free_cuda()
-    same = res["off"].pop("_tokens") == res["on"].pop("_tokens")
+    res = {}
+    for name, rs in runs.items():
+        res[name] = min(rs, key=lambda r: r["tpot_ms"])
+        res[name]["tpot_runs_ms"] = [r["tpot_ms"] for r in rs]
+    same = all(r["_tokens"] == runs["off"][0]["_tokens"] for rs in runs.values() for r in rs)
+    for rs in runs.values():
+        for r in rs:
+            r.pop("_tokens", None)
     return {"spec_config": spec, "off": res["off"], "on": res["on"], "greedy_identical": same,
             "speedup": res["off"]["tpot_ms"] / res["on"]["tpot_ms"] if res["on"]["tpot_ms"] else None}
 
@@ -169,11 +178,15 @@ def throughput(model: str, args, prompts: list[str]) -> dict:
     for name, s in (("off", None), ("on", spec)):
         llm = _llm(model, args, s, max_num_seqs=max(args.streams, 1))
         llm.generate(reqs[:8], sp, use_tqdm=False)
-        t0 = time.perf_counter()
-        outs = llm.generate(reqs, sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
-        res[name] = {"output_tokens": n, "seconds": dt, "tokens_per_s": n / dt}
+        best = None
+        for _ in range(args.repeats):  # the best of a few runs (one is well under a second on the H200)
+            t0 = time.perf_counter()
+            outs = llm.generate(reqs, sp, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            if best is None or n / dt > best["tokens_per_s"]:
+                best = {"output_tokens": n, "seconds": dt, "tokens_per_s": n / dt}
+        res[name] = best
         common.shutdown_llm(llm)
         del llm
         common.free_cuda()
@@ -189,7 +202,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--target", default=None, help="the draft pair's target (default: trained here)")
     p.add_argument("--target-out", default="/tmp/spec_target", help="where the trained target goes")
     p.add_argument("--train-minutes", type=float, default=3.0)
-    p.add_argument("--k", type=int, default=5, help="num_speculative_tokens (ngram)")
+    p.add_argument("--k", type=int, default=8, help="num_speculative_tokens (ngram)")
     p.add_argument("--draft-k", type=int, default=4, help="num_speculative_tokens (draft model)")
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--lookup-max", type=int, default=5)
@@ -198,6 +211,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--cutoff", type=int, default=32, help="disable_by_batch_size of the throughput part")
+    p.add_argument("--repeats", type=int, default=3, help="throughput runs per engine (the best counts)")
     p.add_argument("--tiny", action="store_true", help="a CPU smoke run: a tiny target, few tokens")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dtype", default=None)
