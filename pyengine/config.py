@@ -212,8 +212,9 @@ class EngineArgs:
     """Speculative decoding, as vLLM's JSON object: {"method": "ngram" | "draft_model" |
     "eagle3", "num_speculative_tokens": k, "model": draft model directory (draft_model,
     eagle3), "prompt_lookup_min" / "prompt_lookup_max" (ngram), "disable_by_batch_size":
-    no drafts in steps with at least that many running requests}. Turns async scheduling
-    off."""
+    no drafts in steps with at least that many running requests}. Speculative steps run
+    synchronously: async scheduling stays on only for the steps disable_by_batch_size
+    exempts (off altogether without it)."""
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -369,12 +370,17 @@ class EngineConfig:
             if a.tensor_parallel_size != 1:
                 raise ValueError("speculative_config: speculative decoding with tensor_parallel_size > 1 is "
                                  "not supported yet.")
-            if async_sched:
+            if async_sched and spec.disable_by_batch_size is None:
                 # The drafts of step N+1 come from step N's accepted tokens, which async
                 # scheduling has not seen when it schedules N+1.
                 logger.warning("Speculative decoding (%s) turns asynchronous scheduling off: drafts are "
-                               "proposed from the tokens each step accepted.", spec.method)
+                               "proposed from the tokens each step accepted (with disable_by_batch_size, "
+                               "steps of that many running requests or more keep it).", spec.method)
                 async_sched = False
+            elif async_sched:
+                logger.info("Speculative decoding (%s): steps with fewer than %d running requests run "
+                            "synchronously (drafts need the tokens of the step before); larger ones are "
+                            "scheduled asynchronously, without drafts.", spec.method, spec.disable_by_batch_size)
         backend = a.attention_backend
         if backend is None:
             hd = get_head_dim(hf_config)

@@ -17,7 +17,7 @@ def num_drafts_wanted(spec, so, s, num_new_tokens: int, max_model_len: int) -> i
     req = s.request
     if req.structured_output_request is not None:
         return 0
-    if spec.disable_by_batch_size is not None and len(so.scheduled) >= spec.disable_by_batch_size:
+    if not so.speculative:  # disable_by_batch_size: as many running requests or more
         return 0
     num_out = req.num_output_tokens + num_new_tokens
     num_tok = req.num_tokens + num_new_tokens

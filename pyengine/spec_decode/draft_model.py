@@ -6,7 +6,8 @@ slots past each sampling step for the draft positions.
 
 Per step, for every scheduled request: one forward over the tokens whose draft KV is not
 yet written (``_valid``: how many leading positions of the request hold valid draft KV;
-this step's accepted tokens and its new token), whose last row gives the first draft;
+this step's accepted tokens and its new token, and those of steps without speculation
+it missed), whose last row gives the first draft;
 then ``k - 1`` one-token forwards, each feeding the previous draft. A rejected draft's
 KV is overwritten when a real token takes its position."""
 from __future__ import annotations
@@ -67,7 +68,9 @@ class DraftModelProposer(Proposer):
             g = gen.get(id(s))
             epoch, v = self._valid.get(r.request_id, (-1, 0))
             if epoch != s.epoch:
-                v = s.num_computed_tokens  # first sight (or after a preemption): trust the prefix cache
+                # first sight: trust the draft KV of its prefix-cache hit (written by the request
+                # that computed those blocks); after a preemption start over
+                v = max(r.num_cached_tokens, 0) if s.epoch == 0 else 0
             v = min(v, s.num_computed_tokens)
             if g is not None:
                 end = r.num_tokens + len(g)

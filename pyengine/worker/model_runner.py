@@ -50,6 +50,12 @@ class ModelRunnerOutput:
     generated_logprobs: Optional[list[list[LogprobsEntry]]] = None
     draft_token_ids: Optional[list[list[int]]] = None
 
+    def ready(self) -> bool:  # (as AsyncModelRunnerOutput: a speculative step's output is on the host)
+        return True
+
+    def get_output(self) -> "ModelRunnerOutput":
+        return self
+
 
 class AsyncModelRunnerOutput:
     """Results still on their way to the host; ``get_output()`` waits for the copy only."""
@@ -360,7 +366,7 @@ class ModelRunner:
         ids, pos, meta, rows_t = self._prepare_inputs(so)
         sampled = [s for s in so.scheduled if s.sample]
         ph_flags = [s.placeholder_input for s in sampled]
-        spec = self.drafter is not None
+        spec = self.drafter is not None and so.speculative
         meta_s = self.sampling_state.metadata(sampled, ph_flags, spec) if sampled else None
         prof = self.profiler
         if prof is not None:
@@ -370,6 +376,7 @@ class ModelRunner:
             self._step_hidden = hidden
             if not sampled:  # a prefill chunk: the proposer still writes its own KV
                 self.drafter.propose(so, [], [], hidden)
+                self._step_hidden = None
         if not sampled:
             out = (ModelRunnerOutput([], None) if not non_blocking
                    else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None))
@@ -407,7 +414,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, sampled, ph_flags, meta_s, non_blocking: bool, grammar_output):
         """Sample the step's rows from ``logits`` float32 [S, V] (device)."""
-        if self.drafter is not None:
+        if self.drafter is not None and self._last_so.speculative:
             return self._sample_spec(logits, sampled, meta_s, grammar_output)
         if grammar_output is not None:
             from pyengine.structured_output.backend_xgrammar import apply_token_bitmask

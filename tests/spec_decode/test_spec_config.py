@@ -28,6 +28,8 @@ def test_ngram_defaults_and_async_off(llama_dir, caplog):
     assert c.async_scheduling is False
     assert "turns asynchronous scheduling off" in caplog.text
     assert _cfg(llama_dir, None).speculative_config is None
+    c = _cfg(llama_dir, {**NGRAM, "disable_by_batch_size": 8}, async_scheduling=True)
+    assert c.async_scheduling is True  # steps at or above the cutoff keep it
     s = _cfg(llama_dir, {**NGRAM, "prompt_lookup_max": 4}).speculative_config
     assert (s.prompt_lookup_min, s.prompt_lookup_max) == (4, 4)
 

@@ -224,6 +224,25 @@ def test_disable_by_batch_size(llama_dir, prompts, reference):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "eagle3"])
+def test_async_scheduling_above_the_cutoff(method, llama_dir, draft_dir, eagle_dir, prompts, reference):
+    """With disable_by_batch_size, async scheduling stays on: steps of that many running
+    requests pipeline without drafts, smaller ones run synchronously with drafts."""
+    spec = {**_spec(method, draft_dir, eagle_dir, llama_dir), "disable_by_batch_size": 3}
+    llm = LLM(str(llama_dir), device="cpu", async_scheduling=True, speculative_config=spec)
+    assert llm.llm_engine.engine_core.config.async_scheduling
+    params = [_greedy(max_tokens=n) for n in (3, 6, 20, 20)]  # two finish early: the rest speculate
+    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    want = _tokens(LLM(str(llama_dir), device="cpu").generate(prompts, params, use_tqdm=False))
+    assert got == want
+    st = llm.llm_engine.get_stats()
+    assert st.spec_num_drafts > 0
+    if method == "draft_self":  # draft KV caught up over the steps without speculation
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
 def test_seeded_random_is_reproducible(llama_dir, prompts):
     llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1})
     sp = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=MAX_TOKENS)

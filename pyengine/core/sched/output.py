@@ -37,6 +37,9 @@ class SchedulerOutput:
     # some row that samples is constrained by a grammar (structured outputs): its bitmask
     # comes from Scheduler.get_grammar_bitmask once the previous tokens are accepted
     has_structured_output: bool = False
+    # speculative decoding runs in this step (fewer running requests than
+    # disable_by_batch_size): rows may carry drafts, and the runner verifies and proposes
+    speculative: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -60,7 +60,9 @@ class Scheduler:
         # Speculative decoding: drafts fed as lookahead tokens; a draft-model / EAGLE-3
         # proposer also writes its own KV past the step's tokens (lookahead slots).
         spec = config.speculative_config
+        self.spec_enabled = spec is not None
         self.spec_disable_batch = spec.disable_by_batch_size if spec is not None else None
+        self._spec_step = False  # this schedule() call's SchedulerOutput.speculative
         self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_draft_kv else 0
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
@@ -146,16 +148,24 @@ class Scheduler:
     def _num_tokens_to_feed(self, req: Request) -> int:
         return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
 
+    def wants_speculative_step(self) -> bool:
+        """Speculative decoding would run in the next step: it is configured and fewer
+        requests run than ``disable_by_batch_size`` (if set). Under async scheduling the
+        engine then consumes the batch in flight before scheduling (drafts need every token
+        of their request on the host); at higher load it pipelines as usual."""
+        return self.spec_enabled and (self.spec_disable_batch is None or len(self.running) < self.spec_disable_batch)
+
     def _drafts_for_step(self, req: Request, n: int, budget: int) -> list[int]:
         """The draft tokens ``req`` feeds this step (its ``spec_token_ids``, consumed):
-        none for a prefill chunk, a constrained request, or a step with at least
-        ``disable_by_batch_size`` running requests; cut so that the step's tokens fit the
+        none for a prefill chunk, a constrained request, a request with a token in flight
+        (async scheduling), or a step that is not speculative (``disable_by_batch_size``
+        running requests or more); cut so that the step's tokens fit the
         budget and its 1 + k possible new tokens exceed neither ``max_tokens`` nor
         ``max_model_len``."""
         spec, req.spec_token_ids = req.spec_token_ids, []
         if n != 1 or req.structured_output_request is not None:
             return []
-        if self.spec_disable_batch is not None and len(self.running) >= self.spec_disable_batch:
+        if not self._spec_step or req.num_output_placeholders:
             return []
         k = min(len(spec), budget - 1, req.max_tokens - req.num_output_tokens - 1,
                 self.max_model_len - req.num_tokens - 1)
@@ -323,6 +333,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._spec_step = self.wants_speculative_step()
         kv = self.kv_cache_manager
         thr = self.long_prefill_token_threshold
 
@@ -387,6 +398,7 @@ class Scheduler:
 
         out = SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_prefill, preempted,
                               self.finished_req_ids, self._discarded_draws)
+        out.speculative = self._spec_step
         if self.structured_output_manager.num_live:
             out.has_structured_output = any(s.sample and s.request.structured_output_request is not None
                                             for s in scheduled)
