@@ -27,13 +27,16 @@ def setup(tokenizer, llama_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_self", "eagle3"])
-@pytest.mark.parametrize("mode", ["default", "preemption"])
+@pytest.mark.parametrize("mode", ["default", "preemption", "async_cutoff"])
 def test_greedy_on_equals_off_cuda(setup, llama_dir, method, mode):
     prompts, sp, ref, eagle = setup
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
             "draft_self": {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3},
             "eagle3": {"method": "eagle3", "model": str(eagle), "num_speculative_tokens": 3}}[method]
     kw = {"num_gpu_blocks_override": 12, "max_model_len": 192} if mode == "preemption" else {}
+    if mode == "async_cutoff":  # async scheduling on for steps of >= 3 requests, drafts below
+        spec = {**spec, "disable_by_batch_size": 3}
+        kw = {"async_scheduling": True}
     llm = LLM(str(llama_dir), device="cuda", dtype="float32", speculative_config=spec, **kw)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
