@@ -41,6 +41,8 @@ def test_greedy_on_equals_off_cuda(setup, llama_dir, method, mode):
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert got == ref
+        if mode == "async_cutoff":  # two requests: below the cutoff, with drafts
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp, use_tqdm=False)] == ref[:2]
         st = llm.llm_engine.get_stats()
         assert st.spec_num_drafts > 0
         if method == "draft_self":
