@@ -54,7 +54,15 @@ def test_prometheus_counters():
     reg = CollectorRegistry()
     reg.register(_EngineStatsCollector(Engine(), "m"))
     text = generate_latest(reg).decode()
-    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 10.0' in text
-    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 30.0' in text
-    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 15.0' in text
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 5.0' in text
+    assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 15.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 5.0' in text
+
+
+def test_data_parallel_stats_sum_position_by_position():
+    from pyengine.metrics.stats import combine_scheduler_stats
+
+    both = combine_scheduler_stats([_stats(10, 30, 15, [8, 5, 2]), _stats(4, 8, 3, [2, 1])])
+    assert (both.spec_num_drafts, both.spec_num_draft_tokens, both.spec_num_accepted_tokens) == (14, 38, 18)
+    assert both.spec_accepted_per_pos == [10, 6, 2]
