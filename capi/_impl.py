@@ -244,7 +244,7 @@ class _Bridge:
 # ---------------------------------------------------------------------------
 # argument conversion
 
-_UNSUPPORTED_MODEL_STRINGS = ("tool_parser", "speculative_config", "kv_transfer_config")
+_UNSUPPORTED_MODEL_STRINGS = ("tool_parser", "kv_transfer_config")
 
 
 def _engine_args(p) -> EngineArgs:
@@ -255,6 +255,12 @@ def _engine_args(p) -> EngineArgs:
         if _cstr(getattr(p, name)):
             raise _Refused(f"vllm_model_params.{name} is set, but vengine does not support it")
     kw = {"model": model}
+    spec = _cstr(p.speculative_config)
+    if spec:  # vLLM's speculative_config JSON object; its keys are checked by EngineArgs
+        try:
+            kw["speculative_config"] = json.loads(spec)
+        except ValueError as e:
+            raise _Refused(f"vllm_model_params.speculative_config is not valid JSON: {e}") from None
     tok = _cstr(p.tokenizer_config_path)
     if tok:
         tp = Path(tok)

@@ -85,7 +85,7 @@ typedef struct vllm_model_params {
   const char* tool_parser;           /* not supported: must be NULL or "" */
   const char* reasoning_parser;      /* "qwen3" / "deepseek_r1": vllm_chat* JSON carries reasoning_content
                                         (the tokenizer must have <think> </think>); NULL or "": none */
-  const char* speculative_config;    /* not supported: must be NULL or "" */
+  const char* speculative_config;    /* NULL/"": off; else vLLM's JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 3} */
   int32_t enable_prefix_caching;     /* 0: default (on), 1: on, 2: off */
   int32_t max_num_batched_tokens;    /* <= 0: engine default */
   const char* scheduling_policy;     /* NULL/"": "fcfs"; or "priority" */

@@ -208,6 +208,13 @@ class EngineArgs:
     kv_cache_dtype: KVCacheDType = "auto"
     """KV cache dtype; auto: the model's. fp8 (fp8_e4m3): e4m3 with the checkpoint's per-layer
     k_scale / v_scale (1.0 where it has none): twice the tokens in the same memory."""
+    speculative_config: Optional[dict] = None
+    """Speculative decoding, as vLLM's JSON object: {"method": "ngram" | "draft_model" |
+    "eagle3", "num_speculative_tokens": k, "model": draft model directory (draft_model,
+    eagle3), "prompt_lookup_min" / "prompt_lookup_max" (ngram), "disable_by_batch_size":
+    no drafts in steps with at least that many running requests}. Speculative steps run
+    synchronously: async scheduling stays on only for the steps disable_by_batch_size
+    exempts (off altogether without it)."""
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -274,6 +281,7 @@ class EngineConfig:
     data_parallel_size: int = 1  # engine cores behind the front end
     data_parallel_rank: int = 0  # this engine core's index (set per core by the client)
     kv_events_config: Optional["KVEventsConfig"] = None  # None: no KV events published
+    speculative_config: Optional["SpeculativeConfig"] = None  # None: no speculative decoding
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -357,6 +365,22 @@ class EngineConfig:
             async_sched = envs.async_scheduling_allowed()
         elif async_sched and not envs.async_scheduling_allowed():
             async_sched = False
+        spec = SpeculativeConfig.from_dict(a.speculative_config, hf_config, a.trust_remote_code)
+        if spec is not None:
+            if a.tensor_parallel_size != 1:
+                raise ValueError("speculative_config: speculative decoding with tensor_parallel_size > 1 is "
+                                 "not supported yet.")
+            if async_sched and spec.disable_by_batch_size is None:
+                # The drafts of step N+1 come from step N's accepted tokens, which async
+                # scheduling has not seen when it schedules N+1.
+                logger.warning("Speculative decoding (%s) turns asynchronous scheduling off: drafts are "
+                               "proposed from the tokens each step accepted (with disable_by_batch_size, "
+                               "steps of that many running requests or more keep it).", spec.method)
+                async_sched = False
+            elif async_sched:
+                logger.info("Speculative decoding (%s): steps with fewer than %d running requests run "
+                            "synchronously (drafts need the tokens of the step before); larger ones are "
+                            "scheduled asynchronously, without drafts.", spec.method, spec.disable_by_batch_size)
         backend = a.attention_backend
         if backend is None:
             hd = get_head_dim(hf_config)
@@ -391,7 +415,7 @@ class EngineConfig:
             trust_remote_code=bool(a.trust_remote_code), generation_config=a.generation_config,
             override_generation_config=_check_override_generation_config(a.override_generation_config),
             max_logprobs=max_logprobs, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-            data_parallel_size=a.data_parallel_size, kv_events_config=kv_events)
+            data_parallel_size=a.data_parallel_size, kv_events_config=kv_events, speculative_config=spec)
         config._check_generation_config()
         return config
 
@@ -451,6 +475,107 @@ class EngineConfig:
         if diff:
             logger.info("Default sampling parameters from the generation config: %s "
                         "(--generation-config vllm ignores it).", diff)
+
+
+SpecMethod = Literal["ngram", "draft_model", "eagle3"]
+SPEC_METHODS = get_args(SpecMethod)
+# Most draft tokens per step (a verify step's query length is 1 + this).
+MAX_NUM_SPECULATIVE_TOKENS = 16
+_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings (vLLM's ``SpeculativeConfig``, the keys of its
+    ``speculative_config`` dict). Built by ``from_dict``; every rule is checked there.
+
+    method: "ngram" (prompt lookup: the tokens that followed the latest earlier
+      occurrence of the context's last n-gram, n from ``prompt_lookup_max`` down to
+      ``prompt_lookup_min``), "draft_model" (a smaller model with the target's vocabulary,
+      greedy, with its own KV cache in the target's block tables) or "eagle3" (an EAGLE-3
+      head in the HF format vLLM loads: one decoder layer over the target's hidden states
+      of three auxiliary layers).
+    num_speculative_tokens: k, draft tokens per step (1..MAX_NUM_SPECULATIVE_TOKENS).
+    model: the draft model / EAGLE-3 head directory (None for ngram); draft_hf_config
+      its transformers config.
+    disable_by_batch_size: no drafts in a step with at least this many running requests
+      (None: never disabled), so speculation does not cost throughput at high load."""
+    method: str
+    num_speculative_tokens: int
+    model: Optional[str] = None
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: Optional[int] = None
+    draft_hf_config: object = None
+
+    @property
+    def uses_draft_kv(self) -> bool:
+        """The proposer runs a model with its own KV cache (needs lookahead slots)."""
+        return self.method in ("draft_model", "eagle3")
+
+    @classmethod
+    def from_dict(cls, d, target_hf_config, trust_remote_code: bool = False) -> Optional["SpeculativeConfig"]:
+        """None for None; raises ValueError for anything but a dict of the known keys with
+        valid values (a draft model must be a local HF directory whose vocabulary size is
+        the target's)."""
+        if d is None:
+            return None
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict (a JSON object), got {d!r}.")
+        unknown = sorted(set(d) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"valid keys: {', '.join(_SPEC_KEYS)}.")
+        method, model = d.get("method"), d.get("model")
+        if method is None:
+            method = "draft_model" if model is not None else None
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}.")
+
+        def int_at_least(name, lo, default):
+            v = d.get(name, default)
+            if v is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"speculative_config: {name} must be an integer >= {lo}, got {v!r}.")
+            return v
+
+        k = d.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}.")
+        lo = int_at_least("prompt_lookup_min", 1, None)
+        hi = int_at_least("prompt_lookup_max", 1, None)
+        if lo is None and hi is None:
+            lo = hi = 5  # vLLM's defaults
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi}).")
+        disable = int_at_least("disable_by_batch_size", 1, None)
+        draft_hf = None
+        if method == "ngram":
+            if model is not None:
+                raise ValueError("speculative_config: method 'ngram' takes no model.")
+        else:
+            if not isinstance(model, str) or not (Path(model) / "config.json").is_file():
+                raise ValueError(f"speculative_config: method {method!r} needs model, a Hugging Face model "
+                                 f"directory with a config.json; got {model!r}.")
+            from transformers import AutoConfig
+            draft_hf = AutoConfig.from_pretrained(model, trust_remote_code=bool(trust_remote_code))
+            if draft_hf.vocab_size != target_hf_config.vocab_size:
+                raise ValueError(f"speculative_config: the draft model's vocab_size ({draft_hf.vocab_size}) must "
+                                 f"be the target's ({target_hf_config.vocab_size}).")
+            archs = getattr(draft_hf, "architectures", None) or []
+            is_eagle3 = any("eagle3" in a.lower() for a in archs)
+            if method == "eagle3" and not is_eagle3:
+                raise ValueError(f"speculative_config: {model!r} is not an EAGLE-3 head (architectures {archs}).")
+            if method == "draft_model" and is_eagle3:
+                raise ValueError(f"speculative_config: {model!r} is an EAGLE-3 head; use method 'eagle3'.")
+        return cls(method, k, model, lo, hi, disable, draft_hf)
 
 
 def _resolve_quantization(quantization, hf_config) -> Optional[str]:

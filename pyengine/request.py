@@ -66,6 +66,9 @@ class Request:
         self.num_output_placeholders = 0
         self.num_preemptions = 0  # also the "epoch": outputs scheduled before a preemption are dropped
         self.block_hashes: list[int] = []
+        # Draft tokens proposed for the next step (speculative decoding; vLLM's
+        # spec_token_ids): fed after the newest token and verified, never in all_token_ids.
+        self.spec_token_ids: list[int] = []
         # Grammar state of a constrained request (pyengine.structured_output); set by the
         # scheduler's StructuredOutputManager, None for unconstrained requests.
         self.structured_output_request = None

@@ -103,7 +103,6 @@ class FrontendArgs:
 VLLM_FLAGS_NOT_SUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
     "--pipeline-parallel-size": (("1",), "pipeline parallelism is not implemented (use --tensor-parallel-size)"),
     "--cpu-offload-gb": (("0",), "weight offloading is not implemented"),
-    "--speculative-config": ((), "speculative decoding is not implemented"),
     "--tokenizer-mode": (("auto", "hf"), "only Hugging Face tokenizers are supported"),
     "--revision": ((), "models load from a local directory (no Hugging Face Hub)"),
     "--code-revision": ((), "models load from a local directory (no Hugging Face Hub)"),

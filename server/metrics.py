@@ -87,6 +87,17 @@ class _EngineStatsCollector:
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", "prefix_cache_queries")
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", "prefix_cache_hits")
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions")
+        if any(getattr(st, "spec_accepted_per_pos", None) for st in per):  # speculative decoding is on
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts")
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens")
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          "spec_num_accepted_tokens")
+            c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", labels=names + ["position"])
+            for st in per:
+                for pos, n in enumerate(st.spec_accepted_per_pos):
+                    c.add_metric([self._model_name, str(st.engine_index), str(pos)], float(n))
+            yield c
 
 
 class ServerMetrics:

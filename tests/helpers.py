@@ -613,3 +613,52 @@ def find_bad_word(tok, processor, outputs, length):
             if any(len(s) == length for s in seqs) and banned_at(out, seqs) is not None:
                 return n, word, seqs
     raise AssertionError(f"no {length}-token word in the greedy outputs")
+
+
+def build_tiny_eagle3(out_dir, target_dir, seed: int = 0, draft_vocab_size: Optional[int] = None,
+                      with_embed: bool = False, aux_layer_ids: Optional[Sequence[int]] = None) -> Path:
+    """Save a random, untrained EAGLE-3 head for the tiny model in ``target_dir``, in the HF
+    ``eagle3`` checkpoint format vLLM loads (``LlamaForCausalLMEagle3``: ``fc``, one
+    ``midlayer`` whose q/k/v read 2 * hidden, ``norm``, ``lm_head`` over a draft vocabulary
+    of ``draft_vocab_size`` (default: the target's) mapped by ``d2t``, ``t2d``; an
+    ``embed_tokens`` only with ``with_embed``). Returns ``out_dir``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    H, V = tcfg["hidden_size"], tcfg["vocab_size"]
+    heads, kv, hd, inter = 4, 2, H // 4, 2 * H
+    dv = draft_vocab_size or V
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+           "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+           "intermediate_size": inter, "vocab_size": V, "draft_vocab_size": dv, "target_hidden_size": H,
+           "max_position_embeddings": tcfg["max_position_embeddings"], "rms_norm_eps": 1e-6, "hidden_act": "silu",
+           "rope_theta": tcfg.get("rope_theta", 10000.0), "tie_word_embeddings": False, "torch_dtype": "float32"}
+    if aux_layer_ids is not None:
+        cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
+    (out / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.2):
+        return (scale * torch.randn(*shape, generator=g)).contiguous()
+
+    t = {"fc.weight": w(H, 3 * H, scale=0.05), "norm.weight": 1 + w(H), "lm_head.weight": w(dv, H, scale=0.5),
+         "midlayer.input_layernorm.weight": 1 + w(H), "midlayer.hidden_norm.weight": 1 + w(H),
+         "midlayer.post_attention_layernorm.weight": 1 + w(H),
+         "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * H), "midlayer.self_attn.k_proj.weight": w(kv * hd, 2 * H),
+         "midlayer.self_attn.v_proj.weight": w(kv * hd, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, heads * hd),
+         "midlayer.mlp.gate_proj.weight": w(inter, H), "midlayer.mlp.up_proj.weight": w(inter, H),
+         "midlayer.mlp.down_proj.weight": w(H, inter)}
+    # draft id i -> target id: a sorted random subset of the target vocabulary
+    targets = torch.sort(torch.randperm(V, generator=g)[:dv]).values
+    t["d2t"] = (targets - torch.arange(dv)).to(torch.int64)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[targets] = True
+    t["t2d"] = t2d
+    if with_embed:
+        t["embed_tokens.weight"] = w(V, H, scale=1.0)
+    save_file(t, str(out / "model.safetensors"))
+    return out

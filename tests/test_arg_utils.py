@@ -88,7 +88,8 @@ def test_engine_args_round_trip_through_the_command_line(tmp_path):
                   generation_config="vllm",
                   override_generation_config={"temperature": 0.5}, max_logprobs=-1, disable_log_stats=True,
                   enable_log_requests=True, quantization="fp8", kv_cache_dtype="fp8", data_parallel_size=2,
-                  kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq"})
+                  kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq"},
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert set(values) == {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     argv = []
     for name, v in values.items():

@@ -23,7 +23,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("pyengine.ops",),
     # 2: model building blocks, models, the scheduler, KV cache and the workers
     ("pyengine.distributed", "pyengine.layers", "pyengine.attention", "pyengine.models", "pyengine.request",
-     "pyengine.core", "pyengine.structured_output", "pyengine.worker", "pyengine.executor", "pyengine.metrics",
+     "pyengine.core", "pyengine.structured_output", "pyengine.worker", "pyengine.spec_decode", "pyengine.executor",
+     "pyengine.metrics",
      "pyengine.tool_parsers", "pyengine.reasoning"),
     # 3: the engine: core, core process host, clients, output processing, LLM, AsyncLLM
     ("pyengine.engine", "pyengine.llm"),

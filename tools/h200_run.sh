@@ -7,7 +7,7 @@
 #   apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpufix_tests gpufix_quant_kernels gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: gpu_spec spec_bench spec_bench_draft gpufix_tests gpufix_quant_kernels gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
@@ -71,6 +71,12 @@ step 60 gpufix_moe_kernels python3 benchmarks/moe.py --out-dir "$OUT" --sections
 # quantization (issue 26): kernels vs their dequantized references, the quantized tiny models, then the 8B-shape benchmark
 step 200 gpu_quant python3 -m pytest -q -m gpu tests/quantization tests/ops/test_quant_ops.py -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=180
 step 360 quant_bench python3 benchmarks/quant.py "$OUT"
+# speculative decoding (issue 27): on == off on CUDA for each proposer; then the benchmark: ngram on
+# code-editing prompts with the built-in model and throughput at 256 streams with the cutoff, and (its own
+# step: it trains the >= 50M target with tools/train_default_model.py first) the draft-model pair
+step 200 gpu_spec python3 -m pytest -q -m gpu tests/spec_decode -p no:cacheprovider --tb=short -o faulthandler_timeout=180
+step 300 spec_bench python3 benchmarks/spec_decode.py --parts ngram,throughput --json "$OUT/spec_decode.json"
+step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 4 --json "$OUT/spec_decode_draft.json"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"

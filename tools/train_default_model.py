@@ -186,6 +186,9 @@ def main() -> None:
     ap.add_argument("--heldout-pct", type=float, default=2.0)
     ap.add_argument("--tok-sample-mb", type=float, default=40.0)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--tokenizer", default=None,
+                    help="a model directory whose tokenizer.json to use instead of training one "
+                         "(e.g. pyengine/default_model: a larger model sharing the built-in model's vocabulary)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--intermediate", type=int, default=640)
     ap.add_argument("--layers", type=int, default=8)
@@ -249,11 +252,17 @@ def main() -> None:
             break
         sample.append(t)
         acc += len(t)
-    tok = train_tokenizer(sample, args.vocab)
+    if args.tokenizer:  # reuse a model's tokenizer (a draft/target pair must share one)
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(os.path.join(args.tokenizer, "tokenizer.json"))
+        log(f"tokenizer: {args.tokenizer}/tokenizer.json")
+    else:
+        tok = train_tokenizer(sample, args.vocab)
     vocab = tok.get_vocab_size()
     eot_id = tok.token_to_id(EOT)
     assert eot_id == 0, eot_id
-    log(f"tokenizer: byte-level BPE, vocab {vocab}, trained on {acc / 1e6:.1f} MB")
+    if not args.tokenizer:
+        log(f"tokenizer: byte-level BPE, vocab {vocab}, trained on {acc / 1e6:.1f} MB")
 
     def encode_stream(fs):
         encs = tok.encode_batch([t for _, t in fs], add_special_tokens=False)

@@ -65,19 +65,22 @@ class KVCacheManager:
         return len(self.req_to_block_ids.get(request_id, ()))
 
     def num_blocks_to_take(self, request: Request, num_new_tokens: int,
-                           new_computed_blocks: list[KVCacheBlock] = ()) -> int:
+                           new_computed_blocks: list[KVCacheBlock] = (), num_lookahead_tokens: int = 0) -> int:
         """How many blocks ``allocate_slots`` with these arguments would take out of the
         free pool: new blocks, plus prefix-hit blocks that sit in the free queue (they
         stop being free once touched)."""
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        need = (cdiv(num_computed + num_new_tokens, self.block_size) - self.num_blocks(request.request_id)
-                - len(new_computed_blocks))
+        need = (cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+                - self.num_blocks(request.request_id) - len(new_computed_blocks))
         return max(need, 0) + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
+                       new_computed_blocks: list[KVCacheBlock] = (), num_lookahead_tokens: int = 0) -> bool:
         """Reserve blocks so that num_computed + len(new_computed)*bs + num_new_tokens
-        tokens fit. Returns False (and changes nothing) if not enough blocks are free."""
+        (+ ``num_lookahead_tokens``: slots a speculative proposer writes its own KV into
+        past the step's tokens, vLLM's lookahead) tokens fit. Only full blocks of known
+        tokens (``request.all_token_ids``, never draft tokens) that this step computes are
+        cached. Returns False (and changes nothing) if not enough blocks are free."""
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:
@@ -86,12 +89,13 @@ class KVCacheManager:
         block_ids = self.req_to_block_ids[rid]
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
-        need = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        need = cdiv(total + num_lookahead_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         if need <= 0 and not new_computed_blocks:  # fast path: most decode steps
             if self.enable_caching:
                 self._cache_full_blocks(request, min(total, request.num_tokens) // self.block_size)
             return True
-        if self.num_blocks_to_take(request, num_new_tokens, new_computed_blocks) > self.block_pool.get_num_free_blocks():
+        if (self.num_blocks_to_take(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
+                > self.block_pool.get_num_free_blocks()):
             return False
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)

@@ -113,7 +113,13 @@ class EngineCore:
         sampled ids)."""
         ex = self.model_executor
         deferred = None
-        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+        # Speculative decoding: a step whose drafts come from the batch in flight waits for it
+        # (below disable_by_batch_size running requests), and so does any step after a
+        # speculative one (its tokens are on the host only).
+        spec_wait = bool(self.batch_queue) and (self.batch_queue[-1][0].speculative
+                                                or self.scheduler.wants_speculative_step())
+        if (len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests()
+                and not spec_wait):
             so = self.scheduler.schedule()
             if not so.is_empty:
                 if so.has_structured_output and self.batch_queue:

@@ -345,6 +345,15 @@ class IncrementalDetokenizer:
         """
         if not new_token_ids and not finished:
             return None
+        if self.stop and len(new_token_ids) > 1 and self._decode is not None:
+            # Several tokens at once (speculative decoding): a stop string ends the output at
+            # the token that completed it, as if they had come one per step; later ones are dropped.
+            last = len(new_token_ids) - 1
+            for i, tid in enumerate(new_token_ids):
+                match = self.update([tid], stop_terminated and i == last, finished and i == last)
+                if match is not None:
+                    return match
+            return None
         new_token_ids = list(new_token_ids)
         skipped_stop_token = None
         if stop_terminated and not self.include_stop_str_in_output:

@@ -416,11 +416,13 @@ class OutputProcessor:
             m.last_token_time = timestamp
             if iteration_stats is not None:
                 iteration_stats.num_generation_tokens += len(eco.new_token_ids)
+        num_before = child.detok.num_output_tokens
+        stop_str = child.detok.update(eco.new_token_ids, eco.finish_reason == _STOP, eco.finished)
         if eco.new_logprobs and child.want_logprobs:
-            for entry in eco.new_logprobs:
+            # (a stop string inside several new tokens drops those after it, logprobs too)
+            for entry in eco.new_logprobs[:child.detok.num_output_tokens - num_before]:
                 child.logprobs.append(self._logprob_dict(entry))
                 child.cumulative_logprob += entry.logprobs[0]
-        stop_str = child.detok.update(eco.new_token_ids, eco.finish_reason == _STOP, eco.finished)
         if stop_str is not None and eco.finish_reason != _ABORT:
             child.finish_reason, child.stop_reason = _STOP, stop_str
             if not eco.finished:

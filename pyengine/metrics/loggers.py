@@ -42,6 +42,7 @@ class LoggingStatLogger(StatLoggerBase):
         self.last_generation_throughput = 0.0
         self._hits_at_last_log = 0
         self._queries_at_last_log = 0
+        self._spec_at_last_log = (0, 0, 0)  # drafts, draft tokens, accepted tokens
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
@@ -67,6 +68,23 @@ class LoggingStatLogger(StatLoggerBase):
         self._queries_at_last_log, self._hits_at_last_log = st.prefix_cache_queries, st.prefix_cache_hits
         return hits / queries if queries > 0 else 0.0
 
+    def _spec_decoding(self, st: SchedulerStats) -> str:
+        """Speculative decoding over the interval (since start-up when it verified no
+        draft): ", Mean acceptance length: ..., Draft acceptance rate: ...%" (vLLM's
+        SpecDecoding line, shortened); "" without speculation."""
+        if not st.spec_accepted_per_pos:
+            return ""
+        now = (st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens)
+        d = [a - b for a, b in zip(now, self._spec_at_last_log)]
+        if d[0] <= 0:
+            d = list(now)
+        self._spec_at_last_log = now
+        drafts, draft_toks, accepted = d
+        if drafts <= 0:
+            return ", Mean acceptance length: -"
+        return (f", Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Draft acceptance rate: {100 * accepted / max(draft_toks, 1):.1f}%")
+
     def log(self) -> None:
         now = time.monotonic()
         elapsed = now - self.last_log_time
@@ -79,9 +97,9 @@ class LoggingStatLogger(StatLoggerBase):
         self.last_prompt_throughput, self.last_generation_throughput = prompt_tp, gen_tp
         (logger.info if busy else logger.debug)(
             "Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%%s",
             self.engine_index, prompt_tp, gen_tp, st.num_running, st.num_waiting,
-            st.kv_cache_usage * 100, self._prefix_cache_hit_rate(st) * 100)
+            st.kv_cache_usage * 100, self._prefix_cache_hit_rate(st) * 100, self._spec_decoding(st))
 
 
 class StatLoggerManager:

@@ -3,7 +3,8 @@ core's own report sent with its outputs, and ``IterationStats``, counted by the 
 from those outputs. Bottom vocabulary: imports nothing of the engine."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 __all__ = ["IterationStats", "SchedulerStats", "combine_scheduler_stats"]
 
@@ -32,6 +33,20 @@ class SchedulerStats:
     grammar_bitmask_rows: int = 0  # cumulative constrained rows (one per constrained request per such step)
     engine_index: int = 0  # the data-parallel rank of the engine core that reported these
 
+    # Speculative decoding (vLLM's SpecDecodingStats), cumulative: verified draft runs (one per
+    # request per step that carried drafts), their draft tokens, the accepted ones, and the
+    # accepted ones by position in the run ([k], position 0 first; empty without speculation).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list = field(default_factory=list)
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """1 + accepted draft tokens per verified run (tokens per target forward of a
+        request that carried drafts); 0.0 before any draft."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
 
 def combine_scheduler_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
     """One ``SchedulerStats`` for several engine cores (data parallelism): counts and
@@ -41,7 +56,10 @@ def combine_scheduler_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
         return per_engine[0]
     out = SchedulerStats()
     for name in SchedulerStats.__dataclass_fields__:
-        if name not in ("kv_cache_usage", "engine_index"):
+        if name == "spec_accepted_per_pos":  # per draft position: summed position by position
+            lists = [st.spec_accepted_per_pos for st in per_engine]
+            out.spec_accepted_per_pos = [sum(x) for x in itertools.zip_longest(*lists, fillvalue=0)]
+        elif name not in ("kv_cache_usage", "engine_index"):
             setattr(out, name, sum(getattr(st, name) for st in per_engine))
     blocks = sum(st.num_gpu_blocks for st in per_engine)
     used = sum(st.kv_cache_usage * st.num_gpu_blocks for st in per_engine)

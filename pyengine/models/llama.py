@@ -144,11 +144,25 @@ class DecoderModel(nn.Module):
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, tp_group)
 
+    # EAGLE-3 (pyengine/spec_decode/eagle.py): the layers whose input residual stream
+    # (hidden + residual; len(layers): the last layer's output) forward() keeps, concatenated
+    # in this order, in ``aux_hidden_states`` [T, len * hidden_size]. Empty: none kept.
+    aux_hidden_state_layers: tuple = ()
+    aux_hidden_states: Optional[torch.Tensor] = None
+
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux_ids = self.aux_hidden_state_layers
+        aux = {} if aux_ids else None
+        for i, layer in enumerate(self.layers):
+            if aux is not None and i in aux_ids:
+                aux[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, meta)
+        if aux is not None:
+            if len(self.layers) in aux_ids:
+                aux[len(self.layers)] = hidden + residual
+            self.aux_hidden_states = torch.cat([aux[i] for i in aux_ids], dim=-1)
         hidden, _ = self.norm(hidden, residual, all_reduce_x=True)  # the last MLP's partial sum
         return hidden
 

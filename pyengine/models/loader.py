@@ -186,6 +186,18 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing)}")
 
 
+def build_model(factory, dtype: torch.dtype, device, max_model_len: int) -> nn.Module:
+    """``factory()`` called with ``dtype`` as the default dtype on ``device``, its rotary
+    caches extended to ``max_model_len`` positions (parameters uninitialized; fill them
+    with ``load_weights``). For models built outside the registry (EAGLE-3 heads)."""
+    with _default_dtype(dtype), torch.device(device):
+        model = factory()
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.extend_to(max_model_len)
+    return model
+
+
 def load_model(config, attn_backend, tp_group=None) -> nn.Module:
     """Build ``get_model_cls(config.hf_config)(config.hf_config, attn_backend, tp_group)``
     on ``config.device`` in ``config.dtype`` and load every safetensors file of

@@ -26,6 +26,7 @@ from pyengine.messages import LogprobsEntry
 from pyengine.models.loader import load_model
 from pyengine.models.registry import model_dims
 from pyengine.worker.profiler import RankProfiler
+from pyengine.worker.rejection_sampler import RejectionSampler
 from pyengine.worker.sampler import Sampler
 from pyengine.worker.sampling_state import SamplingState
 from pyengine.worker.step_codec import PackedStep, pack_step
@@ -36,9 +37,24 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ModelRunnerOutput:
-    """Host-side results, one entry per sampled row (rows with ScheduledRequest.sample)."""
+    """Host-side results, one entry per sampled row (rows with ScheduledRequest.sample).
+
+    With speculative decoding (``speculative_config``) ``generated_token_ids`` holds, per
+    sampled row, the 1..k+1 tokens its verification produced (``sampled_token_ids`` is
+    then their first tokens), ``generated_logprobs`` one entry per such token (None when
+    no row asked for logprobs), and ``draft_token_ids`` the drafts proposed for each row's
+    next step ([] for none)."""
     sampled_token_ids: list[int]
     logprobs: Optional[list[LogprobsEntry]] = None
+    generated_token_ids: Optional[list[list[int]]] = None
+    generated_logprobs: Optional[list[list[LogprobsEntry]]] = None
+    draft_token_ids: Optional[list[list[int]]] = None
+
+    def ready(self) -> bool:  # (as AsyncModelRunnerOutput: a speculative step's output is on the host)
+        return True
+
+    def get_output(self) -> "ModelRunnerOutput":
+        return self
 
 
 class AsyncModelRunnerOutput:
@@ -80,6 +96,14 @@ class ModelRunner:
         self.model = load_model(config, self.attn_backend, tp_group)
         logger.info("Loaded %s in %.2f s", config.model, time.perf_counter() - t0)
         self.sampler = Sampler()
+        # Speculative decoding: the proposer (pyengine/spec_decode) and the verifier.
+        self.spec_config = config.speculative_config
+        self.rejection_sampler = RejectionSampler()
+        self.drafter = None
+        self._step_hidden: Optional[torch.Tensor] = None  # the step's hidden states, for the proposer
+        if self.spec_config is not None:
+            from pyengine.spec_decode import make_proposer
+            self.drafter = make_proposer(config, self)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
@@ -93,6 +117,7 @@ class ModelRunner:
         self._profile_windows = 0
         self._is_cuda = self.device.type == "cuda"
         self.graph_runner = None  # CUDAGraphRunner once captured (CUDA, triton backend, not enforce_eager)
+        self.verify_graph_runner = None  # the same for uniform speculative verification steps
         self.graph_capture_time_s = 0.0
         if self._is_cuda:
             self._copy_stream = torch.cuda.Stream()
@@ -103,7 +128,9 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         d = self.dims
         itemsize = torch.empty((), dtype=self.config.kv_cache_torch_dtype).element_size()
-        return 2 * d.num_layers * self.block_size * d.num_kv_heads * d.head_dim * itemsize
+        own = 2 * d.num_layers * self.block_size * d.num_kv_heads * d.head_dim * itemsize
+        # a draft model's KV lives in the same blocks (same block tables)
+        return own + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def determine_num_blocks(self) -> int:
         """From num_gpu_blocks_override, kv_cache_memory_bytes, or (GPU) a profiling forward
@@ -194,12 +221,15 @@ class ModelRunner:
                                       dtype=self.config.kv_cache_torch_dtype, device=self.device)
                           for _ in range(d.num_layers)]
         self.model.bind_kv_caches(self.kv_caches)
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(n)
         self.num_blocks = n
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, self.block_size,
                     n * self.kv_bytes_per_block() / 2**20)
         if self._is_cuda and self.config.attention_backend == "triton":
             logger.info("Warmed up prefill kernels in %.2f s", self._warm_up_kernels())
-        if self._is_cuda and not self.config.enforce_eager and self.config.attention_backend == "triton":
+        graphs_ok = self.drafter is None or self.drafter.allows_cuda_graphs
+        if self._is_cuda and not self.config.enforce_eager and self.config.attention_backend == "triton" and graphs_ok:
             from pyengine.worker.cuda_graph import CUDAGraphRunner
             # Another thread (NCCL's watchdog) may query events while a rank captures.
             mode = "global" if self.tp is None else "thread_local"
@@ -207,6 +237,18 @@ class ModelRunner:
                                                 self.max_blocks_per_req, self.config.max_model_len, self.device,
                                                 capture_error_mode=mode)
             self.graph_capture_time_s = self.graph_runner.capture()
+            spec = self.spec_config
+            if spec is not None:
+                # verification steps where every request carries all k drafts (batch 1 with
+                # a hit, and small batches: disable_by_batch_size turns larger ones off)
+                top = min(self.config.max_num_seqs, 64, (spec.disable_by_batch_size or 65) - 1)
+                if top >= 1:
+                    self.verify_graph_runner = CUDAGraphRunner(
+                        self.model, self.attn_backend, top, self.max_blocks_per_req, self.config.max_model_len,
+                        self.device, capture_error_mode=mode, query_len=1 + spec.num_speculative_tokens)
+                    self.graph_capture_time_s += self.verify_graph_runner.capture()
+            if self.drafter is not None:
+                self.graph_capture_time_s += self.drafter.capture_cuda_graphs(mode)
         return n
 
     # ---- one step ------------------------------------------------------------------
@@ -297,6 +339,9 @@ class ModelRunner:
         if (self.graph_runner is not None and meta.max_query_len == 1
                 and meta.num_reqs <= self.graph_runner.max_batch_size):
             return self.graph_runner.run(ids, pos, meta)
+        vg = self.verify_graph_runner
+        if vg is not None and vg.covers(meta):
+            return vg.run(ids, pos, meta)
         return self.model(ids, pos, meta)
 
     @torch.inference_mode()
@@ -313,16 +358,25 @@ class ModelRunner:
         step's forward."""
         self.sampling_state.forget(so.finished_req_ids)
         self.sampling_state.rewind(so.discarded_draw_req_ids)
+        if self.drafter is not None:
+            self.drafter.forget(so.finished_req_ids)
+            self._last_so = so
         # All host-side preparation (inputs and sampling metadata) comes before the first
         # kernel of the step, so the step reaches the GPU as one burst of launches.
         ids, pos, meta, rows_t = self._prepare_inputs(so)
         sampled = [s for s in so.scheduled if s.sample]
         ph_flags = [s.placeholder_input for s in sampled]
-        meta_s = self.sampling_state.metadata(sampled, ph_flags) if sampled else None
+        spec = self.drafter is not None and so.speculative
+        meta_s = self.sampling_state.metadata(sampled, ph_flags, spec) if sampled else None
         prof = self.profiler
         if prof is not None:
             prof.phase("forward")
         hidden = self.forward(ids, pos, meta)
+        if spec:
+            self._step_hidden = hidden
+            if not sampled:  # a prefill chunk: the proposer still writes its own KV
+                self.drafter.propose(so, [], [], hidden)
+                self._step_hidden = None
         if not sampled:
             out = (ModelRunnerOutput([], None) if not non_blocking
                    else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None))
@@ -360,6 +414,8 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, sampled, ph_flags, meta_s, non_blocking: bool, grammar_output):
         """Sample the step's rows from ``logits`` float32 [S, V] (device)."""
+        if self.drafter is not None and self._last_so.speculative:
+            return self._sample_spec(logits, sampled, meta_s, grammar_output)
         if grammar_output is not None:
             from pyengine.structured_output.backend_xgrammar import apply_token_bitmask
             bitmask = grammar_output.bitmask[:len(sampled)].to(self.device, non_blocking=True)
@@ -412,12 +468,54 @@ class ModelRunner:
             event.record()
         return AsyncModelRunnerOutput(event, buf, logprobs_fn, tokens)
 
+    def _sample_spec(self, logits: torch.Tensor, sampled, meta_s, grammar_output) -> ModelRunnerOutput:
+        """Speculative decoding (sync scheduling only): verify each sampled request's
+        drafts on its 1 + k rows of ``logits`` (float32 [N, V]) with the rejection sampler,
+        then let the proposer draft the next step's tokens. Constrained requests carry no
+        drafts (one row each), so the grammar bitmask applies to their single row."""
+        starts, draft_ids = [], []
+        for s in sampled:
+            starts.append(len(draft_ids))
+            draft_ids.extend(s.spec_token_ids)
+            draft_ids.append(-1)
+        if grammar_output is not None:
+            from pyengine.structured_output.backend_xgrammar import apply_token_bitmask
+            rows = [starts[r] for r in grammar_output.rows]
+            full = torch.zeros(len(draft_ids), grammar_output.bitmask.shape[1], dtype=grammar_output.bitmask.dtype)
+            full[rows] = grammar_output.bitmask[grammar_output.rows]
+            apply_token_bitmask(logits, full.to(self.device, non_blocking=True), rows)
+        d_host = torch.tensor(draft_ids, dtype=torch.int64)
+        out = self.rejection_sampler(logits, meta_s, d_host.to(self.device, non_blocking=True), d_host >= 0)
+        cand, acc = out.candidate.tolist(), out.accepted.tolist()
+        generated = [RejectionSampler.emitted(cand, acc, st, len(s.spec_token_ids)) for st, s in zip(starts, sampled)]
+        glps = None
+        if out.logprobs is not None:
+            ids_l, lps_l, ranks_l = out.logprobs_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
+            glps = []
+            for st, s, g in zip(starts, sampled, generated):
+                k = s.request.sampling_params.logprobs
+                glps.append(None if k is None else
+                            [LogprobsEntry(ids_l[j][:k + 1], lps_l[j][:k + 1], ranks_l[j]) for j in range(st, st + len(g))])
+            if all(g is None for g in glps):
+                glps = None
+        drafts = self.drafter.propose(self._last_so, sampled, generated, self._step_hidden)
+        self._step_hidden = None
+        vg = self.verify_graph_runner
+        if vg is not None:
+            # fewer than k drafts: pad with the last one, so that the next verification is
+            # uniform and replays a CUDA graph (a padded draft is verified like any other)
+            k = vg.query_len - 1
+            drafts = [d + [d[-1]] * (k - len(d)) if 0 < len(d) < k else d for d in drafts]
+        return ModelRunnerOutput([g[0] for g in generated], None, generated, glps, drafts)
+
     def release(self) -> None:
         """Drop the model, KV cache, CUDA graphs and per-step device state so their memory
         can go back to the device (the runner is unusable afterwards)."""
         if self.model is not None and self.kv_caches:
             self.model.bind_kv_caches([None] * len(self.kv_caches))
         self.graph_runner = None
+        self.verify_graph_runner = None
+        self.drafter = None
         self.kv_caches = []
         self.model = None
         self.prev_sampled = None

@@ -42,9 +42,17 @@ class SamplingState:
         self.generators.clear()
         self._state_before_draw.clear()
 
-    def metadata(self, sampled, ph_flags) -> SamplingMetadata:
+    def metadata(self, sampled, ph_flags, spec: bool = False) -> SamplingMetadata:
         """The step's ``SamplingMetadata`` for the ``sampled`` rows (``ScheduledRequest``s);
-        ``ph_flags[i]``: row i's newest token is a placeholder (on the device only)."""
+        ``ph_flags[i]``: row i's newest token is a placeholder (on the device only).
+
+        ``spec`` (speculative decoding): a request with ``k`` draft tokens
+        (``ScheduledRequest.spec_token_ids``) gets ``k + 1`` rows, row ``j`` with the
+        request's parameters and generator and, as output tokens, its output followed by
+        its first ``j`` drafts (so penalties, min_tokens and bad words see the context
+        that row is verified in)."""
+        if spec and any(s.spec_token_ids for s in sampled):
+            return self._spec_metadata(sampled)
         params = [s.request.sampling_params for s in sampled]
         need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                           for p in params)
@@ -76,4 +84,24 @@ class SamplingState:
                 if self.async_scheduling:
                     self._state_before_draw[rid] = g.get_state()  # host-side copy, no sync
             gens.append(g)
+        return SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device)
+
+    def _spec_metadata(self, sampled) -> SamplingMetadata:
+        params, prompts, outs, gens = [], [], [], []
+        need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                          or p.bad_words_token_ids for p in (s.request.sampling_params for s in sampled))
+        for s in sampled:
+            r, sp, rid = s.request, s.request.sampling_params, s.request.request_id
+            g = None
+            if sp.seed is not None and not sp.sampling_type_greedy:
+                g = self.generators.get(rid)
+                if g is None:
+                    g = self.generators[rid] = torch.Generator(device=self.device)
+                    g.manual_seed(sp.seed)
+            o = r.output_token_ids if need_tokens else ()
+            for j in range(len(s.spec_token_ids) + 1):
+                params.append(sp)
+                prompts.append(r.prompt_token_ids if need_tokens else ())
+                outs.append(list(o) + s.spec_token_ids[:j] if need_tokens else ())
+                gens.append(g)
         return SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device)

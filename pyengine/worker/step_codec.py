@@ -119,7 +119,9 @@ def control_header(op: int, n: int) -> np.ndarray:
 
 def pack_step(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -> PackedStep:
     """All integer inputs of the step, host side (the layout above). ``prev_rows``: the
-    row of each request in the previous step's sampled ids, for its placeholder input."""
+    row of each request in the previous step's sampled ids, for its placeholder input.
+    A request with draft tokens (``spec_token_ids``, k of them) feeds them after its
+    known tokens and has its last 1 + k rows sampled (verification)."""
     sched = so.scheduled
     T, R, bs = so.total_num_scheduled_tokens, len(sched), block_size
     toks: list[int] = []
@@ -142,6 +144,9 @@ def pack_step(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -
             toks.append(0)
         elif n == 1:
             toks.append(all_ids[start])
+        elif s.spec_token_ids:  # the known tokens, then the drafts (speculative decoding)
+            toks.extend(all_ids[start:start + n - len(s.spec_token_ids)])
+            toks.extend(s.spec_token_ids)
         else:
             toks.extend(all_ids[start:start + n])
         block_table[i, :len(s.block_ids)] = s.block_ids
@@ -149,7 +154,11 @@ def pack_step(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -
     np.cumsum(ns, out=qsl[1:])
     seq_lens = buf32[shape.seq_lens_offset:shape.seq_lens_offset + R]
     seq_lens[:] = starts + ns
-    rows = [int(qsl[i + 1]) - 1 for i, s in enumerate(sched) if s.sample]
+    rows = []  # the last row of each sampling request; its last 1 + k rows when it has k drafts
+    for i, s in enumerate(sched):
+        if s.sample:
+            end = int(qsl[i + 1])
+            rows.extend(range(end - 1 - len(s.spec_token_ids), end))
     shape = StepShape(T, R, len(ph_rows), len(rows), max_blocks, int(ns.max()), int(seq_lens.max()))
     buf64 = np.empty(shape.int64_len, dtype=np.int64)
     buf64[:T] = toks

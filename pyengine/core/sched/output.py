@@ -19,6 +19,9 @@ class ScheduledRequest:
     sample: bool  # this chunk reaches the end of the sequence: sample one token
     placeholder_input: bool  # the last fed token was sampled by the previous step, still on device
     epoch: int  # request.num_preemptions at schedule time; stale outputs are dropped
+    # draft tokens fed after the newest token (speculative decoding; their count is part of
+    # num_new_tokens): the runner verifies them and samples len + 1 rows for this request
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -34,6 +37,9 @@ class SchedulerOutput:
     # some row that samples is constrained by a grammar (structured outputs): its bitmask
     # comes from Scheduler.get_grammar_bitmask once the previous tokens are accepted
     has_structured_output: bool = False
+    # speculative decoding runs in this step (fewer running requests than
+    # disable_by_batch_size): rows may carry drafts, and the runner verifies and proposes
+    speculative: bool = False
 
     @property
     def is_empty(self) -> bool:

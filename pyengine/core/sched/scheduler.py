@@ -57,6 +57,15 @@ class Scheduler:
         self.step_host_time_s = 0.0
         self.structured_output_manager = StructuredOutputManager(config)
         self._waiting_for_fsm: list[Request] = []  # grammars compiling, in arrival order
+        # Speculative decoding: drafts fed as lookahead tokens; a draft-model / EAGLE-3
+        # proposer also writes its own KV past the step's tokens (lookahead slots).
+        spec = config.speculative_config
+        self.spec_enabled = spec is not None
+        self.spec_disable_batch = spec.disable_by_batch_size if spec is not None else None
+        self._spec_step = False  # this schedule() call's SchedulerOutput.speculative
+        self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_draft_kv else 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
 
     # ---- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -139,6 +148,36 @@ class Scheduler:
     def _num_tokens_to_feed(self, req: Request) -> int:
         return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
 
+    def wants_speculative_step(self) -> bool:
+        """Speculative decoding would run in the next step: it is configured and fewer
+        requests run than ``disable_by_batch_size`` (if set). Under async scheduling the
+        engine then consumes the batch in flight before scheduling (drafts need every token
+        of their request on the host); at higher load it pipelines as usual."""
+        return self.spec_enabled and (self.spec_disable_batch is None or len(self.running) < self.spec_disable_batch)
+
+    def _drafts_for_step(self, req: Request, n: int, budget: int) -> list[int]:
+        """The draft tokens ``req`` feeds this step (its ``spec_token_ids``, consumed):
+        none for a prefill chunk, a constrained request, a request with a token in flight
+        (async scheduling), or a step that is not speculative (``disable_by_batch_size``
+        running requests or more); cut so that the step's tokens fit the
+        budget and its 1 + k possible new tokens exceed neither ``max_tokens`` nor
+        ``max_model_len``."""
+        spec, req.spec_token_ids = req.spec_token_ids, []
+        if n != 1 or req.structured_output_request is not None:
+            return []
+        if not self._spec_step or req.num_output_placeholders:
+            return []
+        k = min(len(spec), budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1)
+        return spec[:k] if k > 0 else []
+
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Slots past the step's ``n`` tokens that the proposer writes its KV into: only
+        when this step samples, and never past max_model_len."""
+        if not self.num_lookahead_tokens or req.num_computed_tokens + n < req.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - req.num_computed_tokens - n))
+
     def _can_schedule_running(self, req: Request) -> bool:
         # Placeholders count against max_tokens and max_model_len: an in-flight token may finish it.
         if req.num_output_placeholders:
@@ -180,7 +219,8 @@ class Scheduler:
             take = kv.num_blocks_to_take(req, n, hit_blocks)
             if take + self._readmission_reserve(req, num_hit + n) > kv.block_pool.get_num_free_blocks():
                 return _NO_ROOM
-        if not kv.allocate_slots(req, n, hit_blocks):
+        lookahead = self.num_lookahead_tokens and self._lookahead_admit(req, num_hit, n)
+        if not kv.allocate_slots(req, n, hit_blocks, num_lookahead_tokens=lookahead):
             return _NO_ROOM
         if req.num_cached_tokens < 0:  # first admission
             req.num_cached_tokens = num_hit
@@ -189,6 +229,12 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return n
+
+    def _lookahead_admit(self, req: Request, num_hit: int, n: int) -> int:
+        """``_lookahead`` for a waiting request admitted with ``num_hit`` cached tokens."""
+        if num_hit + n < req.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_hit - n))
 
     def _final_len(self, req: Request) -> int:
         """The request's length once it generated all its max_tokens."""
@@ -249,6 +295,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(req)
@@ -286,6 +333,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._spec_step = self.wants_speculative_step()
         kv = self.kv_cache_manager
         thr = self.long_prefill_token_threshold
 
@@ -300,7 +348,10 @@ class Scheduler:
                 if n <= 0 or not self._can_schedule_running(req):
                     i += 1
                     continue
-                while not kv.allocate_slots(req, n):
+                spec = self._drafts_for_step(req, n, budget) if req.spec_token_ids else []
+                n += len(spec)
+                lookahead = self._lookahead(req, n)
+                while not kv.allocate_slots(req, n, num_lookahead_tokens=lookahead):
                     victim = self._pick_victim()
                     if self.running.index(victim) < i:
                         # Already scheduled this step (priority policy): take that back too.
@@ -312,7 +363,7 @@ class Scheduler:
                         break
                 if req.status != _RUNNING:
                     continue  # req itself was preempted; self.running shifted under index i
-                scheduled.append(self._scheduled(req, n))
+                scheduled.append(self._scheduled(req, n, spec))
             except Exception as e:  # noqa: BLE001 - one request's failure ends only that request
                 self.fail_request(req.request_id, e)
                 continue  # it left self.running: index i now holds the next request
@@ -347,6 +398,7 @@ class Scheduler:
 
         out = SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_prefill, preempted,
                               self.finished_req_ids, self._discarded_draws)
+        out.speculative = self._spec_step
         if self.structured_output_manager.num_live:
             out.has_structured_output = any(s.sample and s.request.structured_output_request is not None
                                             for s in scheduled)
@@ -358,12 +410,15 @@ class Scheduler:
         self.step_host_time_s += time.perf_counter() - t0
         return out
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, spec: list[int] = ()) -> ScheduledRequest:
         start = req.num_computed_tokens
         sample = start + n >= req.num_tokens + req.num_output_placeholders
         placeholder = req.num_output_placeholders > 0 and start + n > req.num_tokens
-        return ScheduledRequest(req, n, start, self.kv_cache_manager.get_block_ids(req.request_id),
-                                sample, placeholder, req.num_preemptions)
+        s = ScheduledRequest(req, n, start, self.kv_cache_manager.get_block_ids(req.request_id),
+                             sample, placeholder, req.num_preemptions)
+        if spec:
+            s.spec_token_ids = spec
+        return s
 
     def _update_after_schedule(self, s: ScheduledRequest) -> None:
         s.request.num_computed_tokens += s.num_new_tokens
@@ -376,17 +431,34 @@ class Scheduler:
         sampled row, in the order of ``so.scheduled`` rows with ``sample=True``) and
         ``logprobs`` (None or a list of LogprobsEntry per row). With constrained requests in
         the engine, their grammars first take the step's tokens in one call into the
-        grammar backend."""
+        grammar backend.
+
+        Speculative decoding: ``generated_token_ids`` (per sampled row the 1..k+1 tokens
+        the verification produced: the accepted drafts, then the target's own token),
+        ``generated_logprobs`` (per row, one entry per token) and ``draft_token_ids`` (per
+        row the drafts proposed for the next step). The rejected drafts' KV is rolled back
+        (``num_computed_tokens``); tokens after one that ends the request (a stop token,
+        max_tokens, max_model_len) are dropped."""
         t0 = time.perf_counter()
-        tokens = runner_output.sampled_token_ids
-        lps = runner_output.logprobs
+        gen = getattr(runner_output, "generated_token_ids", None)
+        if gen is not None:
+            glps = runner_output.generated_logprobs
+            drafts = runner_output.draft_token_ids
+            tokens = [g[0] for g in gen]
+        else:
+            tokens = runner_output.sampled_token_ids
+            lps = runner_output.logprobs
         rejected = self._accept_structured(so, tokens) if self.structured_output_manager.num_live else ()
         outputs: list[EngineCoreOutput] = []
         row = 0
         for s in so.scheduled:
             if not s.sample:
                 continue
-            tok, lp = tokens[row], (lps[row] if lps is not None else None)
+            if gen is not None:
+                toks, lp_list = gen[row], (glps[row] if glps is not None else None)
+                new_drafts = drafts[row] if drafts is not None else None
+            else:
+                toks, lp_list = (tokens[row],), ([lps[row]] if lps is not None and lps[row] is not None else None)
             row += 1
             req = s.request
             if req.is_finished() or req.request_id not in self.requests:
@@ -399,8 +471,21 @@ class Scheduler:
                 continue
             try:
                 self._on_token_consumed(req)
-                req.all_token_ids.append(tok)
-                finished = self._check_stop(req, tok)
+                if s.spec_token_ids:
+                    self._account_drafts(req, len(s.spec_token_ids), len(toks))
+                appended = 0
+                for tok in toks:
+                    req.all_token_ids.append(tok)
+                    appended += 1
+                    finished = self._check_stop(req, tok)
+                    if finished:
+                        break
+                if appended < len(toks):
+                    toks = toks[:appended]
+                    if lp_list is not None:
+                        lp_list = lp_list[:appended]
+                if gen is not None and not finished and new_drafts:
+                    req.spec_token_ids = new_drafts
                 if req.request_id in rejected:
                     raise ValueError(f"the structured-output grammar rejected token {tok} (output token "
                                      f"{req.num_output_tokens}); this is a bug, please report it")
@@ -410,9 +495,9 @@ class Scheduler:
                     # request (ignore_eos): nothing else may follow.
                     req.status = RequestStatus.FINISHED_STOPPED
                     finished = True
-                first = req.num_output_tokens == 1
+                first = req.num_output_tokens == len(toks)
                 out = EngineCoreOutput(
-                    req.request_id, [tok], [lp] if lp is not None else None,
+                    req.request_id, list(toks), list(lp_list) if lp_list is not None else None,
                     finish_reason=req.get_finished_reason() if finished else None,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0,
@@ -427,6 +512,19 @@ class Scheduler:
         self.num_steps += 1
         self.step_host_time_s += time.perf_counter() - t0
         return self._make_outputs(outputs, so.total_num_scheduled_tokens)
+
+    def _account_drafts(self, req: Request, num_drafts: int, num_generated: int) -> None:
+        """A verified run of ``num_drafts`` drafts gave ``num_generated`` tokens (the
+        accepted drafts and one more): the rejected drafts' KV is rolled back (it is
+        overwritten when real tokens take those positions), and the counters advance."""
+        accepted = num_generated - 1
+        req.num_computed_tokens -= num_drafts - accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += accepted
+        per_pos = self.spec_accepted_per_pos
+        for j in range(accepted):
+            per_pos[j] += 1
 
     def _accept_structured(self, so: SchedulerOutput, tokens: list[int]) -> set:
         """Advance each constrained request's grammar by its token of this step; returns
@@ -484,4 +582,7 @@ class Scheduler:
             grammar_bitmask_time_s=self.structured_output_manager.bitmask_time_s,
             grammar_bitmask_steps=self.structured_output_manager.bitmask_steps,
             grammar_bitmask_rows=self.structured_output_manager.bitmask_rows,
-            engine_index=self.config.data_parallel_rank)
+            engine_index=self.config.data_parallel_rank,
+            spec_num_drafts=self.spec_num_drafts, spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos))

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Speculative decoding (issue 27): batch-1 TPOT with speculation on vs off, the mean
+acceptance length, and throughput at many streams with the batch-size cutoff.
+
+Parts (``--parts``):
+
+- ``ngram``: the built-in code model (``pyengine/default_model``, or ``--model``) on
+  code-editing prompts: a function from the standard library, then the start of the same
+  function with one change (a renamed identifier), which the model rewrites; batch 1,
+  prompt lookup (``prompt_lookup_min/max``) with ``--k`` drafts.
+- ``draft``: a draft-model pair: the target a larger code model trained in this run with
+  ``tools/train_default_model.py --tokenizer <built-in model>`` (same vocabulary; or
+  ``--target`` given), the built-in 7.6M model drafting; batch 1.
+- ``throughput``: ``--streams`` concurrent requests (the code-editing prompts repeated),
+  speculation off vs ngram with ``disable_by_batch_size=--cutoff``: output tokens/s.
+
+TPOT per request is (last token time - first token time) / (output tokens - 1) from the
+engine's RequestMetrics; the reported figure is the mean over requests. Each engine is
+built, measured and released before the next one.
+
+    python3 benchmarks/spec_decode.py --json out/spec_decode.json             # H200
+    python3 benchmarks/spec_decode.py --device cpu --tiny --parts ngram,draft,throughput   # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # noqa: E402
+
+# Standard-library modules the code-editing prompts take their functions from.
+SOURCE_MODULES = ("textwrap", "shlex", "fnmatch", "glob", "posixpath", "calendar", "string", "difflib",
+                  "ipaddress", "csv", "configparser", "argparse")
+TARGETS = {"ngram_speedup": 2.0, "draft_speedup": 1.8, "throughput_loss_max": 0.03}
+
+
+def code_edit_prompts(n: int, min_lines: int = 6, max_lines: int = 30) -> list[str]:
+    """``n`` prompts: a top-level or method function of ``SOURCE_MODULES`` (6..30 lines),
+    a comment asking for one change (an argument renamed), and the new function's first
+    line with that change; the model's best continuation is the old body with the rename."""
+    import importlib
+
+    out = []
+    for mod_name in SOURCE_MODULES:
+        src = inspect.getsource(importlib.import_module(mod_name))
+        lines = src.splitlines()
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, ast.FunctionDef) or not node.args.args:
+                continue
+            length = node.end_lineno - node.lineno + 1
+            if not min_lines <= length <= max_lines:
+                continue
+            body = "\n".join(lines[node.lineno - 1:node.end_lineno])
+            indent = len(body) - len(body.lstrip())
+            body = "\n".join(ln[indent:] for ln in body.splitlines())
+            arg = next((a.arg for a in node.args.args if a.arg not in ("self", "cls") and len(a.arg) > 1), None)
+            if arg is None or not body.splitlines()[0].rstrip().endswith(":"):
+                continue  # a header over several lines
+            new = arg + "_value"
+            first = body.splitlines()[0].replace(arg, new)
+            out.append(f"{body}\n\n\n# The same function, with the argument `{arg}` renamed to `{new}`:\n{first}\n")
+            if len(out) == n:
+                return out
+    return out
+
+
+def _llm(model: str, args, spec: Optional[dict] = None, **kw):
+    from pyengine import LLM
+
+    return LLM(model, device=args.device, dtype=common.resolve_dtype(args), speculative_config=spec,
+               max_model_len=args.max_model_len, enable_prefix_caching=False, **kw)
+
+
+def _batch1(llm, prompts: list[str], max_tokens: int) -> dict:
+    """Each prompt alone (batch 1): mean TPOT (ms), tokens, and the engine's draft counters."""
+    from pyengine import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up
+    before = llm.llm_engine.get_stats()
+    tpots, toks, outs = [], 0, []
+    for p in prompts:
+        o = llm.generate([p], sp, use_tqdm=False)[0]
+        c, m = o.outputs[0], o.metrics
+        outs.append(c.token_ids)
+        toks += len(c.token_ids)
+        if len(c.token_ids) > 1:
+            tpots.append((m.last_token_time - m.first_token_time) / (len(c.token_ids) - 1) * 1e3)
+    after = llm.llm_engine.get_stats()
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    acc = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    dt = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    return {"tpot_ms": statistics.mean(tpots) if tpots else 0.0, "output_tokens": toks, "requests": len(prompts),
+            "drafts": drafts, "draft_tokens": dt, "accepted_tokens": acc,
+            "mean_acceptance_length": 1 + acc / drafts if drafts else None,
+            "draft_acceptance_rate": acc / dt if dt else None, "_tokens": outs}
+
+
+def _on_off(model: str, args, spec: dict, prompts: list[str]) -> dict:
+    """off, on, off again (a cold first engine must not flatter the speedup): each mode's
+    faster run counts; every run's TPOT is kept in ``tpot_runs_ms``."""
+    runs = {"off": [], "on": []}
+    for name, s in (("off", None), ("on", spec), ("off", None)):
+        llm = _llm(model, args, s)
+        runs[name].append(_batch1(llm, prompts, args.output_len))
+        common.shutdown_llm(llm)
+        del llm
+        common.free_cuda()
+    res = {}
+    for name, rs in runs.items():
+        res[name] = min(rs, key=lambda r: r["tpot_ms"])
+        res[name]["tpot_runs_ms"] = [r["tpot_ms"] for r in rs]
+    same = all(r["_tokens"] == runs["off"][0]["_tokens"] for rs in runs.values() for r in rs)
+    for rs in runs.values():
+        for r in rs:
+            r.pop("_tokens", None)
+    return {"spec_config": spec, "off": res["off"], "on": res["on"], "greedy_identical": same,
+            "speedup": res["off"]["tpot_ms"] / res["on"]["tpot_ms"] if res["on"]["tpot_ms"] else None}
+
+
+def train_target(args) -> str:
+    """Train the draft pair's target with tools/train_default_model.py (the built-in
+    model's tokenizer) into ``--target-out``; returns its directory."""
+    from pyengine.config import DEFAULT_MODEL_DIR
+
+    out = args.target_out
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "train_default_model.py"),
+           "--out", out, "--tokenizer", args.model or str(DEFAULT_MODEL_DIR), "--minutes", str(args.train_minutes),
+           "--deadline-minutes", str(args.train_minutes + 1.5), "--n-headers", "4"]
+    if args.tiny:
+        cmd += ["--tiny"]
+    else:
+        cmd += ["--hidden", "512", "--layers", "16", "--heads", "8", "--kv-heads", "4", "--head-dim", "64",
+                "--intermediate", "1536", "--batch", "32"]
+    t0 = time.time()
+    print("training the target:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    print(f"trained in {time.time() - t0:.0f} s", flush=True)
+    return out
+
+
+def _params(model_dir: str) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():
+                n += _prod(s.get_slice(k).get_shape())
+    return n
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def throughput(model: str, args, prompts: list[str]) -> dict:
+    from pyengine import SamplingParams
+
+    reqs = (prompts * (args.streams // max(len(prompts), 1) + 1))[:args.streams]
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max, "disable_by_batch_size": args.cutoff}
+    res = {}
+    for name, s in (("off", None), ("on", spec)):
+        llm = _llm(model, args, s, max_num_seqs=max(args.streams, 1))
+        llm.generate(reqs[:8], sp, use_tqdm=False)
+        best = None
+        for _ in range(args.repeats):  # the best of a few runs (one is well under a second on the H200)
+            t0 = time.perf_counter()
+            outs = llm.generate(reqs, sp, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            if best is None or n / dt > best["tokens_per_s"]:
+                best = {"output_tokens": n, "seconds": dt, "tokens_per_s": n / dt}
+        res[name] = best
+        common.shutdown_llm(llm)
+        del llm
+        common.free_cuda()
+    res["spec_config"] = spec
+    res["ratio_on_off"] = res["on"]["tokens_per_s"] / res["off"]["tokens_per_s"]
+    return res
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="ngram,draft,throughput")
+    p.add_argument("--model", default=None, help="the code model (default: the built-in one)")
+    p.add_argument("--target", default=None, help="the draft pair's target (default: trained here)")
+    p.add_argument("--target-out", default="/tmp/spec_target", help="where the trained target goes")
+    p.add_argument("--train-minutes", type=float, default=3.0)
+    p.add_argument("--k", type=int, default=8, help="num_speculative_tokens (ngram)")
+    p.add_argument("--draft-k", type=int, default=4, help="num_speculative_tokens (draft model)")
+    p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--lookup-max", type=int, default=5)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--streams", type=int, default=256)
+    p.add_argument("--cutoff", type=int, default=32, help="disable_by_batch_size of the throughput part")
+    p.add_argument("--repeats", type=int, default=3, help="throughput runs per engine (the best counts)")
+    p.add_argument("--tiny", action="store_true", help="a CPU smoke run: a tiny target, few tokens")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--json", dest="json_out", default=None)
+    args, hw, cmd = common.start(p, argv, "spec_decode.py")
+    from pyengine.config import DEFAULT_MODEL_DIR
+
+    model = args.model or str(DEFAULT_MODEL_DIR)
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    prompts = code_edit_prompts(args.num_prompts)
+    fields: dict = {"prompts": len(prompts), "targets": TARGETS}
+    if "ngram" in parts:
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+                "prompt_lookup_max": args.lookup_max}
+        fields["ngram"] = _on_off(model, args, spec, prompts)
+        print("ngram:", {k: v for k, v in fields["ngram"].items() if k != "spec_config"}, flush=True)
+    if "draft" in parts:
+        target = args.target or train_target(args)
+        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": args.draft_k}
+        fields["draft"] = _on_off(target, args, spec, prompts)
+        fields["draft"]["target_params"] = _params(target)
+        fields["draft"]["draft_params"] = _params(model)
+        print("draft:", {k: v for k, v in fields["draft"].items() if k != "spec_config"}, flush=True)
+    if "throughput" in parts:
+        fields["throughput"] = throughput(model, args, prompts)
+        print("throughput:", fields["throughput"], flush=True)
+    return common.finish("spec_decode", args, hw, cmd, **fields)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The proposer interface the model runner calls (vLLM's proposers have no common base;
+this is the one shape ours share)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["Proposer", "TokenProposer", "num_drafts_wanted"]
+
+
+def num_drafts_wanted(spec, so, s, num_new_tokens: int, max_model_len: int) -> int:
+    """How many drafts request ``s`` (a sampled ``ScheduledRequest``) should get after
+    this step, which gave it ``num_new_tokens`` tokens: 0 for a constrained request, in a
+    step of at least ``disable_by_batch_size`` requests, or at the end of its room
+    (max_tokens, max_model_len); else ``num_speculative_tokens`` capped by that room."""
+    req = s.request
+    if req.structured_output_request is not None:
+        return 0
+    if not so.speculative:  # disable_by_batch_size: as many running requests or more
+        return 0
+    num_out = req.num_output_tokens + num_new_tokens
+    num_tok = req.num_tokens + num_new_tokens
+    return max(0, min(spec.num_speculative_tokens, req.max_tokens - num_out - 1, max_model_len - num_tok - 1))
+
+
+class Proposer:
+    """Drafts the next step's tokens. ``propose`` runs once per step after verification
+    (also for steps that sample nothing: a model-based proposer writes its KV of prefill
+    chunks then)."""
+
+    allows_cuda_graphs = True  # the target's decode steps may replay CUDA graphs
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of the proposer's own KV cache per block (0: none)."""
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the proposer's KV cache of ``num_blocks`` blocks (the target's count)."""
+
+    def forget(self, request_ids) -> None:
+        """These requests finished."""
+
+    def capture_cuda_graphs(self, capture_error_mode: str) -> float:
+        """Capture the proposer's own CUDA graphs (CUDA, after ``initialize_kv_cache``);
+        returns seconds (0: none)."""
+        return 0.0
+
+    def propose(self, so, sampled: Sequence, generated: Sequence[Sequence[int]],
+                hidden: Optional[torch.Tensor]) -> list[list[int]]:
+        """Drafts per sampled row (``sampled[i]``, a ``ScheduledRequest``, got the tokens
+        ``generated[i]`` this step, not yet in its ``all_token_ids``). ``so``: the step's
+        ``SchedulerOutput``; ``hidden``: the target's hidden states of the step's tokens
+        [T, H] (device)."""
+        raise NotImplementedError
+
+
+class TokenProposer(Proposer):
+    """A host-side proposer: ``draft(request, context, k)`` per sampled request, where
+    ``context`` is its prompt and output tokens including this step's."""
+
+    def __init__(self, spec, max_model_len: int):
+        self.spec, self.max_model_len = spec, max_model_len
+
+    def draft(self, request, context: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose(self, so, sampled, generated, hidden) -> list[list[int]]:
+        out = []
+        for s, g in zip(sampled, generated):
+            k = num_drafts_wanted(self.spec, so, s, len(g), self.max_model_len)
+            out.append(list(self.draft(s.request, s.request.all_token_ids + list(g), k))[:k] if k else [])
+        return out
+
+
+def draft_attn_metadata(seqs, block_size: int, device):
+    """Inputs of a proposer model's forward over ``seqs``: (start position, token ids,
+    block ids) per request, its tokens at positions start .. start + len - 1 over the
+    cached context before ``start``. Returns (ids int64 [T], positions int64 [T],
+    ``AttentionMetadata``) on ``device``; a position past the request's blocks gets slot
+    -1 (not written). Raises ValueError for an empty ``seqs``."""
+    import numpy as np
+
+    from pyengine.attention.backend import AttentionMetadata
+
+    if not seqs:
+        raise ValueError("no sequences")
+    R = len(seqs)
+    width = max(1, max(len(b) for _, _, b in seqs))
+    bt = np.zeros((R, width), dtype=np.int32)
+    ids, pos, slots, qsl, seq = [], [], [], [0], []
+    for i, (start, toks, blocks) in enumerate(seqs):
+        bt[i, :len(blocks)] = blocks
+        cap = len(blocks) * block_size
+        for j, t in enumerate(toks):
+            p = start + j
+            ids.append(t)
+            pos.append(p)
+            slots.append(int(blocks[p // block_size]) * block_size + p % block_size if p < cap else -1)
+        qsl.append(qsl[-1] + len(toks))
+        seq.append(start + len(toks))
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    seq_t = torch.tensor(seq, dtype=torch.int32)
+    T = len(ids)
+    meta = AttentionMetadata(T, R, max(len(t) for _, t, _ in seqs), max(seq), qsl_t.to(device), seq_t.to(device),
+                             torch.from_numpy(bt).to(device), torch.tensor(slots, dtype=torch.int64).to(device),
+                             qsl_t, seq_t)
+    return (torch.tensor(ids, dtype=torch.int64).to(device), torch.tensor(pos, dtype=torch.int64).to(device), meta)
+
+
+def load_draft(config, hf_config, model_dir: str, block_size: int):
+    """(model, attention backend, dims) of a proposer checkpoint ``model_dir`` with
+    ``hf_config``, in the target's dtype and device and attention backend kind."""
+    from pyengine.attention.backend import get_backend_cls
+    from pyengine.models.loader import load_model
+    from pyengine.models.registry import model_dims
+
+    dims = model_dims(hf_config)
+    attn = get_backend_cls(config.attention_backend)(dims.num_heads, dims.num_kv_heads, dims.head_dim,
+                                                     dims.head_dim ** -0.5, block_size, config.dtype, config.device)
+    dcfg = config.replace(model=model_dir, tokenizer=model_dir, hf_config=hf_config, quantization=None,
+                          kv_cache_dtype="auto", speculative_config=None, enable_expert_parallel=False,
+                          load_format="auto")
+    return load_model(dcfg, attn), attn, dims
+
+
+def kv_bytes(dims, block_size: int, dtype) -> int:
+    """KV cache bytes per block of a model of ``dims`` (ModelDims) in ``dtype``."""
+    return 2 * dims.num_layers * block_size * dims.num_kv_heads * dims.head_dim * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,109 @@
+"""Draft-model proposer (the role of vllm/v1/spec_decode/draft_model.py): a smaller model
+with the target's vocabulary drafts greedily. Its KV cache has the target's block count
+and lives in the target's block tables (the same block ids and slots), so the scheduler
+manages one set of blocks; the scheduler reserves ``num_speculative_tokens`` lookahead
+slots past each sampling step for the draft positions.
+
+Per step, for every scheduled request: one forward over the tokens whose draft KV is not
+yet written (``_valid``: how many leading positions of the request hold valid draft KV;
+this step's accepted tokens and its new token, and those of steps without speculation
+it missed), whose last row gives the first draft;
+then ``k - 1`` one-token forwards, each feeding the previous draft. A rejected draft's
+KV is overwritten when a real token takes its position."""
+from __future__ import annotations
+
+import torch
+
+from pyengine.spec_decode.base import Proposer, draft_attn_metadata, kv_bytes, load_draft, num_drafts_wanted
+
+__all__ = ["DraftModelProposer"]
+
+
+class DraftModelProposer(Proposer):
+    """``DraftModelProposer(config, runner)``: loads ``config.speculative_config.model``."""
+
+    def __init__(self, config, runner):
+        self.spec = config.speculative_config
+        self.config, self.block_size, self.device = config, config.block_size, config.device
+        self.model, self.attn, self.dims = load_draft(config, self.spec.draft_hf_config, self.spec.model,
+                                                      config.block_size)
+        self.kv_caches: list[torch.Tensor] = []
+        self._valid: dict[str, tuple[int, int]] = {}  # request id -> (epoch, positions with valid draft KV)
+        self._graphs = None  # CUDAGraphRunner of the one-token draft steps (CUDA)
+
+    def capture_cuda_graphs(self, capture_error_mode: str) -> float:
+        from pyengine.core.kv_cache_manager import cdiv
+        from pyengine.worker.cuda_graph import CUDAGraphRunner
+
+        c = self.config
+        self._graphs = CUDAGraphRunner(self.model, self.attn, c.max_num_seqs, cdiv(c.max_model_len, c.block_size),
+                                       c.max_model_len, self.device, capture_error_mode=capture_error_mode)
+        return self._graphs.capture()
+
+    def _forward(self, ids, pos, meta):
+        g = self._graphs
+        if g is not None and meta.max_query_len == 1 and g.covers(meta):
+            return g.run(ids, pos, meta)
+        return self.model(ids, pos, meta)
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes(self.dims, self.block_size, self.config.dtype)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        d = self.dims
+        self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, d.num_kv_heads, d.head_dim,
+                                      dtype=self.config.dtype, device=self.device) for _ in range(d.num_layers)]
+        self.model.bind_kv_caches(self.kv_caches)
+
+    def forget(self, request_ids) -> None:
+        for rid in request_ids:
+            self._valid.pop(rid, None)
+
+    @torch.inference_mode()
+    def propose(self, so, sampled, generated, hidden) -> list[list[int]]:
+        gen = {id(s): g for s, g in zip(sampled, generated)}
+        seqs, want, ends = [], [], []
+        for s in so.scheduled:
+            r = s.request
+            g = gen.get(id(s))
+            epoch, v = self._valid.get(r.request_id, (-1, 0))
+            if epoch != s.epoch:
+                # first sight: trust the draft KV of its prefix-cache hit (written by the request
+                # that computed those blocks); after a preemption start over
+                v = max(r.num_cached_tokens, 0) if s.epoch == 0 else 0
+            v = min(v, s.num_computed_tokens)
+            if g is not None:
+                end = r.num_tokens + len(g)
+                ctx = r.all_token_ids + list(g)
+                k = num_drafts_wanted(self.spec, so, s, len(g), self.config.max_model_len)
+                k = max(0, min(k, len(s.block_ids) * self.block_size - end + 1))
+            else:
+                end = s.num_computed_tokens + s.num_new_tokens
+                ctx, k = r.all_token_ids, 0
+            if v >= end:
+                continue
+            seqs.append((v, ctx[v:end], s.block_ids))
+            want.append((s, k))
+            ends.append(end)
+            self._valid[r.request_id] = (s.epoch, end)
+        drafts = {}
+        if seqs:
+            ids, pos, meta = draft_attn_metadata(seqs, self.block_size, self.device)
+            h = self._forward(ids, pos, meta)
+            last = torch.tensor([meta.query_start_loc_cpu[i + 1].item() - 1 for i, (_, k) in enumerate(want) if k],
+                                dtype=torch.int64)
+            if last.numel():
+                tok = self.model.compute_logits(h[last.to(self.device)]).argmax(dim=-1).tolist()
+                active = [(i, s, k) for i, (s, k) in enumerate(want) if k]
+                for (_, s, _), t in zip(active, tok):
+                    drafts[id(s)] = [t]
+                for j in range(1, max(k for _, _, k in active)):
+                    active = [(i, s, k) for i, s, k in active if k > j]
+                    if not active:
+                        break
+                    batch = [(ends[i] - 1 + j, [drafts[id(s)][-1]], s.block_ids) for i, s, _ in active]
+                    ids, pos, meta = draft_attn_metadata(batch, self.block_size, self.device)
+                    tok = self.model.compute_logits(self._forward(ids, pos, meta)).argmax(dim=-1).tolist()
+                    for (_, s, _), t in zip(active, tok):
+                        drafts[id(s)].append(t)
+        return [drafts.get(id(s), []) for s in sampled]

@@ -1,0 +1,167 @@
+"""Rejection sampler of speculative decoding (the role of vllm/v1/sample/rejection_sampler.py).
+
+A request that fed ``k`` draft tokens ``d_0 .. d_{k-1}`` after its newest token has
+``k + 1`` logits rows: row ``j`` is the target's distribution of the token after
+``d_{j-1}`` (row 0: after the newest token). The rows are processed exactly as the plain
+sampler processes a row (``pyengine.worker.sampler``: allowed ids, bad words, min_tokens,
+penalties, then temperature / min-p / top-k / top-p), with each row's metadata built as
+if the drafts before it were already output tokens (``SamplingState.metadata`` with
+``drafts``). Then, row by row:
+
+- greedy rows: the draft is accepted while it equals the row's argmax; the first row
+  whose argmax differs gives that argmax instead; when all ``k`` are accepted, row ``k``'s
+  argmax is the bonus token. The output is the target's own greedy continuation.
+- random rows (speculative sampling, Leviathan et al. / Chen et al.): draft ``d_j`` drawn
+  from ``q_j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``; the first
+  rejected row gives a sample of ``normalize(max(p_j - q_j, 0))``; the bonus row a sample
+  of ``p_k``. Each emitted token is then distributed as ``p`` (the test
+  ``tests/worker/test_rejection_sampler.py`` checks it on synthetic p and q). Every
+  proposer here drafts deterministically, so ``q_j`` is one-hot at ``d_j``: accept with
+  probability ``p_j(d_j)``, recover from ``p_j`` with ``d_j`` removed.
+
+Randomness: a row with a ``torch.Generator`` (a seeded request) draws, in row order, one
+uniform (draft rows only) and one ``V``-sized exponential vector (every row), so a seeded
+request's tokens depend on its own inputs only. A row without drafts draws exactly what
+``Sampler`` draws and samples the same token from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pyengine.worker.sampler import (SamplingMetadata, apply_allowed_token_ids, apply_bad_words, apply_min_p,
+                                     apply_min_tokens, apply_penalties, apply_temperature, apply_top_k_top_p,
+                                     compute_logprobs, gather_logprobs)
+
+__all__ = ["RejectionSampler", "RejectionOutput", "rejection_sample", "draw_randomness"]
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class RejectionOutput:
+    """Per logits row (``N`` rows, all on the device).
+
+    candidate: int64 [N], the token the row emits if the run gets that far: the draft
+      when it was accepted, else the target's (greedy argmax, recovered or bonus sample).
+    accepted: bool [N], the row's draft was accepted (False on rows without a draft).
+    logprobs_token_ids / logprobs / ranks: as ``SamplerOutput``'s, for ``candidate``
+      (raw model logprobs); None when no row asked for logprobs.
+
+    A request's emitted tokens are ``candidate`` over its rows up to and including the
+    first row that is not accepted (``RejectionSampler.emitted``)."""
+    candidate: torch.Tensor
+    accepted: torch.Tensor
+    logprobs_token_ids: Optional[torch.Tensor] = None
+    logprobs: Optional[torch.Tensor] = None
+    ranks: Optional[torch.Tensor] = None
+
+
+def draw_randomness(num_rows: int, vocab_size: int, draft_rows: torch.Tensor,
+                    generators: dict[int, torch.Generator], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uniforms float32 [N] in [0, 1), exponentials float32 [N, V] ~ Exp(1)). Rows in
+    ``generators`` draw from their generator, in row order: a uniform first when the row
+    has a draft (``draft_rows``: bool [N], host), then the exponential vector."""
+    u = torch.rand(num_rows, device=device)
+    e = torch.empty(num_rows, vocab_size, device=device)
+    if len(generators) != num_rows:
+        e.exponential_()
+    has_draft = draft_rows.tolist() if generators else ()
+    for i, g in sorted(generators.items()):
+        if has_draft[i]:
+            u[i:i + 1].uniform_(generator=g)
+        e[i].exponential_(generator=g)
+    return u, e.clamp_(min=torch.finfo(e.dtype).tiny)
+
+
+def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.Tensor,
+                     exponentials: torch.Tensor, draft_probs: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One speculative-sampling decision per row.
+
+    Args:
+        probs: float32 [N, V], the target distribution p of each row (rows sum to 1).
+        draft_ids: int64 [N], the row's draft token, -1 on rows without one (bonus rows).
+        uniforms: float32 [N] in [0, 1); exponentials: float32 [N, V], Exp(1), > 0.
+        draft_probs: float32 [N, V], the distribution q each draft was drawn from; None:
+            one-hot at the draft (deterministic proposers).
+    Returns:
+        (accepted bool [N], token int64 [N]): ``token`` is the draft where accepted, else
+        a sample of ``normalize(max(p - q, 0))`` (of ``p`` on rows without a draft),
+        drawn by the exponential race ``argmax(w / E)`` (exact for unnormalized weights).
+    """
+    has = draft_ids >= 0
+    d = draft_ids.clamp(min=0).unsqueeze(1)
+    p_d = probs.gather(1, d).squeeze(1)
+    if draft_probs is None:
+        accepted = has & (uniforms < p_d)
+        residual = probs.scatter(1, d, torch.zeros_like(p_d).unsqueeze(1))
+    else:
+        q_d = draft_probs.gather(1, d).squeeze(1)
+        accepted = has & (uniforms * q_d < p_d)
+        residual = (probs - draft_probs).clamp_(min=0.0)
+    weights = torch.where(has.unsqueeze(1), residual, probs)
+    recovered = weights.div(exponentials).argmax(dim=-1)
+    return accepted, torch.where(accepted, draft_ids, recovered)
+
+
+class RejectionSampler:
+    """Stateless; ``sampler(logits, meta, draft_ids)``."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor,
+                 draft_rows_host: torch.Tensor) -> RejectionOutput:
+        """Verify a batch of rows.
+
+        Args:
+            logits: float32 [N, V] (device), the target's logits at every verified row.
+            meta: ``SamplingMetadata`` of the N rows (each request's rows share its
+                parameters and generator; row j's output tokens include the drafts
+                before it).
+            draft_ids: int64 [N] (device), the draft token each row checks, -1 for none.
+            draft_rows_host: bool [N] (host), ``draft_ids >= 0``.
+        Raises:
+            ValueError: if ``logits`` is not [N, V] with N = meta's rows.
+        """
+        if logits.dim() != 2 or logits.shape[0] != meta.batch_size or draft_ids.shape[0] != meta.batch_size:
+            raise ValueError(f"logits must be [N={meta.batch_size}, V] with one draft id per row, got "
+                             f"{tuple(logits.shape)} and {tuple(draft_ids.shape)}.")
+        logits = logits.float()
+        raw = compute_logprobs(logits) if meta.max_num_logprobs is not None else None
+        x = apply_allowed_token_ids(logits, meta)
+        x = apply_bad_words(x, meta)
+        x = apply_min_tokens(x, meta)
+        x = apply_penalties(x, meta)
+        if meta.all_greedy:
+            target = x.argmax(dim=-1)
+            accepted = (target == draft_ids) & (draft_ids >= 0)
+        else:
+            t = apply_temperature(x, meta.temperature, meta.all_random)
+            if not meta.no_min_p:
+                t = apply_min_p(t, meta.min_p)
+            t = apply_top_k_top_p(t, meta.top_k, meta.top_p, meta.max_top_k)
+            probs = torch.softmax(t, dim=-1)
+            u, e = draw_randomness(probs.shape[0], probs.shape[1], draft_rows_host, meta.generators, probs.device)
+            accepted, target = rejection_sample(probs, draft_ids, u, e)
+            if not meta.all_random:
+                greedy_rows = meta.temperature < _SAMPLING_EPS
+                g = x.argmax(dim=-1)
+                target = torch.where(greedy_rows, g, target)
+                accepted = torch.where(greedy_rows, (g == draft_ids) & (draft_ids >= 0), accepted)
+        candidate = torch.where(accepted, draft_ids, target)
+        out = RejectionOutput(candidate, accepted)
+        if raw is not None:
+            out.logprobs_token_ids, out.logprobs, out.ranks = gather_logprobs(raw, meta.max_num_logprobs, candidate)
+        return out
+
+    @staticmethod
+    def emitted(candidate: list[int], accepted: list[bool], start: int, num_drafts: int) -> list[int]:
+        """A request's emitted tokens from its rows ``start .. start + num_drafts`` (host
+        lists): the accepted drafts, then the first non-accepted row's token."""
+        out = []
+        for j in range(start, start + num_drafts + 1):
+            out.append(candidate[j])
+            if j == start + num_drafts or not accepted[j]:
+                break
+        return out

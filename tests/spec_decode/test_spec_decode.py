@@ -1,0 +1,254 @@
+"""Speculative decoding end to end (LLM on tiny random models, CPU): greedy output with
+speculation on is token-identical to off for every proposer (ngram, a draft model, the
+target as its own draft, an untrained EAGLE-3 head) under prefix caching, chunked
+prefill, preemption, priority; scripted proposers give 100% / 0% acceptance with the
+same output; stop tokens, stop strings, max_tokens, logprobs, n > 1, structured outputs,
+disable_by_batch_size; no KV block leaks."""
+from __future__ import annotations
+
+import pytest
+
+from pyengine import LLM, SamplingParams, StructuredOutputsParams
+from pyengine.spec_decode import TokenProposer
+from tests.helpers import build_tiny_eagle3, build_tiny_model, prompt_token_ids
+
+MAX_TOKENS = 12
+K = 3
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, tokenizer_dir):
+    return build_tiny_model(tmp_path_factory.mktemp("draft"), "llama", tokenizer_dir, seed=5, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory, llama_dir):
+    return build_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), llama_dir, seed=3, draft_vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    base = prompt_token_ids(tokenizer, 6, min_len=4, max_len=30, seed=0)
+    shared = prompt_token_ids(tokenizer, 1, 36, 36, seed=1)[0]
+    # repeats for the n-gram lookup to find, and a shared 36-token prefix for the prefix cache
+    return [base[0] * 3, base[1] + base[1], shared + base[3][:5], shared + base[4][:5]]
+
+
+def _llm(model_dir, spec=None, **kw):
+    return LLM(str(model_dir), device="cpu", async_scheduling=False, speculative_config=spec, **kw)
+
+
+def _greedy(**kw):
+    return SamplingParams(temperature=0, max_tokens=kw.pop("max_tokens", MAX_TOKENS), **kw)
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def _assert_no_leak(llm):
+    st = llm.llm_engine.get_stats()
+    assert st.num_running == 0 and st.num_waiting == 0
+    assert st.num_free_blocks == st.num_gpu_blocks, "KV blocks leaked"
+
+
+@pytest.fixture(scope="module")
+def off(llama_dir):
+    llm = _llm(llama_dir)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(off, prompts):
+    return _tokens(off.generate(prompts, _greedy(), use_tqdm=False))
+
+
+def _spec(method, draft_dir, eagle_dir, llama_dir):
+    return {"ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+            "draft_model": {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": K},
+            "draft_self": {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": K},
+            "eagle3": {"method": "eagle3", "model": str(eagle_dir), "num_speculative_tokens": K}}[method]
+
+
+MODES = {
+    "default": {},
+    "no_prefix_caching": {"enable_prefix_caching": False},
+    "chunked_prefill": {"max_num_batched_tokens": 16},
+    "preemption": {"num_gpu_blocks_override": 6, "max_model_len": 96, "max_num_batched_tokens": 96},
+    "priority": {"scheduling_policy": "priority"},
+}
+CASES = [("ngram", mode) for mode in MODES] + [("draft_self", "default"), ("draft_self", "preemption"),
+                                               ("draft_model", "chunked_prefill"), ("eagle3", "default"),
+                                               ("eagle3", "preemption")]
+
+
+@pytest.mark.parametrize("method,mode", CASES)
+def test_greedy_on_equals_off(method, mode, llama_dir, draft_dir, eagle_dir, prompts, reference):
+    llm = _llm(llama_dir, _spec(method, draft_dir, eagle_dir, llama_dir), **MODES[mode])
+    prio = list(range(len(prompts), 0, -1)) if mode == "priority" else None
+    got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False, priority=prio))
+    assert got == reference
+    st = llm.llm_engine.get_stats()
+    assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens >= st.spec_num_drafts
+    assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens
+    if method == "draft_self":  # the target drafting for itself: every draft is its own greedy token
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+    if mode == "preemption":
+        assert st.num_preemptions > 0
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
+class Scripted(TokenProposer):
+    """Drafts the reference continuation (``right``) or a token that is never it."""
+
+    def __init__(self, spec, max_model_len, refs, right, vocab):
+        super().__init__(spec, max_model_len)
+        self.refs, self.right, self.vocab = refs, right, vocab
+
+    def draft(self, request, context, k):
+        ref = self.refs.get(tuple(request.prompt_token_ids))
+        if ref is None:  # a prompt without a reference: any drafts
+            return [0] * k
+        done = len(context) - request.num_prompt_tokens
+        nxt = ref[done:done + k]
+        return nxt if self.right else [(t + 1) % self.vocab for t in nxt]
+
+
+@pytest.fixture(scope="module")
+def scripted(llama_dir, prompts, reference):
+    llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K})
+    runner = llm.llm_engine.engine_core.model_runner
+    refs = {tuple(p): r[0] for p, r in zip(prompts, reference)}
+
+    def use(right):
+        runner.drafter = Scripted(runner.spec_config, llm.llm_engine.engine_core.config.max_model_len, refs, right,
+                                  runner.dims.vocab_size)
+        return llm
+    yield use
+    llm.shutdown()
+
+
+def _delta(llm, fn):
+    a = llm.llm_engine.get_stats()
+    out = fn()
+    b = llm.llm_engine.get_stats()
+    return out, (b.spec_num_drafts - a.spec_num_drafts, b.spec_num_draft_tokens - a.spec_num_draft_tokens,
+                 b.spec_num_accepted_tokens - a.spec_num_accepted_tokens)
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_scripted_acceptance(scripted, prompts, reference, right):
+    llm = scripted(right)
+    got, (drafts, draft_toks, accepted) = _delta(llm, lambda: _tokens(llm.generate(prompts, _greedy(),
+                                                                                  use_tqdm=False)))
+    assert got == reference
+    assert draft_toks > 0
+    assert accepted == (draft_toks if right else 0)
+    if right:  # k + 1 tokens per verification: far fewer steps than tokens
+        assert drafts < sum(len(r[0]) for r in reference)
+    _assert_no_leak(llm)
+
+
+def test_stop_token_and_max_tokens_inside_accepted_run(scripted, off, prompts, reference):
+    llm = scripted(True)
+    stop_tok = reference[0][0][5]
+    for sp in (_greedy(stop_token_ids=[stop_tok]), _greedy(max_tokens=5), _greedy(max_tokens=1),
+               _greedy(stop_token_ids=[stop_tok], include_stop_str_in_output=True, min_tokens=6)):
+        want = off.generate(prompts, sp, use_tqdm=False)
+        got = llm.generate(prompts, sp, use_tqdm=False)
+        assert _tokens(got) == _tokens(want)
+        assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+        assert all(len(o.outputs[0].token_ids) <= sp.max_tokens for o in got)
+    _assert_no_leak(llm)
+
+
+def test_stop_string_inside_accepted_run(scripted, off, prompts, reference, tokenizer):
+    llm = scripted(True)
+    text = off.generate([prompts[0]], _greedy(), use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    sp = _greedy(stop=[stop])
+    want, got = off.generate(prompts, sp, use_tqdm=False), llm.generate(prompts, sp, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert got[0].outputs[0].stop_reason == stop
+
+
+def test_logprobs_and_n(scripted, off, prompts):
+    llm = scripted(True)
+    # n > 1 needs random sampling; top_k=1 makes it the greedy choice through the random path
+    sp = SamplingParams(temperature=0.7, top_k=1, max_tokens=MAX_TOKENS, logprobs=2, n=2)
+    want, got = off.generate(prompts, sp, use_tqdm=False), llm.generate(prompts, sp, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    for w, g in zip(want, got):
+        for cw, cg in zip(w.outputs, g.outputs):
+            assert len(cg.logprobs) == len(cg.token_ids)
+            for dw, dg in zip(cw.logprobs, cg.logprobs):
+                assert list(dw) == list(dg)
+                for t in dw:
+                    assert dg[t].logprob == pytest.approx(dw[t].logprob, abs=1e-4)
+                    assert dg[t].rank == dw[t].rank
+            assert cg.cumulative_logprob == pytest.approx(cw.cumulative_logprob, abs=1e-3)
+
+
+def test_prefix_cache_hit_on_a_speculated_output(scripted, off, prompts, reference):
+    """Rejected drafts wrote KV past the accepted tokens: a later prompt that extends the
+    first request's output hits its cached blocks and must see only accepted tokens."""
+    llm = scripted(False)  # every draft rejected: the most rolled-back KV
+    longer = [p + r[0] for p, r in zip(prompts, reference)]
+    llm.generate(prompts, _greedy(), use_tqdm=False)
+    before = llm.llm_engine.get_stats().prefix_cache_hits
+    got = llm.generate(longer, _greedy(max_tokens=8), use_tqdm=False)
+    assert llm.llm_engine.get_stats().prefix_cache_hits > before
+    assert _tokens(got) == _tokens(off.generate(longer, _greedy(max_tokens=8), use_tqdm=False))
+
+
+def test_structured_outputs_carry_no_drafts(llama_dir, off, prompts):
+    llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1})
+    so = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,20}"))
+    params = [so, _greedy()] * 2
+    want, got = off.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
+def test_disable_by_batch_size(llama_dir, prompts, reference):
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "disable_by_batch_size": 2}
+    llm = _llm(llama_dir, spec, max_num_seqs=8)
+    (got, (drafts, _, _)) = _delta(llm, lambda: _tokens(llm.generate(prompts[:2], _greedy(), use_tqdm=False)))
+    assert got == reference[:2] and drafts == 0  # two running: no drafts
+    (got, (drafts, _, _)) = _delta(llm, lambda: _tokens(llm.generate(prompts[:1], _greedy(), use_tqdm=False)))
+    assert got == reference[:1] and drafts > 0
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "eagle3"])
+def test_async_scheduling_above_the_cutoff(method, llama_dir, draft_dir, eagle_dir, prompts, reference):
+    """With disable_by_batch_size, async scheduling stays on: steps of that many running
+    requests pipeline without drafts, smaller ones run synchronously with drafts."""
+    spec = {**_spec(method, draft_dir, eagle_dir, llama_dir), "disable_by_batch_size": 3}
+    llm = LLM(str(llama_dir), device="cpu", async_scheduling=True, speculative_config=spec)
+    assert llm.llm_engine.engine_core.config.async_scheduling
+    params = [_greedy(max_tokens=n) for n in (3, 6, 20, 20)]  # two finish early: the rest speculate
+    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    want = _tokens(LLM(str(llama_dir), device="cpu").generate(prompts, params, use_tqdm=False))
+    assert got == want
+    st = llm.llm_engine.get_stats()
+    assert st.spec_num_drafts > 0
+    if method == "draft_self":  # draft KV caught up over the steps without speculation
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
+def test_seeded_random_is_reproducible(llama_dir, prompts):
+    llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1})
+    sp = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=MAX_TOKENS)
+    alone = _tokens(llm.generate([prompts[0]], sp, use_tqdm=False))[0]
+    batch = _tokens(llm.generate(prompts, [sp] + [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)] * 3,
+                                 use_tqdm=False))[0]
+    again = _tokens(llm.generate([prompts[0]], sp, use_tqdm=False))[0]
+    assert alone == batch == again
+    llm.shutdown()

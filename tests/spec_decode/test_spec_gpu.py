@@ -1,0 +1,52 @@
+"""Speculative decoding on CUDA (triton attention, CUDA graphs for the plain decode steps):
+greedy output with speculation on is token-identical to off for ngram, a draft model (the
+target drafting for itself: all drafts accepted) and an untrained EAGLE-3 head, float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyengine import LLM, SamplingParams
+from tests.helpers import build_tiny_eagle3, prompt_token_ids
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer, llama_dir, tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    base = prompt_token_ids(tokenizer, 6, min_len=4, max_len=40, seed=0)
+    prompts = [b * 3 for b in base[:3]] + base[3:]
+    eagle = build_tiny_eagle3(tmp_path_factory.mktemp("eagle3_gpu"), llama_dir, draft_vocab_size=300)
+    off = LLM(str(llama_dir), device="cuda", dtype="float32", async_scheduling=False)
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    ref = [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)]
+    off.shutdown()
+    return prompts, sp, ref, eagle
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "eagle3"])
+@pytest.mark.parametrize("mode", ["default", "preemption", "async_cutoff"])
+def test_greedy_on_equals_off_cuda(setup, llama_dir, method, mode):
+    prompts, sp, ref, eagle = setup
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+            "draft_self": {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3},
+            "eagle3": {"method": "eagle3", "model": str(eagle), "num_speculative_tokens": 3}}[method]
+    kw = {"num_gpu_blocks_override": 12, "max_model_len": 192} if mode == "preemption" else {}
+    if mode == "async_cutoff":  # async scheduling on for steps of >= 3 requests, drafts below
+        spec = {**spec, "disable_by_batch_size": 3}
+        kw = {"async_scheduling": True}
+    llm = LLM(str(llama_dir), device="cuda", dtype="float32", speculative_config=spec, **kw)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert got == ref
+        if mode == "async_cutoff":  # two requests: below the cutoff, with drafts
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp, use_tqdm=False)] == ref[:2]
+        st = llm.llm_engine.get_stats()
+        assert st.spec_num_drafts > 0
+        if method == "draft_self":
+            assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+        assert st.num_free_blocks == st.num_gpu_blocks
+    finally:
+        llm.shutdown()
