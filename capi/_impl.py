@@ -18,6 +18,7 @@ given to ``install``.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import traceback
 from pathlib import Path
