@@ -27,10 +27,14 @@ $(VENV)/.chromium: tools/install_chromium.sh | $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/vengine serve $(ARGS)
 
+# Two pytest workers (pytest-xdist), a test file per worker at a time (its module fixtures,
+# a served model, start once): on this project's 2-core machines the suite waits on engine
+# and server processes often enough that two workers overlap well. PYTEST_WORKERS=0: serial.
+PYTEST_WORKERS ?= 2
 # The second run takes the GPU compute path (triton attention + fused triton ops) through
 # triton's CPU interpreter, so kernel/runner integration is checked without a GPU.
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/ops tests/attention tests/layers/fused_moe
 	TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_llm_triton_interpret.py tests/models/test_moe_triton_interpret.py tests/quantization/test_kernel_path.py

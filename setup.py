@@ -47,7 +47,7 @@ setup(
         "xgrammar>=0.2",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "openai>=1.0", "anthropic", "requests", "jsonschema", "hypothesis",
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "openai>=1.0", "anthropic", "requests", "jsonschema", "hypothesis",
                  "triton; platform_system=='Linux'", "ruff",
                  # writes the llm-compressor-format checkpoints of tests/quantization (llmcompressor
                  # itself pins transformers <= 5.17, below ours) and lets transformers load them

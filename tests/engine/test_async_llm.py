@@ -128,7 +128,7 @@ def test_abort_storm(llama_dir, tokenizer):
     engine = make_engine(llama_dir, max_num_seqs=16, num_gpu_blocks_override=64, max_model_len=256)
     rng = random.Random(0)
     try:
-        ps = prompt_token_ids(tokenizer, 300, 2, 60, seed=9)
+        ps = prompt_token_ids(tokenizer, 120, 2, 60, seed=9)
         collectors, aborted_at = {}, {}  # request id -> when its first abort call returned
         for i, p in enumerate(ps):
             sp = SamplingParams(temperature=1.0, max_tokens=rng.randint(1, 30), ignore_eos=True,

@@ -261,9 +261,11 @@ def test_4mb_prompt_refused_at_once_without_stalling_other_streams(slow_server):
         stalls.append(max(during) - statistics.median(outside))
         print(f"inter-token gaps: largest {max(during) * 1e3:.0f} ms while refusing; median "
               f"{statistics.median(outside) * 1e3:.0f} ms, largest {max(outside) * 1e3:.0f} ms otherwise")
-        if stalls[-1] <= 0.1:
+        if stalls[-1] <= 0.5:
             break
-    assert min(stalls) <= 0.1, stalls
+    # 0.5 s: the bug froze every stream for 4.2 s; a busy 2-core box running the suite in
+    # parallel shows gaps of a few hundred ms with no refusal at all
+    assert min(stalls) <= 0.5, stalls
     # no lasting memory growth: repeated refusals leave RSS where it was
     for _ in range(3):
         refuse_all()
