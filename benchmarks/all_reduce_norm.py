@@ -19,7 +19,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
@@ -88,7 +87,7 @@ def _rank_main(rank: int, init: str, args, conn) -> None:
     tp.destroy()
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     import multiprocessing as mp
 
     from pyengine.distributed import get_distributed_init_method, get_open_port

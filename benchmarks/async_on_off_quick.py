@@ -5,12 +5,15 @@ import random
 import sys
 import tempfile
 import time
+
 sys.path.insert(0, ".")
-import torch
 from pathlib import Path
+
+import torch
 from transformers import Qwen3Config
-from tests.helpers import build_tokenizer
+
 from pyengine import LLM, SamplingParams
+from tests.helpers import build_tokenizer
 
 d = Path(tempfile.mkdtemp())
 build_tokenizer(d)
@@ -38,7 +41,7 @@ for async_on in [True, False]:
     print(res, flush=True)
     if async_on:
         # profile a few steps
-        from torch.profiler import profile, ProfilerActivity
+        from torch.profiler import ProfilerActivity, profile
         eng = llm.llm_engine
         for i in range(64):
             eng.add_request(f"p{i}", prompts[i][:200], SamplingParams(max_tokens=200, ignore_eos=True, detokenize=False))
@@ -54,4 +57,5 @@ for async_on in [True, False]:
     del llm, outs
     gc.collect()
     torch.cuda.empty_cache()
-json.dump(res, open(os.environ.get("OUT", ".") + "/quick_tp.json", "w"), indent=1)
+with open(os.environ.get("OUT", ".") + "/quick_tp.json", "w") as out:
+    json.dump(res, out, indent=1)

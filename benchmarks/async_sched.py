@@ -24,15 +24,26 @@ import statistics
 import sys
 import threading
 import time
-from typing import Optional
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, async_modes, finish, free_cuda, header_md,  # noqa: E402
-                               md_table, parse_ints, prepare_model_dir, random_prompts, resolve_dtype,
-                               shutdown_llm, start, stats_delta)
+from benchmarks.common import (  # noqa: E402
+    add_common_args,
+    async_modes,
+    finish,
+    free_cuda,
+    header_md,
+    md_table,
+    parse_ints,
+    prepare_model_dir,
+    random_prompts,
+    resolve_dtype,
+    shutdown_llm,
+    start,
+    stats_delta,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,7 +173,7 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
         free_cuda()
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     args, hw, cmd = start(build_parser(), argv, "async_sched.py")
     if args.input_len is None:
         args.input_len = 128 if args.device == "cuda" else 32

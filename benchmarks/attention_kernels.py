@@ -24,7 +24,6 @@ import triton.testing
 from pyengine.attention.triton_backend import TritonAttentionBackend
 from pyengine.ops.paged_attention import paged_decode
 
-
 DEVICE = "cuda"
 
 

@@ -19,8 +19,9 @@ import shlex
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # run as a script from a checkout
@@ -64,7 +65,7 @@ def _corpus(modules: Sequence[str] = tuple(_CORPUS_MODULES), max_bytes: int = _C
 
 
 def build_tokenizer(out_dir, vocab_size: int = TOKENIZER_VOCAB, corpus_modules: Sequence[str] = tuple(_CORPUS_MODULES),
-                    corpus_bytes: int = _CORPUS_BYTES, fill_to: Optional[int] = None) -> Path:
+                    corpus_bytes: int = _CORPUS_BYTES, fill_to: int | None = None) -> Path:
     """Train a small byte-level BPE tokenizer on stdlib sources and save it (with
     ``<s>``/``</s>``/``<pad>`` specials and a ChatML-like template) as a
     PreTrainedTokenizerFast in ``out_dir``; deterministic for a given Python install.
@@ -116,7 +117,7 @@ def _fill_vocab(tok, size: int):
     return Tokenizer.from_str(json.dumps(spec))
 
 
-def shape_config(shape: str, bos: int = 0, eos: int = 1, pad: int = 2, vocab_size: Optional[int] = None):
+def shape_config(shape: str, bos: int = 0, eos: int = 1, pad: int = 2, vocab_size: int | None = None):
     """The transformers config object of a named shape (random-weight benchmarks)."""
     from transformers import LlamaConfig, Qwen3Config
 
@@ -225,22 +226,21 @@ def parse_ints(text: str) -> list[int]:
     return vals
 
 
-def check_device(device: str, threads: Optional[int] = None) -> None:
+def check_device(device: str, threads: int | None = None) -> None:
     """Exit with a clear message when CUDA is asked for but absent; apply --threads."""
     import torch
     if threads:
         torch.set_num_threads(threads)
     if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: CUDA is not available on this machine (torch %s). These benchmarks are "
-                 "meant for a GPU; pass --device cpu (with --shape tiny) for a CPU smoke run."
-                 % torch.__version__)
+        sys.exit(f"error: CUDA is not available on this machine (torch {torch.__version__}). These benchmarks are "
+                 "meant for a GPU; pass --device cpu (with --shape tiny) for a CPU smoke run.")
 
 
 def resolve_dtype(args) -> str:
     return args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
 
 
-def prepare_model_dir(args, shape: Optional[str] = None) -> Path:
+def prepare_model_dir(args, shape: str | None = None) -> Path:
     shape = shape or args.shape
     if args.model_dir:
         base = Path(args.model_dir)
@@ -298,7 +298,7 @@ def shutdown_llm(llm) -> None:
 # Records
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     """Short HEAD, with "+dirty" when tracked files differ from it: a copy of the tree whose
     .git is older than its files (as on a remote runner) must not pass for that commit."""
     def git(*a):
@@ -354,14 +354,14 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def header_md(title: str, hw: dict, cmd: Optional[str] = None) -> str:
+def header_md(title: str, hw: dict, cmd: str | None = None) -> str:
     gpu = hw.get("gpu") or f"CPU ({hw.get('cpu_count')} cores)"
     return (f"### {title}\n\n`{cmd or command_line()}`\n\n"
             f"{gpu}; torch {hw.get('torch')}, triton {hw.get('triton')}, transformers {hw.get('transformers')}, "
             f"python {hw.get('python')}; commit {hw.get('git_commit')}; {hw.get('date')}\n")
 
 
-def start(parser: argparse.ArgumentParser, argv: Optional[list[str]], script: str):
+def start(parser: argparse.ArgumentParser, argv: list[str] | None, script: str):
     """A benchmark's opening: parse ``argv`` (None: sys.argv), check the device, turn on the
     engine's INFO logs with ``--verbose``. Returns (args, hardware info, command line)."""
     args = parser.parse_args(argv)
@@ -389,7 +389,7 @@ def finish(benchmark: str, args: argparse.Namespace, hw: dict, cmd: str, **field
 
 
 def cuda_graph_replay_us(fn: Callable[[], Any], iters: int, repeats: int,
-                         before_each: Optional[Callable[[], Any]] = None) -> float:
+                         before_each: Callable[[], Any] | None = None) -> float:
     """Microseconds per replay of ``fn`` captured in a CUDA graph (after one eager call):
     the median over ``repeats`` timings of ``iters`` back-to-back replays (CUDA events);
     ``before_each`` runs before each timing (a barrier, for collectives)."""
@@ -415,7 +415,7 @@ def cuda_graph_replay_us(fn: Callable[[], Any], iters: int, repeats: int,
     return statistics.median(times)
 
 
-def write_json(path: Optional[str], payload: dict) -> None:
+def write_json(path: str | None, payload: dict) -> None:
     if not path:
         return
     p = Path(path)

@@ -31,17 +31,23 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from pyengine.engine.core_client import EngineCoreClient  # noqa: E402
 from pyengine.codec import decode, encode  # noqa: E402
-from pyengine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs,  # noqa: E402
-                               EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, EngineDeadMessage,
-                               SchedulerStats)
+from pyengine.engine.core_client import EngineCoreClient  # noqa: E402
+from pyengine.messages import (  # noqa: E402
+    EngineCoreAbort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    EngineDeadMessage,
+    SchedulerStats,
+)
 
 
 class FakeCore(EngineCoreClient):
@@ -70,7 +76,7 @@ class FakeCore(EngineCoreClient):
     def wait_ready(self) -> None:
         pass
 
-    def get_output(self, timeout: Optional[float] = None):
+    def get_output(self, timeout: float | None = None):
         t_start = time.perf_counter()
         with self.cond:
             while not self.inbox and not self.running and not self.waiting and not self.stop:
@@ -143,7 +149,7 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
-def make_engine(model_dir: str, step_ms: float, max_num_seqs: int, stream_interval: Optional[int]):
+def make_engine(model_dir: str, step_ms: float, max_num_seqs: int, stream_interval: int | None):
     from pyengine import AsyncLLM, EngineArgs
     from pyengine.engine import async_llm
 

@@ -15,7 +15,6 @@ import argparse
 import itertools
 import sys
 from pathlib import Path
-from typing import Optional
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
@@ -39,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     import torch
     import torch.nn.functional as F
 

@@ -38,15 +38,25 @@ import os
 import sys
 import tempfile
 import time
-from typing import Optional
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, async_modes, finish, free_cuda, header_md,  # noqa: E402
-                               md_table, prepare_model_dir, random_prompts, resolve_dtype, shutdown_llm,
-                               start, stats_delta)
+from benchmarks.common import (  # noqa: E402
+    add_common_args,
+    async_modes,
+    finish,
+    free_cuda,
+    header_md,
+    md_table,
+    prepare_model_dir,
+    random_prompts,
+    resolve_dtype,
+    shutdown_llm,
+    start,
+    stats_delta,
+)
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -194,7 +204,7 @@ def gpu_intervals_from_trace(path: str) -> list[tuple[float, float, str]]:
     return out
 
 
-def graph_replay_idle(llm, batch: int, replays: int, trace_dir: str) -> Optional[float]:
+def graph_replay_idle(llm, batch: int, replays: int, trace_dir: str) -> float | None:
     """Idle fraction of ``replays`` back-to-back replays of the decode graph that serves
     ``batch`` (its buffers still hold the last step's inputs, so it recomputes that step and
     rewrites the same KV slots with the same values). None without CUDA graphs."""
@@ -218,6 +228,7 @@ def graph_replay_idle(llm, batch: int, replays: int, trace_dir: str) -> Optional
 
 def run_mode(args, model_dir, async_on: bool) -> dict:
     import torch
+
     from pyengine import LLM, RequestOutputKind, SamplingParams
 
     t0 = time.perf_counter()
@@ -345,7 +356,7 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
     return res
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     args, hw, cmd = start(build_parser(), argv, "gpu_idle.py")
     modes = async_modes(args.modes)
     model_dir = prepare_model_dir(args)

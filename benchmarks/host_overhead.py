@@ -21,8 +21,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (command_line, hardware_info, header_md, make_model_dir,  # noqa: E402
-                               md_table, parse_ints, write_json)
+from benchmarks.common import command_line, hardware_info, header_md, make_model_dir, md_table, parse_ints, write_json  # noqa: E402
 
 
 def _timed(obj, name: str, acc: dict) -> None:

@@ -20,15 +20,25 @@ import os
 import statistics
 import sys
 import time
-from typing import Optional
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, finish, free_cuda, header_md, md_table,  # noqa: E402
-                               parse_ints, prepare_model_dir, random_prompts, resolve_dtype, shutdown_llm,
-                               start, stats_delta)
+from benchmarks.common import (  # noqa: E402
+    add_common_args,
+    finish,
+    free_cuda,
+    header_md,
+    md_table,
+    parse_ints,
+    prepare_model_dir,
+    random_prompts,
+    resolve_dtype,
+    shutdown_llm,
+    start,
+    stats_delta,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +131,7 @@ def bench_shape(args, shape: str, seed_base: int = 0) -> list[dict]:
     return rows
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     args, hw, cmd = start(build_parser(), argv, "latency.py")
     rows = []
     for i, shape in enumerate(args.shape):

@@ -41,21 +41,33 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (BOS, EOS, PAD, build_tokenizer, command_line, cuda_graph_replay_us,  # noqa: E402
-                               free_cuda, hardware_info, random_prompts, shutdown_llm, stats_delta, write_json)
+from benchmarks.common import (  # noqa: E402
+    BOS,
+    EOS,
+    PAD,
+    build_tokenizer,
+    command_line,
+    cuda_graph_replay_us,
+    free_cuda,
+    hardware_info,
+    random_prompts,
+    shutdown_llm,
+    stats_delta,
+    write_json,
+)
 
 SHAPES = ("qwen3-30b-a3b", "tiny")
 
 
-def moe_config(shape: str, bos: int = 0, eos: int = 1, pad: int = 2, vocab_size: Optional[int] = None,
-               num_layers: Optional[int] = None):
+def moe_config(shape: str, bos: int = 0, eos: int = 1, pad: int = 2, vocab_size: int | None = None,
+               num_layers: int | None = None):
     """The transformers config of a named MoE shape (random-weight benchmarks)."""
     from transformers import Qwen3MoeConfig
 
@@ -155,7 +167,7 @@ def eager_us(fn: Callable, device: str, iters: int = 5) -> float:
     return (time.perf_counter() - t0) * 1e6 / iters
 
 
-def _triton_ok(device: str) -> Optional[str]:
+def _triton_ok(device: str) -> str | None:
     """None when the Triton kernels can run here, else why not."""
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "the Triton kernels run on the CPU only under TRITON_INTERPRET=1"
@@ -410,7 +422,7 @@ def run_sweep(args, cfg, device: str, dtype) -> dict:
 
 # ---- section: loading ------------------------------------------------------------------------
 
-def _rss_anon_kb() -> Optional[int]:
+def _rss_anon_kb() -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("RssAnon:"):
@@ -694,7 +706,7 @@ def _apply_smoke(args) -> None:
     args.config_dir = args.config_dir or str(Path(args.out_dir) / "configs")  # never the repository's
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     import torch
 
     args = build_parser().parse_args(argv)

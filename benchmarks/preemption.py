@@ -22,14 +22,23 @@ import os
 import statistics
 import sys
 import time
-from typing import Optional
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, async_modes, finish, header_md, md_table,  # noqa: E402
-                               prepare_model_dir, random_prompts, resolve_dtype, shutdown_llm, start)
+from benchmarks.common import (  # noqa: E402
+    add_common_args,
+    async_modes,
+    finish,
+    header_md,
+    md_table,
+    prepare_model_dir,
+    random_prompts,
+    resolve_dtype,
+    shutdown_llm,
+    start,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +138,7 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
     }
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     args, hw, cmd = start(build_parser(), argv, "preemption.py")
     model_dir = prepare_model_dir(args)
     results = {}

@@ -47,15 +47,25 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, free_cuda, header_md, md_table, prepare_model_dir,  # noqa: E402
-                               random_prompts, resolve_dtype, shutdown_llm, start, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_common_args,
+    free_cuda,
+    header_md,
+    md_table,
+    prepare_model_dir,
+    random_prompts,
+    resolve_dtype,
+    shutdown_llm,
+    start,
+    write_json,
+)
 
 PARTS = ("tpot", "throughput", "kv", "kernels", "attention")
 TARGETS = {"tpot_fp8_over_bf16": 0.60, "tpot_w4a16_over_bf16": 0.40, "throughput_fp8_over_bf16": 1.3,
@@ -233,11 +243,11 @@ def _layer_shapes(hf) -> dict[str, tuple[int, int]]:
 
 def run_kernels(args, results: dict) -> None:
     import torch
+    from transformers import AutoConfig
 
     from pyengine import ops
     from pyengine.layers.quantization.utils import fp8_quantize, pack_int32
     from pyengine.ops import quant
-    from transformers import AutoConfig
 
     dev = args.device
     dtype = getattr(torch, resolve_dtype(args))
@@ -303,9 +313,9 @@ def run_attention(args, results: dict) -> None:
     import math
 
     import torch
+    from transformers import AutoConfig
 
     from pyengine.ops.paged_attention import default_num_splits, paged_decode
-    from transformers import AutoConfig
 
     dev = args.device
     dtype = getattr(torch, resolve_dtype(args))
@@ -378,7 +388,7 @@ def report(results: dict, hw: dict, cmd: str) -> None:
         print()
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     args, hw, cmd = start(build_parser(), argv, "quant.py")
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not parts or parts - set(PARTS):

@@ -49,7 +49,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlparse
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -247,9 +246,9 @@ def _http_stream(host: str, port: int, path: str, body: bytes, headers: dict, re
         sock.close()
 
 
-def run_http(base_url: str, reqs: list[Req], model: Optional[str], endpoint: str, max_concurrency: Optional[int],
-             request_rate: float, seed: int, api_key: Optional[str], ignore_eos: bool = True,
-             start_at: Optional[float] = None) -> tuple[list, float]:
+def run_http(base_url: str, reqs: list[Req], model: str | None, endpoint: str, max_concurrency: int | None,
+             request_rate: float, seed: int, api_key: str | None, ignore_eos: bool = True,
+             start_at: float | None = None) -> tuple[list, float]:
     """Stream every request; returns (results, seconds from the first send to the last end)."""
     import gevent
     from gevent.pool import Pool
@@ -286,9 +285,9 @@ def run_http(base_url: str, reqs: list[Req], model: Optional[str], endpoint: str
     return results, time.perf_counter() - t0
 
 
-def run_http_aiohttp(base_url: str, reqs: list[Req], model: Optional[str], endpoint: str,
-                     max_concurrency: Optional[int], request_rate: float, seed: int, api_key: Optional[str],
-                     ignore_eos: bool = True, start_at: Optional[float] = None) -> tuple[list, float]:
+def run_http_aiohttp(base_url: str, reqs: list[Req], model: str | None, endpoint: str,
+                     max_concurrency: int | None, request_rate: float, seed: int, api_key: str | None,
+                     ignore_eos: bool = True, start_at: float | None = None) -> tuple[list, float]:
     """The same requests through an aiohttp client shaped like ``vllm bench serve``'s
     (vllm/benchmarks/lib/endpoint_request_func.py): one ``ClientSession`` whose connector
     pools keep-alive connections (``limit`` = the concurrency), each stream read by lines
@@ -374,9 +373,9 @@ HTTP_CLIENTS = {"own": run_http, "aiohttp": run_http_aiohttp}
 # In-process client (AsyncLLM, asyncio)
 
 
-def run_in_process(engine, reqs: list[Req], max_concurrency: Optional[int], request_rate: float, seed: int,
-                   ignore_eos: bool = True, sampling: Optional[dict] = None,
-                   token_ids: Optional[list] = None) -> tuple[list, float]:
+def run_in_process(engine, reqs: list[Req], max_concurrency: int | None, request_rate: float, seed: int,
+                   ignore_eos: bool = True, sampling: dict | None = None,
+                   token_ids: list | None = None) -> tuple[list, float]:
     """``reqs`` streamed through ``engine.generate`` (greedy, DELTA outputs); ``sampling``:
     more SamplingParams fields; ``token_ids``: a list that gets each request's output ids."""
     import asyncio
@@ -434,7 +433,7 @@ def run_in_process(engine, reqs: list[Req], max_concurrency: Optional[int], requ
 # Profiling (py-spy): per thread, the share of samples on CPU and holding the GIL
 
 
-def find_py_spy(explicit: Optional[str] = None) -> Optional[str]:
+def find_py_spy(explicit: str | None = None) -> str | None:
     for cand in (explicit, shutil.which("py-spy"), os.path.join(os.path.dirname(sys.executable), "py-spy")):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
@@ -505,8 +504,8 @@ def profile_process(pid: int, seconds: float, py_spy: str, rate: int = 200) -> d
 class _Profiler:
     """Starts ``profile_process`` on a thread ``delay`` s from now (inside a measured run)."""
 
-    def __init__(self, pid: int, py_spy: Optional[str], seconds: float, delay: float = 1.0):
-        self.result: Optional[dict] = None
+    def __init__(self, pid: int, py_spy: str | None, seconds: float, delay: float = 1.0):
+        self.result: dict | None = None
         if not py_spy:
             self.result = {"error": "py-spy not found"}
             self.thread = None
@@ -518,7 +517,7 @@ class _Profiler:
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
 
-    def join(self) -> Optional[dict]:
+    def join(self) -> dict | None:
         if self.thread is not None:
             self.thread.join()
         return self.result
@@ -667,7 +666,7 @@ def _serve_cmd(spec: dict) -> list[str]:
                                         "sys.exit(main())"]
 
 
-def start_server_subprocess(cmd: list[str], env: Optional[dict] = None, timeout: float = 300.0):
+def start_server_subprocess(cmd: list[str], env: dict | None = None, timeout: float = 300.0):
     env = dict(env or os.environ)
     env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -1029,7 +1028,7 @@ def suite(a) -> dict:
     return payload
 
 
-def _write_json(path: Optional[str], payload: dict) -> None:
+def _write_json(path: str | None, payload: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")

@@ -32,7 +32,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -74,7 +73,7 @@ def code_edit_prompts(n: int, min_lines: int = 6, max_lines: int = 30) -> list[s
     return out
 
 
-def _llm(model: str, args, spec: Optional[dict] = None, **kw):
+def _llm(model: str, args, spec: dict | None = None, **kw):
     from pyengine import LLM
 
     return LLM(model, device=args.device, dtype=common.resolve_dtype(args), speculative_config=spec,
@@ -195,7 +194,7 @@ def throughput(model: str, args, prompts: list[str]) -> dict:
     return res
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="ngram,draft,throughput")
     p.add_argument("--model", default=None, help="the code model (default: the built-in one)")

@@ -33,14 +33,22 @@ import math
 import os
 import statistics
 import sys
-from typing import Optional
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, finish, header_md, md_table, prepare_model_dir,  # noqa: E402
-                               resolve_dtype, shutdown_llm, start, stats_delta)
+from benchmarks.common import (  # noqa: E402
+    add_common_args,
+    finish,
+    header_md,
+    md_table,
+    prepare_model_dir,
+    resolve_dtype,
+    shutdown_llm,
+    start,
+    stats_delta,
+)
 from benchmarks.serve import _Profiler, find_py_spy, make_workload, run_in_process, summarize  # noqa: E402
 
 MODES = ("unconstrained", "json_schema")
@@ -96,9 +104,8 @@ def _smoke(args) -> None:
 
 def _grammar_checker(engine, so):
     """token ids -> whether the grammar of ``so`` accepts them as (a prefix of) an output."""
-    from pyengine.tokenizer import load_tokenizer
-    from pyengine.tokenizer import eos_token_ids
     from pyengine.structured_output.backend_xgrammar import XgrammarBackend, validate_structured_outputs
+    from pyengine.tokenizer import eos_token_ids, load_tokenizer
 
     tok = load_tokenizer(engine.config)
     backend = XgrammarBackend(tok, engine.config.hf_config.vocab_size, eos_token_ids(engine.config, tok))
@@ -139,7 +146,7 @@ def _median(runs: list[dict], key: str) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     if argv is None:
         argv = sys.argv[1:]

@@ -30,15 +30,24 @@ import os
 import sys
 import time
 from dataclasses import fields
-from typing import Optional
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks.common import (add_common_args, finish, free_cuda, header_md, md_table,  # noqa: E402
-                               prepare_model_dir, random_prompts, resolve_dtype, shutdown_llm, start,
-                               stats_delta)
+from benchmarks.common import (  # noqa: E402
+    add_common_args,
+    finish,
+    free_cuda,
+    header_md,
+    md_table,
+    prepare_model_dir,
+    random_prompts,
+    resolve_dtype,
+    shutdown_llm,
+    start,
+    stats_delta,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -312,7 +321,7 @@ def run_transformers_peer(args, model_dir, prompts, max_tokens) -> dict:
 # ----------------------------------------------------------------------------------------
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     args, hw, cmd = start(build_parser(), argv, "throughput.py")
     model_dir = prepare_model_dir(args)
     from transformers import AutoConfig

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
@@ -53,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(script: str, argv: list[str], timeout: float, env: Optional[dict] = None) -> dict:
+def _run(script: str, argv: list[str], timeout: float, env: dict | None = None) -> dict:
     """One benchmark in its own process (``env`` added to its environment); returns its
     JSON payload, or {"error": ...}."""
     with tempfile.TemporaryDirectory() as d:
@@ -76,14 +75,14 @@ def _run(script: str, argv: list[str], timeout: float, env: Optional[dict] = Non
         return payload
 
 
-def _ratio(a, b) -> Optional[float]:
+def _ratio(a, b) -> float | None:
     try:
         return a / b if a and b else None
     except TypeError:
         return None
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     args, hw, cmd = start(build_parser(), argv, "tp.py")
     sizes = [1, args.tp]
     common = ["--device", args.device] + (["--threads", str(args.threads)] if args.threads else []) + \

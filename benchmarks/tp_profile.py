@@ -50,14 +50,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from benchmarks.common import (add_common_args, finish, header_md, md_table, prepare_model_dir,  # noqa: E402
-                               random_prompts, resolve_dtype, shutdown_llm, start)
+from benchmarks.common import (  # noqa: E402
+    add_common_args,
+    finish,
+    header_md,
+    md_table,
+    prepare_model_dir,
+    random_prompts,
+    resolve_dtype,
+    shutdown_llm,
+    start,
+)
 from benchmarks.gpu_idle import GPU_CATEGORIES, busy_union, clip_to_markers, idle_gaps, split_idle  # noqa: E402
 from benchmarks.tp import _run  # noqa: E402
 
@@ -117,7 +125,7 @@ def load_trace(path: str) -> dict:
     return trace if isinstance(trace, dict) else {"traceEvents": trace}
 
 
-def _host_phase_of(ts: float, tid, ranges: dict) -> Optional[str]:
+def _host_phase_of(ts: float, tid, ranges: dict) -> str | None:
     """The innermost ``record_function`` range on thread ``tid`` that contains ``ts``."""
     best = None
     for s, e, name in ranges.get(tid, ()):
@@ -313,7 +321,7 @@ def run_config(args, config: str) -> dict:
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, p, sp)
 
-    def steps(n: int, times: Optional[list] = None) -> int:
+    def steps(n: int, times: list | None = None) -> int:
         toks = 0
         for _ in range(n):
             t = time.perf_counter()
@@ -419,7 +427,7 @@ def _print_config(r: dict) -> None:
                          g["after_launch_phase"]] for g in p["top_gaps"]]))
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     args, hw, cmd = start(build_parser(), argv, "tp_profile.py")
     if args.config:  # a child run
         res = run_config(args, args.config)

@@ -31,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
@@ -115,9 +114,8 @@ def _recv(method: str, group, tp, mq) -> None:
 
 
 def _rank_main(rank: int, init_method: str, iters: int, conn) -> None:
-    import torch.distributed as dist
-
     import torch
+    import torch.distributed as dist
 
     from pyengine.distributed import GroupCoordinator
 
@@ -165,7 +163,7 @@ def _rank_main(rank: int, init_method: str, iters: int, conn) -> None:
         conn.send(results)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     import multiprocessing as mp
 
     from pyengine.distributed import get_distributed_init_method, get_open_port

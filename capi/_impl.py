@@ -21,11 +21,11 @@ import itertools
 import json
 import threading
 import traceback
-from pathlib import Path
-
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from capi.chat import ChatRequestError, parse_chat_request
 from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pyengine.engine.processor import ProcessedRequest
 from pyengine.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -35,11 +35,9 @@ from pyengine.entrypoints.output_drain import OutputDrain, Subscriber
 from pyengine.entrypoints.reasoning import load_reasoning_parser
 from pyengine.reasoning import ReasoningParserManager
 
-from capi.chat import ChatRequestError, parse_chat_request
-
 OK, INVALID, MODEL_LOAD, RUNTIME, UNKNOWN = 0, 1, 2, 3, 4
 
-_ENGINES: dict[int, "_Bridge"] = {}
+_ENGINES: dict[int, _Bridge] = {}
 _NEXT_ID = itertools.count(1)
 ffi = lib = None  # set by install()
 

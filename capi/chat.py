@@ -9,7 +9,7 @@ the C side passes it on.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.openai.serving_chat import ChatInputs, chat_inputs
@@ -49,14 +49,14 @@ class ParsedChat(NamedTuple):
     sampling_params: object  # SamplingParams
     priority: int
     flags: int  # bit 0: stream_options.include_usage
-    echo: Optional[str]  # what the message starts with (echo, serving_chat.chat_echo)
-    request_id: Optional[str]  # the client's request_id (the response's "chatcmpl-<id>")
-    cache_salt: Optional[str]  # the prefix-cache salt
+    echo: str | None  # what the message starts with (echo, serving_chat.chat_echo)
+    request_id: str | None  # the client's request_id (the response's "chatcmpl-<id>")
+    cache_salt: str | None  # the prefix-cache salt
     request: ChatCompletionRequest  # the parsed request
     inputs: ChatInputs  # its checked inputs (the engine request and response driver are made of them; .reasoning: the split)
 
 
-def parse_chat_request(raw: str, processor, output_kind, reasoning_parser: Optional[type] = None) -> ParsedChat:
+def parse_chat_request(raw: str, processor, output_kind, reasoning_parser: type | None = None) -> ParsedChat:
     """The request as ``vllm_chat`` serves it. ``processor``: the engine's input
     processing (``AsyncLLM.processor``); ``reasoning_parser``: the class
     ``vllm_model_params.reasoning_parser`` names (the response then carries

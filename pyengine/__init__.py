@@ -1,12 +1,11 @@
 """vengine's Python engine: continuous batching over a paged KV cache, in the mould of vLLM v1."""
 import logging as _logging
 
-from pyengine.config import EngineArgs, EngineConfig
-from pyengine.config import SchedulingPolicy
-from pyengine.messages import FinishReason, SchedulerStats
+from pyengine.config import EngineArgs, EngineConfig, SchedulingPolicy
 from pyengine.engine.detokenizer import prompt_text_for_echo
 from pyengine.engine.output_processor import RequestOutputCollector
 from pyengine.exceptions import EngineDeadError, VLLMValidationError
+from pyengine.messages import FinishReason, SchedulerStats
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 

@@ -6,7 +6,8 @@ there is no generic fallback format (a guessed one silently degrades the model's
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def parse_chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -39,7 +40,7 @@ def parse_chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     return conversation
 
 
-def resolve_chat_template(tokenizer, chat_template: Optional[str]) -> str:
+def resolve_chat_template(tokenizer, chat_template: str | None) -> str:
     """``chat_template`` (a Jinja template string) when given, else the tokenizer's.
     Raises ValueError when there is neither."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -50,10 +51,10 @@ def resolve_chat_template(tokenizer, chat_template: Optional[str]) -> str:
     return template
 
 
-def apply_hf_chat_template(tokenizer, conversation: list[dict[str, Any]], chat_template: Optional[str] = None, *,
+def apply_hf_chat_template(tokenizer, conversation: list[dict[str, Any]], chat_template: str | None = None, *,
                            add_generation_prompt: bool = True, continue_final_message: bool = False,
-                           tools: Optional[list[dict[str, Any]]] = None,
-                           chat_template_kwargs: Optional[dict[str, Any]] = None) -> str:
+                           tools: list[dict[str, Any]] | None = None,
+                           chat_template_kwargs: dict[str, Any] | None = None) -> str:
     """Render ``conversation`` (from ``parse_chat_messages``) with transformers'
     ``apply_chat_template``. ``add_generation_prompt``: open the assistant's turn;
     ``continue_final_message``: leave the last message open, for the model to continue

@@ -15,9 +15,21 @@ from typing import Any
 
 import cbor2
 
-from pyengine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
-                               EngineCoreRequest, EngineCoreShutdown, EngineDeadMessage, ErrorInfo, FinishReason,
-                               LogprobsEntry, SchedulerStats, UtilityOutput, UtilityRequest)
+from pyengine.messages import (
+    EngineCoreAbort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    EngineDeadMessage,
+    ErrorInfo,
+    FinishReason,
+    LogprobsEntry,
+    SchedulerStats,
+    UtilityOutput,
+    UtilityRequest,
+)
 from pyengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["encode", "decode"]

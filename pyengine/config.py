@@ -9,7 +9,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Union, get_args
+from typing import Literal, get_args
 
 import torch
 
@@ -32,7 +32,7 @@ class SchedulingPolicy(enum.StrEnum):
     PRIORITY = "priority"
 
     @classmethod
-    def parse(cls, value) -> "SchedulingPolicy":
+    def parse(cls, value) -> SchedulingPolicy:
         """Raises ValueError naming the valid policies."""
         try:
             return cls(value)
@@ -115,29 +115,29 @@ class EngineArgs:
     naming the bad field. ``add_cli_args`` / ``from_cli_args`` turn every field into a
     command-line flag (``vengine serve``) and back: the docstring under a field is its
     ``--help`` text."""
-    model: Optional[str] = None
+    model: str | None = None
     """Hugging Face model directory (config.json, *.safetensors, tokenizer files); None:
     the built-in default model."""
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     """Tokenizer directory (default: the model's)."""
     dtype: ModelDType = "auto"
     """Weights and activations dtype; auto: the model's (bfloat16 if it states none;
     float32 instead of float16 on CPU)."""
     device: Device = "auto"
     """auto: CUDA when available, else CPU."""
-    max_model_len: Optional[int] = field(default=None, metadata={"human_readable": True})
+    max_model_len: int | None = field(default=None, metadata={"human_readable": True})
     """Context length (prompt + output tokens) of a request, e.g. 32k; default: the
     model's."""
     max_num_seqs: int = 256
     """Most requests running at once (one engine step's batch)."""
-    max_num_batched_tokens: Optional[int] = field(default=None, metadata={"human_readable": True})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"human_readable": True})
     """Token budget of one engine step (default: 8192, or max_model_len without chunked
     prefill if larger)."""
     block_size: int = 16
     """Tokens per KV cache block."""
-    num_gpu_blocks_override: Optional[int] = None
+    num_gpu_blocks_override: int | None = None
     """KV cache blocks to allocate, instead of sizing the cache from memory."""
-    kv_cache_memory_bytes: Optional[int] = field(default=None, metadata={"human_readable": True})
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={"human_readable": True})
     """KV cache size in bytes (e.g. 4G), instead of gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use (weights, activations, KV cache)."""
@@ -148,19 +148,19 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     """A prefill takes at most this many tokens per step (0: no cap), so concurrent long
     prompts advance together and decodes keep their share."""
-    scheduling_policy: Union[SchedulingPolicy, str] = SchedulingPolicy.FCFS
+    scheduling_policy: SchedulingPolicy | str = SchedulingPolicy.FCFS
     """fcfs: arrival order; priority: by each request's priority (lower first), then
     arrival."""
     seed: int = 0
     """Random seed of the engine (requests without a seed)."""
-    async_scheduling: Optional[bool] = None
+    async_scheduling: bool | None = None
     """Schedule step N+1 while step N runs on the device; default: on where compatible."""
     enforce_eager: bool = False
     """No CUDA graphs (eager PyTorch only)."""
-    attention_backend: Optional[AttentionBackendName] = None
+    attention_backend: AttentionBackendName | None = None
     """Attention implementation; default: triton on CUDA (power-of-two head size), torch
     otherwise."""
-    served_model_name: Optional[Union[str, list[str]]] = None
+    served_model_name: str | list[str] | None = None
     """Model name(s) the API accepts; the first is the one reported (default: the model
     directory's name)."""
     load_format: LoadFormat = "auto"
@@ -176,7 +176,7 @@ class EngineArgs:
     KV cache and model replica (tensor_parallel_size devices each: rank r takes devices
     r*tp .. r*tp+tp-1 of CUDA_VISIBLE_DEVICES; on CPU, one process each), behind one
     endpoint; each request goes to the least-loaded core."""
-    kv_events_config: Optional[dict] = None
+    kv_events_config: dict | None = None
     """Publish KV cache events as vLLM does (a JSON object of vLLM's KVEventsConfig:
     {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
     "replay_endpoint": null, "buffer_steps": 10000, "hwm": 100000, "topic": ""}): msgpack
@@ -194,21 +194,21 @@ class EngineArgs:
     model's generation_config.json (temperature, top_p, top_k, min_p,
     repetition_penalty, max_new_tokens); vllm: none (vLLM's neutral defaults); or a
     directory holding a generation_config.json."""
-    override_generation_config: Optional[dict] = None
+    override_generation_config: dict | None = None
     """JSON object of generation config values that override (or, with
     --generation-config vllm, set) the defaults, e.g. '{"temperature": 0.5}'."""
     max_logprobs: int = MAX_LOGPROBS
     """Most logprobs a request may ask for per token (-1: the vocabulary size)."""
     disable_log_stats: bool = False
     """No periodic stats log line (LLM(...) sets it unless given)."""
-    quantization: Optional[QuantizationMethod] = field(default=None, metadata={"flags": ("-q",)})
+    quantization: QuantizationMethod | None = field(default=None, metadata={"flags": ("-q",)})
     """Quantization method; default: the checkpoint's (config.json quantization_config).
     fp8 on an unquantized checkpoint quantizes its linear layers at load (FP8 weights per
     output channel, activations per token)."""
     kv_cache_dtype: KVCacheDType = "auto"
     """KV cache dtype; auto: the model's. fp8 (fp8_e4m3): e4m3 with the checkpoint's per-layer
     k_scale / v_scale (1.0 where it has none): twice the tokens in the same memory."""
-    speculative_config: Optional[dict] = None
+    speculative_config: dict | None = None
     """Speculative decoding, as vLLM's JSON object: {"method": "ngram" | "draft_model" |
     "eagle3", "num_speculative_tokens": k, "model": draft model directory (draft_model,
     eagle3), "prompt_lookup_min" / "prompt_lookup_max" (ngram), "disable_by_batch_size":
@@ -216,7 +216,7 @@ class EngineArgs:
     synchronously: async scheduling stays on only for the steps disable_by_batch_size
     exempts (off altogether without it)."""
 
-    def create_engine_config(self) -> "EngineConfig":
+    def create_engine_config(self) -> EngineConfig:
         return EngineConfig.from_args(self)
 
     @classmethod
@@ -227,7 +227,7 @@ class EngineArgs:
         return add_dataclass_args(parser, cls)
 
     @classmethod
-    def from_cli_args(cls, args, **overrides) -> "EngineArgs":
+    def from_cli_args(cls, args, **overrides) -> EngineArgs:
         """The engine arguments in ``args`` (an ``argparse.Namespace`` made by a parser
         that ``add_cli_args`` filled); ``overrides`` win."""
         from pyengine.arg_utils import from_namespace
@@ -256,8 +256,8 @@ class EngineConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
-    num_gpu_blocks_override: Optional[int]
-    kv_cache_memory_bytes: Optional[int]
+    num_gpu_blocks_override: int | None
+    kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     enable_chunked_prefill: bool
@@ -274,17 +274,17 @@ class EngineConfig:
     disable_log_stats: bool = False
     trust_remote_code: bool = False
     generation_config: str = "auto"  # "auto" | "vllm" | a directory (see EngineArgs)
-    override_generation_config: Optional[dict] = None
+    override_generation_config: dict | None = None
     max_logprobs: int = 20  # already resolved: -1 became the vocabulary size
-    quantization: Optional[str] = None  # the method in effect: the checkpoint's, or applied at load
+    quantization: str | None = None  # the method in effect: the checkpoint's, or applied at load
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3)
     data_parallel_size: int = 1  # engine cores behind the front end
     data_parallel_rank: int = 0  # this engine core's index (set per core by the client)
-    kv_events_config: Optional["KVEventsConfig"] = None  # None: no KV events published
-    speculative_config: Optional["SpeculativeConfig"] = None  # None: no speculative decoding
+    kv_events_config: KVEventsConfig | None = None  # None: no KV events published
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
-    def from_args(cls, a: EngineArgs) -> "EngineConfig":
+    def from_args(cls, a: EngineArgs) -> EngineConfig:
         from transformers import AutoConfig
 
         model = a.model or str(DEFAULT_MODEL_DIR)
@@ -425,7 +425,7 @@ class EngineConfig:
         model dtype."""
         return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.dtype
 
-    def replace(self, **changes) -> "EngineConfig":
+    def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def try_get_generation_config(self) -> dict:
@@ -503,10 +503,10 @@ class SpeculativeConfig:
       (None: never disabled), so speculation does not cost throughput at high load."""
     method: str
     num_speculative_tokens: int
-    model: Optional[str] = None
+    model: str | None = None
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
-    disable_by_batch_size: Optional[int] = None
+    disable_by_batch_size: int | None = None
     draft_hf_config: object = None
 
     @property
@@ -515,7 +515,7 @@ class SpeculativeConfig:
         return self.method in ("draft_model", "eagle3")
 
     @classmethod
-    def from_dict(cls, d, target_hf_config, trust_remote_code: bool = False) -> Optional["SpeculativeConfig"]:
+    def from_dict(cls, d, target_hf_config, trust_remote_code: bool = False) -> SpeculativeConfig | None:
         """None for None; raises ValueError for anything but a dict of the known keys with
         valid values (a draft model must be a local HF directory whose vocabulary size is
         the target's)."""
@@ -578,7 +578,7 @@ class SpeculativeConfig:
         return cls(method, k, model, lo, hi, disable, draft_hf)
 
 
-def _resolve_quantization(quantization, hf_config) -> Optional[str]:
+def _resolve_quantization(quantization, hf_config) -> str | None:
     """The quantization method the model loads with (the checkpoint's, or ``quantization``
     applied at load), None for none. Raises ValueError naming a method or setting that
     cannot be honoured (pyengine.layers.quantization.get_quantization_config)."""
@@ -590,7 +590,7 @@ def _resolve_quantization(quantization, hf_config) -> Optional[str]:
     return qc.get_name() if qc is not None else None
 
 
-def _check_override_generation_config(values) -> Optional[dict]:
+def _check_override_generation_config(values) -> dict | None:
     if values is None:
         return None
     if not isinstance(values, dict):
@@ -610,7 +610,7 @@ class KVEventsConfig:
     enable_kv_cache_events: bool = False
     publisher: str = "null"
     endpoint: str = "tcp://*:5557"
-    replay_endpoint: Optional[str] = None
+    replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 100_000
@@ -619,7 +619,7 @@ class KVEventsConfig:
     PUBLISHERS = ("null", "zmq")
 
     @classmethod
-    def from_value(cls, value) -> Optional["KVEventsConfig"]:
+    def from_value(cls, value) -> KVEventsConfig | None:
         """The config of ``value`` (a dict, a KVEventsConfig or None); None when events are
         off (no value, ``enable_kv_cache_events`` false, or the null publisher). Raises
         ValueError naming an unknown field or a bad value."""

@@ -30,13 +30,12 @@ interpreter to embed), ``VENGINE_PYTHONPATH``, ``VENGINE_DELIVERY_THREADS``,
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def _raw(name: str, aliases: tuple[str, ...] = ()) -> Optional[str]:
+def _raw(name: str, aliases: tuple[str, ...] = ()) -> str | None:
     for n in (name, *aliases):
         v = os.environ.get(n)
         if v is not None and v.strip():
@@ -56,7 +55,7 @@ def _flag(name: str, default: bool, aliases: tuple[str, ...] = ()) -> bool:
     raise ValueError(f"{name}={v!r}: use 1 or 0.")
 
 
-def enable_multiprocessing() -> Optional[bool]:
+def enable_multiprocessing() -> bool | None:
     """``VENGINE_ENABLE_MULTIPROCESSING``; None when unset (the caller's default)."""
     return None if _raw("VENGINE_ENABLE_MULTIPROCESSING") is None else _flag("VENGINE_ENABLE_MULTIPROCESSING", True)
 
@@ -64,7 +63,7 @@ def enable_multiprocessing() -> Optional[bool]:
 MULTIPROC_METHODS = ("fork", "forkserver", "spawn")
 
 
-def multiproc_method() -> Optional[str]:
+def multiproc_method() -> str | None:
     """``VENGINE_MULTIPROC_METHOD`` (lower case); None when unset (the caller chooses).
     ValueError naming it for another value."""
     v = _raw("VENGINE_MULTIPROC_METHOD")
@@ -101,7 +100,7 @@ def default_symm_mem_allreduce_on() -> None:
     os.environ.setdefault("VENGINE_SYMM_MEM_ALLREDUCE", "1")
 
 
-def grammar_fill_threads() -> Optional[int]:
+def grammar_fill_threads() -> int | None:
     """``VENGINE_GRAMMAR_FILL_THREADS``; None when unset. ValueError unless a positive integer."""
     v = _raw("VENGINE_GRAMMAR_FILL_THREADS")
     if v is None:
@@ -111,7 +110,7 @@ def grammar_fill_threads() -> Optional[int]:
     return int(v)
 
 
-def torch_profiler_dir() -> Optional[str]:
+def torch_profiler_dir() -> str | None:
     return _raw("VENGINE_TORCH_PROFILER_DIR")
 
 
@@ -127,7 +126,7 @@ def triton_ops_on_cpu() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and _flag("VENGINE_TRITON_OPS_ON_CPU", False)
 
 
-def api_key() -> Optional[str]:
+def api_key() -> str | None:
     return _raw("VENGINE_API_KEY", ("VLLM_API_KEY",))
 
 

@@ -2,7 +2,7 @@
 vllm/exceptions.py)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 
 class EngineDeadError(RuntimeError):
@@ -15,7 +15,7 @@ class VLLMValidationError(ValueError):
     (front ends report it, e.g. as the ``param`` of an OpenAI error body); ``value`` is
     the offending value, when one is."""
 
-    def __init__(self, message: str, *, parameter: Optional[str] = None, value: Any = None):
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None):
         super().__init__(message)
         self.parameter = parameter
         self.value = value

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 from pyengine.config import EngineArgs
 from pyengine.engine.llm_engine import LLMEngine
@@ -19,7 +20,7 @@ class LLM:
 
     Raises ValueError for unknown engine arguments or bad values."""
 
-    def __init__(self, model: Optional[str] = None, **kwargs):
+    def __init__(self, model: str | None = None, **kwargs):
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise ValueError(f"Unknown engine argument(s): {', '.join(unknown)}.")
@@ -47,9 +48,9 @@ class LLM:
             return [prompts]  # one tokenized prompt
         return prompts
 
-    def generate(self, prompts: Union[str, Sequence],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+    def generate(self, prompts: str | Sequence,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of strings, or a list of token-id
         lists); returns one finished RequestOutput per prompt, in input order.
 
@@ -73,10 +74,10 @@ class LLM:
             engine.add_processed(rid, proc)
         return self._run_engine(ids, use_tqdm)
 
-    def chat(self, messages: Sequence, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: Optional[list[dict[str, Any]]] = None,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+    def chat(self, messages: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate the next assistant message of one conversation (a list of
         ``{"role", "content"}`` dicts) or of each of a list of conversations (mirrors
         vllm/entrypoints/llm.py's ``LLM.chat``). Each is rendered with the tokenizer's chat

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from pyengine.metrics.stats import SchedulerStats
 from pyengine.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ class EngineCoreRequest:
     priority: int = 0
     # vLLM's cache_salt: mixed into the first block's hash, so only requests with the same
     # salt share cached prefixes
-    cache_salt: Optional[str] = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -60,14 +60,14 @@ class LogprobsEntry:
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: Optional[list[LogprobsEntry]] = None
-    finish_reason: Optional[FinishReason] = None
-    stop_reason: Optional[int | str] = None
+    new_logprobs: list[LogprobsEntry] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    error: Optional[str] = None  # with FinishReason.ERROR: what failed, for the front ends
+    error: str | None = None  # with FinishReason.ERROR: what failed, for the front ends
     # time.monotonic() when the request was first scheduled; sent with its first token
     # (the front end's queue / prefill time metrics)
-    first_scheduled_time: Optional[float] = None
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -77,7 +77,7 @@ class EngineCoreOutput:
 @dataclass
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
-    scheduler_stats: Optional[SchedulerStats] = None
+    scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
 
 
@@ -89,10 +89,10 @@ class ErrorInfo:
     raises it as the same class (``pyengine.exceptions.raise_error_info``)."""
     type: str
     message: str
-    parameter: Optional[str] = None
+    parameter: str | None = None
 
     @classmethod
-    def of(cls, exc: BaseException) -> "ErrorInfo":
+    def of(cls, exc: BaseException) -> ErrorInfo:
         return cls(type(exc).__name__, str(exc), getattr(exc, "parameter", None))
 
     def __str__(self) -> str:
@@ -106,7 +106,7 @@ class EngineDeadMessage:
     where one was raised (a ``ValueError`` for a bad model or configuration, re-raised as
     such by the client)."""
     message: str
-    error: Optional[ErrorInfo] = None
+    error: ErrorInfo | None = None
     during_startup: bool = False
 
 
@@ -134,4 +134,4 @@ class UtilityRequest:
 class UtilityOutput:
     call_id: int
     result: Any = None
-    error: Optional[ErrorInfo] = None  # when the call raised
+    error: ErrorInfo | None = None  # when the call raised

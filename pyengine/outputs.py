@@ -5,7 +5,6 @@ engine step, and objects without a ``__dict__`` are cheaper to make and to garba
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from pyengine.messages import FinishReason
 
@@ -14,8 +13,8 @@ from pyengine.messages import FinishReason
 class Logprob:
     """Log probability of one token; ``rank`` is 1 for the most likely token."""
     logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 # One dict per generated token: token id -> Logprob (the sampled token and the top-k).
@@ -35,11 +34,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: Optional[float] = None
-    logprobs: Optional[SampleLogprobs] = None
-    finish_reason: Optional[FinishReason] = None
-    stop_reason: Optional[int | str] = None
-    error: Optional[str] = None
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -54,20 +53,20 @@ class RequestMetrics:
     ``first_token_time - first_scheduled_time``; decode time ``last_token_time -
     first_token_time``."""
     arrival_time: float
-    first_token_time: Optional[float] = None
-    last_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
-    first_scheduled_time: Optional[float] = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    first_scheduled_time: float | None = None
 
 
 @dataclass(slots=True)
 class RequestOutput:
     """The output of one request as seen by a reader at one point of its stream."""
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: Optional[RequestMetrics] = None
+    metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    prompt_logprobs: Optional[list] = field(default=None, repr=False)
+    prompt_logprobs: list | None = field(default=None, repr=False)

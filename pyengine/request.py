@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
 
 from pyengine.messages import FinishReason
 from pyengine.sampling_params import SamplingParams
@@ -21,11 +20,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = 7  # this request failed inside the engine core; the others go on
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status >= RequestStatus.FINISHED_STOPPED
 
     @staticmethod
-    def finish_reason(status: "RequestStatus") -> Optional[FinishReason]:
+    def finish_reason(status: RequestStatus) -> FinishReason | None:
         return _FINISH_REASONS.get(status)
 
 
@@ -47,8 +46,8 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 max_tokens: int, arrival_time: Optional[float] = None, priority: int = 0,
-                 cache_salt: Optional[str] = None):
+                 max_tokens: int, arrival_time: float | None = None, priority: int = 0,
+                 cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -57,12 +56,12 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt  # prefix-cache salt (KVCacheManager: the first block's hash)
         self.status = RequestStatus.WAITING
-        self.stop_reason: Optional[int | str] = None
+        self.stop_reason: int | str | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet admitted
-        self.first_scheduled_time: Optional[float] = None  # time.monotonic() at first admission
+        self.first_scheduled_time: float | None = None  # time.monotonic() at first admission
         self.num_output_placeholders = 0
         self.num_preemptions = 0  # also the "epoch": outputs scheduled before a preemption are dropped
         self.block_hashes: list[int] = []
@@ -92,10 +91,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status >= _FINISHED_MIN
 
-    def get_finished_reason(self) -> Optional[FinishReason]:
+    def get_finished_reason(self) -> FinishReason | None:
         return RequestStatus.finish_reason(self.status)
 
-    def __lt__(self, other: "Request") -> bool:
+    def __lt__(self, other: Request) -> bool:
         # Priority order: lower priority value first, then earlier arrival.
         return (self.priority, self.arrival_time, self.request_id) < (
             other.priority, other.arrival_time, other.request_id)

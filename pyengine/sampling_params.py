@@ -6,7 +6,6 @@ import enum
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from pyengine.exceptions import VLLMValidationError
 
@@ -102,17 +101,17 @@ class StructuredOutputsParams:
             schema / regex / grammar itself is valid is checked by the engine's input
             processing (``Processor.process``), which compiles nothing it cannot honour.
     """
-    json: Optional[Union[str, dict]] = None
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
-    json_object: Optional[bool] = None
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-    whitespace_pattern: Optional[str] = None
-    structural_tag: Optional[str] = None
-    reasoning_end_token_id: Optional[int] = None
-    reasoning_start_token_id: Optional[int] = None
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    reasoning_end_token_id: int | None = None
+    reasoning_start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.json_object is False:
@@ -174,42 +173,42 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 disables
     min_p: float = 0.0
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: Optional[int] = 16  # None: up to max_model_len (16: _DEFAULT_MAX_TOKENS)
+    max_tokens: int | None = 16  # None: up to max_model_len (16: _DEFAULT_MAX_TOKENS)
     min_tokens: int = 0
-    logprobs: Optional[int] = None  # number of top logprobs per generated token
+    logprobs: int | None = None  # number of top logprobs per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, text stays ""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrained decoding (JSON schema, regex, choice, grammar); see StructuredOutputsParams.
-    structured_outputs: Optional[StructuredOutputsParams] = None
+    structured_outputs: StructuredOutputsParams | None = None
     # vLLM's per-token logit bias: not supported, so refused when given (never ignored).
-    logit_bias: Optional[dict] = None
+    logit_bias: dict | None = None
     # Words never generated (vLLM's bad_words): each word's tokenization with and without a
     # leading space is banned; a word of several tokens only where its other tokens were
     # just generated. The engine tokenizes them (Processor.process -> bad_words_token_ids).
-    bad_words: Optional[list[str]] = None
+    bad_words: list[str] | None = None
     # Only these token ids may be generated (vLLM's allowed_token_ids); each must be in the
     # model's vocabulary (checked by the Processor).
-    allowed_token_ids: Optional[list[int]] = None
+    allowed_token_ids: list[int] | None = None
     # Keep only the last k prompt tokens (vLLM's left truncation); -1: as many as fit next
     # to a given max_tokens. Applied by the Processor before the prompt length checks.
-    truncate_prompt_tokens: Optional[int] = None
+    truncate_prompt_tokens: int | None = None
     # Token ids that end generation by default (EOS etc.), filled from the model's
     # generation config by the engine; not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # bad_words tokenized (vLLM's _bad_words_token_ids): filled by the engine's Processor
     # from the model's tokenizer; not user-facing.
-    bad_words_token_ids: Optional[list[list[int]]] = field(default=None, repr=False)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Whether the caller gave max_tokens, and the default it held if not (see
     # max_tokens_is_default); set by __init__ from the arguments, kept by clone, cross the
     # codec as fields.
     max_tokens_given: bool = field(default=True, repr=False, compare=False)
-    max_tokens_default: Optional[int] = field(default=None, repr=False, compare=False)
+    max_tokens_default: int | None = field(default=None, repr=False, compare=False)
 
     def __init__(self, **kwargs) -> None:
         """Keyword arguments only, each a field name (an unknown one is a ValueError naming
@@ -352,20 +351,20 @@ class SamplingParams:
         return not self.max_tokens_given and self.max_tokens == self.max_tokens_default
 
     @classmethod
-    def with_defaults(cls, **defaults) -> "SamplingParams":
+    def with_defaults(cls, **defaults) -> SamplingParams:
         """``SamplingParams(**defaults)`` whose ``max_tokens``, if among them, is a default
         (as if not given) rather than the caller's. The engine's default parameters
         (``--generation-config``) are made this way. Raises ValueError as the
         constructor."""
         return cls(**defaults, max_tokens_given=False)
 
-    def with_default_max_tokens(self, max_tokens: Optional[int]) -> "SamplingParams":
+    def with_default_max_tokens(self, max_tokens: int | None) -> SamplingParams:
         """A copy whose ``max_tokens`` is a default rather than a request: the engine caps
         it at the room the prompt leaves instead of refusing a prompt it does not fit
         (e.g. OpenAI's 16 of a completion request without max_tokens)."""
         return self.clone(max_tokens=max_tokens, max_tokens_given=False)
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         """A copy with ``changes`` applied (validated as by the constructor); a changed
         ``max_tokens`` counts as given, the others keep whether they were."""
         if "max_tokens" in changes:

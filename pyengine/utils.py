@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-from typing import Optional
 
 import torch  # loaded before the thread count below (numpy's BLAS pool starts with it)
 
@@ -42,14 +41,14 @@ def unfreeze_gc_heap() -> None:
 UNGUARDED_MAIN_EXIT_CODE = 78
 
 
-def _os_thread_count() -> Optional[int]:
+def _os_thread_count() -> int | None:
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:  # no procfs: threads cannot be counted
         return None
 
 
-def _native_threads() -> Optional[int]:
+def _native_threads() -> int | None:
     """Threads of this process that Python does not know of (BLAS and OpenMP pools...)."""
     n = _os_thread_count()
     return None if n is None else n - threading.active_count()
@@ -84,7 +83,7 @@ def _cuda_driver_loaded() -> bool:
         return False
 
 
-def fork_unsafe_reason() -> Optional[str]:
+def fork_unsafe_reason() -> str | None:
     """Why forking this process now would be unsound (a short phrase), or None."""
     if torch.cuda.is_initialized():
         return "CUDA is initialised in this process"
@@ -109,7 +108,7 @@ def mark_fork_safe(thread: threading.Thread) -> threading.Thread:
     return thread
 
 
-def _reimported_main() -> Optional[str]:
+def _reimported_main() -> str | None:
     """While this process, a multiprocessing child, re-runs its parent's main module (a
     ``<module>`` frame named ``__mp_main__`` is on the stack: spawn's preparation), that
     module's file; else None."""
@@ -121,7 +120,7 @@ def _reimported_main() -> Optional[str]:
     return None
 
 
-def choose_start_method(configured: Optional[str], fallback: str, prefer_fork: bool = True) -> tuple[str, str]:
+def choose_start_method(configured: str | None, fallback: str, prefer_fork: bool = True) -> tuple[str, str]:
     """The ``multiprocessing`` start method for an engine process, and a note for the
     error if its child meets an unguarded main (why fork was not used).
 

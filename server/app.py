@@ -14,9 +14,8 @@ from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
 from pyengine import VLLMValidationError
-from pyengine.entrypoints.openai.serving_engine import validation_error
-
 from pyengine.entrypoints.openai.errors import ClientDisconnected, RequestCancelled, RequestFailed
+from pyengine.entrypoints.openai.serving_engine import validation_error
 
 from .bridge import is_engine_dead
 from .http import APIError, error_response

@@ -23,7 +23,7 @@ import queue
 import socket as _stdsocket
 import threading
 from collections import deque
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 import gevent
 from gevent.event import Event
@@ -55,12 +55,12 @@ class GeventBridge:
     def __init__(self, engine):
         self._engine = engine
         self._pending: deque = deque()  # lists of subscribers, filled by the output thread, drained on the hub
-        self._drain: Optional[OutputDrain] = None
+        self._drain: OutputDrain | None = None
         self._watcher = None
         self._health_timer = None
         self._hub = None
         self._abort_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._aborter: Optional[threading.Thread] = None
+        self._aborter: threading.Thread | None = None
 
     # -- engine calls that take the engine's locks: never on the hub -------------------
     def add_request(self, request: ProcessedRequest, event: Event) -> Subscriber:
@@ -216,18 +216,18 @@ class RequestGroup:
     once when it is closed."""
 
     def __init__(self, bridge: GeventBridge, engine, recorder: RequestRecorder, sock=None,
-                 on_close: Optional[Callable[["RequestGroup"], None]] = None):
+                 on_close: Callable[[RequestGroup], None] | None = None):
         self.bridge = bridge
         self.engine = engine
         self.recorder = recorder
         self.event = Event()
         self.subscribers: list[Subscriber] = []
         self.disconnected = False
-        self.cancelled: Optional[str] = None  # why the server cut this request (shutdown)
+        self.cancelled: str | None = None  # why the server cut this request (shutdown)
         self._done: set[int] = set()
         self._aborted: set[str] = set()
         self._on_close = on_close
-        self._watch: Optional[_SocketWatch] = None
+        self._watch: _SocketWatch | None = None
         bridge.ensure_started()
         if sock is not None:
             self._watch = _SocketWatch(sock, self._on_disconnect)
@@ -334,7 +334,7 @@ class HTTPSession:
     why new generations are refused (the drain cut those in flight), or None."""
 
     def __init__(self, bridge: GeventBridge, engine, metrics: ServerMetrics, jobs: set,
-                 cut_message: Callable[[], Optional[str]], sock=None):
+                 cut_message: Callable[[], str | None], sock=None):
         self.bridge, self.engine, self.metrics = bridge, engine, metrics
         self.jobs, self.sock, self.cut_message = jobs, sock, cut_message
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .api_server import serve_api_servers
 from .cli_args import IGNORED_FLAGS_ATTR, engine_args_from, parse_args
@@ -24,7 +24,7 @@ def _log_level(name: str) -> str:
     return "DEBUG" if name == "trace" else name.upper()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=_log_level(args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for what in getattr(args, IGNORED_FLAGS_ATTR, None) or []:

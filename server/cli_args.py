@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import Literal
 
 from pyengine import VERSION, envs
 from pyengine.arg_utils import add_dataclass_args
@@ -22,8 +23,14 @@ from pyengine.reasoning import ReasoningParserManager
 from pyengine.tool_parsers import ToolParserManager
 
 from .http import DEFAULT_MAX_BODY_BYTES
-from .wsgi import (DEFAULT_MAX_CONCURRENT_STREAMS, DEFAULT_REQUEST_READ_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT,
-                   DEFAULT_TIMEOUT_KEEP_ALIVE, RETRY_AFTER_S, ssl_args_from)
+from .wsgi import (
+    DEFAULT_MAX_CONCURRENT_STREAMS,
+    DEFAULT_REQUEST_READ_TIMEOUT,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    DEFAULT_TIMEOUT_KEEP_ALIVE,
+    RETRY_AFTER_S,
+    ssl_args_from,
+)
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -35,17 +42,17 @@ class FrontendArgs:
     """Bind address."""
     port: int = 8000
     """Bind port (0: any free port)."""
-    api_key: Optional[str] = None
+    api_key: str | None = None
     """Require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1/* (default: $VENGINE_API_KEY or
     $VLLM_API_KEY, else none)."""
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
     """Jinja chat template, or a file holding one (default: the tokenizer's)."""
     enable_auto_tool_choice: bool = False
     """Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser."""
-    tool_call_parser: Optional[str] = field(default=None, metadata={"choices": sorted(ToolParserManager.tool_parsers)})
+    tool_call_parser: str | None = field(default=None, metadata={"choices": sorted(ToolParserManager.tool_parsers)})
     """How tool calls are read from the model's output (hermes: <tool_call>{...}</tool_call>,
     the Qwen/Hermes format). tool_choice "required" and named functions work without it."""
-    reasoning_parser: Optional[str] = field(default=None, metadata={
+    reasoning_parser: str | None = field(default=None, metadata={
         "choices": ReasoningParserManager.list_registered()})
     """How the reasoning is read from a reasoning model's output (qwen3, deepseek_r1: between
     <think> and </think>): returned as reasoning_content (chat), reasoning items
@@ -59,14 +66,14 @@ class FrontendArgs:
     """CORS: request headers allowed."""
     allow_credentials: bool = False
     """CORS: allow credentials (cookies, Authorization) in cross-origin requests."""
-    root_path: Optional[str] = None
+    root_path: str | None = None
     """Path prefix the API is served under behind a proxy (e.g. /llm: /llm/v1/models);
     the plain paths keep working."""
-    ssl_keyfile: Optional[str] = None
+    ssl_keyfile: str | None = None
     """Serve HTTPS with this private key file (PEM), with --ssl-certfile."""
-    ssl_certfile: Optional[str] = None
+    ssl_certfile: str | None = None
     """Serve HTTPS with this certificate chain file (PEM), with --ssl-keyfile."""
-    ssl_ca_certs: Optional[str] = None
+    ssl_ca_certs: str | None = None
     """CA certificates file to verify client certificates against (--ssl-cert-reqs)."""
     ssl_cert_reqs: int = 0
     """Client certificates: 0 not asked for, 1 optional, 2 required (Python's
@@ -74,7 +81,7 @@ class FrontendArgs:
     max_concurrent_streams: int = field(default=DEFAULT_MAX_CONCURRENT_STREAMS, metadata={"help": (
         "Most requests served at once (streams included; idle connections do not count, nor do /health, "
         f"/metrics, /version, /v1/models); one more gets 503 with Retry-After: {RETRY_AFTER_S}.")})
-    timeout_keep_alive: Optional[float] = field(default=None, metadata={"help": (
+    timeout_keep_alive: float | None = field(default=None, metadata={"help": (
         "Close a connection that waits this many seconds for its next request (a fresh one for its first) "
         "(default: $VENGINE_HTTP_TIMEOUT_KEEP_ALIVE or $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else "
         f"{DEFAULT_TIMEOUT_KEEP_ALIVE:g}, as uvicorn and vLLM).")})
@@ -83,7 +90,7 @@ class FrontendArgs:
     byte came; later: 408 and the connection closes."""
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Larger request bodies get 413."""
-    api_server_count: Optional[int] = field(default=None, metadata={"help": (
+    api_server_count: int | None = field(default=None, metadata={"help": (
         "Front-end (API server) processes sharing the engine process(es) and the port. Default: chosen from "
         "the host (auto_api_server_count): min(4 x data-parallel size, (CPU cores - engine processes) // 2), "
         "at least 1; 1 keeps one API server.")})
@@ -231,7 +238,7 @@ def make_arg_parser() -> ServeArgumentParser:
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """``vengine serve``'s namespace: every ``FrontendArgs`` and ``AsyncEngineArgs``
     field, ``model`` from the positional argument or ``--model``, ``api_key`` from the
     environment when not given. Exits (status 2, one line) on bad flags."""
@@ -287,7 +294,7 @@ CORES_PER_API_SERVER = 2
 
 
 def auto_api_server_count(data_parallel_size: int = 1, tensor_parallel_size: int = 1,
-                          cpu_count: Optional[int] = None) -> int:
+                          cpu_count: int | None = None) -> int:
     """The ``--api-server-count`` used when none is given: every engine-core process and
     tensor-parallel worker keeps one host core busy (dp x tp of them); of the cores left,
     each API server takes ``CORES_PER_API_SERVER``; at most ``API_SERVERS_PER_ENGINE`` per

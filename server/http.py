@@ -4,7 +4,6 @@ server above it (the routes, ``server.app`` and ``server.wsgi`` import it)."""
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from flask import Response, request
 
@@ -18,7 +17,7 @@ DEFAULT_MAX_CONCURRENT_STREAMS = 1024  # --max-concurrent-streams (server.wsgi a
 SOCKET_ENVIRON_KEY = "vengine.socket"  # the client socket, in the WSGI environ (server.wsgi sets it)
 
 
-def error_response(status: int, message: str, param: Optional[str] = None) -> Response:
+def error_response(status: int, message: str, param: str | None = None) -> Response:
     return Response(json.dumps(error_body(status, message, param)), status=status,
                     mimetype="application/json")
 

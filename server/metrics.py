@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from bisect import bisect_left
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -137,7 +137,7 @@ class ServerMetrics:
                                      lbl, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      lbl + ["engine"], buckets=_ITERATION_TOKEN_BUCKETS, registry=r)
-        self._remove_stat_logger: Optional[Callable[[], None]] = engine.add_stat_logger(
+        self._remove_stat_logger: Callable[[], None] | None = engine.add_stat_logger(
             _IterationTokensLogger(iteration_tokens, model_name))
         r.register(_EngineStatsCollector(engine, model_name))
 

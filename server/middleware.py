@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from werkzeug.exceptions import RequestEntityTooLarge
 
@@ -30,7 +30,7 @@ def enable_cors(app, origins: Sequence[str] = ("*",), methods: Sequence[str] = (
          send_wildcard="*" in origins and not allow_credentials)
 
 
-def mount_at_root_path(app, root_path: Optional[str]) -> None:
+def mount_at_root_path(app, root_path: str | None) -> None:
     """Serve ``app`` both at ``/`` and under ``root_path`` (e.g. ``/llm``: ``/llm/v1/models``
     is ``/v1/models``, with ``SCRIPT_NAME`` set), so it works behind a proxy that keeps
     the prefix as well as one that strips it. Raises ValueError unless ``root_path``

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import gevent
 
@@ -17,7 +17,7 @@ from .wsgi import ConnectionLimits, make_server, raise_fd_limit, serve_until_shu
 logger = logging.getLogger(__name__)
 
 
-def serve_engine(args, engine, listener=None, on_ready: Optional[Callable[[str], None]] = None) -> int:
+def serve_engine(args, engine, listener=None, on_ready: Callable[[str], None] | None = None) -> int:
     """Serve ``engine`` (an AsyncLLM) over HTTP on this thread until SIGINT/SIGTERM and the
     drain that follows (``--shutdown-timeout``, ``server.wsgi.graceful_shutdown``); returns
     the exit status. ``listener``: an already bound and listening socket to accept on

@@ -3,7 +3,6 @@ share, below them and below ``server.app`` that assembles them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from pyengine import envs
 from pyengine.entrypoints.anthropic.serving_messages import ServingMessages
@@ -23,21 +22,21 @@ from .metrics import ServerMetrics
 class ServerConfig:
     served_model_names: list[str]
     api_keys: list[str] = field(default_factory=list)
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     model_path: str = ""
     max_model_len: int = 0
     dev_mode: bool = False  # VENGINE_SERVER_DEV_MODE (vLLM's VLLM_SERVER_DEV_MODE): development endpoints (/reset_prefix_cache)
-    tool_call_parser: Optional[str] = None  # --tool-call-parser (pyengine.tool_parsers)
+    tool_call_parser: str | None = None  # --tool-call-parser (pyengine.tool_parsers)
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
-    reasoning_parser: Optional[str] = None  # --reasoning-parser (pyengine.reasoning)
-    reasoning_parser_cls: Optional[type] = None  # its class, checked against the tokenizer at start-up
+    reasoning_parser: str | None = None  # --reasoning-parser (pyengine.reasoning)
+    reasoning_parser_cls: type | None = None  # its class, checked against the tokenizer at start-up
     # prompts × n in one request: at most the requests the server serves at once
     # (--max-concurrent-streams), so one request cannot queue more work than that many clients
     max_sequences_per_request: int = DEFAULT_MAX_CONCURRENT_STREAMS
 
     @classmethod
-    def from_args(cls, engine, args) -> "ServerConfig":
+    def from_args(cls, engine, args) -> ServerConfig:
         ecfg = engine.config
         names = getattr(args, "served_model_name", None) if args is not None else None
         if isinstance(names, str):
@@ -91,7 +90,7 @@ class ServerState:
         self.active_requests = 0
         self.jobs: set[RequestGroup] = set()
         self.draining = False
-        self.cut_message: Optional[str] = None
+        self.cut_message: str | None = None
 
     def session(self, sock=None) -> HTTPSession:
         """The serving objects' ``Session`` of one HTTP request (``sock``: its client socket)."""

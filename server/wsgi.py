@@ -32,7 +32,6 @@ import socket as _stdsocket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import gevent
 import gevent.socket
@@ -66,7 +65,7 @@ class ConnectionLimits:
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT
 
     @classmethod
-    def from_args(cls, args) -> "ConnectionLimits":
+    def from_args(cls, args) -> ConnectionLimits:
         d = cls()
         return cls(max_concurrent_streams=getattr(args, "max_concurrent_streams", d.max_concurrent_streams),
                    timeout_keep_alive=getattr(args, "timeout_keep_alive", d.timeout_keep_alive),
@@ -141,7 +140,7 @@ class _TimedInput:
 
     __slots__ = ("_input", "_handler", "_deadline", "_timeout_s")
 
-    def __init__(self, inp, handler: "VEngineHandler", deadline: _Deadline, timeout_s: float):
+    def __init__(self, inp, handler: VEngineHandler, deadline: _Deadline, timeout_s: float):
         self._input, self._handler, self._deadline, self._timeout_s = inp, handler, deadline, timeout_s
 
     def _read(self, fn, *args):
@@ -216,7 +215,7 @@ class VEngineHandler(WSGIHandler):
     """pywsgi handler: TCP_NODELAY, the socket handed to the app, the keep-alive and read
     timeouts and the request cap of ``VEngineServer``."""
 
-    _deadline: Optional[_Deadline] = None
+    _deadline: _Deadline | None = None
 
     def __init__(self, sock, address, server, rfile=None):
         try:
@@ -314,8 +313,8 @@ class VEngineServer(WSGIServer):
 
 def make_server(app, host: str = "127.0.0.1", port: int = 8000,
                 max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
-                access_log: bool = True, listener=None, limits: Optional[ConnectionLimits] = None,
-                ssl_args: Optional[dict] = None) -> WSGIServer:
+                access_log: bool = True, listener=None, limits: ConnectionLimits | None = None,
+                ssl_args: dict | None = None) -> WSGIServer:
     """Build (not start) the gevent WSGI server for ``app``. Must be started on the thread
     whose hub will run it. ``listener``: a bound, listening socket to accept on instead of
     ``(host, port)``. ``limits`` (default: the defaults with ``max_concurrent_streams``):
@@ -332,7 +331,7 @@ def make_server(app, host: str = "127.0.0.1", port: int = 8000,
                          backlog=None if listener is not None else _BACKLOG, **(ssl_args or {}))
 
 
-def ssl_args_from(args) -> Optional[dict]:
+def ssl_args_from(args) -> dict | None:
     """gevent's SSL arguments (a server-side TLS context) from ``--ssl-keyfile`` /
     ``--ssl-certfile`` / ``--ssl-ca-certs`` / ``--ssl-cert-reqs``; None: plain HTTP.
     Raises ValueError when only one of the key and the certificate is given, or the
@@ -427,15 +426,15 @@ class BackgroundServer:
                  max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS, access_log: bool = False,
                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                  timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE,
-                 request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT, ssl_args: Optional[dict] = None):
+                 request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT, ssl_args: dict | None = None):
         self.app, self.host, self.requested_port = app, host, port
         self.ssl_args = ssl_args
         self.limits = ConnectionLimits(max_concurrent_streams, timeout_keep_alive, request_read_timeout)
         self.shutdown_timeout = shutdown_timeout
         self.access_log = access_log
-        self.port: Optional[int] = None
+        self.port: int | None = None
         self._ready = threading.Event()
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._stopper = None
         self._thread = threading.Thread(target=self._run, name="vengine-http", daemon=True)
 
@@ -443,7 +442,7 @@ class BackgroundServer:
     def base_url(self) -> str:
         return f"{'https' if self.ssl_args else 'http'}://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
         self._thread.start()
         if not self._ready.wait(timeout):
             raise RuntimeError("the HTTP server did not start in time")
@@ -478,7 +477,7 @@ class BackgroundServer:
                     st.close()
                 hub.destroy(destroy_loop=True)
 
-    def stop(self, timeout: Optional[float] = None) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Drain (``shutdown_timeout``, then cut what still runs) and stop; waits for it
         at most ``timeout`` seconds (default: the drain plus a margin)."""
         s = self._stopper

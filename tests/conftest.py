@@ -14,9 +14,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import (REASONING_TOOL_CALL, build_reasoning_tokenizer, build_scripted_model,  # noqa: E402
-                           build_scripted_tokenizer, build_sentencepiece_tokenizer, build_tiny_model, build_tokenizer,
-                           build_wordpiece_tokenizer, reasoning_script, scripted_script, with_generation_config)
+from tests.helpers import (  # noqa: E402
+    REASONING_TOOL_CALL,
+    build_reasoning_tokenizer,
+    build_scripted_model,
+    build_scripted_tokenizer,
+    build_sentencepiece_tokenizer,
+    build_tiny_model,
+    build_tokenizer,
+    build_wordpiece_tokenizer,
+    reasoning_script,
+    scripted_script,
+    with_generation_config,
+)
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

@@ -3,8 +3,8 @@ greedy oracle, random prompts and hand-built AttentionMetadata. Nothing is downl
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
@@ -106,8 +106,7 @@ def build_tokenizer_kind(out_dir, kind: str) -> Path:
 
 
 def _config_for(family: str, vocab_size: int, bos: int, eos: int, pad: int, **overrides):
-    from transformers import (LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
            "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig}.get(family)
@@ -123,7 +122,7 @@ def _config_for(family: str, vocab_size: int, bos: int, eos: int, pad: int, **ov
 
 
 def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
-                     max_shard_size: Optional[str] = None, logit_scale: float = 4.0,
+                     max_shard_size: str | None = None, logit_scale: float = 4.0,
                      **config_overrides) -> Path:
     """Save a seeded random float32 HF model of ``family`` (one of ``FAMILIES`` or ``MOE_FAMILIES``)
     with the tokenizer files and a generation_config (eos) into ``out_dir``.
@@ -615,8 +614,8 @@ def find_bad_word(tok, processor, outputs, length):
     raise AssertionError(f"no {length}-token word in the greedy outputs")
 
 
-def build_tiny_eagle3(out_dir, target_dir, seed: int = 0, draft_vocab_size: Optional[int] = None,
-                      with_embed: bool = False, aux_layer_ids: Optional[Sequence[int]] = None) -> Path:
+def build_tiny_eagle3(out_dir, target_dir, seed: int = 0, draft_vocab_size: int | None = None,
+                      with_embed: bool = False, aux_layer_ids: Sequence[int] | None = None) -> Path:
     """Save a random, untrained EAGLE-3 head for the tiny model in ``target_dir``, in the HF
     ``eagle3`` checkpoint format vLLM loads (``LlamaForCausalLMEagle3``: ``fc``, one
     ``midlayer`` whose q/k/v read 2 * hidden, ``norm``, ``lm_head`` over a draft vocabulary

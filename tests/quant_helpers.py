@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
@@ -32,9 +32,9 @@ def _copy_side_files(src: Path, out: Path) -> None:
             shutil.copy(f, out / f.name)
 
 
-def compressed_tensors_checkpoint(src_dir, out_dir, scheme: str, group_size: Optional[int] = None,
-                                  block: Optional[Sequence[int]] = None, ignore: Sequence[str] = ("lm_head",),
-                                  calibration: Optional[list[list[int]]] = None, kv_cache_fp8: bool = False,
+def compressed_tensors_checkpoint(src_dir, out_dir, scheme: str, group_size: int | None = None,
+                                  block: Sequence[int] | None = None, ignore: Sequence[str] = ("lm_head",),
+                                  calibration: list[list[int]] | None = None, kv_cache_fp8: bool = False,
                                   plain_dir=None) -> Path:
     """Quantize the HF model in ``src_dir`` with the compressed-tensors preset ``scheme``
     (``FP8_DYNAMIC``, ``FP8``, ``FP8_BLOCK``, ``W4A16``, ``W4A16_ASYM``, ``W8A16``, ...) and save
@@ -45,9 +45,14 @@ def compressed_tensors_checkpoint(src_dir, out_dir, scheme: str, group_size: Opt
     decompression of the saved ones (the oracle where transformers cannot load the
     checkpoint: it mis-sizes the packed zero points of asymmetric INT4)."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationStatus,
-                                                 QuantizationStrategy, apply_quantization_config,
-                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationStatus,
+        QuantizationStrategy,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
 
@@ -184,7 +189,7 @@ def _linear_weights(state: dict) -> list[str]:
     return [k for k in state if k.endswith(".weight") and k.split(".")[-2] in LINEARS]
 
 
-def _save(state: dict, src: Path, out: Path, quantization_config: Optional[dict]) -> Path:
+def _save(state: dict, src: Path, out: Path, quantization_config: dict | None) -> Path:
     from safetensors.torch import save_file
 
     if out.exists():

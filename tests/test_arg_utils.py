@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import pytest
 
@@ -24,7 +24,7 @@ class Color(enum.Enum):
 class Sample:
     count: int = 3
     """How many."""
-    ratio: Optional[float] = None
+    ratio: float | None = None
     """A ratio; None: unset."""
     mode: Literal["a", "b"] = "a"
     """The mode."""
@@ -32,11 +32,11 @@ class Sample:
     """An enum."""
     switch: bool = False
     """A switch."""
-    tri: Optional[bool] = None
+    tri: bool | None = None
     """Unset, on or off."""
-    names: Optional[Union[str, list[str]]] = None
+    names: str | list[str] | None = None
     """One or more names."""
-    extra: Optional[dict] = None
+    extra: dict | None = None
     """A JSON object."""
     hidden: int = field(default=0, metadata={"cli": False})
     short: int = field(default=1, metadata={"flags": ("-s",), "help": "From metadata."})

@@ -3,8 +3,17 @@ import cbor2
 import pytest
 
 from pyengine.codec import decode, encode
-from pyengine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                               EngineDeadMessage, ErrorInfo, FinishReason, LogprobsEntry, SchedulerStats)
+from pyengine.messages import (
+    EngineCoreAbort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDeadMessage,
+    ErrorInfo,
+    FinishReason,
+    LogprobsEntry,
+    SchedulerStats,
+)
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
 

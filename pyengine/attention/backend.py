@@ -13,8 +13,8 @@ KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -25,8 +25,7 @@ import torch
 
 from pyengine.attention.backend import AttentionBackend, AttentionMetadata, register_backend
 from pyengine.ops.fused import rope_and_cache
-from pyengine.ops.paged_attention import (default_num_splits, paged_decode, paged_extend,
-                                          reshape_and_cache, varlen_attention)
+from pyengine.ops.paged_attention import default_num_splits, paged_decode, paged_extend, reshape_and_cache, varlen_attention
 
 
 @register_backend("triton")

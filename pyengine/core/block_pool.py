@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 from pyengine.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_block_hash
 
@@ -27,10 +27,10 @@ NONE_HASH = 0x5EED_5EED
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: Optional[int] = None
+    block_hash: int | None = None
 
 
-def hash_block_tokens(parent_hash: Optional[int], token_ids: Iterable[int], extra_keys: tuple = ()) -> int:
+def hash_block_tokens(parent_hash: int | None, token_ids: Iterable[int], extra_keys: tuple = ()) -> int:
     """Chained block hash over (parent hash, token ids, extra keys); ints hash deterministically."""
     return hash((NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids), extra_keys))
 
@@ -66,7 +66,7 @@ class BlockPool:
         """Fraction of usable blocks referenced by some request, in [0, 1]."""
         return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
 
-    def get_cached_block(self, block_hash: int) -> Optional[KVCacheBlock]:
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -102,7 +102,7 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached.setdefault(block_hash, block)
 
-    def record_stored(self, block_hashes: list[int], parent_hash: Optional[int], token_ids: list[int],
+    def record_stored(self, block_hashes: list[int], parent_hash: int | None, token_ids: list[int],
                       block_size: int) -> None:
         """Record a ``BlockStored`` event (with events on): consecutive full blocks of one
         request, their chained hashes, the hash before the first (None: none) and their

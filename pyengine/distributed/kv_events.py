@@ -42,7 +42,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +62,12 @@ class BlockStored:
     published hashes (``external_block_hash``), in order; ``token_ids``: their tokens,
     ``block_size`` per block; ``parent_block_hash``: the block before the first one."""
     block_hashes: list[int]
-    parent_block_hash: Optional[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int] = None
-    medium: Optional[str] = MEDIUM_GPU
-    lora_name: Optional[str] = None
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
 
     def to_wire(self) -> dict:
         return {"type": "BlockStored", "block_hashes": self.block_hashes, "parent_block_hash": self.parent_block_hash,
@@ -80,7 +79,7 @@ class BlockStored:
 class BlockRemoved:
     """These hashes left the prefix cache (their blocks were taken for new data)."""
     block_hashes: list[int]
-    medium: Optional[str] = MEDIUM_GPU
+    medium: str | None = MEDIUM_GPU
 
     def to_wire(self) -> dict:
         return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": self.medium}
@@ -94,7 +93,7 @@ class AllBlocksCleared:
         return {"type": "AllBlocksCleared"}
 
 
-KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass
@@ -102,7 +101,7 @@ class KVEventBatch:
     """One engine step's events. ``ts``: seconds since the epoch."""
     ts: float
     events: list = field(default_factory=list)
-    data_parallel_rank: Optional[int] = None
+    data_parallel_rank: int | None = None
 
     def to_wire(self) -> list:
         wire = [self.ts, [e.to_wire() for e in self.events]]
@@ -135,7 +134,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return KVEventBatch(ts, out, rest[0] if rest else None)
 
 
-def offset_endpoint_port(endpoint: Optional[str], data_parallel_rank: int) -> Optional[str]:
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
     """The endpoint of data-parallel rank ``data_parallel_rank``: a tcp port plus the
     rank, an inproc/ipc name with ``_dp<rank>`` appended (vLLM's rule). Raises ValueError
     for a tcp endpoint without a port."""
@@ -168,7 +167,7 @@ class ZmqEventPublisher(EventPublisher):
 
     SHUTDOWN_TIMEOUT_S = 1.0
 
-    def __init__(self, data_parallel_rank: int, endpoint: str = "tcp://*:5557", replay_endpoint: Optional[str] = None,
+    def __init__(self, data_parallel_rank: int, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000, topic: str = ""):
         import zmq
 
@@ -176,7 +175,7 @@ class ZmqEventPublisher(EventPublisher):
         self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
         self.replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
         self._topic = topic.encode("utf-8")
-        self._queue: "queue.Queue[Optional[KVEventBatch]]" = queue.Queue(maxsize=max_queue_size)
+        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque = deque(maxlen=buffer_steps)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -254,7 +253,7 @@ class ZmqEventPublisher(EventPublisher):
         self._ctx.term()
 
 
-def make_publisher(kv_events_config, data_parallel_rank: int) -> Optional[EventPublisher]:
+def make_publisher(kv_events_config, data_parallel_rank: int) -> EventPublisher | None:
     """The publisher of a ``pyengine.config.KVEventsConfig`` (None: no events). Raises
     ValueError when the endpoint cannot be bound or connected (port in use), or when
     pyzmq / msgpack are missing."""

@@ -22,7 +22,8 @@ import datetime
 import logging
 import socket
 import threading
-from typing import Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -74,9 +75,9 @@ class GroupCoordinator:
         self.device_group = device_group
         self.cpu_group = cpu_group
         self.is_first_rank = rank == 0
-        self.symm_mem: Optional[SymmMemAllReduce] = None
-        self.fused_norm: Optional[AllReduceRMSNorm] = None  # enable_symm_mem sets it up
-        self.mq: Optional[ShmMessageQueue] = None  # rank 0's step messages (init_message_queue)
+        self.symm_mem: SymmMemAllReduce | None = None
+        self.fused_norm: AllReduceRMSNorm | None = None  # enable_symm_mem sets it up
+        self.mq: ShmMessageQueue | None = None  # rank 0's step messages (init_message_queue)
 
     # ---- model collectives (device group) -------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +131,7 @@ class GroupCoordinator:
                 "Fused all-reduce + RMSNorm off (%s).")
         return True
 
-    def _on_every_rank(self, create: Callable[[], T], off_message: str) -> Optional[T]:
+    def _on_every_rank(self, create: Callable[[], T], off_message: str) -> T | None:
         """``create()`` on every rank; its result where it worked on every rank, else None on
         all of them (logged with ``off_message`` % the reason). Collective."""
         obj, err = None, None
@@ -143,7 +144,7 @@ class GroupCoordinator:
             return None
         return obj
 
-    def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
+    def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` (same shape on all ranks) along ``dim`` on rank
         ``dst``, rank order; returns the result on ``dst`` and None elsewhere."""
         x = x.contiguous()
@@ -170,7 +171,7 @@ class GroupCoordinator:
         dist.broadcast(x, src=src, group=self.cpu_group)
         return x
 
-    def init_message_queue(self, check: Optional[Callable[[], None]] = None, slot_bytes: int = 1 << 20) -> bool:
+    def init_message_queue(self, check: Callable[[], None] | None = None, slot_bytes: int = 1 << 20) -> bool:
         """Collective (cpu group): rank 0 creates a shared-memory queue for its step
         messages and the other ranks attach to it; every rank must be on rank 0's host.
         ``check`` (rank 0): called while rank 0 waits for a slot, to raise when a peer
@@ -297,7 +298,7 @@ class SymmMemAllReduce:
 
 def init_distributed_environment(rank: int, world_size: int, init_method: str, device: torch.device,
                                  timeout_s: float = 600.0,
-                                 peer_failure: Optional[Callable[[], Optional[str]]] = None) -> GroupCoordinator:
+                                 peer_failure: Callable[[], str | None] | None = None) -> GroupCoordinator:
     """Join the group (blocks until all ``world_size`` ranks have joined) and return this
     rank's ``GroupCoordinator``. NCCL when ``device`` is CUDA (one GPU per rank, set as
     this thread's current device), gloo otherwise.
@@ -326,7 +327,7 @@ def init_distributed_environment(rank: int, world_size: int, init_method: str, d
     return tp
 
 
-def _rendezvous(init: Callable[[], None], peer_failure: Optional[Callable[[], Optional[str]]]) -> None:
+def _rendezvous(init: Callable[[], None], peer_failure: Callable[[], str | None] | None) -> None:
     """Run ``init`` (which blocks until every rank joined); with ``peer_failure``, on a
     helper thread, polling ``peer_failure`` meanwhile. A rank that died before joining
     would otherwise keep ``init`` waiting until its timeout; then the helper thread is

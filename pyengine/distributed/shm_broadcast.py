@@ -24,8 +24,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
-from typing import Callable, Optional
 
 import numpy as np
 
@@ -53,7 +53,7 @@ class SpinWaiter:
     interval up to ``max_sleep_s``; ``check`` is called every ~10 ms of waiting (it raises
     to give up)."""
 
-    def __init__(self, spin_s: float, check: Optional[Callable[[], None]], max_sleep_s: float = _MAX_SLEEP_S):
+    def __init__(self, spin_s: float, check: Callable[[], None] | None, max_sleep_s: float = _MAX_SLEEP_S):
         self.spin_s, self.check, self.max_sleep_s = spin_s, check, max_sleep_s
         self.t0 = time.perf_counter()
         self.sleep = 0.0
@@ -81,7 +81,7 @@ class ShmMessageQueue:
     (e.g. to raise when a peer died)."""
 
     def __init__(self, num_readers: int, num_slots: int = 4, slot_bytes: int = 1 << 20, *,
-                 _attach: Optional[tuple[str, int]] = None):
+                 _attach: tuple[str, int] | None = None):
         self.num_readers, self.num_slots, self.slot_bytes = num_readers, num_slots, slot_bytes
         meta = num_slots * (1 + num_readers)
         if _attach is None:
@@ -96,7 +96,7 @@ class ShmMessageQueue:
         self._flags = buf[num_slots * slot_bytes:].reshape(num_slots, 1 + num_readers)
         self._idx = 0
         self.spin_s = 0.005
-        self.check: Optional[Callable[[], None]] = None
+        self.check: Callable[[], None] | None = None
         self._lock = threading.Lock()  # only for _fence
 
     def _fence(self) -> None:
@@ -113,7 +113,7 @@ class ShmMessageQueue:
         return f"{self.shm.name}:{self.num_readers}:{self.num_slots}:{self.slot_bytes}"
 
     @classmethod
-    def attach(cls, handle: str, reader_index: int) -> "ShmMessageQueue":
+    def attach(cls, handle: str, reader_index: int) -> ShmMessageQueue:
         name, n, slots, size = handle.rsplit(":", 3)
         return cls(int(n), int(slots), int(size), _attach=(name, reader_index))
 

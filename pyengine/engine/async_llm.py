@@ -17,14 +17,14 @@ import logging
 import threading
 import time
 import weakref
-from typing import AsyncGenerator, Callable, Iterable, Optional
+from collections.abc import AsyncGenerator, Callable, Iterable
 
 from pyengine.config import EngineArgs, EngineConfig
 from pyengine.engine.core_client import EngineCoreClient, make_client
-from pyengine.messages import EngineDeadMessage, SchedulerStats
 from pyengine.engine.output_processor import OutputProcessor, RequestOutputCollector, wake_asyncio_readers
-from pyengine.exceptions import EngineDeadError
 from pyengine.engine.processor import ProcessedRequest, Processor
+from pyengine.exceptions import EngineDeadError
+from pyengine.messages import EngineDeadMessage, SchedulerStats
 from pyengine.metrics.loggers import StatLoggerBase, make_stat_logger_manager
 from pyengine.metrics.stats import IterationStats, combine_scheduler_stats
 from pyengine.outputs import RequestOutput
@@ -47,9 +47,9 @@ class AsyncLLM:
     ``StatLoggerBase`` objects fed with every step's statistics (``add_stat_logger`` adds
     one later)."""
 
-    def __init__(self, config: EngineConfig, multiprocess: Optional[bool] = None,
-                 client: Optional[EngineCoreClient] = None, *, log_stats: Optional[bool] = None,
-                 log_requests: bool = False, stat_loggers: Optional[list[StatLoggerBase]] = None):
+    def __init__(self, config: EngineConfig, multiprocess: bool | None = None,
+                 client: EngineCoreClient | None = None, *, log_stats: bool | None = None,
+                 log_requests: bool = False, stat_loggers: list[StatLoggerBase] | None = None):
         self.config = config
         self.log_requests = log_requests
         self.stat_loggers = make_stat_logger_manager(
@@ -57,7 +57,7 @@ class AsyncLLM:
             config.data_parallel_size)
         self._lock = threading.Lock()  # serializes OutputProcessor use across threads
         self._listeners: list[Callable[[list[str]], None]] = []
-        self.dead_error: Optional[BaseException] = None
+        self.dead_error: BaseException | None = None
         self._shutdown = False
         # The engine process loads the model while this one loads the tokenizer.
         self.engine_core = client if client is not None else make_client(config, multiprocess, wait=False)
@@ -81,8 +81,8 @@ class AsyncLLM:
         atexit.register(lambda: ref() is not None and ref().shutdown())
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: Optional[bool] = None,
-                         log_requests: Optional[bool] = None) -> "AsyncLLM":
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool | None = None,
+                         log_requests: bool | None = None) -> AsyncLLM:
         """Stats are logged unless ``engine_args.disable_log_stats``; requests if
         ``log_requests``, else (None) if ``engine_args`` is an ``AsyncEngineArgs`` with
         ``enable_log_requests`` (``vengine serve --enable-log-requests``). Raises
@@ -129,7 +129,7 @@ class AsyncLLM:
         return bool(await loop.run_in_executor(None, self.engine_core.call_utility, "reset_prefix_cache"))
 
     # ---- requests ------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt, sampling_params: Optional[SamplingParams] = None,
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> RequestOutputCollector:
         """Validate and enqueue one request (``Processor.process``); returns its collector.
 
@@ -172,7 +172,7 @@ class AsyncLLM:
         self._notify([ro.request_id for _, ro in deliveries])
         self.engine_core.abort_requests(core_ids)
 
-    async def generate(self, prompt, sampling_params: Optional[SamplingParams], request_id: str,
+    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str,
                        priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Async generator of this request's outputs; aborts it if the consumer stops early."""
         collector = self.add_request(request_id, prompt, sampling_params, priority)

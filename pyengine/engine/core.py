@@ -7,15 +7,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Optional
 
 from pyengine import envs
 from pyengine.config import EngineConfig
 from pyengine.core.sched.async_scheduler import AsyncScheduler
 from pyengine.core.sched.scheduler import Scheduler
-from pyengine.messages import (EngineCoreOutputs, EngineCoreRequest, ErrorInfo, SchedulerStats, UtilityOutput, UtilityRequest)
 from pyengine.distributed.kv_events import KVEventBatch, make_publisher
 from pyengine.executor import Executor
+from pyengine.messages import EngineCoreOutputs, EngineCoreRequest, ErrorInfo, SchedulerStats, UtilityOutput, UtilityRequest
 from pyengine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -83,7 +82,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)
 
-    def step(self) -> Optional[EngineCoreOutputs]:
+    def step(self) -> EngineCoreOutputs | None:
         """Schedule, execute, sample, update: one synchronous step. With constrained rows,
         the bitmask is filled while the device runs the forward (sampling deferred)."""
         if not self.scheduler.has_unfinished_requests():
@@ -99,7 +98,7 @@ class EngineCore:
             out = ex.execute_model(so)
         return self.scheduler.update_from_output(so, out)
 
-    def step_with_batch_queue(self) -> Optional[EngineCoreOutputs]:
+    def step_with_batch_queue(self) -> EngineCoreOutputs | None:
         """Async scheduling: launch batch N+1 before consuming batch N's sampled tokens.
 
         Returns None (or only abort outputs) right after a launch that left the queue
@@ -139,7 +138,7 @@ class EngineCore:
             self.batch_queue.append((deferred, ex.sample_tokens(grammar)))
         return outputs
 
-    def profile(self, is_start: bool, out_dir: Optional[str] = None, trace: bool = True):
+    def profile(self, is_start: bool, out_dir: str | None = None, trace: bool = True):
         """Open (``is_start``) or close a profiling window on every tensor-parallel rank
         (vLLM's ``EngineCore.profile``; see pyengine/worker/profiler.py). ``out_dir``
         (default ``VENGINE_TORCH_PROFILER_DIR``): where each rank writes its phase timings

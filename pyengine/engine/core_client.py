@@ -40,17 +40,26 @@ import sys
 import threading
 from concurrent.futures import Future
 from multiprocessing.connection import wait as mp_wait
-from typing import Any, Optional, Union
+from typing import Any
 
 from pyengine import envs
+from pyengine.codec import decode, encode
 from pyengine.config import EngineConfig
 from pyengine.engine.core import EngineCore
 from pyengine.engine.core_proc import EngineCoreProc, run_engine_core, run_engine_core_on_devices
-from pyengine.codec import decode, encode
 from pyengine.exceptions import EngineDeadError, exception_from
-from pyengine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
-                               EngineCoreRequest, EngineCoreShutdown, EngineDeadMessage, FinishReason, UtilityOutput,
-                               UtilityRequest)
+from pyengine.messages import (
+    EngineCoreAbort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    EngineDeadMessage,
+    FinishReason,
+    UtilityOutput,
+    UtilityRequest,
+)
 from pyengine.utils import UNGUARDED_MAIN_EXIT_CODE, choose_start_method, run_forked, unguarded_main_message
 
 logger = logging.getLogger(__name__)
@@ -63,7 +72,7 @@ PRELOAD_CONFIG_MODULES = ("transformers.models.llama.configuration_llama",
 # Seconds a utility call waits for the engine core's answer.
 UTILITY_TIMEOUT_S = 60.0
 
-Output = Union[EngineCoreOutputs, EngineDeadMessage, None]
+Output = EngineCoreOutputs | EngineDeadMessage | None
 
 
 def multiprocessing_enabled(default: bool = True) -> bool:
@@ -72,7 +81,7 @@ def multiprocessing_enabled(default: bool = True) -> bool:
     return default if v is None else v
 
 
-def make_client(config: EngineConfig, multiprocess: Optional[bool] = None, wait: bool = True) -> "EngineCoreClient":
+def make_client(config: EngineConfig, multiprocess: bool | None = None, wait: bool = True) -> EngineCoreClient:
     """The engine-core client for ``config``; ``multiprocess=None`` follows the environment
     switch. With ``wait=False`` the engine process may still be loading: the caller does
     its own set-up meanwhile, then calls ``wait_ready()``. Raises whatever the engine core
@@ -106,7 +115,7 @@ class EngineCoreClient:
     def _send(self, msg) -> None:
         raise NotImplementedError
 
-    def get_output(self, timeout: Optional[float] = None) -> Output:
+    def get_output(self, timeout: float | None = None) -> Output:
         """The next EngineCoreOutputs (or the EngineDeadMessage) from the core; None on
         timeout or after ``wake_output_reader``. One reader thread only."""
         raise NotImplementedError
@@ -195,8 +204,8 @@ class InprocClient(EngineCoreClient):
         super().__init__()
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
-        self.engine_core: Optional[EngineCore] = None  # in-process only: tests and benchmarks look inside
-        self._init_error: Optional[BaseException] = None
+        self.engine_core: EngineCore | None = None  # in-process only: tests and benchmarks look inside
+        self._init_error: BaseException | None = None
         self._started = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(config,), name="EngineCore", daemon=True)
         self.thread.start()
@@ -220,7 +229,7 @@ class InprocClient(EngineCoreClient):
     def _send(self, msg) -> None:
         self.input_queue.put(msg)
 
-    def get_output(self, timeout: Optional[float] = None) -> Output:
+    def get_output(self, timeout: float | None = None) -> Output:
         while True:
             try:
                 msg = self.output_queue.get(timeout=timeout)
@@ -260,7 +269,7 @@ def _mp_context(config: EngineConfig, prefer_fork: bool = True):
     return ctx, note
 
 
-def _exit_reason(code: Optional[int]) -> str:
+def _exit_reason(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
@@ -271,7 +280,7 @@ def _exit_reason(code: Optional[int]) -> str:
     return f"exit status {code}"
 
 
-def data_parallel_devices(config: EngineConfig, rank: int) -> Optional[str]:
+def data_parallel_devices(config: EngineConfig, rank: int) -> str | None:
     """``CUDA_VISIBLE_DEVICES`` of data-parallel rank ``rank``: its
     ``tensor_parallel_size`` devices (rank r takes r*tp .. r*tp+tp-1 of the devices this
     process sees); None off CUDA or without data parallelism (the environment is kept)."""
@@ -318,15 +327,15 @@ class MPClient(EngineCoreClient):
     ends): it has no process handle, learns of the engine's death from the pipe's end, and
     its ``shutdown`` only closes its own connection."""
 
-    def __init__(self, config: Optional[EngineConfig] = None, target=None, conn=None, prefer_fork: bool = True,
+    def __init__(self, config: EngineConfig | None = None, target=None, conn=None, prefer_fork: bool = True,
                  close_in_child: tuple = ()):
         super().__init__()
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
-        self._dead: Optional[EngineDeadMessage] = None
+        self._dead: EngineDeadMessage | None = None
         self._closed = False
         # How the engine process was started ("fork", "forkserver", "spawn"; None: attached).
-        self.start_method: Optional[str] = None
+        self.start_method: str | None = None
         if conn is not None:
             self._conn, self.proc = conn, None
             return
@@ -349,7 +358,7 @@ class MPClient(EngineCoreClient):
         return (self._conn, self._wake_r, self._wake_w)
 
     @classmethod
-    def attach(cls, conn) -> "MPClient":
+    def attach(cls, conn) -> MPClient:
         """A client on one connection of an engine process started elsewhere."""
         return cls(conn=conn)
 
@@ -373,7 +382,7 @@ class MPClient(EngineCoreClient):
         logger.info("Engine core running in process %s.", self.pid)
 
     @property
-    def pid(self) -> Optional[int]:
+    def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
     def _exit_reason(self) -> str:
@@ -393,7 +402,7 @@ class MPClient(EngineCoreClient):
     def _dead_message(self) -> EngineDeadMessage:
         return EngineDeadMessage(f"the engine core process died unexpectedly ({self._exit_reason()})")
 
-    def _recv(self, timeout: Optional[float]):
+    def _recv(self, timeout: float | None):
         """One decoded message; None on timeout or wake-up; an EngineDeadMessage once the
         process is gone and the pipe holds nothing more."""
         conn = self._conn
@@ -413,7 +422,7 @@ class MPClient(EngineCoreClient):
         except (EOFError, OSError):
             return self._dead_message()
 
-    def get_output(self, timeout: Optional[float] = None) -> Output:
+    def get_output(self, timeout: float | None = None) -> Output:
         if self._dead is not None:
             return self._dead
         while True:
@@ -518,7 +527,7 @@ class DPClient(EngineCoreClient):
         self._readers: list[threading.Thread] = []
 
     @classmethod
-    def start(cls, config: EngineConfig, multiprocess: bool = True) -> "DPClient":
+    def start(cls, config: EngineConfig, multiprocess: bool = True) -> DPClient:
         """Start ``config.data_parallel_size`` engine cores, rank r with
         ``config.replace(data_parallel_rank=r)``: processes (never forked on CUDA, so that
         each rank's ``CUDA_VISIBLE_DEVICES`` takes effect), or with ``multiprocess=False``
@@ -541,7 +550,7 @@ class DPClient(EngineCoreClient):
         return cls(clients)
 
     @classmethod
-    def attach(cls, conns: list) -> "DPClient":
+    def attach(cls, conns: list) -> DPClient:
         """A client over one connection to each engine process of ranks 0..N-1, started
         elsewhere (``vengine serve --api-server-count``)."""
         return cls([MPClient.attach(c) for c in conns])
@@ -665,7 +674,7 @@ class DPClient(EngineCoreClient):
             self._out.put(EngineDeadMessage("every engine core died: " + "; ".join(
                 f"engine core {k}: {m}" for k, m in sorted(self.dead.items())), msg.error))
 
-    def get_output(self, timeout: Optional[float] = None) -> Output:
+    def get_output(self, timeout: float | None = None) -> Output:
         try:
             return self._out.get(timeout=timeout)
         except queue.Empty:

@@ -8,18 +8,25 @@ import logging
 import os
 import queue
 import threading
-from typing import Union
 
 from pyengine import envs
 from pyengine.config import EngineConfig
 from pyengine.engine.core import EngineCore
-from pyengine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreShutdown,
-                               EngineDeadMessage, ErrorInfo, UtilityOutput, UtilityRequest)
+from pyengine.messages import (
+    EngineCoreAbort,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    EngineDeadMessage,
+    ErrorInfo,
+    UtilityOutput,
+    UtilityRequest,
+)
 
 logger = logging.getLogger(__name__)
 
 
-EngineCoreInput = Union[EngineCoreRequest, EngineCoreAbort, UtilityRequest, EngineCoreShutdown]
+EngineCoreInput = EngineCoreRequest | EngineCoreAbort | UtilityRequest | EngineCoreShutdown
 
 
 class EngineCoreProc:
@@ -30,8 +37,8 @@ class EngineCoreProc:
     its own process (``pyengine.engine.core_proc``). Mirrors vllm/v1/engine/core.py's
     EngineCoreProc."""
 
-    def __init__(self, engine_core: EngineCore, input_queue: "queue.Queue[EngineCoreInput]",
-                 output_queue: "queue.Queue"):
+    def __init__(self, engine_core: EngineCore, input_queue: queue.Queue[EngineCoreInput],
+                 output_queue: queue.Queue):
         self.engine_core = engine_core
         self.input_queue = input_queue
         self.output_queue = output_queue
@@ -96,7 +103,7 @@ class _FrontEndLinks:
     answers to the caller, everything else (ready, death) to all. A front end that goes
     away has its requests aborted; when the last one is gone, the process shuts down."""
 
-    def __init__(self, conns: list, input_queue: "queue.Queue", serving):
+    def __init__(self, conns: list, input_queue: queue.Queue, serving):
         self.conns = conns
         self.input_queue = input_queue
         self.serving = serving  # threading.Event: set once EngineCore is built
@@ -198,8 +205,8 @@ def run_engine_core(config: EngineConfig, conns, log_level: int = logging.WARNIN
     # takes the fast all-reduce path unless the user said otherwise (the worker processes
     # this one starts inherit the setting).
     envs.default_symm_mem_allreduce_on()
-    input_queue: "queue.Queue" = queue.Queue()
-    output_queue: "queue.Queue" = queue.Queue()
+    input_queue: queue.Queue = queue.Queue()
+    output_queue: queue.Queue = queue.Queue()
     links = _FrontEndLinks(conns, input_queue, threading.Event())
 
     def writer() -> None:

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from pyengine.sampling_params import SamplingParams
 
@@ -79,7 +79,7 @@ class DecoderTraits:
     rewrites: bool = False
 
     @classmethod
-    def of(cls, tokenizer) -> "DecoderTraits":
+    def of(cls, tokenizer) -> DecoderTraits:
         """The traits of ``tokenizer`` (a transformers tokenizer); a slow tokenizer or an
         unreadable ``tokenizer.json`` gets the window decoder's defaults."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -161,7 +161,7 @@ def decode_logprob_token(tokenizer, token_id: int) -> str:
 
 
 def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],
-                       include_in_output: bool) -> Optional[tuple[str, int]]:
+                       include_in_output: bool) -> tuple[str, int] | None:
     """Look for a stop string in the last ``new_char_count`` characters of ``output_text``
     (a match may start up to ``len(stop_str) - 1`` characters before them).
 
@@ -174,7 +174,7 @@ def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str
     """
     if not new_char_count or not stop:
         return None
-    best: Optional[tuple[int, str]] = None
+    best: tuple[int, str] | None = None
     n = len(output_text)
     for s in stop:
         start = max(n - new_char_count - len(s) + 1, 0)
@@ -209,7 +209,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int],
-                 params: SamplingParams, traits: Optional[DecoderTraits] = None) -> None:
+                 params: SamplingParams, traits: DecoderTraits | None = None) -> None:
         self.tokenizer = tokenizer
         # the tokenizer's decoder kind (DecoderTraits.of(tokenizer), shared by the requests
         # of one output processor); read here when not given
@@ -234,7 +234,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = ctx
         self._prefix_offset = 0
         self._read_offset = len(ctx)
-        self._prefix_text: Optional[str] = prefix_text
+        self._prefix_text: str | None = prefix_text
 
     @property
     def num_output_tokens(self) -> int:
@@ -326,7 +326,7 @@ class IncrementalDetokenizer:
         return full[len(done):] if len(full) > len(done) and full.startswith(done) else ""
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool,
-               finished: bool = False) -> Optional[str]:
+               finished: bool = False) -> str | None:
         """Append this step's tokens, decode them, and check stop strings.
 
         Args:
@@ -440,7 +440,7 @@ class TokenTexts:
         self.texts: dict[int, str] = {}
 
     @classmethod
-    def for_tokenizer(cls, tokenizer) -> Optional["TokenTexts"]:
+    def for_tokenizer(cls, tokenizer) -> TokenTexts | None:
         """A cache for ``tokenizer``, or None when its decoder is not plain ``ByteLevel``
         (e.g. SentencePiece's, whose first-token space rule depends on context)."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -471,8 +471,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     vllm/v1/engine/detokenizer.py's FastIncrementalDetokenizer."""
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 token_texts: Optional[TokenTexts] = None,
-                 traits: Optional[DecoderTraits] = None) -> None:
+                 token_texts: TokenTexts | None = None,
+                 traits: DecoderTraits | None = None) -> None:
         super().__init__(tokenizer, prompt_token_ids, params, traits)
         self._skip = 0
         # token_texts: single-token texts to use instead of stream steps while the stream
@@ -512,7 +512,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         return True
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool,
-               finished: bool = False) -> Optional[str]:
+               finished: bool = False) -> str | None:
         # The common step (one token, no stop strings to look for, nothing held back from
         # the prompt) without the general path's copies and bookkeeping; same result.
         if (len(new_token_ids) == 1 and not stop_terminated and not finished and not self.stop
@@ -523,7 +523,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
             return None
         return super().update(new_token_ids, stop_terminated, finished)
 
-    def _step(self, ids) -> Optional[str]:
+    def _step(self, ids) -> str | None:
         """One ``DecodeStream`` step (a token id or a list); "" while a character is
         incomplete (then the token-text cache waits for the stream to catch up); None when
         the stream failed and the request went over to window decoding."""
@@ -571,7 +571,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
                 cache.learn(token_id, text)
         return self._to_window(token_id) if text is None else text
 
-    def step_delta(self, token_id: int) -> Optional[str]:
+    def step_delta(self, token_id: int) -> str | None:
         """``update([token_id], False)`` then ``get_next_output_text(False, True)`` in one
         call, for a streamed request with no stop strings whose text so far was all
         reported; returns None (and changes nothing) when that does not hold, and the
@@ -609,8 +609,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 
 def make_incremental_detokenizer(tokenizer, prompt_token_ids: Sequence[int],
                                  params: SamplingParams,
-                                 token_texts: Optional[TokenTexts] = None,
-                                 traits: Optional[DecoderTraits] = None) -> IncrementalDetokenizer:
+                                 token_texts: TokenTexts | None = None,
+                                 traits: DecoderTraits | None = None) -> IncrementalDetokenizer:
     """The fast detokenizer where the tokenizer allows it, else the window-based one.
     ``token_texts``: ``TokenTexts.for_tokenizer(tokenizer)`` and ``traits``:
     ``DecoderTraits.of(tokenizer)``, both shared by many requests."""

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Optional
 
 from pyengine.config import EngineConfig
-from pyengine.tokenizer import load_tokenizer
 from pyengine.engine.core import EngineCore
 from pyengine.engine.output_processor import OutputProcessor
 from pyengine.engine.processor import ProcessedRequest, Processor
@@ -15,6 +13,7 @@ from pyengine.metrics.loggers import StatLoggerBase, make_stat_logger_manager
 from pyengine.metrics.stats import IterationStats, combine_scheduler_stats
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
+from pyengine.tokenizer import load_tokenizer
 from pyengine.utils import freeze_gc_heap, unfreeze_gc_heap
 
 
@@ -44,8 +43,8 @@ class LLMEngine:
     step hands out the outputs of whichever cores have some, waiting up to a second for
     them."""
 
-    def __init__(self, config: EngineConfig, log_stats: Optional[bool] = None,
-                 stat_loggers: Optional[list[StatLoggerBase]] = None):
+    def __init__(self, config: EngineConfig, log_stats: bool | None = None,
+                 stat_loggers: list[StatLoggerBase] | None = None):
         self.config = config
         self.stat_loggers = make_stat_logger_manager(
             not config.disable_log_stats if log_stats is None else log_stats, stat_loggers,
@@ -74,7 +73,7 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, _shutdown, self.engine_core)
         freeze_gc_heap()
 
-    def add_request(self, request_id: str, prompt, params: Optional[SamplingParams] = None,
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     priority: int = 0) -> None:
         """Raises ValueError for bad input; nothing is queued then."""
         self.add_processed(request_id, self.processor.process(request_id, prompt, params, priority))

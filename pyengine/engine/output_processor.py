@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Optional
+from typing import Any
 
-from pyengine.engine.detokenizer import (DecoderTraits, FastIncrementalDetokenizer, TokenTexts,
-                                         decode_logprob_token, decode_output, make_incremental_detokenizer)
+from pyengine.engine.detokenizer import (
+    DecoderTraits,
+    FastIncrementalDetokenizer,
+    TokenTexts,
+    decode_logprob_token,
+    decode_output,
+    make_incremental_detokenizer,
+)
 from pyengine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pyengine.metrics.stats import IterationStats
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -36,7 +42,7 @@ class RequestOutputCollector:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._blocked = 0  # readers waiting in get()
-        self._output: Optional[RequestOutput | BaseException] = None
+        self._output: RequestOutput | BaseException | None = None
         self._aio_waiter = None  # (loop, asyncio.Event) of a waiting asyncio reader
         self.finished = False  # the final output has been taken
 
@@ -63,7 +69,7 @@ class RequestOutputCollector:
         wake_asyncio_readers([waiter])
         return None
 
-    def _take(self) -> Optional[RequestOutput]:
+    def _take(self) -> RequestOutput | None:
         out, self._output = self._output, None
         if isinstance(out, BaseException):
             self._output = out  # stays: every later read fails too
@@ -72,12 +78,12 @@ class RequestOutputCollector:
             self.finished = True
         return out
 
-    def get_nowait(self) -> Optional[RequestOutput]:
+    def get_nowait(self) -> RequestOutput | None:
         """The pending output or None. Raises EngineDeadError if the engine died."""
         with self._lock:
             return self._take()
 
-    def get(self, timeout: Optional[float] = None) -> RequestOutput:
+    def get(self, timeout: float | None = None) -> RequestOutput:
         """Blocks for the next output. Raises EngineDeadError, or TimeoutError after timeout seconds."""
         with self._lock:
             self._blocked += 1
@@ -168,8 +174,8 @@ def _merge_delta(cur: RequestOutput, new: RequestOutput) -> None:
 class _Child:
     """State of one of the n completions (one engine-core request)."""
 
-    def __init__(self, parent: "_Parent", index: int, core_req: EngineCoreRequest, tokenizer,
-                 token_texts: Optional[TokenTexts] = None, traits: Optional[DecoderTraits] = None):
+    def __init__(self, parent: _Parent, index: int, core_req: EngineCoreRequest, tokenizer,
+                 token_texts: TokenTexts | None = None, traits: DecoderTraits | None = None):
         self.parent = parent
         self.index = index
         self.core_id = core_req.request_id
@@ -181,16 +187,16 @@ class _Child:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.include_stop = params.include_stop_str_in_output
-        self.final_text: Optional[str] = None
+        self.final_text: str | None = None
         self.prompt_token_ids = core_req.prompt_token_ids
         self.detok = make_incremental_detokenizer(tokenizer if params.detokenize and not self.deferred else None,
                                                   core_req.prompt_token_ids, params, token_texts, traits)
         self.want_logprobs = params.logprobs is not None
-        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.want_logprobs else None
-        self.cumulative_logprob: Optional[float] = 0.0 if self.want_logprobs else None
-        self.finish_reason: Optional[FinishReason] = None
-        self.stop_reason: Optional[int | str] = None
-        self.error: Optional[str] = None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if self.want_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if self.want_logprobs else None
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
         self.failed = False  # its output could not be processed: it ends without more text
         self.sent_tokens = 0
         self.sent_logprobs = 0
@@ -246,7 +252,7 @@ class _Parent:
         self.num_finished += 1
         self.finished = self.num_finished == len(self.children)
 
-    def make_output(self, changed: list[_Child], stream_interval: int = 1) -> Optional[RequestOutput]:
+    def make_output(self, changed: list[_Child], stream_interval: int = 1) -> RequestOutput | None:
         if stream_interval > 1 and self.kind != _FINAL_ONLY and not self.finished:
             # Report a child only every stream_interval tokens, its first token at once.
             due = [c for c in changed if c.emitted_tokens == 0 and c.detok.num_output_tokens > 0
@@ -293,7 +299,7 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
 
-    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, core_reqs: list[EngineCoreRequest], collector: Any = None) -> None:
         """Raises ValueError for a duplicate request id."""
         if request_id in self.parents or any(r.request_id in self.children for r in core_reqs):
@@ -342,7 +348,7 @@ class OutputProcessor:
         return core_ids, deliveries
 
     def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float,
-                        iteration_stats: Optional[IterationStats] = None
+                        iteration_stats: IterationStats | None = None
                         ) -> tuple[list[tuple[Any, RequestOutput]], list[str]]:
         """Returns ([(collector, RequestOutput)] in arrival order of outputs, core request
         ids to abort because a stop string finished them). Adds this step's token counts
@@ -401,7 +407,7 @@ class OutputProcessor:
         return deliveries, to_abort
 
     def _update_child(self, child: _Child, eco: EngineCoreOutput, timestamp: float,
-                      iteration_stats: Optional[IterationStats], to_abort: list[str]) -> None:
+                      iteration_stats: IterationStats | None, to_abort: list[str]) -> None:
         """One engine-core output of one completion: metrics, logprobs, text, stop
         strings, finish."""
         parent = child.parent

@@ -9,13 +9,13 @@ import itertools
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from pyengine.config import EngineConfig, SchedulingPolicy
-from pyengine.messages import EngineCoreRequest
 from pyengine.exceptions import VLLMValidationError
-from pyengine.tokenizer import eos_token_ids
+from pyengine.messages import EngineCoreRequest
 from pyengine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
+from pyengine.tokenizer import eos_token_ids
 
 # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}; a dict may add
 # "cache_salt": str (vLLM's prefix-cache salt)
@@ -34,11 +34,11 @@ _COMPOSITION_FACTOR = 4
 _PRE_TOKENIZERS_KEEPING = frozenset({"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"})
 
 
-def _component(obj) -> Optional[dict]:
+def _component(obj) -> dict | None:
     return None if obj is None else json.loads(obj.__getstate__())
 
 
-def _normalizer_factor(node: Optional[dict]) -> Optional[float]:
+def _normalizer_factor(node: dict | None) -> float | None:
     """Most input characters one normalized character can stand for; None: unbounded
     (a normalizer that may drop characters: Strip, StripAccents, Precompiled, ...)."""
     if node is None:
@@ -71,7 +71,7 @@ def _has_type(node, kind: str) -> bool:
     return False
 
 
-def _pre_tokenizer_keeps(node: Optional[dict]) -> bool:
+def _pre_tokenizer_keeps(node: dict | None) -> bool:
     """Whether the pre-tokenizer keeps every character (splits without removing any)."""
     if node is None:
         return True
@@ -83,7 +83,7 @@ def _pre_tokenizer_keeps(node: Optional[dict]) -> bool:
     return kind in _PRE_TOKENIZERS_KEEPING
 
 
-def max_chars_per_token(tokenizer) -> Optional[float]:
+def max_chars_per_token(tokenizer) -> float | None:
     """An upper bound on the prompt characters one token of ``tokenizer`` can cover, or
     ``None`` where no bound holds (a slow tokenizer; a normalizer, pre-tokenizer or
     added token that may drop or absorb characters; unknown text fused into one token).
@@ -133,7 +133,7 @@ class ProcessedRequest:
     normalized); ``core_requests``: one ``EngineCoreRequest`` per each of the ``n``
     completions, whose ids carry a unique suffix."""
     request_id: str
-    prompt_text: Optional[str]  # None for a token-id prompt, or once truncation cut the text's ids
+    prompt_text: str | None  # None for a token-id prompt, or once truncation cut the text's ids
     prompt_token_ids: list[int]
     params: SamplingParams
     core_requests: list[EngineCoreRequest]
@@ -144,7 +144,7 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
-def child_seed(seed: Optional[int], index: int) -> Optional[int]:
+def child_seed(seed: int | None, index: int) -> int | None:
     """Seed of the index-th of n completions: seed + index, wrapped into int64 (the
     seed range) so that a seed at the top of the range stays valid."""
     if seed is None:
@@ -164,12 +164,12 @@ class Processor:
         self._so_cache: collections.OrderedDict = collections.OrderedDict()
         # Longest text prompt that could fit (None: no cheap bound for this tokenizer).
         per_token = max_chars_per_token(tokenizer)
-        self.max_prompt_chars: Optional[int] = (
+        self.max_prompt_chars: int | None = (
             None if per_token is None else int((config.max_model_len - 1) * per_token))
         # --generation-config: the defaults of requests that do not set these fields
         self.default_sampling_fields = config.get_diff_sampling_param()
         # its max_new_tokens caps every request that gives no max_tokens of its own
-        self.default_max_tokens: Optional[int] = self.default_sampling_fields.get("max_tokens")
+        self.default_max_tokens: int | None = self.default_sampling_fields.get("max_tokens")
         self.max_logprobs = min(config.max_logprobs, self.vocab_size)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -304,7 +304,7 @@ class Processor:
                 "smaller truncation size.", parameter="truncate_prompt_tokens", value=k)
         return ids[-k:] if len(ids) > k else ids
 
-    def bad_words_token_ids(self, bad_words: Optional[list[str]]) -> Optional[list[list[int]]]:
+    def bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
         """``bad_words`` tokenized as vLLM's ``SamplingParams.update_from_tokenizer``: each
         word (left-stripped) without special tokens, then with a leading space, the latter
         kept only when it is another token sequence of the same length (a separate
@@ -327,7 +327,7 @@ class Processor:
                                       f"(size {self.vocab_size}).", parameter="bad_words")
         return out
 
-    def check_allowed_token_ids(self, params: SamplingParams) -> Optional[list[int]]:
+    def check_allowed_token_ids(self, params: SamplingParams) -> list[int] | None:
         """``params.allowed_token_ids`` in the vocabulary, sorted without duplicates (None
         when unset). Raises ``VLLMValidationError`` (parameter ``allowed_token_ids``)."""
         if params.allowed_token_ids is None:
@@ -347,7 +347,7 @@ class Processor:
         return ids
 
     def tokenize(self, prompt: PromptType, parameter: str = "prompt",
-                 add_special_tokens: bool = True, truncated: bool = False) -> tuple[Optional[str], list[int]]:
+                 add_special_tokens: bool = True, truncated: bool = False) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids): ``check_prompt`` (``truncated``:
         see there), then the text encoded and ``check_encoded``. Raises ValueError
         (``VLLMValidationError`` naming ``parameter``)."""
@@ -368,7 +368,7 @@ class Processor:
         return None, list(prompt)
 
     @staticmethod
-    def check_cache_salt(salt) -> Optional[str]:
+    def check_cache_salt(salt) -> str | None:
         """A prompt's ``cache_salt``: None, or a non-empty string (vLLM's rule). Raises
         ``VLLMValidationError`` (parameter ``cache_salt``)."""
         if salt is not None and (not isinstance(salt, str) or not salt):
@@ -428,8 +428,8 @@ class Processor:
         self.check_priority(priority)
         self.check_stop_token_ids(params)
 
-    def finish_prompt(self, text: Optional[str], ids: list[int], params: SamplingParams, parameter: str = "prompt",
-                      length_checked: bool = False) -> tuple[Optional[str], list[int]]:
+    def finish_prompt(self, text: str | None, ids: list[int], params: SamplingParams, parameter: str = "prompt",
+                      length_checked: bool = False) -> tuple[str | None, list[int]]:
         """A tokenized prompt's last rules: cut to ``params.truncate_prompt_tokens`` (the
         text is then None), then the length rule (``check_prompt_length``), unless
         ``length_checked`` (``check_prompt`` checked an untruncated token-id prompt).
@@ -443,9 +443,9 @@ class Processor:
             self.check_prompt_length(len(ids), parameter)
         return text, ids
 
-    def engine_request(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: Optional[str] = None,
-                       arrival_time: Optional[float] = None) -> ProcessedRequest:
+    def engine_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                       priority: int = 0, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> ProcessedRequest:
         """The engine request of a prompt that passed its rules (``check_prompt`` /
         ``tokenize``, ``finish_prompt``) and of params that passed ``check_params``: the
         derived sampling fields (stop token ids with the EOS ids unless ``ignore_eos``,
@@ -474,8 +474,8 @@ class Processor:
                                                max_tokens, arrival, priority, cache_salt))
         return ProcessedRequest(request_id, text, ids, params, core_reqs, priority)
 
-    def process(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams],
-                priority: int = 0, arrival_time: Optional[float] = None) -> ProcessedRequest:
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+                priority: int = 0, arrival_time: float | None = None) -> ProcessedRequest:
         """Validate one user request (every rule once: ``check_params``, the cache salt,
         ``tokenize``, ``finish_prompt``, ``engine_request``). Raises ValueError
         (``VLLMValidationError`` naming the field for a rule)."""

@@ -7,8 +7,9 @@ completion does (``OpenAIServing.run(prepared, session, view)``). Mirrors how vL
 Responses and Anthropic serving objects reuse ``OpenAIServingChat``."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Protocol
 
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.openai.serving_chat import ChatInputs, ChatResponseBuilder, OpenAIServingChat

@@ -9,7 +9,8 @@ the deltas into C."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from pyengine.engine.output_processor import RequestOutputCollector
 from pyengine.engine.processor import ProcessedRequest
@@ -27,14 +28,14 @@ class Subscriber:
     def __init__(self, request_id: str, target: Any):
         self.request_id = request_id
         self.target = target
-        self.collector: Optional[RequestOutputCollector] = None
+        self.collector: RequestOutputCollector | None = None
 
     @property
     def finished(self) -> bool:
         """Its final output has been taken."""
         return self.collector is not None and self.collector.finished
 
-    def take(self) -> Optional[RequestOutput]:
+    def take(self) -> RequestOutput | None:
         """The pending output (DELTA outputs merged), or None (nothing new, or not queued
         yet). Raises ``EngineDeadError`` once the engine died."""
         collector = self.collector
@@ -50,7 +51,7 @@ class OutputDrain:
         self.engine = engine
         self._on_ready = on_ready
         self._subscribers: dict[str, Subscriber] = {}
-        self._unsubscribe: Optional[Callable[[], None]] = engine.add_output_listener(self._listener)
+        self._unsubscribe: Callable[[], None] | None = engine.add_output_listener(self._listener)
 
     def add(self, request: ProcessedRequest, target: Any) -> Subscriber:
         """Queue ``request`` (``AsyncLLM.add_processed_request``) and subscribe to its
@@ -77,7 +78,7 @@ class OutputDrain:
         """``AsyncLLM.abort`` (may take the engine's lock: not on an event loop)."""
         self.engine.abort(request_ids)
 
-    def dead_error(self) -> Optional[BaseException]:
+    def dead_error(self) -> BaseException | None:
         """Why the engine died (or was shut down), or None while it serves."""
         return self.engine.dead_error
 

@@ -14,14 +14,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from pyengine.reasoning import ReasoningParser, ReasoningParserManager
 from pyengine.reasoning.basic_parsers import UNDECIDED, BaseThinkingReasoningParser
 from pyengine.sampling_params import StructuredOutputsParams
 
 
-def load_reasoning_parser(name: Optional[str], tokenizer) -> Optional[type[ReasoningParser]]:
+def load_reasoning_parser(name: str | None, tokenizer) -> type[ReasoningParser] | None:
     """The class ``--reasoning-parser name`` selects (None for None), after building one
     over ``tokenizer`` so a tokenizer without the parser's tokens is refused now, not at
     the first request. Raises ValueError (unknown name, tokens missing)."""
@@ -40,25 +41,25 @@ class ChoiceReasoning:
         self.parser = parser
         self.include = include
 
-    def stream(self, text: str, token_ids: Sequence[int]) -> tuple[Optional[str], Optional[str]]:
+    def stream(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str | None]:
         """The next output delta -> ``(reasoning text, content text)``, each None if empty."""
         return self._pair(self.parser.extract_reasoning_streaming(text, list(token_ids)))
 
-    def finish(self) -> tuple[Optional[str], Optional[str]]:
+    def finish(self) -> tuple[str | None, str | None]:
         """The output ended: what the parser held back."""
         return self._pair(self.parser.finish_streaming())
 
-    def _pair(self, m) -> tuple[Optional[str], Optional[str]]:
+    def _pair(self, m) -> tuple[str | None, str | None]:
         if m is None:
             return None, None
         return (m.reasoning_content if self.include else None), m.content
 
-    def whole(self, text: str, token_ids: Sequence[int]) -> tuple[Optional[str], Optional[str]]:
+    def whole(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str | None]:
         """A whole output -> ``(reasoning, content)`` (a fresh split, by token ids)."""
         r, c = self.parser.extract_reasoning(text, list(token_ids))
         return (r if self.include else None), c
 
-    def reasoning_tokens(self, token_ids: Optional[Sequence[int]] = None) -> int:
+    def reasoning_tokens(self, token_ids: Sequence[int] | None = None) -> int:
         """Reasoning tokens (tags excluded) of ``token_ids``, else of the stream so far."""
         if token_ids is None:
             return self.parser.num_reasoning_tokens
@@ -72,7 +73,7 @@ class RequestReasoning:
     output starts: reasoning, content, or the first token decides)."""
     parser_cls: type
     tokenizer: Any
-    chat_template_kwargs: Optional[dict]
+    chat_template_kwargs: dict | None
     prompt_token_ids: list[int]
     include_reasoning: bool = True
 
@@ -83,7 +84,7 @@ class RequestReasoning:
     def choice(self) -> ChoiceReasoning:
         return ChoiceReasoning(self.parser(), self.include_reasoning)
 
-    def gate(self, so: Optional[StructuredOutputsParams]) -> Optional[StructuredOutputsParams]:
+    def gate(self, so: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
         """``so`` applied to the content only: the engine leaves the reasoning free and
         starts the grammar after the end token (``StructuredOutputsParams.reasoning_*``);
         unchanged when the output starts as content (the prompt closed the reasoning,

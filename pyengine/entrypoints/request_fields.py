@@ -10,10 +10,10 @@ conversation, a thinking budget the server would not enforce, ...) silently drop
 the client an answer to a question it did not ask."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag
-from typing_extensions import Annotated
 
 from pyengine.exceptions import VLLMValidationError
 
@@ -29,7 +29,7 @@ class OtherTyped(CaptureModel):
     type: str
 
 
-def tagged(models: dict[str, type], other: type = OtherTyped, key: str = "type", default: Optional[str] = None):
+def tagged(models: dict[str, type], other: type = OtherTyped, key: str = "type", default: str | None = None):
     """A union of ``models`` picked by the value of ``key`` (``default`` when the key is
     absent or null), ``other`` for any other value."""
     def pick(v: Any) -> str:
@@ -37,7 +37,7 @@ def tagged(models: dict[str, type], other: type = OtherTyped, key: str = "type",
         t = default if t is None else t
         return t if isinstance(t, str) and t in models else "__other__"
     members = [Annotated[m, Tag(name)] for name, m in models.items()] + [Annotated[other, Tag("__other__")]]
-    return Annotated[Union[tuple(members)], Discriminator(pick)]
+    return Annotated[Union[tuple(members)], Discriminator(pick)]  # noqa: UP007 - a union of a computed tuple
 
 
 def _walk(value: Any, path: str) -> Iterable[tuple[str, BaseModel]]:

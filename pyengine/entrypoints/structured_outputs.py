@@ -14,7 +14,8 @@ whose ``parameter`` names the request field.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import StructuredOutputsParams
@@ -24,7 +25,7 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 _BACKENDS = (None, "auto", "xgrammar")
 
 
-def _response_format(rf: Any) -> Optional[dict]:
+def _response_format(rf: Any) -> dict | None:
     """``response_format`` -> StructuredOutputsParams keyword arguments, or None for text."""
     if not isinstance(rf, Mapping):
         raise VLLMValidationError("response_format must be an object with a 'type'.", parameter="response_format")
@@ -47,7 +48,7 @@ def _response_format(rf: Any) -> Optional[dict]:
                               parameter="response_format.type")
 
 
-def structured_outputs_from_request(body: Mapping[str, Any]) -> Optional[StructuredOutputsParams]:
+def structured_outputs_from_request(body: Mapping[str, Any]) -> StructuredOutputsParams | None:
     """The constraint a request asks for, or None. ``body``: the request's fields (absent
     or None = not given). Raises VLLMValidationError naming the field."""
     found: list[tuple[str, dict]] = []

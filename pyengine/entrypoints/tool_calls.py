@@ -20,7 +20,7 @@ import copy
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import StructuredOutputsParams
@@ -99,12 +99,12 @@ class ToolCallMode:
     """What a chat request asked of tools: ``kind`` is "none", "auto", "required" or
     "named" (then ``name``); ``structured_outputs`` enforces required / named."""
     kind: str = "none"
-    name: Optional[str] = None
-    structured_outputs: Optional[StructuredOutputsParams] = None
+    name: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     parallel_tool_calls: bool = True
 
 
-def resolve_tool_choice(tools: list[dict], tool_choice: Any, parallel_tool_calls: Optional[bool] = None,
+def resolve_tool_choice(tools: list[dict], tool_choice: Any, parallel_tool_calls: bool | None = None,
                         auto_tool_choice: bool = False) -> ToolCallMode:
     """``tool_choice`` (absent: "auto" with tools, "none" without, as OpenAI) ->
     ``ToolCallMode``. ``auto_tool_choice``: the front end has a tool-call parser
@@ -226,7 +226,7 @@ class ToolCallExtractor:
     dicts. ``finish_reason(engine_reason)`` is OpenAI's: "tool_calls" when calls were
     made under "auto" or "required" (a named function keeps "stop", as OpenAI)."""
 
-    def __init__(self, mode: ToolCallMode, parser: Optional[ToolParser] = None):
+    def __init__(self, mode: ToolCallMode, parser: ToolParser | None = None):
         self.mode = mode
         self.parser = parser
         self._required = _RequiredCallsStream() if mode.kind == "required" else None
@@ -238,7 +238,7 @@ class ToolCallExtractor:
         ``tool_calls`` key when none were made)."""
         kind = self.mode.kind
         calls: list[dict] = []
-        content: Optional[str] = text
+        content: str | None = text
         if kind == "named":
             calls, content = [make_tool_call(self.mode.name, text)], None
         elif kind == "required":
@@ -297,7 +297,7 @@ class ToolCallExtractor:
             return deltas
         return [d for d in deltas if "tool_calls" not in d or d["tool_calls"][0]["index"] == 0]
 
-    def finish_reason(self, engine_reason: Optional[str]) -> Optional[str]:
+    def finish_reason(self, engine_reason: str | None) -> str | None:
         if engine_reason == "stop" and self.tools_called and self.mode.kind in ("auto", "required"):
             return "tool_calls"
         return engine_reason

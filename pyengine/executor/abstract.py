@@ -17,7 +17,7 @@ class Executor(ABC):
     (rank 0)."""
 
     @staticmethod
-    def get_class(config: EngineConfig) -> type["Executor"]:
+    def get_class(config: EngineConfig) -> type[Executor]:
         """UniProcExecutor for one rank, MultiprocExecutor for tensor parallelism."""
         if config.tensor_parallel_size > 1:
             from pyengine.executor.multiproc_executor import MultiprocExecutor

@@ -25,18 +25,17 @@ import multiprocessing
 import multiprocessing.connection
 import threading
 import weakref
-from typing import Optional
 
 import torch.distributed
 
 from pyengine import envs
-from pyengine.exceptions import exception_from
-from pyengine.messages import ErrorInfo
 from pyengine.config import EngineConfig
 from pyengine.core.sched.output import SchedulerOutput
 from pyengine.distributed import get_distributed_init_method, get_open_port
 from pyengine.distributed.shm_broadcast import SpinWaiter
+from pyengine.exceptions import exception_from
 from pyengine.executor.abstract import Executor
+from pyengine.messages import ErrorInfo
 from pyengine.utils import UNGUARDED_MAIN_EXIT_CODE, choose_start_method, run_forked, unguarded_main_message
 from pyengine.worker.worker import Worker, worker_main
 
@@ -54,7 +53,7 @@ class _WorkerHandle:
     def __init__(self, rank: int, proc, conn, start_method: str, start_note: str):
         self.rank, self.proc, self.conn = rank, proc, conn
         self.start_method, self.start_note = start_method, start_note  # for the unguarded-main message
-        self.error: Optional[ErrorInfo] = None  # what it reported
+        self.error: ErrorInfo | None = None  # what it reported
         self._lock = threading.Lock()  # the engine and the monitor thread both ask
 
     def poll_messages(self) -> None:
@@ -66,7 +65,7 @@ class _WorkerHandle:
         except (EOFError, OSError):
             pass
 
-    def failure(self) -> Optional[str]:
+    def failure(self) -> str | None:
         """A message if this worker died or reported an error, else None."""
         with self._lock:
             # The sentinel (like the worker's sockets) closes as the process starts exiting,
@@ -92,7 +91,7 @@ class _CheckedOutput:
     ~50 µs late, then sleeping up to 50 µs between looks — and checks again after (with NCCL, an aborted
     collective completes with garbage rather than an error)."""
 
-    def __init__(self, inner, executor: "MultiprocExecutor"):
+    def __init__(self, inner, executor: MultiprocExecutor):
         self._inner, self._executor = inner, executor
 
     def get_output(self):
@@ -117,7 +116,7 @@ class MultiprocExecutor(Executor):
         self.config = config
         self.world_size = config.tensor_parallel_size
         self.workers: list[_WorkerHandle] = []
-        self.failure: Optional[str] = None
+        self.failure: str | None = None
         self._ready = False
         self._closed = False
         self._non_blocking = False  # of the step in progress (execute_model -> sample_tokens)
@@ -160,7 +159,7 @@ class MultiprocExecutor(Executor):
         error = exception_from(failed.error) if failed is not None else None
         raise (ValueError if isinstance(error, ValueError) else RuntimeError)(msg) from e
 
-    def _worker_failure(self, wait_s: float = 0.0) -> Optional[str]:
+    def _worker_failure(self, wait_s: float = 0.0) -> str | None:
         """The first worker failure message, waiting up to ``wait_s`` for a dying worker's
         report (a broken collective on rank 0 may come before the worker's message)."""
         if wait_s > 0 and self.workers:

@@ -5,8 +5,13 @@ they are plain ``F.linear`` / ``F.embedding``). The models only call these modul
 from pyengine.layers.activation import SiluAndMul
 from pyengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pyengine.layers.layernorm import RMSNorm
-from pyengine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear, default_weight_loader)
+from pyengine.layers.linear import (
+                                    ColumnParallelLinear,
+                                    MergedColumnParallelLinear,
+                                    QKVParallelLinear,
+                                    RowParallelLinear,
+                                    default_weight_loader,
+)
 from pyengine.layers.rotary import RotaryEmbedding
 
 __all__ = ["SiluAndMul", "ParallelLMHead", "VocabParallelEmbedding", "RMSNorm", "ColumnParallelLinear",

@@ -7,8 +7,6 @@ or None (one rank: plain ``F.embedding`` / ``F.linear``, nothing else).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
     one (tied LM head)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None,
-                 weight: Optional[nn.Parameter] = None):
+                 weight: nn.Parameter | None = None):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
@@ -71,13 +69,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     the other ranks (which must call it too: the gather is a collective).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tie_to: Optional[VocabParallelEmbedding] = None,
+    def __init__(self, num_embeddings: int, embedding_dim: int, tie_to: VocabParallelEmbedding | None = None,
                  tp_group=None):
         super().__init__(num_embeddings, embedding_dim, tp_group,
                          weight=tie_to.weight if tie_to is not None else None)
         self.tied = tie_to is not None
 
-    def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             # Gathered in the model dtype (half the bytes of float32), padding rows cut.

@@ -28,7 +28,7 @@ raise ValueError. Weights are created uninitialized on the current default devic
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -107,7 +107,7 @@ def _units(param, dim: int, rows: int) -> int:
     return rows // factor
 
 
-def _load_whole(param: torch.Tensor, loaded, parts: Optional[Sequence] = None, shard_id=None) -> None:
+def _load_whole(param: torch.Tensor, loaded, parts: Sequence | None = None, shard_id=None) -> None:
     """A tensor every rank holds whole; a ``per_shard`` one ([len(parts)]) takes one value
     per fused part by shard id."""
     if getattr(param, "per_shard", False) and shard_id is not None:
@@ -158,7 +158,7 @@ class LinearBase(nn.Module):
                 if getattr(self, "shard_ids", None) is not None:
                     p.shard_ids = tuple(self.shard_ids)
 
-    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
         return _linear(x, self.weight, bias)
@@ -173,7 +173,7 @@ class ColumnParallelLinear(LinearBase):
     ``forward(x [T, input_size]) -> [T, output_size / tp]`` (this rank's slice, not gathered)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_group=None,
-                 output_size_per_partition: Optional[int] = None):
+                 output_size_per_partition: int | None = None):
         super().__init__(input_size, output_size, tp_group)
         self.output_size_per_partition = (output_size_per_partition if output_size_per_partition is not None
                                           else divide(output_size, self.tp_size, "output size"))
@@ -204,7 +204,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     loader name parts the checkpoint lacked."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False, tp_group=None,
-                 shard_ids: Optional[Sequence] = None):
+                 shard_ids: Sequence | None = None):
         self.output_sizes = list(output_sizes)
         self.shard_ids = list(shard_ids) if shard_ids is not None else list(range(len(output_sizes)))
         rank, tp = (tp_group.rank, tp_group.world_size) if tp_group is not None else (0, 1)
@@ -268,7 +268,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     shard ids ``"q"``, ``"k"``, ``"v"``."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
-                 total_num_kv_heads: Optional[int] = None, bias: bool = False, tp_group=None):
+                 total_num_kv_heads: int | None = None, bias: bool = False, tp_group=None):
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         tp = tp_group.world_size if tp_group is not None else 1
         self.head_size = head_size

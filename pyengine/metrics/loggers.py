@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from pyengine import envs
 from pyengine.metrics.stats import IterationStats, SchedulerStats
@@ -20,8 +20,8 @@ class StatLoggerBase:
     every ``VENGINE_LOG_STATS_INTERVAL`` seconds on that same thread, so the two never
     run at once."""
 
-    def record(self, scheduler_stats: Optional[SchedulerStats],
-               iteration_stats: Optional[IterationStats]) -> None:
+    def record(self, scheduler_stats: SchedulerStats | None,
+               iteration_stats: IterationStats | None) -> None:
         raise NotImplementedError
 
     def log(self) -> None:
@@ -50,8 +50,8 @@ class LoggingStatLogger(StatLoggerBase):
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
-    def record(self, scheduler_stats: Optional[SchedulerStats],
-               iteration_stats: Optional[IterationStats]) -> None:
+    def record(self, scheduler_stats: SchedulerStats | None,
+               iteration_stats: IterationStats | None) -> None:
         if scheduler_stats is not None and scheduler_stats.engine_index != self.engine_index:
             return
         if iteration_stats is not None:
@@ -107,7 +107,7 @@ class StatLoggerManager:
     (``interval_s`` seconds; vLLM's ``StatLoggerManager``). ``add`` may be called from any
     thread; ``record`` and ``maybe_log`` from the output-processing thread only."""
 
-    def __init__(self, loggers: Optional[list[StatLoggerBase]] = None, interval_s: float = 10.0):
+    def __init__(self, loggers: list[StatLoggerBase] | None = None, interval_s: float = 10.0):
         self.loggers: list[StatLoggerBase] = list(loggers or [])
         self.interval_s = interval_s
         self._next_log = time.monotonic() + interval_s
@@ -120,14 +120,14 @@ class StatLoggerManager:
             self.loggers = [x for x in self.loggers if x is not stat_logger]
         return remove
 
-    def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]) -> None:
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         for stat_logger in self.loggers:
             try:
                 stat_logger.record(scheduler_stats, iteration_stats)
             except Exception:  # noqa: BLE001 - a broken logger must not stop the engine's outputs
                 logger.exception("Stat logger %r failed", stat_logger)
 
-    def seconds_to_next_log(self) -> Optional[float]:
+    def seconds_to_next_log(self) -> float | None:
         """How long the output thread may block before ``maybe_log`` is due; None: no loggers."""
         if not self.loggers:
             return None
@@ -145,7 +145,7 @@ class StatLoggerManager:
                 logger.exception("Stat logger %r failed", stat_logger)
 
 
-def make_stat_logger_manager(log_stats: bool, stat_loggers: Optional[list[StatLoggerBase]] = None,
+def make_stat_logger_manager(log_stats: bool, stat_loggers: list[StatLoggerBase] | None = None,
                              num_engines: int = 1) -> StatLoggerManager:
     """A front end's loggers: ``stat_loggers``, after one ``LoggingStatLogger`` per engine
     core when ``log_stats``; the interval is ``VENGINE_LOG_STATS_INTERVAL`` (ValueError if

@@ -11,17 +11,17 @@ backend's business).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from pyengine.attention.backend import AttentionBackend, AttentionMetadata
+from pyengine.config import get_head_dim, get_rope_params
 from pyengine.layers.activation import SiluAndMul
 from pyengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pyengine.config import get_head_dim, get_rope_params
 from pyengine.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class DecoderAttention(nn.Module):
         # Shared objects, kept out of the module tree so they are not (re)registered per layer.
         self.__dict__["rotary"] = rotary
         self.__dict__["attn"] = attn_backend
-        self.kv_cache: Optional[torch.Tensor] = None
+        self.kv_cache: torch.Tensor | None = None
         # An FP8 KV cache's per-tensor scales (the checkpoint's k_scale / v_scale; see
         # pyengine.models.loader.load_kv_cache_scales): floats, 1.0 when it has none.
         self.k_scale = 1.0
@@ -104,7 +104,7 @@ class DecoderLayer(nn.Module):
     e.g. an MoE block; None: the dense GatedMLP of ``intermediate_size``."""
 
     def __init__(self, hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm, tp_group=None,
-                 mlp: Optional[nn.Module] = None):
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = DecoderAttention(hf_config, attn_backend, rotary, qkv_bias, o_bias, qk_norm, tp_group)
         self.mlp = mlp if mlp is not None else GatedMLP(
@@ -132,7 +132,7 @@ class DecoderModel(nn.Module):
     """``make_mlp(layer_idx) -> nn.Module | None``: each layer's MLP (None: the dense one)."""
 
     def __init__(self, hf_config, attn_backend, qkv_bias, o_bias, qk_norm, tp_group=None,
-                 make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None):
+                 make_mlp: Callable[[int], nn.Module | None] | None = None):
         super().__init__()
         head_dim = get_head_dim(hf_config)
         self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings,
@@ -148,7 +148,7 @@ class DecoderModel(nn.Module):
     # (hidden + residual; len(layers): the last layer's output) forward() keeps, concatenated
     # in this order, in ``aux_hidden_states`` [T, len * hidden_size]. Empty: none kept.
     aux_hidden_state_layers: tuple = ()
-    aux_hidden_states: Optional[torch.Tensor] = None
+    aux_hidden_states: torch.Tensor | None = None
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
@@ -197,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
     def o_bias(self, hf_config) -> bool:
         return bool(getattr(hf_config, "attention_bias", False))
 
-    def make_mlp(self, hf_config, layer_idx: int, tp_group) -> Optional[nn.Module]:
+    def make_mlp(self, hf_config, layer_idx: int, tp_group) -> nn.Module | None:
         """Layer ``layer_idx``'s MLP; None: the dense GatedMLP (MoE models override it)."""
         return None
 
@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:

@@ -16,8 +16,6 @@ as vLLM's Llama).
 states, or the previous draft step's ``prenorm`` for the rows after it."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -104,7 +102,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(self.draft_vocab_size, hf_config.hidden_size)
         self.draft_id_to_target_id = nn.Parameter(torch.zeros(self.draft_vocab_size, dtype=torch.int64),
                                                   requires_grad=False)
-        self._shared_embed: Optional[nn.Module] = None
+        self._shared_embed: nn.Module | None = None
 
     def share_embedding(self, embed: nn.Module) -> None:
         """Use the target's token embedding (checkpoints without ``embed_tokens``)."""

@@ -6,8 +6,6 @@ stacked parameters. Each family's file (``qwen3_moe.py``, ``mixtral.py``,
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from pyengine.layers.fused_moe.layer import FusedMoE, expert_checkpoint_target
 
 # Router / MoE config fields of other MoE families (DeepSeek, GLM, ...). transformers'
@@ -62,7 +60,7 @@ def is_sparse_layer(hf_config, layer_idx: int) -> bool:
     return layer_idx not in mlp_only and num_experts > 0 and (layer_idx + 1) % step == 0
 
 
-def config_sliding_window(hf_config) -> Optional[int]:
+def config_sliding_window(hf_config) -> int | None:
     """The attention window transformers applies for this config, or None (full
     attention): ``sliding_window`` when set and not switched off by
     ``use_sliding_window: false``, and when ``layer_types`` (if present) has a

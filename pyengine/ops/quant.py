@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
 
 import torch
 import triton
@@ -72,8 +71,8 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, 
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < end)
 
 
-def quant_fp8(x: torch.Tensor, group_size: Optional[int] = None,
-              static_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_fp8(x: torch.Tensor, group_size: int | None = None,
+              static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (FP8 [M, K], float32 scales): per row ([M, 1]; ``scale = max(amax / 448,
     1/(448*512))``), per ``group_size`` columns of a row ([M, ceil(K/group_size)]), or with the
     static ``static_scale`` (returned expanded to [M, 1])."""
@@ -169,9 +168,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, K, stride_sn,
 _ACT_CODES = {None: 0, "token": 1, "group": 2, "tensor": 3}
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: Optional[tuple[int, int]] = None,
-             bias: Optional[torch.Tensor] = None, act: Optional[str] = None, input_scale: Optional[torch.Tensor] = None,
-             block_n: int = 8, block_k: Optional[int] = None, unroll: Optional[int] = None,
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None = None,
+             bias: torch.Tensor | None = None, act: str | None = None, input_scale: torch.Tensor | None = None,
+             block_n: int = 8, block_k: int | None = None, unroll: int | None = None,
              num_warps: int = 4) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(weight [N, K] FP8).T -> [1, N] in x.dtype.
     The activation is quantized in the kernel as the GEMM path quantizes it (``act``), so a
@@ -262,9 +261,9 @@ def fp8_gemm_tile_bytes(block_m: int, block_n: int, block_k: int, act_bytes: int
     return per_stage, 0 if a_fp8 else block_k * block_n * act_bytes
 
 
-def fp8_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, a_scale: Optional[torch.Tensor],
-             out_dtype: torch.dtype, block: Optional[tuple[int, int]] = None, bias: Optional[torch.Tensor] = None,
-             block_m: Optional[int] = None, block_n: int = 128, block_k: Optional[int] = None,
+def fp8_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, a_scale: torch.Tensor | None,
+             out_dtype: torch.dtype, block: tuple[int, int] | None = None, bias: torch.Tensor | None = None,
+             block_m: int | None = None, block_n: int = 128, block_k: int | None = None,
              num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
     """a [M, K]: FP8 with ``a_scale`` float32 [M, 1] (per row) or [M, K/bk] (``block``), or
     unquantized (``a_scale`` None: the weight is upcast to a's dtype in registers);
@@ -304,7 +303,7 @@ def fp8_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     return c
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scaled_mm_ok(device_index: int) -> bool:
     """Whether torch.nn.functional.scaled_mm serves row-wise FP8 GEMMs on this GPU (compute
     capability >= 8.9, and not turned off by VENGINE_FP8_SCALED_MM=0)."""
@@ -312,8 +311,8 @@ def _scaled_mm_ok(device_index: int) -> bool:
             and torch.cuda.get_device_capability(device_index) >= (8, 9))
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: Optional[torch.Tensor],
-               bias: Optional[torch.Tensor], block: Optional[tuple[int, int]], act: Optional[str]) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+               bias: torch.Tensor | None, block: tuple[int, int] | None, act: str | None) -> torch.Tensor:
     """See the module docstring. x [M, K] -> [M, N] in x.dtype."""
     m = x.shape[0]
     if m == 1 and x.is_contiguous():
@@ -373,8 +372,8 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-             group_size: int, bias: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
-             block_k: Optional[int] = None, unroll: int = 4, num_warps: int = 4) -> torch.Tensor:
+             group_size: int, bias: torch.Tensor | None = None, block_n: int | None = None,
+             block_k: int | None = None, unroll: int = 4, num_warps: int = 4) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(qweight).T -> [1, N] in x.dtype. Each program
     owns ``block_n`` output columns (the packed words are contiguous along N; default 16, 32
     from N = 16384: enough programs to fill an H200's 132 SMs several times over) and walks K
@@ -468,7 +467,7 @@ def int_gemm_tile_bytes(block_m: int, block_n: int, block_k: int, bits: int, act
 
 
 def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-             group_size: int, bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
+             group_size: int, bias: torch.Tensor | None = None, block_m: int | None = None,
              block_n: int = 128, block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x [M, K] @ dequant(qweight).T -> [M, N] in x.dtype, each weight tile dequantized in
     registers. The stages (then ``block_n``, then ``block_m``) are cut until the tiles fit
@@ -509,7 +508,7 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-               group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. x [M, K] -> [M, N] in x.dtype."""
     if x.shape[0] == 1 and x.is_contiguous():
         return int_gemv(x, qweight, scales, zeros, bits, group_size, bias)

@@ -16,19 +16,18 @@ the packed-int GEMM (tests/ops/test_smem.py records that case: 262144 bytes).
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_max_shared_mem(index: int) -> int:
     import triton
 
     return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
-def max_shared_mem(device: torch.device) -> Optional[int]:
+def max_shared_mem(device: torch.device) -> int | None:
     """Bytes of shared memory one block may use on ``device``; None off CUDA (no limit to
     respect: the interpreter)."""
     device = torch.device(device)
@@ -37,7 +36,7 @@ def max_shared_mem(device: torch.device) -> Optional[int]:
     return _device_max_shared_mem(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def fit_stages(per_stage: int, fixed: int, num_stages: int, limit: Optional[int]) -> int:
+def fit_stages(per_stage: int, fixed: int, num_stages: int, limit: int | None) -> int:
     """The largest ``s`` in [1, num_stages] with ``smem_need(per_stage, fixed, s) <= limit``
     (``num_stages`` when ``limit`` is None), or 0 when even one stage does not fit (the
     caller shrinks its tiles). Sizes in bytes."""

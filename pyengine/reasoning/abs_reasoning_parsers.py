@@ -19,19 +19,20 @@ Differences from vLLM, on purpose:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 
 @dataclass
 class DeltaMessage:
     """What one streamed piece of output adds: reasoning text, content text, either, or
     both (the piece that holds the end tag). ``None`` means "nothing of that kind"."""
-    reasoning_content: Optional[str] = None
-    content: Optional[str] = None
+    reasoning_content: str | None = None
+    content: str | None = None
 
     @property
-    def reasoning(self) -> Optional[str]:
+    def reasoning(self) -> str | None:
         """vLLM's newer name for ``reasoning_content``."""
         return self.reasoning_content
 
@@ -42,8 +43,8 @@ class ReasoningParser:
     ``prompt_token_ids``: the rendered prompt, whose tail may already open or close the
     reasoning (templates that put ``<think>`` or ``<think>\\n\\n</think>`` there)."""
 
-    def __init__(self, tokenizer, *, chat_template_kwargs: Optional[dict[str, Any]] = None,
-                 prompt_token_ids: Optional[Sequence[int]] = None):
+    def __init__(self, tokenizer, *, chat_template_kwargs: dict[str, Any] | None = None,
+                 prompt_token_ids: Sequence[int] | None = None):
         self.model_tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
@@ -70,15 +71,15 @@ class ReasoningParser:
         """How many of the output ids ``token_ids`` are reasoning (tags excluded)."""
         return 0
 
-    def extract_reasoning(self, model_output: str, token_ids: Optional[Sequence[int]] = None
-                          ) -> tuple[Optional[str], Optional[str]]:
+    def extract_reasoning(self, model_output: str, token_ids: Sequence[int] | None = None
+                          ) -> tuple[str | None, str | None]:
         """A whole output -> ``(reasoning, content)``, each None when empty."""
         raise NotImplementedError
 
-    def extract_reasoning_streaming(self, delta_text: str, delta_token_ids: Sequence[int]) -> Optional[DeltaMessage]:
+    def extract_reasoning_streaming(self, delta_text: str, delta_token_ids: Sequence[int]) -> DeltaMessage | None:
         """The next piece of output (its text and token ids) -> what to send, or None."""
         raise NotImplementedError
 
-    def finish_streaming(self) -> Optional[DeltaMessage]:
+    def finish_streaming(self) -> DeltaMessage | None:
         """The output ended: what was held back, or None."""
         return None

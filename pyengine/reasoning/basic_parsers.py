@@ -18,7 +18,7 @@ closes it; whitespace after the tag is allowed), else from the subclass
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from pyengine.reasoning.abs_reasoning_parsers import DeltaMessage, ReasoningParser
 
@@ -41,14 +41,14 @@ class _ThinkSplitter:
     at offset ``pos`` of the output text), the output ids so far (``ids``) and where the
     first pending tag's text should start in the output text (``hint``)."""
 
-    def __init__(self, parser: "BaseThinkingReasoningParser", phase: str):
+    def __init__(self, parser: BaseThinkingReasoningParser, phase: str):
         self.p = parser
         self.id_phase = self.text_phase = phase
-        self.pending: list[tuple[str, str, Optional[int]]] = []  # index None: hint already taken
+        self.pending: list[tuple[str, str, int | None]] = []  # index None: hint already taken
         self.buf = ""
         self.pos = 0
         self.ids: list[int] = []
-        self.hint: Optional[int] = None  # of pending[0]
+        self.hint: int | None = None  # of pending[0]
         self.num_reasoning_tokens = 0
 
     def feed_ids(self, ids: Sequence[int]) -> None:
@@ -83,11 +83,11 @@ class _ThinkSplitter:
         self.pending.append((tag, after, len(self.ids) - 1))
         self.id_phase = after
 
-    def _hint(self, at: int) -> Optional[int]:
+    def _hint(self, at: int) -> int | None:
         before = self.ids[:at]
         return None if _NOT_A_TAG in before else len(self.p.decode(before))
 
-    def _find(self, tag: str, hint: Optional[int]) -> tuple[Optional[int], int]:
+    def _find(self, tag: str, hint: int | None) -> tuple[int | None, int]:
         """(where ``tag`` starts in ``buf`` or None, how much of ``buf`` surely precedes it)."""
         b, n = self.buf, len(tag)
         if hint is not None and hint >= self.pos:
@@ -140,7 +140,7 @@ class _ThinkSplitter:
         self.pos += n
 
 
-def _message(out: tuple[list, list]) -> Optional[DeltaMessage]:
+def _message(out: tuple[list, list]) -> DeltaMessage | None:
     reasoning, content = "".join(out[0]) or None, "".join(out[1]) or None
     return None if reasoning is None and content is None else DeltaMessage(reasoning, content)
 
@@ -184,7 +184,7 @@ class BaseThinkingReasoningParser(ReasoningParser):
         """The start phase when the prompt's tail shows none."""
         return REASONING
 
-    def _prompt_phase(self, prompt_token_ids: Sequence[int]) -> Optional[str]:
+    def _prompt_phase(self, prompt_token_ids: Sequence[int]) -> str | None:
         ids = list(prompt_token_ids)
         for i in range(len(ids) - 1, -1, -1):
             if ids[i] in (self.start_token_id, self.end_token_id):
@@ -256,8 +256,8 @@ class BaseThinkingReasoningParser(ReasoningParser):
             ids.append(_NOT_A_TAG)
         return ids
 
-    def extract_reasoning(self, model_output: str, token_ids: Optional[Sequence[int]] = None
-                          ) -> tuple[Optional[str], Optional[str]]:
+    def extract_reasoning(self, model_output: str, token_ids: Sequence[int] | None = None
+                          ) -> tuple[str | None, str | None]:
         """``(reasoning, content)`` of a whole output, each None when empty; the same
         split a stream of it gives. ``token_ids``: the output's ids (without them, tags
         are taken from the text)."""
@@ -269,13 +269,13 @@ class BaseThinkingReasoningParser(ReasoningParser):
         msg = _message(out)
         return (None, None) if msg is None else (msg.reasoning_content, msg.content)
 
-    def extract_reasoning_streaming(self, delta_text: str, delta_token_ids: Sequence[int]) -> Optional[DeltaMessage]:
+    def extract_reasoning_streaming(self, delta_text: str, delta_token_ids: Sequence[int]) -> DeltaMessage | None:
         out: tuple[list, list] = ([], [])
         self._stream.feed_ids(delta_token_ids)
         self._stream.feed_text(delta_text, out)
         return _message(out)
 
-    def finish_streaming(self) -> Optional[DeltaMessage]:
+    def finish_streaming(self) -> DeltaMessage | None:
         out: tuple[list, list] = ([], [])
         self._stream.finish(out)
         return _message(out)

@@ -2,7 +2,7 @@
 this is the one shape ours share)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -47,7 +47,7 @@ class Proposer:
         return 0.0
 
     def propose(self, so, sampled: Sequence, generated: Sequence[Sequence[int]],
-                hidden: Optional[torch.Tensor]) -> list[list[int]]:
+                hidden: torch.Tensor | None) -> list[list[int]]:
         """Drafts per sampled row (``sampled[i]``, a ``ScheduledRequest``, got the tokens
         ``generated[i]`` this step, not yet in its ``all_token_ids``). ``so``: the step's
         ``SchedulerOutput``; ``hidden``: the target's hidden states of the step's tokens

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -99,11 +99,11 @@ class StructuredOutputManager:
     compiler) is built on first use, on the compile thread, so an engine that never sees a
     constrained request pays nothing."""
 
-    def __init__(self, config: "EngineConfig"):
+    def __init__(self, config: EngineConfig):
         self.config = config
         self._backend = None
         self._backend_lock = threading.Lock()
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._bitmasks: list[torch.Tensor] = []  # two host buffers, used in turn
         self._turn = 0
         self.num_live = 0  # constrained requests in the engine (0: skip all grammar work)
@@ -116,8 +116,8 @@ class StructuredOutputManager:
     def backend(self):
         with self._backend_lock:
             if self._backend is None:
-                from pyengine.tokenizer import eos_token_ids, load_tokenizer
                 from pyengine.structured_output.backend_xgrammar import XgrammarBackend
+                from pyengine.tokenizer import eos_token_ids, load_tokenizer
 
                 tok = load_tokenizer(self.config)
                 self._backend = XgrammarBackend(tok, self.config.hf_config.vocab_size,
@@ -127,7 +127,7 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams):
         return self.backend().compile(params)
 
-    def grammar_init(self, request: "Request") -> None:
+    def grammar_init(self, request: Request) -> None:
         """Start compiling ``request``'s grammar (cached by the compiler: a schema seen
         before is ready at once)."""
         if self._executor is None:
@@ -136,7 +136,7 @@ class StructuredOutputManager:
         request.structured_output_request = StructuredOutputRequest(params, self._executor.submit(self._compile, params))
         self.num_live += 1
 
-    def finish_request(self, request: "Request") -> None:
+    def finish_request(self, request: Request) -> None:
         """``request`` left the engine (finished, aborted, failed)."""
         if request.structured_output_request is not None:
             request.structured_output_request = None
@@ -149,7 +149,7 @@ class StructuredOutputManager:
         if futs:
             concurrent.futures.wait(futs, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def grammar_bitmask(self, so: "SchedulerOutput") -> Optional[GrammarOutput]:
+    def grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
         """The bitmask of ``so``'s constrained sampled rows, from their grammars' current
         state (every token sampled before this step must have been accepted). Rows of
         requests that finished or were preempted since ``so`` was scheduled are left

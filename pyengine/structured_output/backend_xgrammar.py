@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ def _types(schema: dict) -> set:
     return {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
 
 
-def unsupported_json_schema_feature(schema: Any, path: str = "#") -> Optional[str]:
+def unsupported_json_schema_feature(schema: Any, path: str = "#") -> str | None:
     """The first JSON-schema feature in ``schema`` that xgrammar would not enforce, as a
     message naming its location (a JSON pointer), or None."""
     if not isinstance(schema, dict):
@@ -239,7 +240,7 @@ class XgrammarBackend:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], max_threads: int = 4,
-                 fill_threads: Optional[int] = None):
+                 fill_threads: int | None = None):
         xgr = _xgr()
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 def make_tool_call_id() -> str:
@@ -29,7 +29,7 @@ class ExtractedToolCallInformation:
     (``content``, None when there is none)."""
     tools_called: bool
     tool_calls: list[dict] = field(default_factory=list)
-    content: Optional[str] = None
+    content: str | None = None
 
 
 class ToolParser:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Optional
 
 from pyengine.tool_parsers.abstract_tool_parser import ExtractedToolCallInformation, ToolParser, make_tool_call
 
@@ -23,7 +22,7 @@ TOOL_CALL_END = "</tool_call>"
 _CALL_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)(?:" + re.escape(TOOL_CALL_END) + r"|\Z)", re.DOTALL)
 
 
-def parse_call(body: str) -> Optional[dict]:
+def parse_call(body: str) -> dict | None:
     """``{"name": ..., "arguments": ...}`` (arguments an object, or its JSON text) ->
     an OpenAI tool call; None if it is not one."""
     try:

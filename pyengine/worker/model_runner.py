@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -45,15 +44,15 @@ class ModelRunnerOutput:
     no row asked for logprobs), and ``draft_token_ids`` the drafts proposed for each row's
     next step ([] for none)."""
     sampled_token_ids: list[int]
-    logprobs: Optional[list[LogprobsEntry]] = None
-    generated_token_ids: Optional[list[list[int]]] = None
-    generated_logprobs: Optional[list[list[LogprobsEntry]]] = None
-    draft_token_ids: Optional[list[list[int]]] = None
+    logprobs: list[LogprobsEntry] | None = None
+    generated_token_ids: list[list[int]] | None = None
+    generated_logprobs: list[list[LogprobsEntry]] | None = None
+    draft_token_ids: list[list[int]] | None = None
 
     def ready(self) -> bool:  # (as AsyncModelRunnerOutput: a speculative step's output is on the host)
         return True
 
-    def get_output(self) -> "ModelRunnerOutput":
+    def get_output(self) -> ModelRunnerOutput:
         return self
 
 
@@ -100,7 +99,7 @@ class ModelRunner:
         self.spec_config = config.speculative_config
         self.rejection_sampler = RejectionSampler()
         self.drafter = None
-        self._step_hidden: Optional[torch.Tensor] = None  # the step's hidden states, for the proposer
+        self._step_hidden: torch.Tensor | None = None  # the step's hidden states, for the proposer
         if self.spec_config is not None:
             from pyengine.spec_decode import make_proposer
             self.drafter = make_proposer(config, self)
@@ -110,10 +109,10 @@ class ModelRunner:
         self.sampling_state = SamplingState(self.device, self.dims.vocab_size, config.async_scheduling)
         self._sender = TPStepSender(tp_group) if tp_group is not None else None
         # Async scheduling: the previous launch's sampled ids (device) and row per request.
-        self.prev_sampled: Optional[torch.Tensor] = None
+        self.prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
         self._deferred = None  # execute_model(defer_sampling=True) -> sample_tokens
-        self.profiler: Optional[RankProfiler] = None  # open between start_profile and stop_profile
+        self.profiler: RankProfiler | None = None  # open between start_profile and stop_profile
         self._profile_windows = 0
         self._is_cuda = self.device.type == "cuda"
         self.graph_runner = None  # CUDAGraphRunner once captured (CUDA, triton backend, not enforce_eager)
@@ -211,7 +210,7 @@ class ModelRunner:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def initialize_kv_cache(self, num_blocks: Optional[int] = None) -> int:
+    def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
         """Allocate the paged KV cache of ``num_blocks`` blocks (None: ``determine_num_blocks()``),
         warm up kernels, capture CUDA graphs; returns the number of blocks (block 0 = null
         block). Tensor-parallel ranks call it together (the warm-ups run collectives)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Optional
 
 import torch
 
@@ -37,7 +36,7 @@ class RankProfiler:
         self.totals: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.steps = 0
-        self._name: Optional[str] = None
+        self._name: str | None = None
         self._t = 0.0
         self._range = None
         self._prof = None

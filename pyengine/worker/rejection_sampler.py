@@ -27,13 +27,21 @@ request's tokens depend on its own inputs only. A row without drafts draws exact
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from pyengine.worker.sampler import (SamplingMetadata, apply_allowed_token_ids, apply_bad_words, apply_min_p,
-                                     apply_min_tokens, apply_penalties, apply_temperature, apply_top_k_top_p,
-                                     compute_logprobs, gather_logprobs)
+from pyengine.worker.sampler import (
+    SamplingMetadata,
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_min_p,
+    apply_min_tokens,
+    apply_penalties,
+    apply_temperature,
+    apply_top_k_top_p,
+    compute_logprobs,
+    gather_logprobs,
+)
 
 __all__ = ["RejectionSampler", "RejectionOutput", "rejection_sample", "draw_randomness"]
 
@@ -54,9 +62,9 @@ class RejectionOutput:
     first row that is not accepted (``RejectionSampler.emitted``)."""
     candidate: torch.Tensor
     accepted: torch.Tensor
-    logprobs_token_ids: Optional[torch.Tensor] = None
-    logprobs: Optional[torch.Tensor] = None
-    ranks: Optional[torch.Tensor] = None
+    logprobs_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
 
 
 def draw_randomness(num_rows: int, vocab_size: int, draft_rows: torch.Tensor,
@@ -77,7 +85,7 @@ def draw_randomness(num_rows: int, vocab_size: int, draft_rows: torch.Tensor,
 
 
 def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.Tensor,
-                     exponentials: torch.Tensor, draft_probs: Optional[torch.Tensor] = None
+                     exponentials: torch.Tensor, draft_probs: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative-sampling decision per row.
 

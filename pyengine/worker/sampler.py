@@ -32,8 +32,8 @@ Order of operations, per row (as vLLM v1 by default):
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
 
@@ -105,28 +105,28 @@ class SamplingMetadata:
     temperature: torch.Tensor
     all_greedy: bool
     all_random: bool
-    top_p: Optional[torch.Tensor] = None
-    top_k: Optional[torch.Tensor] = None
-    min_p: Optional[torch.Tensor] = None
+    top_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     no_top_p: bool = True
     no_top_k: bool = True
     no_min_p: bool = True
     no_penalties: bool = True
     max_top_k: int = 0
-    max_num_logprobs: Optional[int] = None
-    prompt_token_mask: Optional[torch.Tensor] = None
-    output_token_counts: Optional[torch.Tensor] = None
-    presence_penalties: Optional[torch.Tensor] = None
-    frequency_penalties: Optional[torch.Tensor] = None
-    repetition_penalties: Optional[torch.Tensor] = None
-    min_tokens_rows: Optional[torch.Tensor] = None
-    min_tokens_cols: Optional[torch.Tensor] = None
-    allowed_rows: Optional[torch.Tensor] = None
-    allowed_idx: Optional[torch.Tensor] = None
-    bad_words_idx: Optional[torch.Tensor] = None
+    max_num_logprobs: int | None = None
+    prompt_token_mask: torch.Tensor | None = None
+    output_token_counts: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    min_tokens_rows: torch.Tensor | None = None
+    min_tokens_cols: torch.Tensor | None = None
+    allowed_rows: torch.Tensor | None = None
+    allowed_idx: torch.Tensor | None = None
+    bad_words_idx: torch.Tensor | None = None
     bad_words_need_last: bool = False
-    last_token_ids: Optional[torch.Tensor] = None
+    last_token_ids: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -138,10 +138,10 @@ class SamplingMetadata:
         params: Sequence[SamplingParams],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
-        generators: Sequence[Optional[torch.Generator]],
+        generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Build the metadata of one step from per-row Python values.
 
         Args:
@@ -187,7 +187,7 @@ class SamplingMetadata:
         num_greedy = 0
         no_top_p = no_top_k = no_min_p = no_penalties = True
         max_top_k = 0
-        max_num_logprobs: Optional[int] = None
+        max_num_logprobs: int | None = None
         mt_rows: list[int] = []
         mt_cols: list[int] = []
         al_rows: list[int] = []
@@ -311,7 +311,7 @@ def _match_bad_words(row: int, words: Sequence[Sequence[int]], out: Sequence[int
 
 
 def _padded_ids(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device,
-                pin: bool) -> Optional[torch.Tensor]:
+                pin: bool) -> torch.Tensor | None:
     """Ragged rows right-padded with ``V`` (an extra bin dropped later): int64 [B, L] on
     ``device``, or None when every row is empty. Ids outside ``[0, V)`` also go to ``V``."""
     max_len = max((len(t) for t in token_ids), default=0)
@@ -357,9 +357,9 @@ class SamplerOutput:
             (1 = most likely): the number of tokens whose logprob is >= the sampled one's.
     """
     sampled_token_ids: torch.Tensor
-    logprobs_token_ids: Optional[torch.Tensor] = None
-    logprobs: Optional[torch.Tensor] = None
-    sampled_token_ranks: Optional[torch.Tensor] = None
+    logprobs_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_token_ranks: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- ops
@@ -453,8 +453,8 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
-                      top_p: Optional[torch.Tensor], max_top_k: int) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None, max_top_k: int) -> torch.Tensor:
     """Keep, per row, the ``k`` most likely tokens, then the smallest set of the most
     likely ones whose probability mass is >= ``p`` (the top token is always kept); the
     rest get ``-inf``. Mirrors ``vllm/v1/sample/ops/topk_topp_sampler.py``.

@@ -15,7 +15,7 @@ The message header is ``[kind, *StepShape]`` (``HEADER_LEN`` int64s): kind 0 sto
 step, 2 a control message (``[2, op, payload bytes, 0...]``, then the payload)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 
@@ -93,7 +93,7 @@ class StepShape(NamedTuple):
         return [KIND_STOP] * HEADER_LEN
 
     @staticmethod
-    def from_header(h) -> Optional["StepShape"]:
+    def from_header(h) -> StepShape | None:
         """None for the stop header."""
         return StepShape(*(int(x) for x in h[1:])) if h[0] == KIND_STEP else None
 

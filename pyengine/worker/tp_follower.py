@@ -11,9 +11,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from pyengine.worker.step_codec import (HEADER_LEN, KIND_CONTROL, PackedStep, StepShape, control_header,
-                                        payload_bytes)
-
+from pyengine.worker.step_codec import HEADER_LEN, KIND_CONTROL, PackedStep, StepShape, control_header, payload_bytes
 
 
 class ModelRunner(Protocol):
@@ -59,7 +57,7 @@ class TPStepSender:
         self.tp.send_step(control_header(PROFILE_STOP, 0))
 
 
-def _follow_control(runner: "ModelRunner", op: int, data: np.ndarray) -> None:
+def _follow_control(runner: ModelRunner, op: int, data: np.ndarray) -> None:
     """Rank 0's ``start_profile`` / ``stop_profile``."""
     if op == PROFILE_STOP:
         runner.close_profile()
@@ -69,7 +67,7 @@ def _follow_control(runner: "ModelRunner", op: int, data: np.ndarray) -> None:
 
 
 @torch.inference_mode()
-def follow_one_step(runner: "ModelRunner") -> bool:
+def follow_one_step(runner: ModelRunner) -> bool:
     """Ranks > 0: receive rank 0's next message and run it on ``runner``. Returns False
     when rank 0 sent stop."""
     prof = runner.profiler

@@ -8,13 +8,13 @@ import logging
 import os
 import threading
 import traceback
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
-from pyengine.messages import ErrorInfo
 from pyengine.config import EngineConfig
 from pyengine.distributed import init_distributed_environment
+from pyengine.messages import ErrorInfo
 from pyengine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -32,10 +32,10 @@ class Worker:
         self.world_size = world_size
         self.init_method = init_method
         self.tp = None
-        self.model_runner: Optional[ModelRunner] = None
-        self._threads_before: Optional[int] = None
+        self.model_runner: ModelRunner | None = None
+        self._threads_before: int | None = None
 
-    def init_device(self, peer_failure: Optional[Callable[[], Optional[str]]] = None) -> None:
+    def init_device(self, peer_failure: Callable[[], str | None] | None = None) -> None:
         """Join the process group (see ``init_distributed_environment``). On CPU, the ranks
         share the host's cores: each takes an equal part of torch's intra-op threads
         (process-wide for rank 0's process), since oversubscribed ranks stall each other's

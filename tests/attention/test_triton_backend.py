@@ -6,8 +6,8 @@ GPU: ``pytest -m gpu tests/attention/test_triton_backend.py`` (realistic shapes)
 """
 from __future__ import annotations
 
-import math
 import importlib.util
+import math
 import os
 import sys
 

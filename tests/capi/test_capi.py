@@ -280,8 +280,8 @@ def test_bad_arguments_return_status_and_message(capi_test_bin, capi_lib, llama_
     # a 4 MiB prompt: the engine's character bound, before tokenizing (issue 16 kind 2); the
     # Python API's message, at once (tokenizing it took seconds)
     from pyengine import EngineArgs
-    from pyengine.tokenizer import load_tokenizer
     from pyengine.engine.processor import Processor
+    from pyengine.tokenizer import load_tokenizer
     cfg = EngineArgs(model=str(llama_dir)).create_engine_config()
     with pytest.raises(ValueError) as ei:
         Processor(cfg, load_tokenizer(cfg)).check_prompt_text("fox " * (1 << 20))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Optional, Union
+from typing import Any
 
 import msgspec
 import pytest
@@ -16,8 +16,16 @@ import zmq
 from pyengine import LLM, SamplingParams
 from pyengine.config import KVEventsConfig
 from pyengine.core.block_pool import BlockPool
-from pyengine.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch,
-                                            encode_batch, external_block_hash, offset_endpoint_port)
+from pyengine.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    external_block_hash,
+    offset_endpoint_port,
+)
 
 
 # vLLM's wire types, declared as a consumer of vLLM's events does (vllm/distributed/kv_events.py's
@@ -25,7 +33,7 @@ from pyengine.distributed.kv_events import (AllBlocksCleared, BlockRemoved, Bloc
 class _EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
-    data_parallel_rank: Optional[int] = None
+    data_parallel_rank: int | None = None
 
 
 class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -34,20 +42,20 @@ class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 class _BlockStored(_KVCacheEvent, tag="BlockStored"):
     block_hashes: list[int]
-    parent_block_hash: Optional[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str]
-    extra_keys: Optional[list] = None
-    group_idx: Optional[int] = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
 
 
 class _BlockRemoved(_KVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int]
-    medium: Optional[str]
-    group_idx: Optional[int] = None
+    medium: str | None
+    group_idx: int | None = None
 
 
 class _AllBlocksCleared(_KVCacheEvent, tag="AllBlocksCleared"):
@@ -55,7 +63,7 @@ class _AllBlocksCleared(_KVCacheEvent, tag="AllBlocksCleared"):
 
 
 class _KVEventBatch(_EventBatch):
-    events: list[Union[_BlockStored, _BlockRemoved, _AllBlocksCleared]]
+    events: list[_BlockStored | _BlockRemoved | _AllBlocksCleared]
 
 
 _DECODER = msgspec.msgpack.Decoder(type=_KVEventBatch)

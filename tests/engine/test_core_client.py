@@ -17,7 +17,8 @@ import pytest
 from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
 from pyengine.engine import core_client
 from tests.engine.test_async_llm import drain, wait_idle
-from tests.helpers import hf_greedy, live_children, process_gone as gone, prompt_token_ids
+from tests.helpers import hf_greedy, live_children, prompt_token_ids
+from tests.helpers import process_gone as gone
 
 REPO = Path(__file__).resolve().parents[2]
 

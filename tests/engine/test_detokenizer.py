@@ -4,9 +4,13 @@ import random
 import pytest
 
 from pyengine.engine import detokenizer as detok_module
-from pyengine.engine.detokenizer import (IncrementalDetokenizer, check_stop_strings,
-                                         decode_logprob_token, decode_output,
-                                         prompt_text_for_echo)
+from pyengine.engine.detokenizer import (
+    IncrementalDetokenizer,
+    check_stop_strings,
+    decode_logprob_token,
+    decode_output,
+    prompt_text_for_echo,
+)
 from pyengine.sampling_params import SamplingParams
 
 

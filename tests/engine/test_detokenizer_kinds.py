@@ -8,9 +8,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyengine.engine.detokenizer import (DecoderTraits, FastIncrementalDetokenizer, IncrementalDetokenizer,
-                                         TokenTexts, decode_output, make_incremental_detokenizer,
-                                         prompt_text_for_echo)
+from pyengine.engine.detokenizer import (
+    DecoderTraits,
+    FastIncrementalDetokenizer,
+    IncrementalDetokenizer,
+    TokenTexts,
+    decode_output,
+    make_incremental_detokenizer,
+    prompt_text_for_echo,
+)
 from pyengine.sampling_params import SamplingParams
 from tests.helpers import TOKENIZER_KINDS, build_tokenizer_kind
 

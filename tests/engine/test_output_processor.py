@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from pyengine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
 from pyengine.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pyengine.exceptions import EngineDeadError
+from pyengine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
 from pyengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 

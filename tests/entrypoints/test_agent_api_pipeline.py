@@ -10,14 +10,12 @@ import openai
 import pytest
 
 from pyengine import LLM, RequestOutputKind
-from pyengine.entrypoints.anthropic.messages_utils import (MessagesStreamState, chat_to_message,
-                                                          messages_to_chat_request)
+from pyengine.entrypoints.anthropic.messages_utils import MessagesStreamState, chat_to_message, messages_to_chat_request
 from pyengine.entrypoints.anthropic.messages_utils import sse as anthropic_sse
 from pyengine.entrypoints.anthropic.protocol import MessagesRequest, check_messages_request
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.openai.protocol_responses import ResponsesRequest, check_responses_request
-from pyengine.entrypoints.openai.responses_utils import (ResponsesStreamState, chat_to_response,
-                                                        responses_to_chat_request)
+from pyengine.entrypoints.openai.responses_utils import ResponsesStreamState, chat_to_response, responses_to_chat_request
 from pyengine.entrypoints.openai.responses_utils import sse as responses_sse
 from pyengine.entrypoints.openai.serving_chat import chat_inputs, make_extractor
 from pyengine.reasoning import ReasoningParserManager

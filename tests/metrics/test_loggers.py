@@ -4,8 +4,14 @@ from __future__ import annotations
 import logging
 import re
 
-from pyengine.metrics import (IterationStats, LoggingStatLogger, SchedulerStats, StatLoggerBase,
-                              StatLoggerManager, make_stat_logger_manager)
+from pyengine.metrics import (
+    IterationStats,
+    LoggingStatLogger,
+    SchedulerStats,
+    StatLoggerBase,
+    StatLoggerManager,
+    make_stat_logger_manager,
+)
 
 LINE = re.compile(r"Engine 000: Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) "
                   r"tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs, KV cache usage: ([\d.]+)%, "

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyengine.layers.layernorm import RMSNorm
-from pyengine.ops.native import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
-from pyengine.layers.linear import MergedColumnParallelLinear
 from pyengine.config import get_rope_params
+from pyengine.layers.layernorm import RMSNorm
+from pyengine.layers.linear import MergedColumnParallelLinear
 from pyengine.layers.rotary import RotaryEmbedding
+from pyengine.ops.native import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

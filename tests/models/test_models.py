@@ -14,8 +14,16 @@ from pyengine.attention.backend import get_backend_cls
 from pyengine.config import EngineArgs
 from pyengine.models.loader import load_model, safetensors_files
 from pyengine.models.registry import get_model_cls, model_dims, supported_architectures
-from tests.helpers import (FAMILIES, build_tiny_model, hf_greedy, hf_logits, load_hf_model,
-                           make_attn_metadata, new_kv_caches, prompt_token_ids)
+from tests.helpers import (
+    FAMILIES,
+    build_tiny_model,
+    hf_greedy,
+    hf_logits,
+    load_hf_model,
+    make_attn_metadata,
+    new_kv_caches,
+    prompt_token_ids,
+)
 
 BS = 4  # small blocks so sequences span many of them
 NUM_BLOCKS = 64

@@ -18,10 +18,12 @@ if not sys.platform.startswith("linux") and importlib.util.find_spec("triton") i
     pytest.skip("triton is a test dependency on Linux only", allow_module_level=True)
 import triton  # noqa: E402,F401
 
-from pyengine.layers import rotary  # noqa: E402
-from pyengine.ops import native  # noqa: E402
-from pyengine.ops import fused  # noqa: E402
 import pyengine.ops as ops  # noqa: E402
+from pyengine.layers import rotary  # noqa: E402
+from pyengine.ops import (
+    fused,  # noqa: E402
+    native,  # noqa: E402
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()

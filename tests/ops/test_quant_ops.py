@@ -9,9 +9,8 @@ the largest reference value: 1e-5 for float32 outputs, 1e-2 for bf16/fp16 (their
 """
 from __future__ import annotations
 
-import os
-
 import importlib.util
+import os
 import sys
 
 import pytest

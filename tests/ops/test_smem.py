@@ -36,8 +36,8 @@ def test_old_int_gemm_tiles_are_what_failed_on_the_h200():
 @pytest.mark.parametrize("dtype,m,limit", [(torch.float32, 24, H200_LIMIT), (torch.float32, 200, 64 * 1024),
                                            (torch.bfloat16, 200, 48 * 1024)])
 def test_int_gemm_launches_within_the_limit(dtype, m, limit, monkeypatch):
-    from pyengine.ops import quant
     from pyengine.layers.quantization.utils import pack_int32
+    from pyengine.ops import quant
 
     launches = []
     real = quant._int_gemm_kernel

@@ -10,8 +10,7 @@ import pytest
 
 from pyengine import LLM, SamplingParams
 from tests.helpers import hf_greedy, prompt_token_ids
-from tests.quant_helpers import (awq_checkpoint, compressed_tensors_checkpoint, fp8_block_checkpoint,
-                                 gptq_checkpoint)
+from tests.quant_helpers import awq_checkpoint, compressed_tensors_checkpoint, fp8_block_checkpoint, gptq_checkpoint
 
 MAX_TOKENS = 16
 

@@ -17,8 +17,7 @@ import torch
 
 from pyengine import LLM, SamplingParams
 from tests.helpers import hf_greedy, hf_logits, prompt_token_ids
-from tests.quant_helpers import (awq_checkpoint, compressed_tensors_checkpoint, fp8_block_checkpoint,
-                                 gptq_checkpoint)
+from tests.quant_helpers import awq_checkpoint, compressed_tensors_checkpoint, fp8_block_checkpoint, gptq_checkpoint
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("VENGINE_TRITON_OPS_ON_CPU") == "1"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

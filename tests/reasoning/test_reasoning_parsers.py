@@ -8,8 +8,7 @@ import random
 
 import pytest
 
-from pyengine.reasoning import (DeepSeekR1ReasoningParser, DeltaMessage, Qwen3ReasoningParser,
-                                ReasoningParserManager)
+from pyengine.reasoning import DeepSeekR1ReasoningParser, DeltaMessage, Qwen3ReasoningParser, ReasoningParserManager
 from tests.helpers import R1_STYLE_CHAT_TEMPLATE, THINK_END, THINK_START, TOOL_CALL_JSON
 
 

@@ -6,10 +6,9 @@ import http.client
 import json
 import socket
 import time
-from typing import Optional
 
 
-def request(port: int, method: str, path: str, body=None, headers: Optional[dict] = None,
+def request(port: int, method: str, path: str, body=None, headers: dict | None = None,
             timeout: float = 60.0, cafile=None) -> tuple[int, dict, bytes]:
     """One request; ``body`` may be bytes/str (sent as is) or an object (sent as JSON).
     ``cafile``: over HTTPS, trusting that certificate file."""
@@ -31,12 +30,12 @@ def request(port: int, method: str, path: str, body=None, headers: Optional[dict
         conn.close()
 
 
-def post(port: int, path: str, body, headers: Optional[dict] = None, timeout: float = 60.0):
+def post(port: int, path: str, body, headers: dict | None = None, timeout: float = 60.0):
     status, hdrs, data = request(port, "POST", path, body, headers, timeout)
     return status, hdrs, data
 
 
-def get(port: int, path: str, headers: Optional[dict] = None):
+def get(port: int, path: str, headers: dict | None = None):
     return request(port, "GET", path, None, headers)
 
 
@@ -59,8 +58,8 @@ def metrics(port: int) -> dict[str, float]:
 class SSEStream:
     """A streaming POST on a raw socket: ``events()`` yields ``(arrival_time, data)``."""
 
-    def __init__(self, port: int, path: str, body: dict, headers: Optional[dict] = None,
-                 rcvbuf: Optional[int] = None, timeout: float = 120.0):
+    def __init__(self, port: int, path: str, body: dict, headers: dict | None = None,
+                 rcvbuf: int | None = None, timeout: float = 120.0):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -71,7 +70,7 @@ class SSEStream:
         self.t_sent = time.monotonic()
         self.sock.sendall((f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                            f"Content-Length: {len(payload)}\r\n{extra}\r\n").encode() + payload)
-        self.status: Optional[int] = None
+        self.status: int | None = None
         self.headers = b""
         self._buf = b""
 
@@ -128,7 +127,7 @@ class SSEStream:
             pass
 
 
-def collect_stream(port: int, path: str, body: dict, headers: Optional[dict] = None):
+def collect_stream(port: int, path: str, body: dict, headers: dict | None = None):
     """Run a stream to the end: (status, [(t, parsed json or "[DONE]")], t_sent)."""
     s = SSEStream(port, path, body, headers)
     try:
@@ -159,7 +158,7 @@ def wait_until(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
     return pred()
 
 
-def spawn_server(model_dir, name: str, *flags: str, env: Optional[dict] = None, cwd=None, timeout: float = 120.0):
+def spawn_server(model_dir, name: str, *flags: str, env: dict | None = None, cwd=None, timeout: float = 120.0):
     """``python -m server serve MODEL --port 0 --device cpu --served-model-name NAME FLAGS``
     in a subprocess; returns ``(proc, port)`` once it says where it serves (the caller
     kills the process). Fails with its output if it exits or stays silent."""

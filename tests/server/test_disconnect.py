@@ -63,9 +63,7 @@ def test_disconnect_mid_stream(paced):
     s = SSEStream(server.port, "/v1/completions",
                   {"model": MODEL_NAME, "prompt": "while True:", "max_tokens": MAX_TOKENS, "temperature": 0,
                    "ignore_eos": True, "stream": True})
-    n = 0
-    for _ in s.events():
-        n += 1
+    for n, _ in enumerate(s.events(), 1):
         if n == 3:
             break
     assert engine.get_stats().num_running + engine.get_stats().num_waiting == 1

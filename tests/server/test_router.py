@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.http_util import get, post, metrics
+from tests.server.http_util import get, metrics, post
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))

@@ -378,7 +378,7 @@ def test_slow_headers_are_cut_at_the_read_timeout_even_while_bytes_trickle(engin
                 s.settimeout(0.1)
                 try:
                     chunk = s.recv(65536)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 except ConnectionResetError:
                     break

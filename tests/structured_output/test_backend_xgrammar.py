@@ -9,9 +9,13 @@ import torch
 
 from pyengine import StructuredOutputsParams
 from pyengine.exceptions import VLLMValidationError
-from pyengine.structured_output.backend_xgrammar import (XgrammarBackend, apply_token_bitmask, choice_as_grammar,
-                                                         unsupported_json_schema_feature,
-                                                         validate_structured_outputs)
+from pyengine.structured_output.backend_xgrammar import (
+    XgrammarBackend,
+    apply_token_bitmask,
+    choice_as_grammar,
+    unsupported_json_schema_feature,
+    validate_structured_outputs,
+)
 
 
 def test_params_need_exactly_one_constraint():

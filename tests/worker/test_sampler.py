@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from pyengine.sampling_params import SamplingParams
-from pyengine.worker.sampler import (Sampler, SamplingMetadata, apply_penalties,
-                                     apply_top_k_top_p)
+from pyengine.worker.sampler import Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p
 
 V = 32
 

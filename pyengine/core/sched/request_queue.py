@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 from pyengine.config import SchedulingPolicy
 from pyengine.request import Request
@@ -65,7 +65,7 @@ class PriorityRequestQueue:
         return iter(sorted(self._heap))
 
 
-def create_request_queue(policy: "SchedulingPolicy | str"):
+def create_request_queue(policy: SchedulingPolicy | str):
     """Raises ValueError for an unknown policy."""
     if SchedulingPolicy.parse(policy) is SchedulingPolicy.PRIORITY:
         return PriorityRequestQueue()

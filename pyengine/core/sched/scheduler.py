@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from pyengine.config import EngineConfig, SchedulingPolicy
 from pyengine.core.kv_cache_manager import KVCacheManager, cdiv
@@ -138,7 +138,7 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def take_pending_outputs(self) -> Optional[EngineCoreOutputs]:
+    def take_pending_outputs(self) -> EngineCoreOutputs | None:
         """Outputs produced without a model step (aborts), or None."""
         if not self._pending_outputs:
             return None
@@ -263,7 +263,7 @@ class Scheduler:
             need += max(cdiv(target, bs) - kv.num_blocks(r.request_id), 0)
         return need
 
-    def _priority_victim(self, req: Request, budget: int) -> Optional[Request]:
+    def _priority_victim(self, req: Request, budget: int) -> Request | None:
         """Under the priority policy, the running request to preempt so that the waiting
         ``req`` can be admitted: the least urgent one, if ``req`` is strictly more urgent
         (lower priority value) and preempting every strictly less urgent running request
@@ -320,7 +320,7 @@ class Scheduler:
             req.status = RequestStatus.WAITING
             self.waiting.add(req)
 
-    def get_grammar_bitmask(self, so: SchedulerOutput) -> Optional[GrammarOutput]:
+    def get_grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
         """The token bitmask of ``so``'s constrained rows (vLLM's
         ``Scheduler.get_grammar_bitmask``). Call it once every token sampled before ``so``
         went through ``update_from_output``; None when no row is constrained."""
@@ -554,11 +554,11 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            if tok in sp.all_stop_token_ids:  # stop_token_ids, plus EOS unless ignore_eos
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = tok if tok in sp.stop_token_ids else None
-                return True
+        # stop_token_ids, plus EOS unless ignore_eos
+        if req.num_output_tokens >= sp.min_tokens and tok in sp.all_stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = tok if tok in sp.stop_token_ids else None
+            return True
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True

@@ -20,19 +20,33 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Optional, Union
+from typing import Any
 
-from pyengine.entrypoints.anthropic.protocol import (CountTokensRequest, MessagesRequest, RedactedThinkingBlock,
-                                                    TextBlock, ThinkingAdaptive, ThinkingBlock, ThinkingDisabled,
-                                                    ThinkingEnabled, ToolChoiceAny, ToolChoiceAuto, ToolChoiceNone,
-                                                    ToolChoiceTool, ToolResultBlock, ToolUseBlock, error_body, usage)
+from pyengine.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingAdaptive,
+    ThinkingBlock,
+    ThinkingDisabled,
+    ThinkingEnabled,
+    ToolChoiceAny,
+    ToolChoiceAuto,
+    ToolChoiceNone,
+    ToolChoiceTool,
+    ToolResultBlock,
+    ToolUseBlock,
+    error_body,
+    usage,
+)
 
 # chat-completions field -> the Messages field a refusal should name
 ANTHROPIC_PARAMS = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
                     "response_format": "output_config.format", "user": "metadata.user_id"}
 
 
-def anthropic_param(chat_param: Optional[str]) -> Optional[str]:
+def anthropic_param(chat_param: str | None) -> str | None:
     """The Messages name of a chat request field (``VLLMValidationError.parameter``)."""
     if chat_param is None:
         return None
@@ -44,7 +58,7 @@ def random_id(prefix: str = "msg") -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _system_text(system) -> Optional[str]:
+def _system_text(system) -> str | None:
     if system is None or isinstance(system, str):
         return system or None
     return "\n".join(b.text for b in system) or None
@@ -80,7 +94,7 @@ def _message(role: str, content) -> list[dict]:
     return out
 
 
-def _tool_choice(req) -> tuple[Any, Optional[bool]]:
+def _tool_choice(req) -> tuple[Any, bool | None]:
     tc = req.tool_choice
     if tc is None:
         return None, None
@@ -95,7 +109,7 @@ def _tool_choice(req) -> tuple[Any, Optional[bool]]:
     return "none", None
 
 
-def _template_kwargs(req) -> Optional[dict]:
+def _template_kwargs(req) -> dict | None:
     kw: dict = {}
     if isinstance(req.thinking, (ThinkingEnabled, ThinkingAdaptive)):
         kw["enable_thinking"] = True
@@ -107,7 +121,7 @@ def _template_kwargs(req) -> Optional[dict]:
     return kw or None
 
 
-def messages_to_chat_request(req: Union[MessagesRequest, CountTokensRequest]) -> dict:
+def messages_to_chat_request(req: MessagesRequest | CountTokensRequest) -> dict:
     """The chat-completions request body (``ChatCompletionRequest`` fields) for ``req``
     (already checked by ``check_messages_request``)."""
     msgs: list[dict] = []
@@ -143,8 +157,8 @@ def messages_to_chat_request(req: Union[MessagesRequest, CountTokensRequest]) ->
 # Finished results
 
 
-def stop_reason_of(req: MessagesRequest, finish_reason: Optional[str], stop_reason: Any,
-                   tools_called: bool) -> tuple[str, Optional[str]]:
+def stop_reason_of(req: MessagesRequest, finish_reason: str | None, stop_reason: Any,
+                   tools_called: bool) -> tuple[str, str | None]:
     """(``stop_reason``, ``stop_sequence``) of a chat finish: ``tool_use`` when tools were
     called, ``max_tokens`` for the length, ``stop_sequence`` when one of the request's
     ``stop_sequences`` ended it (``stop_reason``: the engine's matched stop), else
@@ -160,7 +174,7 @@ def stop_reason_of(req: MessagesRequest, finish_reason: Optional[str], stop_reas
     return "end_turn", None
 
 
-def _tool_input(arguments: str) -> Optional[dict]:
+def _tool_input(arguments: str) -> dict | None:
     try:
         value = json.loads(arguments)
     except ValueError:
@@ -168,7 +182,7 @@ def _tool_input(arguments: str) -> Optional[dict]:
     return value if isinstance(value, dict) else None
 
 
-def chat_to_message(req: MessagesRequest, chat_completion: dict, *, message_id: Optional[str] = None,
+def chat_to_message(req: MessagesRequest, chat_completion: dict, *, message_id: str | None = None,
                     reasoning_tokens: int = 0) -> dict:
     """A ``chat.completion`` object (one choice; its message's ``reasoning_content``,
     ``content``, ``tool_calls``; ``finish_reason`` and vLLM's ``stop_reason``; ``usage``)
@@ -213,13 +227,13 @@ class MessagesStreamState:
     ``tool_call``), then ``finish``. Each call returns the events to send, in order;
     ``sse(event)`` frames one for the wire."""
 
-    def __init__(self, req: MessagesRequest, model: str, prompt_tokens: int, *, message_id: Optional[str] = None,
+    def __init__(self, req: MessagesRequest, model: str, prompt_tokens: int, *, message_id: str | None = None,
                  cached_tokens: int = 0):
         self.req, self.model = req, model
         self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
         self.id = message_id or random_id()
         self.index = -1  # of the open block
-        self.kind: Optional[str] = None  # "thinking", "text", "tool_use" (open block), or None
+        self.kind: str | None = None  # "thinking", "text", "tool_use" (open block), or None
         self.calls: dict[int, int] = {}  # chat tool-call index -> block index
         self.spaces = ""  # whitespace-only text held back: dropped if a tool call follows
         self.started = False
@@ -296,7 +310,7 @@ class MessagesStreamState:
             evs += self.tool_call(tc)
         return evs
 
-    def finish(self, finish_reason: Optional[str], completion_tokens: int, stop_reason: Any = None, *,
+    def finish(self, finish_reason: str | None, completion_tokens: int, stop_reason: Any = None, *,
                reasoning_tokens: int = 0) -> list[dict]:
         """The open block closed (held whitespace sent first if no tool call came), then
         ``message_delta`` with ``stop_reason`` and the output token count, and

@@ -20,7 +20,7 @@ MCP servers, ``context_management``, ...
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -33,8 +33,8 @@ from pyengine.entrypoints.request_fields import CaptureModel, check_fields, tagg
 class TextBlock(CaptureModel):
     type: Literal["text"]
     text: str
-    cache_control: Optional[dict] = None
-    citations: Optional[list] = None
+    cache_control: dict | None = None
+    citations: list | None = None
 
 
 class ToolUseBlock(CaptureModel):
@@ -43,19 +43,19 @@ class ToolUseBlock(CaptureModel):
     id: str
     name: str
     input: dict
-    cache_control: Optional[dict] = None
-    caller: Optional[dict] = None
-    toolset_name: Optional[str] = None
+    cache_control: dict | None = None
+    caller: dict | None = None
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(CaptureModel):
     """A tool's result, in a user message."""
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Optional[Union[str, list[tagged({"text": TextBlock})]]] = None
-    is_error: Optional[bool] = None
-    cache_control: Optional[dict] = None
-    toolset_name: Optional[str] = None
+    content: str | list[tagged({"text": TextBlock})] | None = None
+    is_error: bool | None = None
+    cache_control: dict | None = None
+    toolset_name: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -67,7 +67,7 @@ class ThinkingBlock(CaptureModel):
     """An assistant's earlier reasoning (sent back by agents)."""
     type: Literal["thinking"]
     thinking: str
-    signature: Optional[str] = None
+    signature: str | None = None
 
 
 class RedactedThinkingBlock(CaptureModel):
@@ -82,37 +82,37 @@ ContentBlock = tagged({"text": TextBlock, "tool_use": ToolUseBlock, "tool_result
 
 class MessageParam(CaptureModel):
     role: Literal["user", "assistant", "system"]
-    content: Union[str, list[ContentBlock]]
+    content: str | list[ContentBlock]
 
 
 class ToolParam(CaptureModel):
     """A custom (client) tool."""
     name: str
     input_schema: dict
-    description: Optional[str] = None
-    type: Optional[Literal["custom"]] = None
-    cache_control: Optional[dict] = None
-    strict: Optional[bool] = None
-    eager_input_streaming: Optional[bool] = None  # how finely input streams: ours streams as it comes
-    defer_loading: Optional[bool] = None
-    allowed_callers: Optional[list[str]] = None
-    input_examples: Optional[list] = None
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: dict | None = None
+    strict: bool | None = None
+    eager_input_streaming: bool | None = None  # how finely input streams: ours streams as it comes
+    defer_loading: bool | None = None
+    allowed_callers: list[str] | None = None
+    input_examples: list | None = None
 
 
 class ToolChoiceAuto(CaptureModel):
     type: Literal["auto"]
-    disable_parallel_tool_use: Optional[bool] = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class ToolChoiceAny(CaptureModel):
     type: Literal["any"]
-    disable_parallel_tool_use: Optional[bool] = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class ToolChoiceTool(CaptureModel):
     type: Literal["tool"]
     name: str
-    disable_parallel_tool_use: Optional[bool] = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class ToolChoiceNone(CaptureModel):
@@ -125,12 +125,12 @@ ToolChoice = tagged({"auto": ToolChoiceAuto, "any": ToolChoiceAny, "tool": ToolC
 class ThinkingEnabled(CaptureModel):
     type: Literal["enabled"]
     budget_tokens: int
-    display: Optional[str] = None
+    display: str | None = None
 
 
 class ThinkingAdaptive(CaptureModel):
     type: Literal["adaptive"]
-    display: Optional[str] = None
+    display: str | None = None
 
 
 class ThinkingDisabled(CaptureModel):
@@ -141,7 +141,7 @@ Thinking = tagged({"enabled": ThinkingEnabled, "adaptive": ThinkingAdaptive, "di
 
 
 class Metadata(CaptureModel):
-    user_id: Optional[str] = None
+    user_id: str | None = None
 
 
 class JSONOutputFormat(CaptureModel):
@@ -150,46 +150,46 @@ class JSONOutputFormat(CaptureModel):
 
 
 class OutputConfig(CaptureModel):
-    effort: Optional[str] = None
-    format: Optional[JSONOutputFormat] = None
+    effort: str | None = None
+    format: JSONOutputFormat | None = None
 
 
 class _Conversation(CaptureModel):
     """What /v1/messages and /v1/messages/count_tokens share."""
     model: str
     messages: list[MessageParam] = Field(min_length=1)
-    system: Optional[Union[str, list[tagged({"text": TextBlock})]]] = None
-    tools: Optional[list[tagged({"custom": ToolParam}, default="custom")]] = None
-    tool_choice: Optional[ToolChoice] = None
-    thinking: Optional[Thinking] = None
-    output_config: Optional[OutputConfig] = None
-    cache_control: Optional[dict] = None
-    speed: Optional[str] = None
-    user_profile_id: Optional[str] = None
-    workspace_id: Optional[str] = None
-    chat_template_kwargs: Optional[dict] = None  # vLLM's extra field
+    system: str | list[tagged({"text": TextBlock})] | None = None
+    tools: list[tagged({"custom": ToolParam}, default="custom")] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: dict | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's extra field
 
 
 class MessagesRequest(_Conversation):
     """``POST /v1/messages`` (``anthropic.types.MessageCreateParams``)."""
     max_tokens: int
-    stop_sequences: Optional[list[str]] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    stream: Optional[bool] = False
-    metadata: Optional[Metadata] = None
-    service_tier: Optional[str] = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = False
+    metadata: Metadata | None = None
+    service_tier: str | None = None
     # known, not supported (unsupported_fields)
-    container: Optional[Any] = None
-    context_management: Optional[Any] = None
-    mcp_servers: Optional[Any] = None
-    diagnostics: Optional[Any] = None
-    inference_geo: Optional[str] = None
+    container: Any | None = None
+    context_management: Any | None = None
+    mcp_servers: Any | None = None
+    diagnostics: Any | None = None
+    inference_geo: str | None = None
     # vLLM's extra fields
-    priority: Optional[int] = None
-    request_id: Optional[str] = None
-    seed: Optional[int] = None
+    priority: int | None = None
+    request_id: str | None = None
+    seed: int | None = None
 
 
 class CountTokensRequest(_Conversation):

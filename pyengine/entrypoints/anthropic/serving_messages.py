@@ -13,12 +13,23 @@ checks the model, ``prepare``s a ``MessagesJob`` (``chat`` to run; ``response`` 
 ``{"input_tokens": N}``. Errors are to be answered with ``error_body`` (Anthropic's)."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Union
+from collections.abc import Callable, Iterable, Iterator
 
-from pyengine.entrypoints.anthropic.messages_utils import (MessagesStreamState, anthropic_param, chat_to_message,
-                                                          messages_to_chat_request, random_id, sse)
-from pyengine.entrypoints.anthropic.protocol import (CountTokensRequest, MessagesRequest, check_messages_request,
-                                                    count_tokens_response, error_body)
+from pyengine.entrypoints.anthropic.messages_utils import (
+    MessagesStreamState,
+    anthropic_param,
+    chat_to_message,
+    messages_to_chat_request,
+    random_id,
+    sse,
+)
+from pyengine.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    check_messages_request,
+    count_tokens_response,
+    error_body,
+)
 from pyengine.entrypoints.chat_job import ChatJob, prepare_chat
 from pyengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyengine.entrypoints.openai.serving_engine import Session, SSEStream, parse_request
@@ -77,7 +88,7 @@ class ServingMessages:
     def __init__(self, chat: OpenAIServingChat):
         self.chat = chat
 
-    def create_message(self, raw, session: Session) -> Union[dict, SSEStream]:
+    def create_message(self, raw, session: Session) -> dict | SSEStream:
         """The ``Message``, or the ``SSEStream`` of its events. Raises
         ``VLLMValidationError``, ``APIError`` (404: an unknown model) and what
         ``OpenAIServing.run`` raises."""

@@ -2,9 +2,6 @@
 and OpenAI's error body every front end answers with."""
 from __future__ import annotations
 
-from typing import Optional
-
-
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
                409: "ConflictError", 413: "RequestTooLargeError",
@@ -12,7 +9,7 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "Permiss
                503: "ServiceUnavailableError"}
 
 
-def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None) -> dict:
     """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
                       "param": param, "code": status}}
@@ -23,7 +20,7 @@ class APIError(Exception):
     request field it is about (``param``, or None). A bad field is a
     ``VLLMValidationError`` (400) instead."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
 
@@ -32,7 +29,7 @@ class RequestFailed(Exception):
     """One engine request ended with finish_reason "error" (it failed inside the engine;
     the others go on): HTTP 500, or an error event then [DONE] once streaming began."""
 
-    def __init__(self, error: Optional[str]):
+    def __init__(self, error: str | None):
         super().__init__(f"The request failed inside the engine: {error or 'unknown error'}")
 
 

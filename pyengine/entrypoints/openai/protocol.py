@@ -9,7 +9,7 @@ which the app turns into HTTP 400 with OpenAI's error envelope.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,8 +21,8 @@ class Schema(BaseModel):
 
 
 class StreamOptions(Schema):
-    include_usage: Optional[bool] = False
-    continuous_usage_stats: Optional[bool] = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _SamplingFields(Schema):
@@ -30,58 +30,58 @@ class _SamplingFields(Schema):
     # kept in model_extra so the app can log what it ignored
     model_config = ConfigDict(strict=True, extra="allow")
 
-    model: Optional[str] = None
-    n: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    ignore_eos: Optional[bool] = None
-    min_tokens: Optional[int] = None
-    include_stop_str_in_output: Optional[bool] = None
-    skip_special_tokens: Optional[bool] = None
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    priority: Optional[int] = None
-    user: Optional[str] = None
-    best_of: Optional[int] = None
-    logit_bias: Optional[dict[str, float]] = None
-    request_id: Optional[str] = None
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    priority: int | None = None
+    user: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    request_id: str | None = None
     # Structured outputs (pyengine.entrypoints.structured_outputs maps and checks them):
     # OpenAI's response_format, vLLM's structured_outputs object and older guided_* fields.
-    response_format: Optional[dict] = None
-    structured_outputs: Optional[dict] = None
-    guided_json: Optional[Union[str, dict]] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
-    guided_grammar: Optional[str] = None
-    guided_decoding_backend: Optional[str] = None
-    guided_whitespace_pattern: Optional[str] = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     # vLLM's extra sampling parameters
-    bad_words: Optional[list[str]] = None  # vLLM has it on chat only; vengine on both
-    allowed_token_ids: Optional[list[int]] = None
-    truncate_prompt_tokens: Optional[int] = None
-    add_special_tokens: Optional[bool] = None  # default: True on completions, False on chat (vLLM's)
-    return_tokens_as_token_ids: Optional[bool] = None
-    cache_salt: Optional[str] = None  # the engine's prefix-cache salt (Processor.check_cache_salt)
-    return_token_ids: Optional[bool] = None  # token_ids / prompt_token_ids in the response (ResponseBuilder)
+    bad_words: list[str] | None = None  # vLLM has it on chat only; vengine on both
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None  # default: True on completions, False on chat (vLLM's)
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None  # the engine's prefix-cache salt (Processor.check_cache_salt)
+    return_token_ids: bool | None = None  # token_ids / prompt_token_ids in the response (ResponseBuilder)
     # vLLM fields vengine does not implement: refused unless unset (UNSUPPORTED_FIELDS)
-    use_beam_search: Optional[bool] = None
-    length_penalty: Optional[float] = None
-    spaces_between_special_tokens: Optional[bool] = None
-    prompt_logprobs: Optional[int] = None
-    logits_processors: Optional[list[Any]] = None
-    kv_transfer_params: Optional[dict] = None
-    vllm_xargs: Optional[dict] = None
-    max_repetition_pattern_size: Optional[int] = None
-    min_repetition_pattern_size: Optional[int] = None
-    repetition_min_count: Optional[int] = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    spaces_between_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+    logits_processors: list[Any] | None = None
+    kv_transfer_params: dict | None = None
+    vllm_xargs: dict | None = None
+    max_repetition_pattern_size: int | None = None
+    min_repetition_pattern_size: int | None = None
+    repetition_min_count: int | None = None
 
     def structured_output_fields(self) -> dict:
         """The fields that may ask for a constraint, as plain JSON values."""
@@ -92,16 +92,16 @@ STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_jso
                             "guided_choice", "guided_grammar", "guided_decoding_backend",
                             "guided_whitespace_pattern")
 
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+PromptType = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
-    max_tokens: Optional[int] = None  # None: 16, like OpenAI's legacy completions
-    logprobs: Optional[int] = None
-    echo: Optional[bool] = False
-    suffix: Optional[str] = None
-    prompt_embeds: Optional[Any] = None  # refused (UNSUPPORTED_FIELDS)
+    max_tokens: int | None = None  # None: 16, like OpenAI's legacy completions
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    prompt_embeds: Any | None = None  # refused (UNSUPPORTED_FIELDS)
 
 
 class TextContentPart(Schema):
@@ -115,17 +115,17 @@ class FunctionCall(Schema):
 
 
 class ToolCall(Schema):
-    id: Optional[str] = None
+    id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(Schema):
     role: str
-    content: Optional[Union[str, list[TextContentPart]]] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
-    tool_call_id: Optional[str] = None  # role "tool": the call this answers
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # role "tool": the call this answers
 
     def text(self) -> str:
         if self.content is None:
@@ -137,26 +137,26 @@ class ChatMessage(Schema):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None  # None: the rest of the context window
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    echo: Optional[bool] = False
-    add_generation_prompt: Optional[bool] = True
-    continue_final_message: Optional[bool] = False
-    chat_template_kwargs: Optional[dict] = None
-    tools: Optional[list[dict]] = None
-    tool_choice: Optional[Union[str, dict]] = None
-    parallel_tool_calls: Optional[bool] = None
-    functions: Optional[list] = None  # OpenAI's deprecated form: refused (use tools)
-    function_call: Optional[Union[str, dict]] = None
-    reasoning_effort: Optional[str] = None  # passed to the chat template, as vLLM
-    include_reasoning: Optional[bool] = None  # no reasoning parser: no reasoning content is returned either way
-    documents: Optional[list[dict[str, str]]] = None  # passed to the chat template (RAG templates)
+    max_tokens: int | None = None  # None: the rest of the context window
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    echo: bool | None = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list | None = None  # OpenAI's deprecated form: refused (use tools)
+    function_call: str | dict | None = None
+    reasoning_effort: str | None = None  # passed to the chat template, as vLLM
+    include_reasoning: bool | None = None  # no reasoning parser: no reasoning content is returned either way
+    documents: list[dict[str, str]] | None = None  # passed to the chat template (RAG templates)
     # refused unless unset (UNSUPPORTED_FIELDS)
-    chat_template: Optional[str] = None
-    mm_processor_kwargs: Optional[dict] = None
-    structural_tag: Optional[str] = None
+    chat_template: str | None = None
+    mm_processor_kwargs: dict | None = None
+    structural_tag: str | None = None
 
 
 # vLLM request fields vengine does not implement: name -> (the values that ask for nothing,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -34,15 +34,15 @@ from pyengine.entrypoints.request_fields import CaptureModel, check_fields, tagg
 class InputTextPart(CaptureModel):
     type: Literal["input_text"]
     text: str
-    prompt_cache_breakpoint: Optional[dict] = None  # a caching hint: the prefix cache is automatic
+    prompt_cache_breakpoint: dict | None = None  # a caching hint: the prefix cache is automatic
 
 
 class OutputTextPart(CaptureModel):
     """An earlier assistant message's text, as a client sends ``response.output`` back."""
     type: Literal["output_text"]
     text: str
-    annotations: Optional[list] = None
-    logprobs: Optional[list] = None
+    annotations: list | None = None
+    logprobs: list | None = None
 
 
 class RefusalPart(CaptureModel):
@@ -55,12 +55,12 @@ ContentPart = tagged({"input_text": InputTextPart, "output_text": OutputTextPart
 
 class MessageItem(CaptureModel):
     """``EasyInputMessageParam`` / ``Message`` / an earlier ``ResponseOutputMessage``."""
-    type: Optional[Literal["message"]] = None
+    type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[ContentPart]]
-    id: Optional[str] = None
-    status: Optional[str] = None
-    phase: Optional[str] = None
+    content: str | list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -74,22 +74,22 @@ class FunctionCallItem(CaptureModel):
     call_id: str
     name: str
     arguments: str
-    id: Optional[str] = None
-    status: Optional[str] = None
-    namespace: Optional[str] = None
-    caller: Optional[dict] = None
+    id: str | None = None
+    status: str | None = None
+    namespace: str | None = None
+    caller: dict | None = None
 
 
 class FunctionCallOutputItem(CaptureModel):
     """A function's result (``FunctionCallOutput``)."""
     type: Literal["function_call_output"]
     call_id: str
-    output: Union[str, list[ContentPart]]
-    id: Optional[str] = None
-    status: Optional[str] = None
-    name: Optional[str] = None
-    namespace: Optional[str] = None
-    caller: Optional[dict] = None
+    output: str | list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+    name: str | None = None
+    namespace: str | None = None
+    caller: dict | None = None
 
     def text(self) -> str:
         if isinstance(self.output, str):
@@ -110,11 +110,11 @@ class ReasoningTextPart(CaptureModel):
 class ReasoningItem(CaptureModel):
     """An earlier response's reasoning (``ResponseReasoningItem``)."""
     type: Literal["reasoning"]
-    id: Optional[str] = None
+    id: str | None = None
     summary: list[SummaryPart] = Field(default_factory=list)
-    content: Optional[list[ReasoningTextPart]] = None
-    encrypted_content: Optional[str] = None
-    status: Optional[str] = None
+    content: list[ReasoningTextPart] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
 
     def text(self) -> str:
         parts = self.content if self.content else self.summary
@@ -129,13 +129,13 @@ class FunctionTool(CaptureModel):
     """``FunctionToolParam``."""
     type: Literal["function"]
     name: str
-    parameters: Optional[dict] = None
-    strict: Optional[bool] = None
-    description: Optional[str] = None
-    defer_loading: Optional[bool] = None
-    allowed_callers: Optional[list[str]] = None
-    output_schema: Optional[dict] = None
-    async_: Optional[bool] = Field(default=None, alias="async")
+    parameters: dict | None = None
+    strict: bool | None = None
+    description: str | None = None
+    defer_loading: bool | None = None
+    allowed_callers: list[str] | None = None
+    output_schema: dict | None = None
+    async_: bool | None = Field(default=None, alias="async")
 
 
 Tool = tagged({"function": FunctionTool})
@@ -146,7 +146,7 @@ class ToolChoiceFunction(CaptureModel):
     name: str
 
 
-ToolChoice = Union[Literal["none", "auto", "required"], tagged({"function": ToolChoiceFunction})]
+ToolChoice = Literal["none", "auto", "required"] | tagged({"function": ToolChoiceFunction})
 
 
 class TextFormatText(CaptureModel):
@@ -157,8 +157,8 @@ class TextFormatJSONSchema(CaptureModel):
     type: Literal["json_schema"]
     name: str
     schema_: dict = Field(alias="schema")
-    description: Optional[str] = None
-    strict: Optional[bool] = None
+    description: str | None = None
+    strict: bool | None = None
 
 
 class TextFormatJSONObject(CaptureModel):
@@ -166,74 +166,74 @@ class TextFormatJSONObject(CaptureModel):
 
 
 class TextConfig(CaptureModel):
-    format: Optional[tagged({"text": TextFormatText, "json_schema": TextFormatJSONSchema,
-                             "json_object": TextFormatJSONObject})] = None
-    verbosity: Optional[str] = None
+    format: tagged({"text": TextFormatText, "json_schema": TextFormatJSONSchema,
+                     "json_object": TextFormatJSONObject}) | None = None
+    verbosity: str | None = None
 
 
 class ReasoningConfig(CaptureModel):
-    effort: Optional[str] = None
-    summary: Optional[str] = None
-    generate_summary: Optional[str] = None
-    context: Optional[str] = None
-    mode: Optional[str] = None
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+    context: str | None = None
+    mode: str | None = None
 
 
 class ResponsesRequest(CaptureModel):
     """``POST /v1/responses`` (``openai.types.responses.ResponseCreateParams``; absent and
     ``null`` mean the default)."""
-    input: Union[str, list[InputItem]]
-    model: Optional[str] = None
-    instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    tools: Optional[list[Tool]] = None
-    tool_choice: Optional[ToolChoice] = None
-    parallel_tool_calls: Optional[bool] = None
-    text: Optional[TextConfig] = None
-    reasoning: Optional[ReasoningConfig] = None
-    stream: Optional[bool] = False
-    metadata: Optional[dict[str, str]] = None
-    user: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    store: Optional[bool] = None
-    truncation: Optional[Literal["auto", "disabled"]] = None
+    input: str | list[InputItem]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool | None = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    store: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     # known, not supported (unsupported_fields)
-    previous_response_id: Optional[str] = None
-    conversation: Optional[Any] = None
-    background: Optional[bool] = None
-    background_options: Optional[Any] = None
-    include: Optional[list[str]] = None
-    max_tool_calls: Optional[int] = None
-    service_tier: Optional[str] = None
-    stream_options: Optional[dict] = None
-    top_logprobs: Optional[int] = None
-    prompt: Optional[Any] = None
-    context_management: Optional[Any] = None
-    moderation: Optional[Any] = None
-    image: Optional[Any] = None
-    access_programs: Optional[Any] = None
-    prompt_cache_options: Optional[Any] = None
-    prompt_cache_retention: Optional[str] = None
+    previous_response_id: str | None = None
+    conversation: Any | None = None
+    background: bool | None = None
+    background_options: Any | None = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
+    service_tier: str | None = None
+    stream_options: dict | None = None
+    top_logprobs: int | None = None
+    prompt: Any | None = None
+    context_management: Any | None = None
+    moderation: Any | None = None
+    image: Any | None = None
+    access_programs: Any | None = None
+    prompt_cache_options: Any | None = None
+    prompt_cache_retention: str | None = None
     # vLLM's extra fields
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: Optional[bool] = None
-    min_tokens: Optional[int] = None
-    skip_special_tokens: Optional[bool] = None
-    include_stop_str_in_output: Optional[bool] = None
-    logit_bias: Optional[dict[str, float]] = None
-    priority: Optional[int] = None
-    request_id: Optional[str] = None
-    chat_template_kwargs: Optional[dict] = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    priority: int | None = None
+    request_id: str | None = None
+    chat_template_kwargs: dict | None = None
 
 
 # The always-unsupported known fields: a value other than these defaults is refused.
@@ -317,13 +317,13 @@ def reasoning_text_part(text: str) -> dict:
     return {"type": "reasoning_text", "text": text}
 
 
-def message_item(item_id: str, text: Optional[str], status: str = "completed") -> dict:
+def message_item(item_id: str, text: str | None, status: str = "completed") -> dict:
     """``ResponseOutputMessage`` (no content part when ``text`` is None)."""
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
             "content": [] if text is None else [output_text_part(text)]}
 
 
-def reasoning_item(item_id: str, text: Optional[str], status: str = "completed") -> dict:
+def reasoning_item(item_id: str, text: str | None, status: str = "completed") -> dict:
     """``ResponseReasoningItem``: the reasoning text as content (no summary)."""
     return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
             "content": None if text is None else [reasoning_text_part(text)]}
@@ -350,8 +350,8 @@ def _echo_text(req: ResponsesRequest) -> dict:
 
 
 def response_object(req: ResponsesRequest, response_id: str, model: str, created_at: float,
-                    output: list[dict], status: str, usage_obj: Optional[dict] = None,
-                    incomplete_reason: Optional[str] = None, error: Optional[dict] = None) -> dict:
+                    output: list[dict], status: str, usage_obj: dict | None = None,
+                    incomplete_reason: str | None = None, error: dict | None = None) -> dict:
     """``Response``: the request's settings echoed, ``output`` items, ``status``
     (``in_progress``, ``completed``, ``incomplete`` with ``incomplete_reason``, ``failed``
     with ``error`` = ``{"code", "message"}``, ``cancelled``)."""
@@ -371,6 +371,6 @@ def response_object(req: ResponsesRequest, response_id: str, model: str, created
     }
 
 
-def error_event(message: str, code: Optional[str] = None, param: Optional[str] = None) -> dict:
+def error_event(message: str, code: str | None = None, param: str | None = None) -> dict:
     """The stream's ``error`` event (``ResponseErrorEvent``) without its sequence number."""
     return {"type": "error", "code": code, "message": message, "param": param}

@@ -20,14 +20,26 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Optional
+from typing import Any
 
-from pyengine.entrypoints.openai.protocol_responses import (FunctionCallItem, FunctionCallOutputItem,
-                                                           FunctionTool, MessageItem, ReasoningItem,
-                                                           ResponsesRequest, TextFormatJSONObject,
-                                                           TextFormatJSONSchema, function_call_item, message_item,
-                                                           output_text_part, random_id, reasoning_item,
-                                                           reasoning_text_part, response_object, usage)
+from pyengine.entrypoints.openai.protocol_responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+    TextFormatJSONObject,
+    TextFormatJSONSchema,
+    function_call_item,
+    message_item,
+    output_text_part,
+    random_id,
+    reasoning_item,
+    reasoning_text_part,
+    response_object,
+    usage,
+)
 
 # chat-completions field -> the Responses field a refusal should name
 RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
@@ -40,7 +52,7 @@ _PASS_THROUGH = ("model", "temperature", "top_p", "parallel_tool_calls", "user",
                  "priority", "request_id")
 
 
-def responses_param(chat_param: Optional[str]) -> Optional[str]:
+def responses_param(chat_param: str | None) -> str | None:
     """The Responses name of a chat request field (``VLLMValidationError.parameter``)."""
     if chat_param is None:
         return None
@@ -91,7 +103,7 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     return msgs
 
 
-def _chat_tools(req: ResponsesRequest) -> Optional[list[dict]]:
+def _chat_tools(req: ResponsesRequest) -> list[dict] | None:
     if req.tools is None:
         return None
     out = []
@@ -109,7 +121,7 @@ def _chat_tool_choice(req: ResponsesRequest) -> Any:
     return {"type": "function", "function": {"name": tc.name}}
 
 
-def _response_format(req: ResponsesRequest) -> Optional[dict]:
+def _response_format(req: ResponsesRequest) -> dict | None:
     fmt = req.text.format if req.text is not None else None
     if isinstance(fmt, TextFormatJSONSchema):
         js = {"name": fmt.name, "schema": fmt.schema_, "description": fmt.description, "strict": fmt.strict}
@@ -119,7 +131,7 @@ def _response_format(req: ResponsesRequest) -> Optional[dict]:
     return None
 
 
-def _template_kwargs(req: ResponsesRequest) -> Optional[dict]:
+def _template_kwargs(req: ResponsesRequest) -> dict | None:
     """``reasoning.effort``: ``"none"`` turns thinking off (``enable_thinking``, Qwen3's
     switch); another effort turns it on and reaches the template as ``reasoning_effort``
     (as vLLM passes it). The request's own ``chat_template_kwargs`` win."""
@@ -150,7 +162,7 @@ def responses_to_chat_request(req: ResponsesRequest) -> dict:
 # Finished results
 
 
-def _status(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
+def _status(finish_reason: str | None) -> tuple[str, str | None]:
     """(response status, incomplete reason) of a chat finish reason."""
     if finish_reason == "length":
         return "incomplete", "max_output_tokens"
@@ -161,7 +173,7 @@ def _status(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
     return "completed", None
 
 
-def _usage_of(chat_usage: Optional[dict], reasoning_tokens: int) -> Optional[dict]:
+def _usage_of(chat_usage: dict | None, reasoning_tokens: int) -> dict | None:
     if chat_usage is None:
         return None
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -170,9 +182,9 @@ def _usage_of(chat_usage: Optional[dict], reasoning_tokens: int) -> Optional[dic
                  details.get("reasoning_tokens") or reasoning_tokens, cached)
 
 
-def chat_to_response(req: ResponsesRequest, chat_completion: dict, *, response_id: Optional[str] = None,
-                     created_at: Optional[float] = None, reasoning_tokens: int = 0,
-                     error: Optional[str] = None) -> dict:
+def chat_to_response(req: ResponsesRequest, chat_completion: dict, *, response_id: str | None = None,
+                     created_at: float | None = None, reasoning_tokens: int = 0,
+                     error: str | None = None) -> dict:
     """A ``chat.completion`` object (one choice; its message's ``reasoning_content``,
     ``content`` and ``tool_calls``; ``finish_reason``; ``usage``) -> the ``Response``.
     Whitespace-only content next to tool calls is dropped (what the hermes parser leaves
@@ -217,15 +229,15 @@ class ResponsesStreamState:
     ``tool_call``), then ``finish``. Each call returns the events to send, in order, with
     their ``sequence_number``; ``sse(event)`` frames one for the wire."""
 
-    def __init__(self, req: ResponsesRequest, model: str, prompt_tokens: int, *, response_id: Optional[str] = None,
-                 created_at: Optional[float] = None):
+    def __init__(self, req: ResponsesRequest, model: str, prompt_tokens: int, *, response_id: str | None = None,
+                 created_at: float | None = None):
         self.req, self.model, self.prompt_tokens = req, model, prompt_tokens
         self.response_id = response_id or random_id("resp")
         self.created_at = created_at if created_at is not None else time.time()
         self.seq = 0
         self.items: list[_Item] = []
         self.done: list[dict] = []  # finished items, in output order
-        self.open: Optional[_Item] = None
+        self.open: _Item | None = None
         self.calls: dict[int, _Item] = {}  # chat tool-call index -> its item
         self.spaces = ""  # whitespace-only content held back: dropped if a tool call follows
         self.started = False
@@ -338,8 +350,8 @@ class ResponsesStreamState:
             evs += self.tool_call(tc)
         return evs
 
-    def finish(self, finish_reason: Optional[str], completion_tokens: int, *, reasoning_tokens: int = 0,
-               cached_tokens: int = 0, error: Optional[str] = None) -> list[dict]:
+    def finish(self, finish_reason: str | None, completion_tokens: int, *, reasoning_tokens: int = 0,
+               cached_tokens: int = 0, error: str | None = None) -> list[dict]:
         """The last events: open items closed (``incomplete`` when cut by the length),
         held whitespace sent if no tool call came, then ``response.completed`` /
         ``response.incomplete`` / ``response.failed`` with the whole response and usage."""

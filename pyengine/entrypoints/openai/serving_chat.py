@@ -9,27 +9,42 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
 from pyengine.chat_utils import apply_hf_chat_template
 from pyengine.engine.processor import ProcessedRequest
-from pyengine.entrypoints.openai.serving_models import OpenAIServingModels
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
-from pyengine.entrypoints.openai.serving_engine import (ChoiceState, DeltaDriver, LogprobsFormatter, OpenAIServing,
-                                                       Prepared, ResponseBuilder, Session, SSEStream,
-                                                       check_stream_options, parse_request, refuse_unsupported,
-                                                       to_sampling_params)
+from pyengine.entrypoints.openai.serving_engine import (
+    ChoiceState,
+    DeltaDriver,
+    LogprobsFormatter,
+    OpenAIServing,
+    Prepared,
+    ResponseBuilder,
+    Session,
+    SSEStream,
+    check_stream_options,
+    parse_request,
+    refuse_unsupported,
+    to_sampling_params,
+)
+from pyengine.entrypoints.openai.serving_models import OpenAIServingModels
 from pyengine.entrypoints.reasoning import ChoiceReasoning, RequestReasoning
 from pyengine.entrypoints.structured_outputs import structured_outputs_from_request
-from pyengine.entrypoints.tool_calls import (ToolCallExtractor, ToolCallMode, messages_for_template, normalize_tools,
-                                             resolve_tool_choice)
+from pyengine.entrypoints.tool_calls import (
+    ToolCallExtractor,
+    ToolCallMode,
+    messages_for_template,
+    normalize_tools,
+    resolve_tool_choice,
+)
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 from pyengine.tool_parsers import ToolParserManager
 
 
-def request_structured_outputs(req, mode: Optional[ToolCallMode] = None):
+def request_structured_outputs(req, mode: ToolCallMode | None = None):
     """The request's constraint (response_format / structured_outputs / guided_*), or the
     one its ``tool_choice`` imposes. Raises VLLMValidationError."""
     so = structured_outputs_from_request(req.structured_output_fields())
@@ -41,7 +56,7 @@ def request_structured_outputs(req, mode: Optional[ToolCallMode] = None):
     return so
 
 
-def chat_tool_mode(req: ChatCompletionRequest, tool_call_parser: Optional[str],
+def chat_tool_mode(req: ChatCompletionRequest, tool_call_parser: str | None,
                    enable_auto_tool_choice: bool) -> tuple[list, ToolCallMode]:
     """(normalized tools, ToolCallMode) of a chat request. Raises VLLMValidationError."""
     for old in ("functions", "function_call"):
@@ -69,16 +84,16 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
     return messages_for_template(msgs)
 
 
-def make_extractor(mode: ToolCallMode, tool_call_parser: Optional[str], tokenizer) -> ToolCallExtractor:
+def make_extractor(mode: ToolCallMode, tool_call_parser: str | None, tokenizer) -> ToolCallExtractor:
     """Per-choice content / tool-call extraction for ``mode``."""
     parser = ToolParserManager.get_tool_parser(tool_call_parser)(tokenizer) \
         if mode.kind == "auto" and tool_call_parser else None
     return ToolCallExtractor(mode, parser)
 
 
-def render_chat_prompt(processor, req: ChatCompletionRequest, chat_template: Optional[str] = None,
-                       tools: Optional[list] = None,
-                       params: Optional[SamplingParams] = None) -> tuple[Optional[str], list[int]]:
+def render_chat_prompt(processor, req: ChatCompletionRequest, chat_template: str | None = None,
+                       tools: list | None = None,
+                       params: SamplingParams | None = None) -> tuple[str | None, list[int]]:
     """(prompt text, prompt token ids): the conversation rendered with ``chat_template``
     (else the tokenizer's; ``documents`` and ``reasoning_effort`` go to it over
     ``chat_template_kwargs``, as vLLM), encoded (special tokens added only with
@@ -113,7 +128,7 @@ def render_chat_prompt(processor, req: ChatCompletionRequest, chat_template: Opt
     return processor.finish_prompt(text, ids, params, "messages")
 
 
-def chat_echo(req: ChatCompletionRequest) -> Optional[str]:
+def chat_echo(req: ChatCompletionRequest) -> str | None:
     """With ``echo``, the text each choice's message starts with (vLLM's): the final
     message's content when that message has the response's role (``assistant`` after a
     generation prompt; without one, as with ``continue_final_message``, the final
@@ -133,16 +148,16 @@ class ChatInputs:
     sampling_params: SamplingParams
     priority: int
     tool_mode: ToolCallMode
-    num_top_logprobs: Optional[int]  # None: no logprobs
-    echo: Optional[str] = None  # what each choice's message starts with (chat_echo)
-    cache_salt: Optional[str] = None  # the engine prompt's "cache_salt"
-    reasoning: Optional[RequestReasoning] = None  # --reasoning-parser: the split of each choice
+    num_top_logprobs: int | None  # None: no logprobs
+    echo: str | None = None  # what each choice's message starts with (chat_echo)
+    cache_salt: str | None = None  # the engine prompt's "cache_salt"
+    reasoning: RequestReasoning | None = None  # --reasoning-parser: the split of each choice
 
 
-def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: Optional[str] = None,
-                tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
-                output_kind: RequestOutputKind = RequestOutputKind.DELTA, stream: Optional[bool] = None,
-                run: Callable = lambda fn: fn(), reasoning_parser: Optional[type] = None) -> ChatInputs:
+def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | None = None,
+                tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                output_kind: RequestOutputKind = RequestOutputKind.DELTA, stream: bool | None = None,
+                run: Callable = lambda fn: fn(), reasoning_parser: type | None = None) -> ChatInputs:
     """Every rule of a chat request, in the order the front ends report them (the
     request's own fields first, then the rendered prompt). ``run(fn)``: how to call the
     rendering and tokenization (the HTTP server runs them off its event loop); ``stream``:
@@ -190,17 +205,17 @@ class ChatResponseBuilder(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
-                 extractors: list[ToolCallExtractor], echo: Optional[str] = None,
-                 prompt_token_ids: Optional[list[int]] = None, reasoning: Optional[RequestReasoning] = None):
+    def __init__(self, request_id: str, model: str, created: int, formatter: LogprobsFormatter | None,
+                 extractors: list[ToolCallExtractor], echo: str | None = None,
+                 prompt_token_ids: list[int] | None = None, reasoning: RequestReasoning | None = None):
         super().__init__(request_id, model, created, formatter,
                          None if prompt_token_ids is None else [prompt_token_ids])
         self.extractors = extractors
         self.echo = echo
         self.reasoning = reasoning
-        self.splits: Optional[list[ChoiceReasoning]] = (None if reasoning is None else
+        self.splits: list[ChoiceReasoning] | None = (None if reasoning is None else
                                                         [reasoning.choice() for _ in extractors])
-        self._whole_reasoning_tokens: Optional[int] = None  # of the choices built by choice()
+        self._whole_reasoning_tokens: int | None = None  # of the choices built by choice()
 
     @property
     def needs_token_ids(self) -> bool:
@@ -217,7 +232,7 @@ class ChatResponseBuilder(ResponseBuilder):
         """Reasoning tokens streamed so far, over all choices (0 without a parser)."""
         return sum(sp.reasoning_tokens() for sp in self.splits or ())
 
-    def _split_deltas(self, idx: int, text: str, token_ids, finish: Optional[str]) -> list[dict]:
+    def _split_deltas(self, idx: int, text: str, token_ids, finish: str | None) -> list[dict]:
         """A choice's delta split by its reasoning parser: the reasoning delta, then the
         content's deltas from the extractor."""
         split, ext = self.splits[idx], self.extractors[idx]
@@ -241,7 +256,7 @@ class ChatResponseBuilder(ResponseBuilder):
         return chunks
 
     def delta_chunks(self, idx: int, ch: ChoiceState, text: str, token_ids, logprobs,
-                     finish: Optional[str]) -> list[dict]:
+                     finish: str | None) -> list[dict]:
         lp = None
         if self.formatter is not None and token_ids:
             lp = self.formatter.chat_logprobs(token_ids, logprobs or [None] * len(token_ids))
@@ -267,7 +282,7 @@ class ChatResponseBuilder(ResponseBuilder):
             c["token_ids"] = list(token_ids)
         return chunks + [self.chunk([c])]
 
-    def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
+    def text_delta_template(self, idx: int) -> tuple[str, str] | None:
         return (self._template_of(idx) if self.formatter is None and self.extractors[idx].plain
                 and not self.return_token_ids and self.splits is None else None)
 
@@ -318,16 +333,16 @@ class OpenAIServingChat(OpenAIServing):
     (``serving_responses``, ``anthropic.serving_messages``) use the same steps (``inputs``,
     ``engine_request``, ``driver``)."""
 
-    def __init__(self, engine, models: OpenAIServingModels, *, chat_template: Optional[str] = None,
-                 tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
-                 reasoning_parser: Optional[type] = None):
+    def __init__(self, engine, models: OpenAIServingModels, *, chat_template: str | None = None,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 reasoning_parser: type | None = None):
         super().__init__(engine, models)
         self.chat_template = chat_template
         self.tool_call_parser, self.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
         self.reasoning_parser = reasoning_parser
 
-    def create_chat_completion(self, request: Union[ChatCompletionRequest, str, bytes],
-                               session: Session) -> Union[dict, SSEStream]:
+    def create_chat_completion(self, request: ChatCompletionRequest | str | bytes,
+                               session: Session) -> dict | SSEStream:
         """Raises ``VLLMValidationError`` (a field refused), ``APIError`` (404: an
         unknown model) and what ``OpenAIServing.run`` raises."""
         return self.run(self.prepare(parse_request(ChatCompletionRequest, request), session.run_blocking), session)
@@ -341,7 +356,7 @@ class OpenAIServingChat(OpenAIServing):
         return Prepared([request], driver, bool(req.stream))
 
     def inputs(self, req: ChatCompletionRequest, run: Callable = lambda fn: fn(),
-               stream: Optional[bool] = None) -> ChatInputs:
+               stream: bool | None = None) -> ChatInputs:
         """Every rule of the request and its rendered prompt (``chat_inputs``)."""
         return chat_inputs(self.processor, req, chat_template=self.chat_template,
                            tool_call_parser=self.tool_call_parser, enable_auto_tool_choice=self.enable_auto_tool_choice,
@@ -353,7 +368,7 @@ class OpenAIServingChat(OpenAIServing):
                                              inputs.priority, inputs.cache_salt)
 
     def driver(self, req: ChatCompletionRequest, inputs: ChatInputs, response_id: str, model: str, *,
-               include_usage: Optional[bool] = None, continuous_usage: Optional[bool] = None,
+               include_usage: bool | None = None, continuous_usage: bool | None = None,
                token_only_chunks: bool = True) -> DeltaDriver:
         """The response driver of one request (``include_usage`` / ``continuous_usage``:
         None takes the request's ``stream_options``)."""

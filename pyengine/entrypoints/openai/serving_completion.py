@@ -6,17 +6,28 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
 from pyengine.engine.detokenizer import prompt_text_for_echo
-from pyengine.entrypoints.openai.serving_models import OpenAIServingModels
 from pyengine.entrypoints.openai.protocol import CompletionRequest
 from pyengine.entrypoints.openai.serving_chat import request_structured_outputs
-from pyengine.entrypoints.openai.serving_engine import (ENGINE_DEFAULT, ChoiceState, DeltaDriver, LogprobsFormatter,
-                                                       OpenAIServing, Prepared, ResponseBuilder, Session, SSEStream,
-                                                       check_stream_options, parse_request, refuse_unsupported,
-                                                       to_sampling_params)
+from pyengine.entrypoints.openai.serving_engine import (
+    ENGINE_DEFAULT,
+    ChoiceState,
+    DeltaDriver,
+    LogprobsFormatter,
+    OpenAIServing,
+    Prepared,
+    ResponseBuilder,
+    Session,
+    SSEStream,
+    check_stream_options,
+    parse_request,
+    refuse_unsupported,
+    to_sampling_params,
+)
+from pyengine.entrypoints.openai.serving_models import OpenAIServingModels
 from pyengine.exceptions import VLLMValidationError
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -40,8 +51,8 @@ def refuse_tool_fields(req: CompletionRequest) -> None:
 
 
 def completion_prompts(processor, req: CompletionRequest, run: Callable = lambda fn: fn(), n: int = 1,
-                       max_sequences: Optional[int] = None,
-                       params: Optional[SamplingParams] = None) -> list[tuple[Optional[str], list[int]]]:
+                       max_sequences: int | None = None,
+                       params: SamplingParams | None = None) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) of each prompt. The rules that need no tokenization run
     on every prompt first (``Processor.check_prompt``), then the texts are tokenized
     together through ``run(fn)`` (with special tokens unless ``add_special_tokens`` is
@@ -75,14 +86,14 @@ def completion_prompts(processor, req: CompletionRequest, run: Callable = lambda
 @dataclass
 class CompletionInputs:
     """One completions request as the engine takes it."""
-    prompts: list[tuple[Optional[str], list[int]]]
+    prompts: list[tuple[str | None, list[int]]]
     sampling_params: SamplingParams
     priority: int
-    cache_salt: Optional[str] = None  # the engine prompt's "cache_salt"
+    cache_salt: str | None = None  # the engine prompt's "cache_salt"
 
 
 def completion_inputs(processor, req: CompletionRequest, *, output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                      run: Callable = lambda fn: fn(), max_sequences: Optional[int] = None) -> CompletionInputs:
+                      run: Callable = lambda fn: fn(), max_sequences: int | None = None) -> CompletionInputs:
     """Every rule of a completions request (``max_sequences``: see ``completion_prompts``).
     Raises VLLMValidationError."""
     check_stream_options(req)
@@ -112,15 +123,15 @@ class CompletionResponseBuilder(ResponseBuilder):
 
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
-                 echo_lens: Optional[list[int]] = None, prompt_token_ids: Optional[list[list[int]]] = None,
+    def __init__(self, request_id: str, model: str, created: int, formatter: LogprobsFormatter | None,
+                 echo_lens: list[int] | None = None, prompt_token_ids: list[list[int]] | None = None,
                  n: int = 1):
         super().__init__(request_id, model, created, formatter, prompt_token_ids)
         self.echo_lens = echo_lens
         self.n = n  # choices per prompt (choice idx // n is its prompt)
 
     def delta_chunks(self, idx: int, ch: ChoiceState, text: str, token_ids, logprobs,
-                     finish: Optional[str]) -> list[dict]:
+                     finish: str | None) -> list[dict]:
         lp = None
         if self.formatter is not None and token_ids:
             lp = self.formatter.completion_logprobs(ch, token_ids, logprobs or [None] * len(token_ids), ch.offset)
@@ -134,7 +145,7 @@ class CompletionResponseBuilder(ResponseBuilder):
         ch.started = True
         return [self.chunk([c])]
 
-    def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
+    def text_delta_template(self, idx: int) -> tuple[str, str] | None:
         return self._template_of(idx) if self.formatter is None and not self.return_token_ids else None
 
     def choice(self, idx: int, ch: ChoiceState, token_ids: list, logprobs: list) -> dict:
@@ -161,12 +172,12 @@ class OpenAIServingCompletion(OpenAIServing):
     ``Session``; the answer is the ``text_completion`` object, or the ``SSEStream`` of its
     chunks. ``max_sequences``: the most prompts × n one request may ask for."""
 
-    def __init__(self, engine, models: OpenAIServingModels, max_sequences: Optional[int] = None):
+    def __init__(self, engine, models: OpenAIServingModels, max_sequences: int | None = None):
         super().__init__(engine, models)
         self.max_sequences = max_sequences
 
-    def create_completion(self, request: Union[CompletionRequest, str, bytes],
-                          session: Session) -> Union[dict, SSEStream]:
+    def create_completion(self, request: CompletionRequest | str | bytes,
+                          session: Session) -> dict | SSEStream:
         """Raises ``VLLMValidationError`` (a field refused), ``APIError`` (404: an
         unknown model) and what ``OpenAIServing.run`` raises."""
         return self.run(self.prepare(parse_request(CompletionRequest, request), session.run_blocking), session)

@@ -10,14 +10,14 @@ import json
 import logging
 import math
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, TypeVar, Union
+from typing import Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
 from pyengine.engine.processor import ProcessedRequest
-from pyengine.entrypoints.openai.errors import (ClientDisconnected, RequestCancelled, RequestFailed,
-                                               error_body)
+from pyengine.entrypoints.openai.errors import ClientDisconnected, RequestCancelled, RequestFailed, error_body
 from pyengine.entrypoints.openai.protocol import UNSUPPORTED_FIELDS
 from pyengine.entrypoints.openai.serving_models import OpenAIServingModels
 from pyengine.exceptions import EngineDeadError, VLLMValidationError
@@ -88,14 +88,14 @@ def refuse_unsupported(req) -> None:
                 raise VLLMValidationError(f"{name} is not supported: {why}.", parameter=name, value=v)
 
 
-def check_stream_options(req, stream: Optional[bool] = None) -> None:
+def check_stream_options(req, stream: bool | None = None) -> None:
     """``stream_options`` only on a streamed request (``stream``: whether it is, where the
     front end decides that rather than the request's ``stream`` field)."""
     if req.stream_options is not None and not (req.stream if stream is None else stream):
         raise VLLMValidationError("stream_options can only be set when stream is true.", parameter="stream_options")
 
 
-def to_sampling_params(processor, req, *, max_tokens, logprobs: Optional[int], structured_outputs=None,
+def to_sampling_params(processor, req, *, max_tokens, logprobs: int | None, structured_outputs=None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
                        logprobs_param: str = "logprobs") -> SamplingParams:
     """The request's ``SamplingParams``: the engine's defaults (``--generation-config``,
@@ -155,7 +155,7 @@ class ChoiceState:
     def __init__(self, offset: int = 0):
         self.text: list[str] = []
         self.num_tokens = 0
-        self.finish_reason: Optional[str] = None
+        self.finish_reason: str | None = None
         self.stop_reason = None
         self.offset = offset
         self.started = False  # a chunk of this choice was sent (return_token_ids: the prompt's ids go first)
@@ -167,7 +167,7 @@ class LogprobsFormatter:
     ``tokens_as_ids``: each token as ``"token_id:<id>"`` instead of its text (vLLM's
     ``return_tokens_as_token_ids``, for tokens whose text is not valid UTF-8 alone)."""
 
-    def __init__(self, tokenizer, num_top: Optional[int], tokens_as_ids: bool = False):
+    def __init__(self, tokenizer, num_top: int | None, tokens_as_ids: bool = False):
         self.tok = tokenizer
         self.num_top = num_top
         self.tokens_as_ids = tokens_as_ids
@@ -223,8 +223,8 @@ class ResponseBuilder:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, created: int, formatter: Optional[LogprobsFormatter],
-                 prompt_token_ids: Optional[list[list[int]]] = None):
+    def __init__(self, request_id: str, model: str, created: int, formatter: LogprobsFormatter | None,
+                 prompt_token_ids: list[list[int]] | None = None):
         self.id, self.model, self.created = request_id, model, created
         self.formatter = formatter
         self.prompt_token_ids = prompt_token_ids
@@ -256,7 +256,7 @@ class ResponseBuilder:
         return []
 
     def delta_chunks(self, idx: int, ch: ChoiceState, text: str, token_ids, logprobs,
-                     finish: Optional[str]) -> list[dict]:
+                     finish: str | None) -> list[dict]:
         """The chunks of one output delta of choice ``idx`` (``ch``: its state before
         ``text`` is added); empty when there is nothing to send yet."""
         raise NotImplementedError
@@ -265,7 +265,7 @@ class ResponseBuilder:
         """Choice ``idx`` of the whole (non-streamed) response."""
         raise NotImplementedError
 
-    def text_delta_template(self, idx: int) -> Optional[tuple[str, str]]:
+    def text_delta_template(self, idx: int) -> tuple[str, str] | None:
         """``(head, tail)``: ``head + json_string(text) + tail`` is the compact JSON of
         the one chunk ``delta_chunks`` gives for a text delta of choice ``idx`` that has
         no logprobs and no finish (the streamed common case, serialized without building
@@ -273,7 +273,7 @@ class ResponseBuilder:
         ``delta_chunks``). Subclasses that allow it call ``_template_of``."""
         return None
 
-    def _template_of(self, idx: int) -> Optional[tuple[str, str]]:
+    def _template_of(self, idx: int) -> tuple[str, str] | None:
         chunks = self.delta_chunks(idx, ChoiceState(), _TEXT_MARK, (), None, None)
         if len(chunks) != 1:
             return None
@@ -294,7 +294,7 @@ class ResponseBuilder:
 _SSE_DONE = "data: [DONE]\n\n"
 # a str's JSON (what json.dumps gives for it: ASCII, escaped), the C function json uses
 _json_str = json.encoder.encode_basestring_ascii
-Chunk = Union[dict, str]  # a chunk object, or (the common text delta) its compact JSON already
+Chunk = dict | str  # a chunk object, or (the common text delta) its compact JSON already
 
 
 def sse_event(obj: Chunk) -> str:
@@ -317,8 +317,8 @@ class Delta:
     choice: ChoiceState
     text: str
     token_ids: Any  # Sequence[int]
-    logprobs: Optional[list]
-    finish: Optional[str]
+    logprobs: list | None
+    finish: str | None
 
 
 class DeltaDriver:
@@ -335,7 +335,7 @@ class DeltaDriver:
     only text on, so it skips them)."""
 
     def __init__(self, builder: ResponseBuilder, num_prompts: int, n: int, prompt_tokens: int, *,
-                 echo_texts: Optional[list[str]] = None, include_usage: bool = False,
+                 echo_texts: list[str] | None = None, include_usage: bool = False,
                  continuous_usage: bool = False, token_only_chunks: bool = True):
         self.builder, self.n = builder, n
         self.prompt_tokens = prompt_tokens
@@ -345,17 +345,17 @@ class DeltaDriver:
         self.choices = [ChoiceState(len(echo_texts[idx // n]) if echo_texts is not None else 0)
                         for idx in range(num_prompts * n)]
         self._plain = builder.formatter is None and not continuous_usage
-        self._templates: dict[int, Optional[tuple[str, str]]] = {}  # choice -> text chunk template
+        self._templates: dict[int, tuple[str, str] | None] = {}  # choice -> text chunk template
         self._keep_ids = builder.formatter is not None or builder.needs_token_ids
-        self._parts: dict[int, list[tuple[Any, Optional[list]]]] = {}  # choice -> (token_ids, logprobs), whole response
+        self._parts: dict[int, list[tuple[Any, list | None]]] = {}  # choice -> (token_ids, logprobs), whole response
 
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 
-    def usage(self, completion_tokens: Optional[int] = None) -> dict:
+    def usage(self, completion_tokens: int | None = None) -> dict:
         return usage(self.prompt_tokens, self.completion_tokens() if completion_tokens is None else completion_tokens)
 
-    def prompt_finish_reason(self, i: int) -> Optional[str]:
+    def prompt_finish_reason(self, i: int) -> str | None:
         """The first finish reason among prompt ``i``'s choices (None: none finished)."""
         return next((ch.finish_reason for ch in self.choices[i * self.n:(i + 1) * self.n] if ch.finish_reason), None)
 
@@ -510,7 +510,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.models = models
 
-    def check_model(self, model: Optional[str]) -> str:
+    def check_model(self, model: str | None) -> str:
         """The served name a request's ``model`` names (``OpenAIServingModels.check_model``)."""
         return self.models.check_model(model)
 
@@ -523,7 +523,7 @@ class OpenAIServing:
         """Engine request ids unique even when clients reuse a ``request_id`` (the response id)."""
         return f"{response_id}-{uuid.uuid4().hex[:12]}"
 
-    def run(self, prepared: Prepared, session: Session, view=None) -> Union[dict, SSEStream]:
+    def run(self, prepared: Prepared, session: Session, view=None) -> dict | SSEStream:
         """Queue the request's engine requests; the whole response once they finished, or
         the ``SSEStream`` that yields it. ``view``: an endpoint built on chat
         (``chat_job.ChatView``: ``serving_responses.ResponsesJob``,

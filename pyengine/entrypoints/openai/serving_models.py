@@ -4,7 +4,6 @@ a request's ``model`` may give, and each as an OpenAI ``Model`` object
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from pyengine.entrypoints.openai.errors import APIError
 
@@ -21,7 +20,7 @@ class OpenAIServingModels:
         self.model_path, self.max_model_len = model_path, max_model_len
         self.created = int(time.time())
 
-    def check_model(self, model: Optional[str]) -> str:
+    def check_model(self, model: str | None) -> str:
         """The served name a request's ``model`` names (None: the first). Raises
         ``APIError`` 404 for a name this server does not serve."""
         if model is None:

@@ -16,22 +16,26 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Iterable, Iterator, Optional, Union
+from collections.abc import Callable, Iterable, Iterator
 
 from pydantic import ValidationError
 
 from pyengine.entrypoints.chat_job import ChatJob, prepare_chat
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
-from pyengine.entrypoints.openai.protocol_responses import (ResponsesRequest, check_responses_request, error_event,
-                                                           random_id)
-from pyengine.entrypoints.openai.responses_utils import (ResponsesStreamState, chat_to_response, responses_param,
-                                                        responses_to_chat_request, sse)
+from pyengine.entrypoints.openai.protocol_responses import ResponsesRequest, check_responses_request, error_event, random_id
+from pyengine.entrypoints.openai.responses_utils import (
+    ResponsesStreamState,
+    chat_to_response,
+    responses_param,
+    responses_to_chat_request,
+    sse,
+)
 from pyengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyengine.entrypoints.openai.serving_engine import Session, SSEStream, parse_request, validation_error
 from pyengine.exceptions import VLLMValidationError
 
 
-def chat_request_of(body: dict, rename: Callable[[Optional[str]], Optional[str]]) -> ChatCompletionRequest:
+def chat_request_of(body: dict, rename: Callable[[str | None], str | None]) -> ChatCompletionRequest:
     """A converted body as a ``ChatCompletionRequest``; a refusal names the endpoint's
     own field (``rename``)."""
     try:
@@ -41,7 +45,7 @@ def chat_request_of(body: dict, rename: Callable[[Optional[str]], Optional[str]]
         raise VLLMValidationError(str(err), parameter=rename(err.parameter)) from None
 
 
-def renamed(e: VLLMValidationError, rename: Callable[[Optional[str]], Optional[str]]) -> VLLMValidationError:
+def renamed(e: VLLMValidationError, rename: Callable[[str | None], str | None]) -> VLLMValidationError:
     return VLLMValidationError(str(e), parameter=rename(e.parameter), value=e.value)
 
 
@@ -101,7 +105,7 @@ class ServingResponses:
     def __init__(self, chat: OpenAIServingChat):
         self.chat = chat
 
-    def create_response(self, raw, session: Session) -> Union[dict, SSEStream]:
+    def create_response(self, raw, session: Session) -> dict | SSEStream:
         """The ``Response`` object, or the ``SSEStream`` of its events. Raises
         ``VLLMValidationError`` (a field refused), ``APIError`` (404: an unknown model) and
         what ``OpenAIServing.run`` raises."""

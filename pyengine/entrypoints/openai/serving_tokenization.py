@@ -12,7 +12,7 @@ outside the vocabulary are a 400. Both check ``model`` like the generation endpo
 from __future__ import annotations
 
 import json
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 from pydantic import ConfigDict, Field
 
@@ -29,22 +29,22 @@ class _Request(Schema):
 
 
 class TokenizeCompletionRequest(_Request):
-    model: Optional[str] = None
+    model: str | None = None
     prompt: str
-    add_special_tokens: Optional[bool] = True
-    return_token_strs: Optional[bool] = False
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
 
 
 class TokenizeChatRequest(_Request):
-    model: Optional[str] = None
+    model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: Optional[bool] = True
-    continue_final_message: Optional[bool] = False
-    add_special_tokens: Optional[bool] = False  # the template has them
-    return_token_strs: Optional[bool] = False
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[dict] = None
-    tools: Optional[list[dict]] = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False  # the template has them
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
 
 
 class TokenizeRequest:
@@ -62,7 +62,7 @@ class TokenizeRequest:
 
 
 class DetokenizeRequest(_Request):
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]
 
 
@@ -72,11 +72,11 @@ class OpenAIServingTokenization:
     blocking work; the HTTP server: off its event loop), the answer object.
     ``chat_template``: the server's (``--chat-template``)."""
 
-    def __init__(self, engine, models: OpenAIServingModels, chat_template: Optional[str] = None):
+    def __init__(self, engine, models: OpenAIServingModels, chat_template: str | None = None):
         self.processor, self.tokenizer = engine.processor, engine.tokenizer
         self.models, self.chat_template = models, chat_template
 
-    def create_tokenize(self, request: Union[TokenizeCompletionRequest, TokenizeChatRequest, str, bytes],
+    def create_tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest | str | bytes,
                         run: Callable = lambda fn: fn()) -> dict:
         """``{"count", "max_model_len", "tokens", "token_strs"}``. Raises
         ``VLLMValidationError`` and ``APIError`` (404: an unknown model)."""
@@ -95,7 +95,7 @@ class OpenAIServingTokenization:
         return {"count": len(ids), "max_model_len": self.models.max_model_len, "tokens": ids,
                 "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
-    def create_detokenize(self, request: Union[DetokenizeRequest, str, bytes]) -> dict:
+    def create_detokenize(self, request: DetokenizeRequest | str | bytes) -> dict:
         """``{"prompt"}``. Raises ``VLLMValidationError`` (ids outside the vocabulary) and
         ``APIError`` (404: an unknown model)."""
         req = parse_request(DetokenizeRequest, request)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 import triton
@@ -66,7 +65,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # ---- tile configs ----------------------------------------------------------------------
 
-def get_config_file_name(num_experts: int, n: int, device_name: Optional[str] = None) -> str:
+def get_config_file_name(num_experts: int, n: int, device_name: str | None = None) -> str:
     """``E=<num_experts>,N=<n>,device_name=<name>.json`` (spaces in the name as ``_``);
     ``device_name`` defaults to the current CUDA device's."""
     if device_name is None:
@@ -74,8 +73,8 @@ def get_config_file_name(num_experts: int, n: int, device_name: Optional[str] = 
     return f"E={num_experts},N={n},device_name={device_name.replace(' ', '_')}.json"
 
 
-def load_tile_configs(num_experts: int, n: int, device_name: Optional[str] = None,
-                      config_dir: Path = CONFIG_DIR) -> Optional[dict[int, dict]]:
+def load_tile_configs(num_experts: int, n: int, device_name: str | None = None,
+                      config_dir: Path = CONFIG_DIR) -> dict[int, dict] | None:
     """The tile-config table of this shape and device (M -> config), or None without a
     file. Raises ValueError for a file that is not such a table."""
     path = Path(config_dir) / get_config_file_name(num_experts, n, device_name)
@@ -112,7 +111,7 @@ def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int) -> 
             "num_warps": 8, "num_stages": 3}
 
 
-def pick_config(table: Optional[dict[int, dict]], m: int, num_experts: int, n: int, k: int, top_k: int) -> dict:
+def pick_config(table: dict[int, dict] | None, m: int, num_experts: int, n: int, k: int, top_k: int) -> dict:
     """The entry of ``table`` for the M nearest ``m`` (ties: the smaller M), else the default."""
     if not table:
         return get_default_config(m, num_experts, n, k, top_k)
@@ -129,7 +128,7 @@ def pass_config(cfg: dict, which: str) -> dict:
 # ---- sorting pairs by expert -----------------------------------------------------------
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
-                         expert_map: Optional[torch.Tensor] = None):
+                         expert_map: torch.Tensor | None = None):
     """Sort the (token, slot) pairs by expert and pad each expert's run to a multiple of
     ``block_m`` (vLLM's ``moe_align_block_size``), with torch ops only: no host sync, and
     output sizes that depend on the shapes only.
@@ -448,8 +447,8 @@ def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, c
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor] = None,
-                  config: Optional[dict] = None, tile_configs: Optional[dict[int, dict]] = None,
+                  topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
+                  config: dict | None = None, tile_configs: dict[int, dict] | None = None,
                   cast_weights: bool = True) -> torch.Tensor:
     """hidden: [T, H]; w13: [E_local, 2 * I, H] (gate rows then up rows); w2: [E_local, H, I];
     topk_weights: float32 [T, k]; topk_ids: int32 [T, k] (global ids); expert_map: int32

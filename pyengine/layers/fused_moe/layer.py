@@ -26,7 +26,6 @@ else the per-expert torch loop (``moe_torch.fused_experts_torch``).
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import torch
 from torch import nn
@@ -43,7 +42,7 @@ _NOT_LOADED = object()
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
 
 
-def expert_checkpoint_target(name: str, proj_names: dict[str, str]) -> Optional[tuple[str, tuple[str, int]]]:
+def expert_checkpoint_target(name: str, proj_names: dict[str, str]) -> tuple[str, tuple[str, int]] | None:
     """``(parameter name, (kind, expert id))`` for a checkpoint tensor of one expert, e.g.
     ``model.layers.3.mlp.experts.17.gate_proj.weight`` ->
     ``("model.layers.3.mlp.experts.w13_weight", ("w1", 17))``; None for any other name.

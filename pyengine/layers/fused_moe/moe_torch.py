@@ -16,14 +16,12 @@ It syncs with the host (which experts were hit), so it is not for CUDA graphs.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
 
 def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor] = None,
+                        topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
                         cast_weights: bool = True) -> torch.Tensor:
     """hidden: [T, H]; w13: [E_local, 2 * I, H] (gate rows then up rows); w2: [E_local, H, I];
     topk_weights: float [T, k]; topk_ids: int [T, k], global expert ids; expert_map: int32

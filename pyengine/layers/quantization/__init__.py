@@ -16,7 +16,6 @@ were unquantized.
 from __future__ import annotations
 
 import importlib
-from typing import Optional
 
 from pyengine.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
 
@@ -40,7 +39,7 @@ def get_quantization_config_cls(name: str) -> type[QuantizationConfig]:
     return getattr(importlib.import_module(f"pyengine.layers.quantization.{module}"), cls)
 
 
-def checkpoint_quantization_config(hf_config) -> Optional[dict]:
+def checkpoint_quantization_config(hf_config) -> dict | None:
     """The checkpoint's ``quantization_config`` (config.json) as a dict, or None."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
@@ -50,7 +49,7 @@ def checkpoint_quantization_config(hf_config) -> Optional[dict]:
     return dict(qc)
 
 
-def get_quantization_config(hf_config, quantization: Optional[str] = None) -> Optional[QuantizationConfig]:
+def get_quantization_config(hf_config, quantization: str | None = None) -> QuantizationConfig | None:
     """The quantization config a model loads with: the checkpoint's (``quantization_config``
     in config.json, its ``quant_method``), or, for an unquantized checkpoint,
     ``quantization`` applied at load (one of ``ONLINE_METHODS``). None: not quantized.

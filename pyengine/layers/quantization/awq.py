@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pyengine.layers.quantization.base_config import (LinearMethodBase, QuantizationConfig, is_layer_skipped,
-                                                      new_param)
+from pyengine.layers.quantization.base_config import LinearMethodBase, QuantizationConfig, is_layer_skipped, new_param
 from pyengine.layers.quantization.utils import apply_int, finalize_int, unpack_int32
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -27,7 +26,7 @@ class AWQConfig(QuantizationConfig):
         return "awq"
 
     @classmethod
-    def from_config(cls, config: dict) -> "AWQConfig":
+    def from_config(cls, config: dict) -> AWQConfig:
         bits = config.get("bits", config.get("w_bit"))
         if bits != 4:
             raise ValueError(f"AWQ bits={bits!r} is not supported (4)")

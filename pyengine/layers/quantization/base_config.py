@@ -17,7 +17,6 @@ The linear layers never know which method they run.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
 
 import torch
 from torch import nn
@@ -69,7 +68,7 @@ class LinearMethodBase(ABC):
         return None
 
     @abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, input_size_per_partition]`` -> ``[T, output_size_per_partition]`` in x.dtype."""
 
     def dummy_weights(self, layer: nn.Module, gen: torch.Generator) -> None:
@@ -89,13 +88,13 @@ class QuantizationConfig(ABC):
 
     @classmethod
     @abstractmethod
-    def from_config(cls, config: dict) -> "QuantizationConfig":
+    def from_config(cls, config: dict) -> QuantizationConfig:
         """Parse a checkpoint's ``quantization_config``. Raises ValueError naming what it
         cannot honour."""
 
     @abstractmethod
     def get_quant_method(self, layer: nn.Module, prefix: str,
-                         checkpoint_names: list[str]) -> Optional[LinearMethodBase]:
+                         checkpoint_names: list[str]) -> LinearMethodBase | None:
         """The method for the linear layer ``layer`` at module path ``prefix``;
         ``checkpoint_names`` are the checkpoint modules fused into it (q/k/v_proj of a
         qkv_proj). None: the layer is not quantized. Raises ValueError when the fused parts

@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
 
-from pyengine.layers.quantization.base_config import (LinearMethodBase, QuantizationConfig, is_layer_skipped,
-                                                      new_param)
-from pyengine.layers.quantization.utils import (FP8_DTYPE, apply_fp8, apply_int, finalize_fp8, finalize_int,
-                                                unpack_int32)
+from pyengine.layers.quantization.base_config import LinearMethodBase, QuantizationConfig, is_layer_skipped, new_param
+from pyengine.layers.quantization.utils import FP8_DTYPE, apply_fp8, apply_int, finalize_fp8, finalize_int, unpack_int32
 
 _SUPPORTED = ("float-quantized FP8 weights (tensor/channel/block) with dynamic per-token, dynamic per-group, "
               "static per-tensor or no activation quantization; pack-quantized INT4/INT8 weight-only")
@@ -55,11 +52,11 @@ class Scheme:
     kind: str
     bits: int
     strategy: str  # weights: tensor | channel | group | block
-    group_size: Optional[int] = None
-    block: Optional[tuple[int, int]] = None
+    group_size: int | None = None
+    block: tuple[int, int] | None = None
     symmetric: bool = True
-    actorder: Optional[str] = None
-    act: Optional[str] = None  # fp8 activations: token | group | tensor | None
+    actorder: str | None = None
+    act: str | None = None  # fp8 activations: token | group | tensor | None
 
     def matches(self, name: str) -> bool:
         # Every layer a model quantizes is a Linear: "Linear" matches them all.
@@ -70,7 +67,7 @@ def _refuse(what: str) -> ValueError:
     return ValueError(f"{what} is not supported (supported: {_SUPPORTED})")
 
 
-def _parse_activations(args: Optional[dict], weights: Scheme) -> Optional[str]:
+def _parse_activations(args: dict | None, weights: Scheme) -> str | None:
     if not args:
         return None
     if weights.kind != "fp8":
@@ -89,7 +86,7 @@ def _parse_activations(args: Optional[dict], weights: Scheme) -> Optional[str]:
                   f"{args.get('group_size')!r}")
 
 
-def _parse_scheme(name: str, group: dict, default_format: Optional[str]) -> Scheme:
+def _parse_scheme(name: str, group: dict, default_format: str | None) -> Scheme:
     fmt = group.get("format") or default_format
     w = group.get("weights")
     if not w:
@@ -138,7 +135,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     """``schemes``: the config groups; ``ignore``: names/regexes left unquantized;
     ``kv_cache_scheme``: the checkpoint's FP8 KV cache scheme (dict) or None."""
 
-    def __init__(self, schemes: list[Scheme], ignore: list[str], kv_cache_scheme: Optional[dict] = None):
+    def __init__(self, schemes: list[Scheme], ignore: list[str], kv_cache_scheme: dict | None = None):
         self.schemes, self.ignore, self.kv_cache_scheme = schemes, ignore, kv_cache_scheme
 
     @classmethod
@@ -146,7 +143,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         return "compressed-tensors"
 
     @classmethod
-    def from_config(cls, config: dict) -> "CompressedTensorsConfig":
+    def from_config(cls, config: dict) -> CompressedTensorsConfig:
         for key in ("sparsity_config", "transform_config", "moe_sparsity_config"):
             if config.get(key):
                 raise _refuse(f"{key}")
@@ -163,7 +160,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     def kv_cache_scales(self) -> bool:
         return self.kv_cache_scheme is not None
 
-    def _scheme_for(self, name: str) -> Optional[Scheme]:
+    def _scheme_for(self, name: str) -> Scheme | None:
         if any(match_name(name, t) for t in self.ignore):
             return None
         for s in self.schemes:

@@ -15,12 +15,9 @@ vllm/model_executor/layers/quantization/fp8.py).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from pyengine.layers.quantization.base_config import (LinearMethodBase, QuantizationConfig, is_layer_skipped,
-                                                      new_param)
+from pyengine.layers.quantization.base_config import LinearMethodBase, QuantizationConfig, is_layer_skipped, new_param
 from pyengine.layers.quantization.utils import FP8_DTYPE, apply_fp8, finalize_fp8, fp8_quantize
 
 
@@ -29,8 +26,8 @@ class Fp8Config(QuantizationConfig):
     ``activation_scheme``: "dynamic" | "static"; ``block``: (bn, bk) or None; ``ignored``:
     module names (substrings, as transformers matches them) left unquantized."""
 
-    def __init__(self, serialized: bool, activation_scheme: str = "dynamic", block: Optional[tuple[int, int]] = None,
-                 ignored: Optional[list[str]] = None):
+    def __init__(self, serialized: bool, activation_scheme: str = "dynamic", block: tuple[int, int] | None = None,
+                 ignored: list[str] | None = None):
         self.serialized, self.activation_scheme, self.block = serialized, activation_scheme, block
         self.ignored = list(ignored or [])
 
@@ -39,12 +36,12 @@ class Fp8Config(QuantizationConfig):
         return "fp8"
 
     @classmethod
-    def for_online(cls) -> "Fp8Config":
+    def for_online(cls) -> Fp8Config:
         """Quantize an unquantized checkpoint at load (``quantization="fp8"``)."""
         return cls(serialized=False)
 
     @classmethod
-    def from_config(cls, config: dict) -> "Fp8Config":
+    def from_config(cls, config: dict) -> Fp8Config:
         scheme = config.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise ValueError(f"activation_scheme {scheme!r} is not supported (dynamic or static)")

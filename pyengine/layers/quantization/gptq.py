@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pyengine.layers.quantization.base_config import (LinearMethodBase, QuantizationConfig, is_layer_skipped,
-                                                      new_param)
+from pyengine.layers.quantization.base_config import LinearMethodBase, QuantizationConfig, is_layer_skipped, new_param
 from pyengine.layers.quantization.utils import apply_int, finalize_int, unpack_int32
 
 
@@ -29,7 +28,7 @@ class GPTQConfig(QuantizationConfig):
         return "gptq"
 
     @classmethod
-    def from_config(cls, config: dict) -> "GPTQConfig":
+    def from_config(cls, config: dict) -> GPTQConfig:
         bits = config.get("bits")
         if bits not in (4, 8):
             raise ValueError(f"GPTQ bits={bits!r} is not supported (4 or 8)")

@@ -17,8 +17,6 @@ W8A8 schemes) is reproduced on CPU as compressed-tensors runs it (``fake_quant_f
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -27,7 +25,7 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
 
 # ---- int packing --------------------------------------------------------------------------
-def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Optional[list[int]] = None) -> torch.Tensor:
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: list[int] | None = None) -> torch.Tensor:
     """int32 words -> their ``32 // bits`` unsigned values each, along ``dim`` (value j of a
     word in bits [j*bits, (j+1)*bits)). ``order``: AWQ's interleave (value j of a word is
     logical position ``order[j]`` in its run of 32 // bits). Returns int32 with that dim
@@ -44,7 +42,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Optional[list
     return vals.flatten(-2).movedim(-1, dim).contiguous()
 
 
-def pack_int32(values: torch.Tensor, bits: int, dim: int, order: Optional[list[int]] = None) -> torch.Tensor:
+def pack_int32(values: torch.Tensor, bits: int, dim: int, order: list[int] | None = None) -> torch.Tensor:
     """The inverse of ``unpack_int32``: unsigned values (< 2**bits) packed into int32 along
     ``dim`` (its length a multiple of 32 // bits)."""
     per = 32 // bits
@@ -72,8 +70,8 @@ def fp8_quantize(w: torch.Tensor, per_row: bool = True) -> tuple[torch.Tensor, t
     return q, scale
 
 
-def fake_quant_fp8(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None,
-                   group_size: Optional[int] = None) -> torch.Tensor:
+def fake_quant_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None,
+                   group_size: int | None = None) -> torch.Tensor:
     """Quantize ``x`` [T, K] to e4m3 and back in x.dtype, as compressed-tensors' forward does:
     dynamic per token (``static_scale`` None: ``scale = amax / 448`` in x.dtype, 0 replaced
     by the dtype's eps), per ``group_size`` columns of a token, or with a static scale;
@@ -93,7 +91,7 @@ def fake_quant_fp8(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None,
     return (q * scale).reshape(shape)
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]] = None) -> torch.Tensor:
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
     """FP8 weight [N, K] times its float32 scales ([N], [1] or blocks [ceil(N/bn), ceil(K/bk)])
     -> float32 [N, K]."""
     w = weight.to(torch.float32)
@@ -105,7 +103,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: Optional[tu
     return w * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
 
 
-def replace_parameters(layer: nn.Module, **tensors: Optional[torch.Tensor]) -> None:
+def replace_parameters(layer: nn.Module, **tensors: torch.Tensor | None) -> None:
     """Drop every parameter of ``layer`` but its bias, then register ``tensors`` (frozen
     parameters; None values skipped)."""
     for name, _ in list(layer.named_parameters(recurse=False)):
@@ -129,13 +127,13 @@ class Fp8Linear:
     token), ``"tensor"`` (static, ``layer.input_scale``) or None (weight-only on CPU);
     ``emulate``: reproduce the activation quantization on the dequantized path (CPU)."""
 
-    def __init__(self, block: Optional[tuple[int, int]], act: Optional[str], emulate: bool, dense: bool):
+    def __init__(self, block: tuple[int, int] | None, act: str | None, emulate: bool, dense: bool):
         self.block, self.act, self.emulate, self.dense = block, act, emulate, dense
 
 
 def finalize_fp8(layer: nn.Module, weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype,
-                 block: Optional[tuple[int, int]] = None, act: Optional[str] = "token",
-                 input_scale: Optional[torch.Tensor] = None, emulate_act: bool = False) -> None:
+                 block: tuple[int, int] | None = None, act: str | None = "token",
+                 input_scale: torch.Tensor | None = None, emulate_act: bool = False) -> None:
     """Give ``layer`` its FP8 form (see the module docstring). weight: FP8 [N, K]; weight_scale:
     float [N] / [1] (per tensor: expanded to [N]) or blocks; input_scale: static scale or
     None. Off the kernel path the weight is dequantized to ``dtype``."""
@@ -153,7 +151,7 @@ def finalize_fp8(layer: nn.Module, weight: torch.Tensor, weight_scale: torch.Ten
     layer.fp8 = Fp8Linear(block, act, emulate_act, dense=False)
 
 
-def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [T, K] -> [T, N]`` through a layer ``finalize_fp8`` prepared."""
     f: Fp8Linear = layer.fp8
     if f.dense:
@@ -183,7 +181,7 @@ def dequantize_int(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
 
 
 def finalize_int(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                 group_size: int, dtype: torch.dtype, g_idx: Optional[torch.Tensor] = None) -> None:
+                 group_size: int, dtype: torch.dtype, g_idx: torch.Tensor | None = None) -> None:
     """Give ``layer`` its packed-integer form (see the module docstring). q: int [K, N]
     unsigned values (< 2**bits); scales, zeros: [G, N] (zeros in quantized units); g_idx
     [K]: each input row's group (None: row // group_size). ``group_size`` = K: one group
@@ -213,7 +211,7 @@ def finalize_int(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros:
     layer.int_linear = IntLinear(bits, group_size, dense=False)
 
 
-def apply_int(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def apply_int(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [T, K] -> [T, N]`` through a layer ``finalize_int`` prepared."""
     f: IntLinear = layer.int_linear
     if f.dense:

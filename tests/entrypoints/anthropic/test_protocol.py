@@ -12,10 +12,21 @@ from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from anthropic.types.shared import ErrorResponse
 from pydantic import TypeAdapter, ValidationError
 
-from pyengine.entrypoints.anthropic.messages_utils import (MessagesStreamState, anthropic_param, chat_to_message,
-                                                          messages_to_chat_request, sse, stop_reason_of)
-from pyengine.entrypoints.anthropic.protocol import (CountTokensRequest, MessagesRequest, check_messages_request,
-                                                    count_tokens_response, error_body)
+from pyengine.entrypoints.anthropic.messages_utils import (
+    MessagesStreamState,
+    anthropic_param,
+    chat_to_message,
+    messages_to_chat_request,
+    sse,
+    stop_reason_of,
+)
+from pyengine.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    check_messages_request,
+    count_tokens_response,
+    error_body,
+)
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.structured_outputs import structured_outputs_from_request
 from pyengine.entrypoints.tool_calls import normalize_tools, resolve_tool_choice
@@ -319,6 +330,6 @@ def test_stream_events(case):
 def test_stream_error_event_is_raised_by_the_sdk():
     events = MessagesStreamState(_req(), "m", 5).start() + [MessagesStreamState.error_event("engine died")]
     rec = Recorder(lambda body: sse_reply([sse(e) for e in events]))
-    with pytest.raises(anthropic.APIStatusError, match="engine died"):
-        with client_for(rec).messages.stream(model="m", max_tokens=9, messages=[{"role": "user", "content": "x"}]) as s:
-            s.get_final_message()
+    with pytest.raises(anthropic.APIStatusError, match="engine died"), \
+            client_for(rec).messages.stream(model="m", max_tokens=9, messages=[{"role": "user", "content": "x"}]) as s:
+        s.get_final_message()

@@ -8,15 +8,19 @@ import json
 
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
 from openai.lib.streaming.responses import ResponseStreamState as SDKStreamState
+from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
-from pyengine.entrypoints.openai.protocol_responses import (ResponsesRequest, check_responses_request,
-                                                           unsupported_fields)
-from pyengine.entrypoints.openai.responses_utils import (ResponsesStreamState, chat_to_response, responses_param,
-                                                        responses_to_chat_request, sse)
+from pyengine.entrypoints.openai.protocol_responses import ResponsesRequest, check_responses_request, unsupported_fields
+from pyengine.entrypoints.openai.responses_utils import (
+    ResponsesStreamState,
+    chat_to_response,
+    responses_param,
+    responses_to_chat_request,
+    sse,
+)
 from pyengine.entrypoints.request_fields import unknown_fields
 from pyengine.entrypoints.structured_outputs import structured_outputs_from_request
 from pyengine.entrypoints.tool_calls import normalize_tools, resolve_tool_choice

@@ -8,10 +8,9 @@ GPU: ``pytest -m gpu tests/layers/fused_moe`` (bf16, the Qwen3-30B-A3B expert sh
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-
-import importlib.util
 import sys
 
 import pytest
