@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from pyengine.messages import FinishReason
 from pyengine.sampling_params import SamplingParams
@@ -70,7 +71,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Grammar state of a constrained request (pyengine.structured_output); set by the
         # scheduler's StructuredOutputManager, None for unconstrained requests.
-        self.structured_output_request = None
+        self.structured_output_request: Any = None  # a StructuredOutputRequest (a floor above) or None
 
     @property
     def use_structured_output(self) -> bool:

@@ -2,6 +2,7 @@
 (mirrors vllm/v1/core/kv_cache_manager.py, single KV-cache group)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pyengine.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
@@ -65,7 +66,7 @@ class KVCacheManager:
         return len(self.req_to_block_ids.get(request_id, ()))
 
     def num_blocks_to_take(self, request: Request, num_new_tokens: int,
-                           new_computed_blocks: list[KVCacheBlock] = (), num_lookahead_tokens: int = 0) -> int:
+                           new_computed_blocks: Sequence[KVCacheBlock] = (), num_lookahead_tokens: int = 0) -> int:
         """How many blocks ``allocate_slots`` with these arguments would take out of the
         free pool: new blocks, plus prefix-hit blocks that sit in the free queue (they
         stop being free once touched)."""
@@ -75,7 +76,7 @@ class KVCacheManager:
         return max(need, 0) + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] = (), num_lookahead_tokens: int = 0) -> bool:
+                       new_computed_blocks: Sequence[KVCacheBlock] = (), num_lookahead_tokens: int = 0) -> bool:
         """Reserve blocks so that num_computed + len(new_computed)*bs + num_new_tokens
         (+ ``num_lookahead_tokens``: slots a speculative proposer writes its own KV into
         past the step's tokens, vLLM's lookahead) tokens fit. Only full blocks of known

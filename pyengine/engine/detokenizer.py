@@ -266,13 +266,14 @@ class IncrementalDetokenizer:
         the text of the context tokens alone). Text is held back while the window ends in
         an incomplete character (U+FFFD) or a byte-fallback run, and for a rewriting
         decoder its last ``_REWRITE_HOLD`` characters are held until more tokens came."""
-        ids = self._ids
+        ids, decode = self._ids, self._decode
+        assert decode is not None  # window decoding runs only with a tokenizer
         if self._prefix_text is None:
-            self._prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+            self._prefix_text = decode(ids[self._prefix_offset:self._read_offset])
         traits = self._traits
         if ids[-1] in traits.byte_fallback_ids:
             return ""  # the run's bytes decode together once it ends
-        full = self._decode(ids[self._prefix_offset:])
+        full = decode(ids[self._prefix_offset:])
         done = self._prefix_text
         if len(full) <= len(done) or full.endswith(_REPLACEMENT_CHAR):
             # Nothing new, or a character still incomplete: wait for more tokens.
@@ -300,10 +301,11 @@ class IncrementalDetokenizer:
     def _reanchor(self, full: str) -> None:
         """Start a rewriting decoder's window ``_REWRITE_WINDOW`` tokens back, where no
         rewrite of the held tail can reach (its text there is a suffix of ``full``)."""
-        ids = self._ids
+        ids, decode, done = self._ids, self._decode, self._prefix_text
+        assert decode is not None and done is not None  # called by _decode_next, which set both
         start = len(ids) - _REWRITE_WINDOW
-        tail = self._decode(ids[start:])
-        held = len(full) - len(self._prefix_text)
+        tail = decode(ids[start:])
+        held = len(full) - len(done)
         if not full.endswith(tail) or held > len(tail):
             return
         del ids[:start]
@@ -314,13 +316,14 @@ class IncrementalDetokenizer:
         """The text still held back at the end of the request (an incomplete character as
         U+FFFD, a byte-fallback run, a rewriting decoder's tail), as decoding the whole
         window gives it."""
-        ids = self._ids
+        ids, decode = self._ids, self._decode
         if self._prefix_offset >= len(ids):
             return ""
+        assert decode is not None  # tokens in the window: there is a tokenizer
         done = self._prefix_text
         if done is None:
-            done = self._decode(ids[self._prefix_offset:self._read_offset])
-        full = self._decode(ids[self._prefix_offset:])
+            done = decode(ids[self._prefix_offset:self._read_offset])
+        full = decode(ids[self._prefix_offset:])
         self._prefix_offset = self._read_offset = len(ids)
         self._prefix_text = None
         return full[len(done):] if len(full) > len(done) and full.startswith(done) else ""
@@ -379,12 +382,12 @@ class IncrementalDetokenizer:
 
         if not self.stop or len(self.output_token_ids) <= self.min_tokens:
             return None
-        match = check_stop_strings(self.output_text,
+        found = check_stop_strings(self.output_text,
                                    self._text_len - stop_check_offset,
                                    self.stop, self.include_stop_str_in_output)
-        if match is None:
+        if found is None:
             return None
-        stop_str, truncate_to = match
+        stop_str, truncate_to = found
         if truncate_to != -1:
             self.output_text = self.output_text[:truncate_to]
         return stop_str
@@ -527,8 +530,10 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         """One ``DecodeStream`` step (a token id or a list); "" while a character is
         incomplete (then the token-text cache waits for the stream to catch up); None when
         the stream failed and the request went over to window decoding."""
+        stream = self._stream
+        assert stream is not None  # called in stream mode only
         try:
-            text = self._stream.step(self._backend, ids) or ""
+            text = stream.step(self._backend, ids) or ""
         except Exception as e:  # tokenizers raises a bare Exception for a bad prefix
             logger.warning("DecodeStream failed (%s); this request decodes by token window", e)
             self._stream = None
@@ -600,7 +605,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     def _flush(self) -> str:
         if self._stream is None:
             return super()._flush()
-        if not self._unflushed:
+        if not self._unflushed or self._decode is None:
             return ""
         text = self._decode(self._unflushed)
         self._unflushed = []

@@ -43,7 +43,7 @@ class RequestOutputCollector:
         self._cond = threading.Condition(self._lock)
         self._blocked = 0  # readers waiting in get()
         self._output: RequestOutput | BaseException | None = None
-        self._aio_waiter = None  # (loop, asyncio.Event) of a waiting asyncio reader
+        self._aio_waiter: tuple[Any, Any] | None = None  # (loop, asyncio.Event) of a waiting asyncio reader
         self.finished = False  # the final output has been taken
 
     def put(self, output: RequestOutput | BaseException, wake_asyncio: bool = True):
@@ -92,14 +92,14 @@ class RequestOutputCollector:
                     raise TimeoutError(f"no output for request {self.request_id} within {timeout} s")
             finally:
                 self._blocked -= 1
-            return self._take()
+            return self._take()  # type: ignore[return-value] # waited for an output
 
     async def get_async(self) -> RequestOutput:
         import asyncio
         while True:
             with self._lock:
                 if self._output is not None:
-                    return self._take()
+                    return self._take()  # type: ignore[return-value] # there is an output
                 # a bare future (cheaper than an asyncio.Event), resolved by _set_events
                 fut = asyncio.get_running_loop().create_future()
                 waiter = self._aio_waiter = (fut.get_loop(), fut)
@@ -152,19 +152,19 @@ def _merge_delta(cur: RequestOutput, new: RequestOutput) -> None:
         return
     by_index = {c.index: c for c in cur.outputs}
     for c in new.outputs:
-        old = by_index.get(c.index)
-        if old is None:
+        prev = by_index.get(c.index)
+        if prev is None:
             cur.outputs.append(c)
             by_index[c.index] = c
             continue
-        old.text += c.text
-        old.token_ids = old.token_ids + c.token_ids
+        prev.text += c.text
+        prev.token_ids = prev.token_ids + c.token_ids
         if c.logprobs is not None:
-            old.logprobs = (old.logprobs or []) + c.logprobs
-        old.cumulative_logprob = c.cumulative_logprob
-        old.finish_reason = c.finish_reason
-        old.stop_reason = c.stop_reason
-        old.error = c.error
+            prev.logprobs = (prev.logprobs or []) + c.logprobs
+        prev.cumulative_logprob = c.cumulative_logprob
+        prev.finish_reason = c.finish_reason
+        prev.stop_reason = c.stop_reason
+        prev.error = c.error
     cur.outputs.sort(key=lambda c: c.index)
     cur.finished = new.finished
     cur.metrics = new.metrics
@@ -370,7 +370,7 @@ class OutputProcessor:
                     ids = eco.new_token_ids
                     m = parent.metrics
                     if len(ids) == 1 and m.first_token_time is not None:
-                        text = child.detok.step_delta(ids[0])
+                        text = child.detok.step_delta(ids[0])  # type: ignore[attr-defined] # fast: a FastIncrementalDetokenizer
                         if text is not None:
                             m.last_token_time = timestamp
                             child.sent_tokens += 1
@@ -427,8 +427,8 @@ class OutputProcessor:
         if eco.new_logprobs and child.want_logprobs:
             # (a stop string inside several new tokens drops those after it, logprobs too)
             for entry in eco.new_logprobs[:child.detok.num_output_tokens - num_before]:
-                child.logprobs.append(self._logprob_dict(entry))
-                child.cumulative_logprob += entry.logprobs[0]
+                child.logprobs.append(self._logprob_dict(entry))  # type: ignore[union-attr] # lists when want_logprobs
+                child.cumulative_logprob += entry.logprobs[0]  # type: ignore[operator]
         if stop_str is not None and eco.finish_reason != _ABORT:
             child.finish_reason, child.stop_reason = _STOP, stop_str
             if not eco.finished:
@@ -475,7 +475,7 @@ class OutputProcessor:
             elif c.finish_reason != _ERROR:
                 c.finish_reason, c.error = _ERROR, msg
         parent.metrics.finished_time = timestamp
-        return parent.make_output(parent.children)
+        return parent.make_output(parent.children)  # type: ignore[return-value] # finished: there is an output
 
     def _logprob_dict(self, entry) -> dict[int, Logprob]:
         d: dict[int, Logprob] = {}

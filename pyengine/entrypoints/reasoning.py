@@ -62,7 +62,7 @@ class ChoiceReasoning:
     def reasoning_tokens(self, token_ids: Sequence[int] | None = None) -> int:
         """Reasoning tokens (tags excluded) of ``token_ids``, else of the stream so far."""
         if token_ids is None:
-            return self.parser.num_reasoning_tokens
+            return self.parser.num_reasoning_tokens  # type: ignore[attr-defined] # the streaming parsers count as they go
         return self.parser.count_reasoning_tokens(list(token_ids))
 
 

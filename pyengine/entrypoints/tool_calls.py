@@ -240,7 +240,7 @@ class ToolCallExtractor:
         calls: list[dict] = []
         content: str | None = text
         if kind == "named":
-            calls, content = [make_tool_call(self.mode.name, text)], None
+            calls, content = [make_tool_call(self.mode.name, text)], None  # type: ignore[arg-type] # "named" has a name
         elif kind == "required":
             try:
                 calls = [make_tool_call(c["name"], c.get("parameters", {})) for c in json.loads(text)]
@@ -253,7 +253,7 @@ class ToolCallExtractor:
             if calls and not self.mode.parallel_tool_calls:
                 calls = calls[:1]
         self.tools_called = bool(calls)
-        msg = {"role": "assistant", "content": content}
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = calls
         return msg
@@ -277,7 +277,7 @@ class ToolCallExtractor:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta_text}}]})
             return out
         if kind == "required":
-            out = self._required.feed(delta_text)
+            out = self._required.feed(delta_text)  # type: ignore[union-attr] # set when kind is "required"
         elif kind == "auto" and self.parser is not None:
             out = self._limit(self.parser.stream(delta_text))
         else:

@@ -205,7 +205,8 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs:
             return _NO_ROOM
         kv = self.kv_cache_manager
-        hit_blocks, num_hit = [], 0
+        hit_blocks: list = []  # KVCacheBlocks
+        num_hit = 0
         if req.num_computed_tokens == 0:
             hit_blocks, num_hit = kv.get_computed_blocks(req)
         n = req.num_tokens - num_hit
@@ -379,14 +380,14 @@ class Scheduler:
                     if n == _NO_BUDGET:
                         break
                     if n == _NO_ROOM:
-                        victim = self._priority_victim(req, budget)
-                        if victim is None:
+                        rival = self._priority_victim(req, budget)
+                        if rival is None:
                             break
                         # A strictly more urgent request is waiting and the running set is full
                         # (seats or KV): make room by preempting the least urgent running one.
-                        budget += self._unschedule(victim, scheduled)
-                        self._preempt(victim)
-                        preempted.append(victim.request_id)
+                        budget += self._unschedule(rival, scheduled)
+                        self._preempt(rival)
+                        preempted.append(rival.request_id)
                         continue
                     self.waiting.pop()
                     scheduled.append(self._scheduled(req, n))
@@ -410,7 +411,7 @@ class Scheduler:
         self.step_host_time_s += time.perf_counter() - t0
         return out
 
-    def _scheduled(self, req: Request, n: int, spec: list[int] = ()) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, spec: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         sample = start + n >= req.num_tokens + req.num_output_placeholders
         placeholder = req.num_output_placeholders > 0 and start + n > req.num_tokens
@@ -529,7 +530,9 @@ class Scheduler:
     def _accept_structured(self, so: SchedulerOutput, tokens: list[int]) -> set:
         """Advance each constrained request's grammar by its token of this step; returns
         the ids whose grammar rejected it."""
-        reqs, grammars, toks = [], [], []
+        reqs: list[Request] = []
+        grammars: list = []
+        toks: list[int] = []
         row = 0
         for s in so.scheduled:
             if not s.sample:
@@ -557,7 +560,7 @@ class Scheduler:
         # stop_token_ids, plus EOS unless ignore_eos
         if req.num_output_tokens >= sp.min_tokens and tok in sp.all_stop_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = tok if tok in sp.stop_token_ids else None
+            req.stop_reason = tok if tok in sp.stop_token_ids else None  # type: ignore[operator] # a list after __post_init__
             return True
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED

@@ -301,6 +301,7 @@ class ResponsesStreamState:
         if not text:
             return []
         evs = self._open("reasoning") if self.open is None or self.open.kind != "reasoning" else []
+        assert self.open is not None  # _open set it
         self.open.text.append(text)
         return evs + [self._ev("response.reasoning_text.delta", item_id=self.open.id,
                                output_index=self.open.index, content_index=0, delta=text)]
@@ -316,6 +317,7 @@ class ResponsesStreamState:
             evs = self._open("message")
         else:
             evs = []
+        assert self.open is not None  # _open set it
         self.open.text.append(text)
         return evs + [self._ev("response.output_text.delta", item_id=self.open.id, output_index=self.open.index,
                                content_index=0, delta=text, logprobs=[])]
@@ -331,6 +333,7 @@ class ResponsesStreamState:
         it = self.calls.get(idx)
         if it is None:
             evs = self._open("function_call", delta.get("id") or random_id("call"), fn.get("name") or "")
+            assert self.open is not None  # _open set it
             it = self.calls[idx] = self.open
         elif self.open is not it:
             raise ValueError(f"tool call {idx} continued after another output item began")
@@ -359,6 +362,7 @@ class ResponsesStreamState:
         evs = self.start()
         if self.spaces and not self.calls:  # whitespace was the whole answer
             evs += self._open("message")
+            assert self.open is not None  # _open set it
             self.open.text.append(self.spaces)
             evs.append(self._ev("response.output_text.delta", item_id=self.open.id, output_index=self.open.index,
                                 content_index=0, delta=self.spaces, logprobs=[]))
