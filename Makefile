@@ -39,9 +39,10 @@ test: setup
 	TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_llm_triton_interpret.py tests/models/test_moe_triton_interpret.py tests/quantization/test_kernel_path.py
 
-# ruff with the repository's ruff.toml (tests/test_code_shape.py runs it too)
+# ruff with the repository's ruff.toml, mypy with its mypy.ini (tests/test_code_shape.py runs both too)
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -48,7 +48,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "openai>=1.0", "anthropic", "requests", "jsonschema", "hypothesis",
-                 "triton; platform_system=='Linux'", "ruff",
+                 "triton; platform_system=='Linux'", "ruff", "mypy",
                  # writes the llm-compressor-format checkpoints of tests/quantization (llmcompressor
                  # itself pins transformers <= 5.17, below ours) and lets transformers load them
                  "compressed-tensors>=0.20",

@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from capi.chat import ChatRequestError, parse_chat_request
 from pyengine import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -39,7 +40,9 @@ OK, INVALID, MODEL_LOAD, RUNTIME, UNKNOWN = 0, 1, 2, 3, 4
 
 _ENGINES: dict[int, _Bridge] = {}
 _NEXT_ID = itertools.count(1)
-ffi = lib = None  # set by install()
+# set by install(): the cffi module's ffi and lib (dynamic: Any to the type checker)
+ffi: Any = None
+lib: Any = None
 
 
 class _Refused(ValueError):
@@ -253,7 +256,7 @@ def _engine_args(p) -> EngineArgs:
     for name in _UNSUPPORTED_MODEL_STRINGS:
         if _cstr(getattr(p, name)):
             raise _Refused(f"vllm_model_params.{name} is set, but vengine does not support it")
-    kw = {"model": model}
+    kw: dict[str, Any] = {"model": model}
     spec = _cstr(p.speculative_config)
     if spec:  # vLLM's speculative_config JSON object; its keys are checked by EngineArgs
         try:

@@ -9,7 +9,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, Self, get_args
 
 import torch
 
@@ -227,7 +227,7 @@ class EngineArgs:
         return add_dataclass_args(parser, cls)
 
     @classmethod
-    def from_cli_args(cls, args, **overrides) -> EngineArgs:
+    def from_cli_args(cls, args, **overrides) -> Self:
         """The engine arguments in ``args`` (an ``argparse.Namespace`` made by a parser
         that ``add_cli_args`` filled); ``overrides`` win."""
         from pyengine.arg_utils import from_namespace
@@ -249,7 +249,7 @@ class EngineConfig:
     model: str
     tokenizer: str
     served_model_name: str
-    hf_config: object  # transformers.PretrainedConfig
+    hf_config: Any  # transformers.PretrainedConfig
     dtype: torch.dtype
     device: torch.device
     max_model_len: int

@@ -33,10 +33,10 @@ def _authorized(header: str, keys: list[str]) -> bool:
     """``Authorization: Bearer KEY``; the scheme is case-insensitive (RFC 9110), the key
     compared in constant time."""
     scheme, _, token = header.strip().partition(" ")
-    token = token.strip().encode()
+    given = token.strip().encode()
     ok = False
     for k in keys:
-        ok |= hmac.compare_digest(token, k.encode())
+        ok |= hmac.compare_digest(given, k.encode())
     return ok and scheme.lower() == "bearer"
 
 
@@ -52,7 +52,7 @@ def create_app(engine, args=None) -> Flask:
     st = ServerState(engine, cfg)
     app = Flask("vengine.server", static_folder=None)  # the page's blueprint serves /static
     limit_request_body(app, cfg.max_request_body_bytes)  # Content-Length and chunked bodies alike
-    app.json.sort_keys = False
+    app.json.sort_keys = False  # type: ignore[attr-defined] # Flask's DefaultJSONProvider
     app.extensions["vengine"] = st
     app.register_blueprint(create_page_blueprint())
     apply_http_options(app, args)  # CORS, --root-path

@@ -48,7 +48,7 @@ def stats_snapshot(registry) -> dict:
     every key of ``STATS_FROM_METRICS`` (0 where the metric is absent, e.g. a dead engine's
     gauges), ints except ``kv_cache_usage`` (a fraction in [0, 1]), plus ``timestamp``
     (server wall clock, seconds since the epoch, taken with the samples)."""
-    out = dict.fromkeys(STATS_FROM_METRICS.values(), 0)
+    out: dict[str, float] = dict.fromkeys(STATS_FROM_METRICS.values(), 0)
     for family in registry.collect():
         for sample in family.samples:
             key = STATS_FROM_METRICS.get(sample.name)

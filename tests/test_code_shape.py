@@ -1,5 +1,6 @@
 """The code's shape (issue 13): no function in the front ends (``server/``, ``capi/``) over
-60 lines, and ``ruff check`` clean with the repository's ``ruff.toml``. And the test
+60 lines, ``ruff check`` clean with the repository's ``ruff.toml`` and mypy with its
+``mypy.ini`` (issue 24). And the test
 suite's (issue 23): its skips say why, and no declared test dependency is skipped on."""
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def test_ruff_clean():
     assert (ROOT / "ruff.toml").is_file()
     proc = subprocess.run([*_ruff(), "check", "--output-format", "concise", str(ROOT)], cwd=ROOT,
                           capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_mypy_clean(tmp_path):
+    """mypy with the repository's ``mypy.ini`` (the engine's upper floors and the front
+    ends) finds nothing; a cold cache, as a fresh checkout has (about 30 s)."""
+    assert (ROOT / "mypy.ini").is_file()
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "mypy.ini"),
+                           "--cache-dir", str(tmp_path / "mypy_cache")], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

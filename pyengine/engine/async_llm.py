@@ -78,7 +78,7 @@ class AsyncLLM:
         # Join the engine threads before interpreter teardown (a daemon thread killed inside
         # a torch call aborts the process); weak, so the engine can still be collected.
         ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().shutdown())
+        atexit.register(lambda: (llm := ref()) is not None and llm.shutdown())  # type: ignore[func-returns-value]
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool | None = None,

@@ -26,7 +26,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_executor = Executor.get_class(config)(config)
+        self.model_executor = Executor.get_class(config)(config)  # type: ignore[call-arg] # the concrete executors take it
         self.model_runner = self.model_executor.driver_runner  # rank 0's, in this process
         try:
             num_blocks = self.model_executor.initialize_kv_cache()

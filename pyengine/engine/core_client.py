@@ -88,6 +88,7 @@ def make_client(config: EngineConfig, multiprocess: bool | None = None, wait: bo
     raised while starting (``ValueError`` for a bad model or configuration)."""
     if multiprocess is None:
         multiprocess = multiprocessing_enabled()
+    client: EngineCoreClient
     if config.data_parallel_size > 1:
         client = DPClient.start(config, multiprocess)
     else:
@@ -339,11 +340,13 @@ class MPClient(EngineCoreClient):
         if conn is not None:
             self._conn, self.proc = conn, None
             return
+        assert config is not None  # the engine to start (only an attached client has none)
         ctx, self._start_note = _mp_context(config, prefer_fork)
         self.start_method = ctx.get_start_method()
         self._conn, child_conn = ctx.Pipe(duplex=True)
         level = logging.getLogger("pyengine").getEffectiveLevel()
-        target, args = target or run_engine_core, (config, child_conn, level)
+        target = target or run_engine_core
+        args: tuple = (config, child_conn, level)
         devices = data_parallel_devices(config, config.data_parallel_rank)
         if devices is not None:  # this rank's GPUs only, set in the child before CUDA starts
             target, args = run_engine_core_on_devices, (devices, *args)
@@ -371,8 +374,8 @@ class MPClient(EngineCoreClient):
             unguarded = self.proc is not None and self.proc.exitcode == UNGUARDED_MAIN_EXIT_CODE
             self.close()
             if unguarded:
-                raise RuntimeError(unguarded_main_message("The engine core process", self.start_method,
-                                                          self._start_note))
+                raise RuntimeError(unguarded_main_message("The engine core process", self.start_method,  # type: ignore[arg-type]
+                                                          self._start_note))  # (it started the process)
             msg = first.message if isinstance(first, EngineDeadMessage) else f"unexpected first message {first!r}"
             error = exception_from(first.error) if isinstance(first, EngineDeadMessage) and first.error else None
             if isinstance(error, ValueError):  # a bad model or configuration, raised as it was raised
@@ -444,14 +447,17 @@ class MPClient(EngineCoreClient):
         return self._dead is None and (self.proc is None or self.proc.is_alive())
 
     def _stop_process(self, timeout: float) -> None:
-        self.proc.join(timeout)
-        if self.proc.is_alive():
+        proc = self.proc
+        if proc is None:  # attached: the engine's owner stops it
+            return
+        proc.join(timeout)
+        if proc.is_alive():
             logger.warning("The engine core process did not stop in %.0f s; terminating it.", timeout)
-            self.proc.terminate()
-            self.proc.join(5.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+            proc.terminate()
+            proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Ask the engine process to stop, join it (terminate / kill past ``timeout``)."""
@@ -538,7 +544,7 @@ class DPClient(EngineCoreClient):
             for r in range(config.data_parallel_size):
                 cfg = config.replace(data_parallel_rank=r)
                 if multiprocess:  # a forked rank must not hold the earlier ranks' pipe ends open
-                    ends = tuple(e for c in clients for e in c.parent_ends())
+                    ends = tuple(e for c in clients if isinstance(c, MPClient) for e in c.parent_ends())
                     clients.append(MPClient(cfg, prefer_fork=config.device.type != "cuda", close_in_child=ends))
                 else:
                     clients.append(InprocClient(cfg))

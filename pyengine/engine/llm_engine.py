@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from typing import Any
 
 from pyengine.config import EngineConfig
 from pyengine.engine.core import EngineCore
@@ -52,6 +53,8 @@ class LLMEngine:
         # The engine core first: its tensor-parallel workers start before the tokenizer's
         # thread pool does, so they can still be forked (pyengine.utils.choose_start_method).
         self.data_parallel = config.data_parallel_size > 1
+        # an EngineCore in this process, or (data parallel) a DPClient over the ranks' processes
+        self.engine_core: Any
         if self.data_parallel:
             from pyengine.engine.core_client import make_client
             self.engine_core = make_client(config, multiprocess=True, wait=False)
@@ -66,7 +69,7 @@ class LLMEngine:
             raise
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._step = None if self.data_parallel else self.engine_core.step_fn()  # (no bound method: no cycle)
+        self._step: Any = None if self.data_parallel else self.engine_core.step_fn()  # (no bound method: no cycle)
         if self.data_parallel:
             self._stats_per_engine = [r.stats for r in self.engine_core.ready_all]
         # Holds the core, not this object: runs when this object is collected.

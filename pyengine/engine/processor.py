@@ -456,11 +456,12 @@ class Processor:
         ids, structured outputs, ``max_tokens``)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string.")
-        stop_ids = set(params.stop_token_ids)
+        stop_ids = set(params.stop_token_ids)  # type: ignore[arg-type] # a list after __post_init__
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        changes = {"all_stop_token_ids": stop_ids, "bad_words_token_ids": self.bad_words_token_ids(params.bad_words),
-                   "allowed_token_ids": self.check_allowed_token_ids(params)}
+        changes: dict[str, Any] = {"all_stop_token_ids": stop_ids,
+                                   "bad_words_token_ids": self.bad_words_token_ids(params.bad_words),
+                                   "allowed_token_ids": self.check_allowed_token_ids(params)}
         if params.structured_outputs is not None:
             changes["structured_outputs"] = self.validate_structured_outputs(params.structured_outputs)
         params = params.clone(**changes)

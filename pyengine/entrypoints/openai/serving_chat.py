@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pyengine.chat_utils import apply_hf_chat_template
 from pyengine.engine.processor import ProcessedRequest
@@ -73,7 +74,7 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
     objects; ``tool_call_id`` and ``name`` kept)."""
     msgs = []
     for m in req.messages:
-        d = {"role": m.role, "content": m.text()}
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
@@ -235,7 +236,7 @@ class ChatResponseBuilder(ResponseBuilder):
     def _split_deltas(self, idx: int, text: str, token_ids, finish: str | None) -> list[dict]:
         """A choice's delta split by its reasoning parser: the reasoning delta, then the
         content's deltas from the extractor."""
-        split, ext = self.splits[idx], self.extractors[idx]
+        split, ext = self.splits[idx], self.extractors[idx]  # type: ignore[index] # called with a reasoning parser
         out: list[dict] = []
         pieces = [split.stream(text, token_ids)] + ([split.finish()] if finish is not None else [])
         for r, c in pieces:
@@ -249,7 +250,7 @@ class ChatResponseBuilder(ResponseBuilder):
         chunks = [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None}]) for i in range(num_choices)]
         if self.return_token_ids and chunks:  # vLLM: the prompt's ids with the first chunk
-            chunks[0]["prompt_token_ids"] = self.prompt_token_ids[0]
+            chunks[0]["prompt_token_ids"] = self.prompt_token_ids[0]  # type: ignore[index] # set with return_token_ids
         if self.echo:
             chunks += [self.chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None,
                                     "finish_reason": None}]) for i in range(num_choices)]
@@ -312,7 +313,7 @@ class ChatResponseBuilder(ResponseBuilder):
         if self.splits is not None and self._whole_reasoning_tokens is not None:
             out["usage"]["completion_tokens_details"] = {"reasoning_tokens": self._whole_reasoning_tokens}
         if self.return_token_ids:  # vLLM: the prompt's ids at the top of a chat response
-            out["prompt_token_ids"] = self.prompt_token_ids[0]
+            out["prompt_token_ids"] = self.prompt_token_ids[0]  # type: ignore[index] # set with return_token_ids
         return out
 
 

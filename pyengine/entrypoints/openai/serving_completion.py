@@ -76,7 +76,8 @@ def completion_prompts(processor, req: CompletionRequest, run: Callable = lambda
         processor.check_prompt(item, "prompt", truncated)
     texts = [item for item in items if isinstance(item, str)]
     encoded = iter(run(lambda: [processor.check_encoded(processor.encode(t, special)) for t in texts]) if texts else [])
-    prompts = [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items]
+    prompts: list[tuple[str | None, list[int]]] = [
+        (item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items]
     if params is not None:  # truncation, then the length rule where check_prompt did not apply it
         prompts = [processor.finish_prompt(text, ids, params, length_checked=text is None and not truncated)
                    for text, ids in prompts]
@@ -140,7 +141,7 @@ class CompletionResponseBuilder(ResponseBuilder):
             c["stop_reason"] = ch.stop_reason
         if self.return_token_ids:  # vLLM: the prompt's ids in the choice's first chunk
             if not ch.started:
-                c["prompt_token_ids"] = self.prompt_token_ids[idx // self.n]
+                c["prompt_token_ids"] = self.prompt_token_ids[idx // self.n]  # type: ignore[index] # set with return_token_ids
             c["token_ids"] = list(token_ids)
         ch.started = True
         return [self.chunk([c])]
@@ -156,7 +157,7 @@ class CompletionResponseBuilder(ResponseBuilder):
         c = {"index": idx, "text": "".join(ch.text), "logprobs": lp, "finish_reason": ch.finish_reason,
              "stop_reason": ch.stop_reason}
         if self.return_token_ids:
-            c["prompt_token_ids"] = self.prompt_token_ids[idx // self.n]
+            c["prompt_token_ids"] = self.prompt_token_ids[idx // self.n]  # type: ignore[index] # set with return_token_ids
             c["token_ids"] = list(token_ids)
         return c
 

@@ -49,7 +49,7 @@ def validation_error(e: ValidationError) -> VLLMValidationError:
     """A request schema's ``pydantic.ValidationError`` as one message naming the field
     (the first error's location), as every front end reports it."""
     errs = e.errors(include_url=False)
-    first = errs[0] if errs else {}
+    first: Any = errs[0] if errs else {}
     loc = ".".join(str(x) for x in first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return VLLMValidationError(f"Invalid JSON body: {first.get('msg')}")
@@ -156,7 +156,7 @@ class ChoiceState:
         self.text: list[str] = []
         self.num_tokens = 0
         self.finish_reason: str | None = None
-        self.stop_reason = None
+        self.stop_reason: int | str | None = None
         self.offset = offset
         self.started = False  # a chunk of this choice was sent (return_token_ids: the prompt's ids go first)
 
