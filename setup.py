@@ -23,7 +23,7 @@ setup(
     name="vengine",
     version="0.1.0",
     description="A vLLM-v1-style LLM inference engine: Python API, OpenAI server, C ABI",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["pyengine", "pyengine.*", "server", "server.*", "capi", "capi.*"])
     + ["pyengine.default_model", "server.static"],  # data folders: listed so setuptools ships them quietly
     package_data={"pyengine.default_model": ["*"], "capi": ["*.c", "*.h"], "server.static": ["*"],
