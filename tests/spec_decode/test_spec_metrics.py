@@ -48,8 +48,8 @@ def test_prometheus_counters():
     from server.metrics import _EngineStatsCollector  # noqa: PLC2701 - the collector under test
 
     class Engine:
-        def get_stats(self):
-            return _stats(10, 30, 15, [8, 5, 2])
+        def get_stats_per_engine(self):
+            return [_stats(10, 30, 15, [8, 5, 2])]
 
     reg = CollectorRegistry()
     reg.register(_EngineStatsCollector(Engine(), "m"))
