@@ -273,8 +273,8 @@ def test_4mb_prompt_refused_at_once_without_stalling_other_streams(slow_server):
     for _ in range(4):
         refuse_all()  # 12 requests, 36 MiB of prompt text
     # A copy of each body kept would be 36 MiB; what is seen is a few 4 MiB buffers that
-    # the allocator or the last requests still hold (0 to 8 MiB, in steps of one body)
-    assert _rss_mb() - before < 12, (before, _rss_mb())
+    # the allocator or the last requests still hold (0 to 16 MiB, in steps of one body)
+    assert _rss_mb() - before < 24, (before, _rss_mb())
 
 
 @pytest.mark.timeout(300)
