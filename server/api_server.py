@@ -5,7 +5,9 @@ One front-end process carries the HTTP handling, the SSE encoding and the output
 processing (detokenization) of every stream on one GIL; past some load that process, not
 the engine, is the limit (docs/benchmarks.md). With N API servers:
 
-- this process binds the listening socket, starts the engine-core process with one pipe
+- this process binds the listening socket (and answers 503 on it, ``server.loading``,
+  until the first API server has its engine; the API servers accept only after that, so
+  the port goes from 503 to 200 once), starts the engine-core process with one pipe
   per API server (``pyengine.engine.core_client.start_engine_core_process``), then starts
   the N API servers (``spawn``); each gets the listening socket and one pipe, serves
   through ``AsyncLLM(config, client=MPClient.attach(conn))`` and accepts connections on
@@ -40,20 +42,12 @@ import time
 from multiprocessing.connection import wait as mp_wait
 
 from .cli_args import engine_args_from
-from .serve import serve_engine
+from .loading import answering_while_loading
+from .serve import listen, serve_engine
 
 logger = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 30.0  # after SIGTERM and each API server's drain (--shutdown-timeout), before a kill
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -65,10 +59,12 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="parent-watch", daemon=True).start()
 
 
-def run_api_server(args, conn, listener: socket.socket, index: int, status, parent_pid: int) -> None:
+def run_api_server(args, conn, listener: socket.socket, index: int, status, go, parent_pid: int) -> None:
     """Main of one API server process: an AsyncLLM attached to the shared engine process,
-    the app, and the gevent server on the shared listening socket. Reports "ready" (or
-    the start-up error) on ``status``."""
+    the app, and the gevent server on the shared listening socket. Reports "loaded" once
+    the engine is ready, waits for ``go`` (set once the supervisor stopped answering 503 on
+    the socket) before it accepts, then reports "ready"; or the start-up error, on
+    ``status``."""
     logging.basicConfig(level="DEBUG" if args.log_level == "trace" else args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api server {index}]: %(message)s")
     _watch_parent(parent_pid)
@@ -82,6 +78,8 @@ def run_api_server(args, conn, listener: socket.socket, index: int, status, pare
     except Exception as e:  # noqa: BLE001 - reported by the supervisor
         status.put((index, f"{type(e).__name__}: {e}"))
         sys.exit(2)
+    status.put((index, "loaded"))
+    go.wait()
     try:
         code = serve_engine(args, engine, listener=listener, on_ready=lambda url: status.put((index, "ready")))
     finally:
@@ -92,45 +90,29 @@ def run_api_server(args, conn, listener: socket.socket, index: int, status, pare
 def serve_api_servers(args) -> int:
     """The supervisor of ``--api-server-count N`` (N >= 2), or of one API server over
     several engine cores (``--data-parallel-size``). Returns the exit status."""
-    from pyengine import start_engine_core_process
-
     n = args.api_server_count
     try:
         config = engine_args_from(args).create_engine_config()
     except ValueError as e:
         print(f"vengine serve: {e}", file=sys.stderr)
         return 2
-    try:
-        listener = _bind(args.host, args.port)
-    except OSError as e:
-        print(f"vengine serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+    bound = listen(args)
+    if bound is None:
         return 2
+    listener, ssl_args = bound
     port = listener.getsockname()[1]
-    dp = config.data_parallel_size
-    engines, conns = [], []  # conns[r][i]: engine rank r's pipe to API server i
-    for r in range(dp):
-        proc, rank_conns = start_engine_core_process(config.replace(data_parallel_rank=r), n)
-        engines.append(proc)
-        conns.append(rank_conns)
-    ctx = multiprocessing.get_context("spawn")
-    status = ctx.SimpleQueue()
-    servers = [ctx.Process(target=run_api_server,
-                           args=(args, conns[0][i] if dp == 1 else [conns[r][i] for r in range(dp)], listener, i,
-                                 status, os.getpid()),
-                           name=f"APIServer-{i}") for i in range(n)]
-    for p in servers:
-        p.start()
-    for rank_conns in conns:  # the API servers hold them now: an engine sees their end when they exit
-        for c in rank_conns:
-            c.close()
-    listener.close()
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    code = _await_ready(status, servers, engines, n, stop)
+    # This process answers 503 on the port until the first API server has its engine;
+    # then it stops, and the API servers accept (see _await_ready).
+    with answering_while_loading(args, listener, ssl_args, args.model or "the built-in default model") as loading:
+        servers, engines, channel = _start_processes(args, config, listener, n)
+        listener.close()  # the API servers and the loading server hold it now
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        code = _await_ready(channel, servers, engines, n, stop, on_first_loaded=loading.stop)
     if code == 0:
-        scheme = "https" if args.ssl_keyfile else "http"
-        cores = f", {dp} engine cores" if dp > 1 else ""
+        scheme = "https" if ssl_args else "http"
+        cores = f", {config.data_parallel_size} engine cores" if config.data_parallel_size > 1 else ""
         print(f"vengine: serving {', '.join(args.served_model_name or [config.served_model_name])} "
               f"on {scheme}://{args.host}:{port}{args.root_path or ''} ({n} API servers{cores})", flush=True)
         code = _supervise(servers, engines, stop)
@@ -138,13 +120,49 @@ def serve_api_servers(args) -> int:
     return code
 
 
-def _await_ready(status, servers, engines, n: int, stop: threading.Event) -> int:
+def _start_processes(args, config, listener: socket.socket, n: int):
+    """The engine-core process(es), then the ``n`` API servers (each with the listening
+    socket and its pipe to each core); returns ``(servers, engines, (status queue, go
+    event))`` (see ``run_api_server``)."""
+    from pyengine import start_engine_core_process
+
+    dp = config.data_parallel_size
+    engines, conns = [], []  # conns[r][i]: engine rank r's pipe to API server i
+    for r in range(dp):
+        proc, rank_conns = start_engine_core_process(config.replace(data_parallel_rank=r), n)
+        engines.append(proc)
+        conns.append(rank_conns)
+    ctx = multiprocessing.get_context("spawn")
+    status, go = ctx.SimpleQueue(), ctx.Event()
+    servers = [ctx.Process(target=run_api_server,
+                           args=(args, conns[0][i] if dp == 1 else [conns[r][i] for r in range(dp)], listener, i,
+                                 status, go, os.getpid()),
+                           name=f"APIServer-{i}") for i in range(n)]
+    for p in servers:
+        p.start()
+    for rank_conns in conns:  # the API servers hold them now: an engine sees their end when they exit
+        for c in rank_conns:
+            c.close()
+    return servers, engines, (status, go)
+
+
+def _await_ready(channel, servers, engines, n: int, stop: threading.Event, on_first_loaded) -> int:
+    """0 once all ``n`` API servers are ready, else the exit status: 1 on SIGTERM/SIGINT,
+    2 when one failed or exited. When the first has its engine, ``on_first_loaded()``
+    (this process stops answering 503), then the API servers may accept (``go``): the
+    port goes from 503 to 200 once, never back."""
+    status, go = channel
     ready = 0
     while ready < n:
         if stop.is_set():
             return 1
         if not status.empty():
             index, what = status.get()
+            if what == "loaded":
+                if not go.is_set():
+                    on_first_loaded()
+                    go.set()
+                continue
             if what != "ready":
                 print(f"vengine serve: API server {index} failed to start: {what}", file=sys.stderr)
                 return 2

@@ -18,7 +18,7 @@ from pyengine.entrypoints.openai.errors import ClientDisconnected, RequestCancel
 from pyengine.entrypoints.openai.serving_engine import validation_error
 
 from .bridge import is_engine_dead
-from .http import APIError, error_response
+from .http import APIError, error_response, not_ready_response
 from .middleware import apply_http_options, limit_request_body
 from .page import create_page_blueprint
 from .routes import register_routes
@@ -114,7 +114,10 @@ def _register_gate(app: Flask, st: ServerState) -> None:
     @app.before_request
     def _gate():  # shutdown drain, then the API key
         if st.draining and request.path != "/metrics":
-            resp = error_response(503, "The server is shutting down.")
+            # on a connection opened before the drain (the listening socket is closed):
+            # /health says why it is not ready, for a router's pooled connections
+            resp = (not_ready_response("draining") if request.path == "/health"
+                    else error_response(503, "The server is shutting down."))
             resp.headers["Connection"] = "close"
             return resp
         if cfg.api_keys and request.method != "OPTIONS" and request.path.startswith("/v1") and not (

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from .api_server import serve_api_servers
 from .cli_args import IGNORED_FLAGS_ATTR, engine_args_from, parse_args
-from .serve import serve_engine
+from .loading import answering_while_loading
+from .serve import listen, serve_engine
 
 __all__ = ["main", "parse_args", "engine_args_from", "serve_engine"]
 
@@ -33,14 +34,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_api_servers(args)
     from pyengine import AsyncLLM
 
-    try:
-        engine = AsyncLLM.from_engine_args(engine_args_from(args))
-    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: the engine process failed to start
-        what = args.model or "the built-in default model"
-        print(f"vengine serve: cannot load {what}: {e}", file=sys.stderr)
+    bound = listen(args)
+    if bound is None:
         return 2
+    listener, ssl_args = bound
+    what = args.model or "the built-in default model"
+    with answering_while_loading(args, listener, ssl_args, what):  # 503 until the engine is ready
+        try:
+            engine = AsyncLLM.from_engine_args(engine_args_from(args))
+        except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: the engine process failed to start
+            print(f"vengine serve: cannot load {what}: {e}", file=sys.stderr)
+            listener.close()
+            return 2
     try:
-        return serve_engine(args, engine)
+        return serve_engine(args, engine, listener=listener)
     finally:
         engine.shutdown()
 

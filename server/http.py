@@ -9,7 +9,7 @@ from flask import Response, request
 
 from pyengine.entrypoints.openai.errors import APIError, error_body
 
-__all__ = ["APIError", "error_body", "error_response", "json_response", "request_body",
+__all__ = ["APIError", "error_body", "error_response", "json_response", "not_ready_response", "request_body",
            "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_CONCURRENT_STREAMS", "SOCKET_ENVIRON_KEY"]
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -20,6 +20,12 @@ SOCKET_ENVIRON_KEY = "vengine.socket"  # the client socket, in the WSGI environ 
 def error_response(status: int, message: str, param: str | None = None) -> Response:
     return Response(json.dumps(error_body(status, message, param)), status=status,
                     mimetype="application/json")
+
+
+def not_ready_response(state: str) -> Response:
+    """``/health``'s answer while the server is not ready to serve: 503 with
+    ``{"status": state}`` (``"loading"``, ``"draining"``)."""
+    return Response(json.dumps({"status": state}), status=503, mimetype="application/json")
 
 
 def json_response(obj) -> Response:

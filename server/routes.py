@@ -103,7 +103,9 @@ def _register_health_routes(app: Flask, st: ServerState) -> None:
     @app.get("/health")
     def health():
         # 503 once the engine died, or one of its data-parallel engine cores (the others
-        # still serve, but a router should know); while draining, the gate answers 503.
+        # still serve, but a router should know). Before this app serves, while the engine
+        # loads, server.loading answers 503 {"status": "loading"}; while draining, the
+        # gate (server.app) answers 503 {"status": "draining"}.
         if engine.errored:
             return error_response(503, f"The engine is dead: {engine.dead_error!r}")
         dead = engine.dead_engines()

@@ -1,20 +1,39 @@
 """Serving one ``AsyncLLM`` over HTTP on this thread (``serve_engine``): the app, the
 gevent server with its connection limits, the signal handlers and the shutdown drain.
 ``vengine serve`` (``server.cli``) and each API server of ``--api-server-count``
-(``server.api_server``) call it."""
+(``server.api_server``) call it, on the socket that ``listen`` bound before the engine
+loaded."""
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable
 
 import gevent
 
 from .app import create_app
-from .wsgi import ConnectionLimits, make_server, raise_fd_limit, serve_until_shutdown, ssl_args_from
+from .wsgi import ConnectionLimits, bind_listener, make_server, raise_fd_limit, serve_until_shutdown, ssl_args_from
 
 logger = logging.getLogger(__name__)
+
+
+def listen(args) -> tuple[socket.socket, dict | None] | None:
+    """The socket listening on ``--host``/``--port`` and the TLS arguments (``--ssl-*``),
+    had before the engine loads (so the port answers while it does, ``server.loading``,
+    and a bad certificate or a port in use fails at once); None, the reason printed,
+    when either cannot be had."""
+    try:
+        ssl_args = ssl_args_from(args)
+    except ValueError as e:
+        print(f"vengine serve: {e}", file=sys.stderr)
+        return None
+    try:
+        return bind_listener(args.host, args.port), ssl_args
+    except OSError as e:
+        print(f"vengine serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return None
 
 
 def serve_engine(args, engine, listener=None, on_ready: Callable[[str], None] | None = None) -> int:

@@ -331,6 +331,22 @@ def make_server(app, host: str = "127.0.0.1", port: int = 8000,
                          backlog=None if listener is not None else _BACKLOG, **(ssl_args or {}))
 
 
+def bind_listener(host: str, port: int) -> _stdsocket.socket:
+    """A TCP socket bound to ``(host, port)`` and listening (port 0: a free one), to be
+    served by ``make_server(listener=...)``: bound before the engine loads, so the port
+    answers (503) while it does (``server.loading``). Raises OSError."""
+    family = _stdsocket.AF_INET6 if ":" in host else _stdsocket.AF_INET
+    sock = _stdsocket.socket(family, _stdsocket.SOCK_STREAM)
+    try:
+        sock.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def ssl_args_from(args) -> dict | None:
     """gevent's SSL arguments (a server-side TLS context) from ``--ssl-keyfile`` /
     ``--ssl-certfile`` / ``--ssl-ca-certs`` / ``--ssl-cert-reqs``; None: plain HTTP.
@@ -420,15 +436,18 @@ def serve_until_shutdown(server: WSGIServer, app, shutdown_timeout: float, insta
 class BackgroundServer:
     """Serve ``app`` on a daemon thread; ``.port`` once started; ``.stop()`` from anywhere.
     ``max_concurrent_streams``, ``timeout_keep_alive``, ``request_read_timeout``: see
-    ``ConnectionLimits``."""
+    ``ConnectionLimits``. ``listener``: a bound, listening stdlib socket to accept on
+    (this server takes it over, and closes it when it stops) instead of ``host``/``port``."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
                  max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS, access_log: bool = False,
                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                  timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE,
-                 request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT, ssl_args: dict | None = None):
+                 request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT, ssl_args: dict | None = None,
+                 listener: _stdsocket.socket | None = None):
         self.app, self.host, self.requested_port = app, host, port
         self.ssl_args = ssl_args
+        self.listener = listener  # a bound, listening socket to accept on instead of (host, port)
         self.limits = ConnectionLimits(max_concurrent_streams, timeout_keep_alive, request_read_timeout)
         self.shutdown_timeout = shutdown_timeout
         self.access_log = access_log
@@ -461,7 +480,7 @@ class BackgroundServer:
             self._ready.set()
         try:
             server = make_server(self.app, self.host, self.requested_port, access_log=self.access_log,
-                                 limits=self.limits, ssl_args=self.ssl_args)
+                                 listener=self.listener, limits=self.limits, ssl_args=self.ssl_args)
             serve_until_shutdown(server, self.app, self.shutdown_timeout, install)
         except BaseException as e:  # noqa: BLE001 - reported to start()
             if self._ready.is_set():

@@ -1,6 +1,7 @@
 """``vengine serve --api-server-count 2``: two API server processes over one engine
-process serve the same greedy completions as one; SIGTERM stops every process; a dead
-engine process stops the server with a non-zero status."""
+process serve the same greedy completions as one; the port answers 503 while they start;
+SIGTERM stops every process; a dead engine process stops the server with a non-zero
+status."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,22 +32,41 @@ def _engine_text(tokenizer, prompt, ids) -> str:
 
 
 def _start(model_dir, *extra):
+    """Start the supervisor and return ``(proc, port, output lines)`` once it serves. On
+    its "loading" line (printed before the engine and API server processes start) its
+    port must already answer 503 ``{"status": "loading"}``, and from then on ``/health``
+    goes from 503 to 200 once, never back (issue 29, readiness)."""
     cmd = [sys.executable, "-m", "server", str(model_dir), "--port", "0", "--device", "cpu",
            "--api-server-count", "2", "--num-gpu-blocks-override", "512", "--max-model-len", "256",
            "--disable-access-log", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    lines = []
+    lines, probes, done = [], [], threading.Event()
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         lines.append(line)
+        if line.startswith("vengine: loading"):
+            port = int(line.split(" answers ")[0].rsplit(":", 1)[1])
+            status, hdrs, body = get(port, "/health")
+            assert (status, json.loads(body), hdrs["Retry-After"]) == (503, {"status": "loading"}, "5"), body
+            threading.Thread(target=_probe_health, args=(port, probes, done), daemon=True).start()
         if "vengine: serving" in line:
+            done.set()
+            changes = [s for i, s in enumerate(probes) if i == 0 or probes[i - 1] != s]
+            assert changes in ([503], [503, 200]), changes
             return proc, int(line.rsplit(":", 1)[1].split()[0].strip("/")), lines
     proc.kill()
     raise AssertionError("server did not start:\n" + "".join(lines[-40:]))
+
+
+def _probe_health(port: int, out: list, done: threading.Event) -> None:
+    """``GET /health`` on a fresh connection every 10 ms until ``done``: the statuses."""
+    while not done.is_set():
+        out.append(get(port, "/health")[0])
+        time.sleep(0.01)
 
 
 @pytest.mark.timeout(400)
