@@ -195,6 +195,41 @@ def test_responses_auto_tool_call_after_reasoning(servers):
     assert json.loads(r.output[1].arguments) == {"city": "Paris"}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_required_tool_choice(servers, stream):
+    """tool_choice "required" on the model that answers in text: the calls' grammar after
+    the reasoning makes it call (parallel_tool_calls false: one call; the scripted model
+    would not end an open-ended array)."""
+    c = oai(servers["answer"])
+    kw = dict(model=MODEL, input="Weather in Paris?", tools=[RESP_TOOL], max_output_tokens=200, temperature=0,
+              tool_choice="required", parallel_tool_calls=False)
+    if stream:
+        with c.responses.stream(**kw) as s:
+            r = s.get_final_response()
+    else:
+        r = c.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.output[0].type == "reasoning" and [x.name for x in calls] == ["get_weather"], r.output
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_text_format_json_schema(servers, stream):
+    """text.format json_schema: the grammar applies to the answer after the reasoning."""
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    kw = dict(model=MODEL, input="Hi", max_output_tokens=64, temperature=0,
+              text={"format": {"type": "json_schema", "name": "a", "schema": schema, "strict": True}})
+    c = oai(servers["answer"])
+    if stream:
+        with c.responses.stream(**kw) as s:
+            r = s.get_final_response()
+    else:
+        r = c.responses.create(**kw)
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text == "Hmm", r.output
+    assert json.loads(r.output_text) in ({"answer": "yes"}, {"answer": "no"}), r.output_text
+
+
 @pytest.mark.parametrize("field,value", [("store", True), ("previous_response_id", "resp_1"),
                                          ("background", True)])
 def test_responses_refuses_stored_state(servers, field, value):
