@@ -276,6 +276,24 @@ def test_messages_create_forced_tool_use_and_stream_text(servers):
     assert text == "\n\nOK" and m.content[0].thinking == "Hmm" and m.stop_reason == "end_turn"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_stop_sequences_and_tool_choice_none(servers, stream):
+    """stop_sequences end the answer with stop_reason "stop_sequence" (the sequence named);
+    tool_choice none leaves the tool model's call as text, with no tool_use block."""
+    def create(srv, **kw):
+        c = anth(srv)
+        if not stream:
+            return c.messages.create(model=MODEL, messages=ASK, extra_body={"temperature": 0}, **kw)
+        with c.messages.stream(model=MODEL, messages=ASK, extra_body={"temperature": 0}, **kw) as s:
+            return s.get_final_message()
+    m = create(servers["answer"], max_tokens=16, stop_sequences=["OK"])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "OK"), m
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.content[1].text == "\n\n"
+    m = create(servers["tool"], max_tokens=40, tools=[ANTH_TOOL], tool_choice={"type": "none"})
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.stop_reason == "end_turn", m
+    assert "<tool_call>" in m.content[1].text
+
+
 def test_messages_count_tokens(servers, engines):
     c = anth(servers["answer"])
     n = c.messages.count_tokens(model=MODEL, messages=ASK).input_tokens
