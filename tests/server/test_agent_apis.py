@@ -41,6 +41,7 @@ def engines(reasoning_dir, reasoning_tool_dir):
 def servers(engines):
     gens = {name: serve_app(eng, **SERVE) for name, eng in engines.items()}
     gens["keyed"] = serve_app(engines["answer"], **SERVE, api_key=KEY)
+    gens["r1"] = serve_app(engines["answer"], **dict(SERVE, reasoning_parser="deepseek_r1"))
     srvs = {name: next(g) for name, g in gens.items()}
     yield srvs
     for g in gens.values():
@@ -80,6 +81,15 @@ def test_chat_reasoning_split(servers):
     m = r.choices[0].message.model_dump()
     assert (m["reasoning_content"], m["reasoning"], m["content"]) == ("Hmm", "Hmm", "\n\nOK")
     assert r.usage.completion_tokens_details.reasoning_tokens == 1
+    assert _stream(c, max_tokens=16) == ("Hmm", "\n\nOK", [], "stop")
+
+
+def test_chat_reasoning_split_deepseek_r1(servers):
+    """--reasoning-parser deepseek_r1 over the same model (its output opens <think> itself,
+    which R1's parser accepts): the same split, streamed and not."""
+    c = oai(servers["r1"])
+    m = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16).choices[0].message.model_dump()
+    assert (m["reasoning_content"], m["content"]) == ("Hmm", "\n\nOK")
     assert _stream(c, max_tokens=16) == ("Hmm", "\n\nOK", [], "stop")
 
 
