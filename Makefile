@@ -31,6 +31,7 @@ serve: $(VENV)/.installed
 # a served model, start once): on this project's 2-core machines the suite waits on engine
 # and server processes often enough that two workers overlap well. PYTEST_WORKERS=0: serial.
 PYTEST_WORKERS ?= 2
+# Every run lists its skipped tests with their reasons: pytest.ini's addopts has -rs.
 # The second run takes the GPU compute path (triton attention + fused triton ops) through
 # triton's CPU interpreter, so kernel/runner integration is checked without a GPU.
 test: setup

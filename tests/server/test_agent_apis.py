@@ -41,6 +41,7 @@ def engines(reasoning_dir, reasoning_tool_dir):
 def servers(engines):
     gens = {name: serve_app(eng, **SERVE) for name, eng in engines.items()}
     gens["keyed"] = serve_app(engines["answer"], **SERVE, api_key=KEY)
+    gens["r1"] = serve_app(engines["answer"], **dict(SERVE, reasoning_parser="deepseek_r1"))
     srvs = {name: next(g) for name, g in gens.items()}
     yield srvs
     for g in gens.values():
@@ -80,6 +81,15 @@ def test_chat_reasoning_split(servers):
     m = r.choices[0].message.model_dump()
     assert (m["reasoning_content"], m["reasoning"], m["content"]) == ("Hmm", "Hmm", "\n\nOK")
     assert r.usage.completion_tokens_details.reasoning_tokens == 1
+    assert _stream(c, max_tokens=16) == ("Hmm", "\n\nOK", [], "stop")
+
+
+def test_chat_reasoning_split_deepseek_r1(servers):
+    """--reasoning-parser deepseek_r1 over the same model (its output opens <think> itself,
+    which R1's parser accepts): the same split, streamed and not."""
+    c = oai(servers["r1"])
+    m = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16).choices[0].message.model_dump()
+    assert (m["reasoning_content"], m["content"]) == ("Hmm", "\n\nOK")
     assert _stream(c, max_tokens=16) == ("Hmm", "\n\nOK", [], "stop")
 
 
@@ -195,6 +205,41 @@ def test_responses_auto_tool_call_after_reasoning(servers):
     assert json.loads(r.output[1].arguments) == {"city": "Paris"}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_required_tool_choice(servers, stream):
+    """tool_choice "required" on the model that answers in text: the calls' grammar after
+    the reasoning makes it call (parallel_tool_calls false: one call; the scripted model
+    would not end an open-ended array)."""
+    c = oai(servers["answer"])
+    kw = dict(model=MODEL, input="Weather in Paris?", tools=[RESP_TOOL], max_output_tokens=200, temperature=0,
+              tool_choice="required", parallel_tool_calls=False)
+    if stream:
+        with c.responses.stream(**kw) as s:
+            r = s.get_final_response()
+    else:
+        r = c.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.output[0].type == "reasoning" and [x.name for x in calls] == ["get_weather"], r.output
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_text_format_json_schema(servers, stream):
+    """text.format json_schema: the grammar applies to the answer after the reasoning."""
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    kw = dict(model=MODEL, input="Hi", max_output_tokens=64, temperature=0,
+              text={"format": {"type": "json_schema", "name": "a", "schema": schema, "strict": True}})
+    c = oai(servers["answer"])
+    if stream:
+        with c.responses.stream(**kw) as s:
+            r = s.get_final_response()
+    else:
+        r = c.responses.create(**kw)
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text == "Hmm", r.output
+    assert json.loads(r.output_text) in ({"answer": "yes"}, {"answer": "no"}), r.output_text
+
+
 @pytest.mark.parametrize("field,value", [("store", True), ("previous_response_id", "resp_1"),
                                          ("background", True)])
 def test_responses_refuses_stored_state(servers, field, value):
@@ -239,6 +284,24 @@ def test_messages_create_forced_tool_use_and_stream_text(servers):
         text = "".join(s.text_stream)
         m = s.get_final_message()
     assert text == "\n\nOK" and m.content[0].thinking == "Hmm" and m.stop_reason == "end_turn"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_stop_sequences_and_tool_choice_none(servers, stream):
+    """stop_sequences end the answer with stop_reason "stop_sequence" (the sequence named);
+    tool_choice none leaves the tool model's call as text, with no tool_use block."""
+    def create(srv, **kw):
+        c = anth(srv)
+        if not stream:
+            return c.messages.create(model=MODEL, messages=ASK, extra_body={"temperature": 0}, **kw)
+        with c.messages.stream(model=MODEL, messages=ASK, extra_body={"temperature": 0}, **kw) as s:
+            return s.get_final_message()
+    m = create(servers["answer"], max_tokens=16, stop_sequences=["OK"])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "OK"), m
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.content[1].text == "\n\n"
+    m = create(servers["tool"], max_tokens=40, tools=[ANTH_TOOL], tool_choice={"type": "none"})
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.stop_reason == "end_turn", m
+    assert "<tool_call>" in m.content[1].text
 
 
 def test_messages_count_tokens(servers, engines):

@@ -160,6 +160,27 @@ def test_serve_subprocess(llama_dir, tp):
     assert "Received request cmpl-" in proc.stdout.read()
 
 
+def test_serve_with_a_reasoning_parser(reasoning_dir, llama_dir):
+    """``vengine serve --reasoning-parser qwen3`` (issue 28): the flag reaches the app (the
+    thinking comes apart from the answer, over the official SDK); a model whose tokenizer
+    lacks the think tokens stops the command with one line (status 2)."""
+    import openai
+
+    with served(reasoning_dir, "qwen3-cli", "--reasoning-parser", "qwen3", "--max-model-len", "256",
+                "--num-gpu-blocks-override", "64", "--disable-access-log", env=_env(), cwd=REPO) as (_, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="qwen3-cli", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=16, temperature=0)
+        m = r.choices[0].message.model_dump()
+        assert (m["reasoning_content"], m["content"]) == ("Hmm", "\n\nOK")
+    out = subprocess.run([sys.executable, "-m", "server", str(llama_dir), "--port", "0", "--device", "cpu",
+                          "--reasoning-parser", "qwen3"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    (line,) = [ln for ln in out.stderr.splitlines() if ln.startswith("vengine serve:")]
+    assert "<think>" in line
+
+
 def test_bad_model_dir_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "server", str(tmp_path / "nope"), "--port", "0"],
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)

@@ -11,7 +11,8 @@ Supported: ``input`` (a string, or messages with text parts, ``function_call`` /
 ``max_output_tokens``, ``temperature``, ``top_p``, function ``tools``, ``tool_choice``
 (``none`` / ``auto`` / ``required`` / a named function), ``parallel_tool_calls``,
 ``text.format`` (``text`` / ``json_schema`` / ``json_object``), ``reasoning.effort``,
-``stream``, ``metadata`` and ``user`` (echoed), ``store: false``, ``truncation:
+``stream``, ``metadata``, ``user``, ``safety_identifier`` and ``prompt_cache_key`` (echoed:
+end-user ids for the caller's records; prefix caching needs no key), ``store: false``, ``truncation:
 "disabled"``, and vLLM's extra sampling fields (``top_k``, ``min_p``, ``seed``, ``stop``,
 penalties, ``priority``, ``request_id``, ``chat_template_kwargs``, ...). Refused: stored
 responses (``store: true``, ``previous_response_id``, ``conversation``, ``background``),
@@ -367,6 +368,7 @@ def response_object(req: ResponsesRequest, response_id: str, model: str, created
         "tool_choice": _echo_tool_choice(req),
         "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools or []],
         "truncation": "disabled", "usage": usage_obj, "user": req.user,
+        "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
         "completed_at": time.time() if status in ("completed", "incomplete") else None,
     }
 

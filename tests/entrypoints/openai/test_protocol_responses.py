@@ -170,7 +170,8 @@ def test_bad_types_are_validation_errors():
 
 @pytest.mark.parametrize("case", ["text", "reasoning", "tool_call", "length", "empty", "error"])
 def test_response_object(case):
-    req = parse({"model": "m", "input": "hi", "tools": [WEATHER], "metadata": {"a": "b"}, "max_output_tokens": 9})
+    req = parse({"model": "m", "input": "hi", "tools": [WEATHER], "metadata": {"a": "b"}, "max_output_tokens": 9,
+                 "user": "u", "safety_identifier": "s1", "prompt_cache_key": "k1"})
     chat = {"text": chat_completion(content="Hello"),
             "reasoning": chat_completion(content="\n\nOK", reasoning="Hmm"),
             "tool_call": chat_completion(content="\n\n", reasoning="Hmm", tool_calls=[tool_call()], finish="tool_calls"),
@@ -182,6 +183,7 @@ def test_response_object(case):
     resp = Response.model_validate(obj)
     assert_declared(resp)
     assert resp.id == "resp_x" and resp.model == "m" and resp.metadata == {"a": "b"} and resp.max_output_tokens == 9
+    assert (resp.user, resp.safety_identifier, resp.prompt_cache_key) == ("u", "s1", "k1")  # echoed, not dropped
     assert resp.usage.input_tokens == 5 and resp.usage.output_tokens == 7 and resp.usage.total_tokens == 12
     kinds = [o.type for o in resp.output]
     if case == "text":

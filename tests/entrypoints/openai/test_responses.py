@@ -129,3 +129,48 @@ def test_text_delta_template_only_where_the_chunk_is_the_text_alone(tokenizer):
     chat = ChatResponseBuilder("c", "m", 1, LogprobsFormatter(tokenizer, 0),
                                [ToolCallExtractor(resolve_tool_choice([], None))])
     assert chat.text_delta_template(0) is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_inside_the_reasoning_stays_reasoning(reasoning_tokenizer, stream):
+    """Issue 28: with a reasoning parser, tool calls are parsed from the content only. A
+    hermes call written inside <think>…</think> is reasoning text, not a call; the content
+    after </think> goes to the tool parser (a call there is one, tests/server/test_agent_apis)."""
+    from pyengine.entrypoints.openai.serving_chat import make_extractor
+    from pyengine.entrypoints.reasoning import RequestReasoning
+    from pyengine.reasoning import Qwen3ReasoningParser
+    from tests.helpers import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_JSON, TOOL_CALL_START
+
+    tok = reasoning_tokenizer
+    call = TOOL_CALL_START + TOOL_CALL_JSON + TOOL_CALL_END
+    pieces = [THINK_START, TOOL_CALL_START, TOOL_CALL_JSON, TOOL_CALL_END, THINK_END, "\n\n", "OK"]
+    ids = [tok.convert_tokens_to_ids(p) if p in (THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END)
+           else tok.encode(p, add_special_tokens=False)[0] for p in pieces]
+    assert [tok.decode([t]) for t in ids] == pieces
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                add_generation_prompt=True), add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    mode = resolve_tool_choice(tools, "auto", auto_tool_choice=True)
+    builder = ChatResponseBuilder("chatcmpl-r", "m", 5, None, [make_extractor(mode, "hermes", tok)],
+                                  reasoning=RequestReasoning(Qwen3ReasoningParser, tok, None, prompt))
+    d = DeltaDriver(builder, 1, 1, len(prompt))
+    deltas = [RequestOutput("r", None, prompt, [CompletionOutput(0, p, [t], finish_reason="stop" if last else None)],
+                            last) for i, (p, t) in enumerate(zip(pieces, ids)) for last in [i == len(ids) - 1]]
+    if stream:
+        chunks = [json.loads(chunk_json(c)) for c in
+                  d.first_chunks() + [c for o in deltas for c in d.feed(0, o)] + d.last_chunks()]
+        for c in chunks:
+            ChatCompletionChunk.model_validate(c)
+        got = [c["choices"][0] for c in chunks if c["choices"]]
+        reasoning = "".join(g["delta"].get("reasoning_content") or "" for g in got)
+        content = "".join(g["delta"].get("content") or "" for g in got)
+        calls = [t for g in got for t in g["delta"].get("tool_calls") or []]
+        finish = got[-1]["finish_reason"]
+    else:
+        for o in deltas:
+            d.accumulate(0, o)
+        resp = d.response()
+        ChatCompletion.model_validate(resp)
+        msg, finish = resp["choices"][0]["message"], resp["choices"][0]["finish_reason"]
+        reasoning, content, calls = msg["reasoning_content"], msg["content"], msg.get("tool_calls") or []
+    assert (reasoning, content, calls, finish) == (call, "\n\nOK", [], "stop")
