@@ -489,7 +489,10 @@ class ModelRunner:
             full = torch.zeros(len(draft_ids), grammar_output.bitmask.shape[1], dtype=grammar_output.bitmask.dtype)
             full[rows] = grammar_output.bitmask[grammar_output.rows]
             apply_token_bitmask(logits, full.to(self.device, non_blocking=True), rows)
-        if self._draft_ids_host is not None:
+        greedy = meta_s.all_greedy
+        if greedy:  # the drafts stay on the host: a greedy row accepts its draft when it is the argmax
+            d_dev = None
+        elif self._draft_ids_host is not None:
             d_host = self._draft_ids_host[:len(draft_ids)]
             d_host.numpy()[:] = draft_ids
             d_dev = d_host.to(self.device, non_blocking=True)
@@ -502,10 +505,11 @@ class ModelRunner:
         lp_host = None
         if out.logprobs is not None:
             lp_host = [t.to("cpu", non_blocking=True) for t in (out.logprobs_token_ids, out.logprobs, out.ranks)]
-        if meta_s.all_greedy:  # a greedy row accepts its draft when it is the row's argmax (the candidate)
+        if greedy:
             cand = out.candidate.tolist()
             acc = [c == d for c, d in zip(cand, draft_ids)]
         else:
+            assert out.accepted is not None  # (verified with the draft ids)
             cand, acc = torch.stack((out.candidate, out.accepted.to(torch.int64))).tolist()
         generated = [RejectionSampler.emitted(cand, acc, st, len(s.spec_token_ids)) for st, s in zip(starts, sampled)]
         glps = None

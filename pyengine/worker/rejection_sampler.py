@@ -54,14 +54,15 @@ class RejectionOutput:
 
     candidate: int64 [N], the token the row emits if the run gets that far: the draft
       when it was accepted, else the target's (greedy argmax, recovered or bonus sample).
-    accepted: bool [N], the row's draft was accepted (False on rows without a draft).
+    accepted: bool [N], the row's draft was accepted (False on rows without a draft); None
+      for all-greedy rows verified without their draft ids (see ``RejectionSampler``).
     logprobs_token_ids / logprobs / ranks: as ``SamplerOutput``'s, for ``candidate``
       (raw model logprobs); None when no row asked for logprobs.
 
     A request's emitted tokens are ``candidate`` over its rows up to and including the
     first row that is not accepted (``RejectionSampler.emitted``)."""
     candidate: torch.Tensor
-    accepted: torch.Tensor
+    accepted: torch.Tensor | None
     logprobs_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     ranks: torch.Tensor | None = None
@@ -119,7 +120,7 @@ def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: tor
 class RejectionSampler:
     """Stateless; ``sampler(logits, meta, draft_ids)``."""
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor,
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor | None,
                  draft_rows_host=None) -> RejectionOutput:
         """Verify a batch of rows.
 
@@ -129,15 +130,22 @@ class RejectionSampler:
                 parameters and generator; row j's output tokens include the drafts
                 before it).
             draft_ids: int64 [N] (device), the draft token each row checks, -1 for none.
+                May be None when ``meta.all_greedy``: the candidates are then the argmaxes
+                whatever the drafts, ``accepted`` is None, and the caller compares them
+                with its drafts (a greedy row accepts its draft when it is the argmax).
             draft_rows_host: N bools (host: a tensor or a sequence), ``draft_ids >= 0``;
                 needed only when ``meta`` has generators (seeded random rows).
         Raises:
-            ValueError: if ``logits`` is not [N, V] with N = meta's rows, or
-                ``draft_rows_host`` is missing while ``meta`` has generators.
+            ValueError: if ``logits`` is not [N, V] with N = meta's rows, ``draft_ids``
+                is missing for rows that are not all greedy, or ``draft_rows_host`` is
+                missing while ``meta`` has generators.
         """
-        if logits.dim() != 2 or logits.shape[0] != meta.batch_size or draft_ids.shape[0] != meta.batch_size:
+        n_drafts = meta.batch_size if draft_ids is None else draft_ids.shape[0]
+        if logits.dim() != 2 or logits.shape[0] != meta.batch_size or n_drafts != meta.batch_size:
             raise ValueError(f"logits must be [N={meta.batch_size}, V] with one draft id per row, got "
-                             f"{tuple(logits.shape)} and {tuple(draft_ids.shape)}.")
+                             f"{tuple(logits.shape)} and {n_drafts} draft ids.")
+        if draft_ids is None and not meta.all_greedy:
+            raise ValueError("draft_ids are needed for rows that are not all greedy.")
         logits = logits.float()
         raw = compute_logprobs(logits) if meta.max_num_logprobs is not None else None
         x = apply_allowed_token_ids(logits, meta)
@@ -147,7 +155,7 @@ class RejectionSampler:
         if meta.all_greedy:
             # the argmax, accepted or not; a row without a draft (-1) never equals it
             target = x.argmax(dim=-1)
-            out = RejectionOutput(target, target == draft_ids)
+            out = RejectionOutput(target, None if draft_ids is None else target == draft_ids)
         else:
             t = apply_temperature(x, meta.temperature, meta.all_random)
             if not meta.no_min_p:
