@@ -321,13 +321,16 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
                     got = list(ro.outputs[0].token_ids)
             snap, m0, n0 = dict(acc), last["n"], len(got)
             while eng.has_unfinished_requests():
+                step_snap = dict(acc) if not async_scheduling else None
                 m, t0 = last["n"], clock()
                 ros = eng.step()
                 dt = clock() - t0
-                if not async_scheduling and last["n"] == m + 1:
+                if step_snap is not None and last["n"] == m + 1:
                     kind = "verify" if last["drafts"] else "plain"
                     totals[f"{kind}_wall"] += dt
                     totals[f"{kind}_steps"] += 1
+                    for k, v in acc.items():
+                        totals[f"{kind}:{k}"] += v - step_snap.get(k, 0.0)
                 totals["wall"] += dt
                 for ro in ros:
                     got = list(ro.outputs[0].token_ids)
@@ -340,7 +343,9 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
             tokens += len(got) - n0
             for k, v in acc.items():
                 totals[k] += v - snap.get(k, 0.0)
-        totals["sample_rest"] = totals.pop("sample_total", 0.0) - totals["sampler"] - totals.get("proposer", 0.0)
+        for pre in ("", "verify:", "plain:"):
+            totals[pre + "sample_rest"] = (totals.pop(pre + "sample_total", 0.0) - totals.get(pre + "sampler", 0.0)
+                                           - totals.get(pre + "proposer", 0.0))
         runs.append((steps, tokens, totals))
         warm = []
     stats = eng.get_stats()
@@ -352,11 +357,15 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
     ms = {k: 1e3 * best[k] / max(steps, 1) for k in HOST_PHASES}
     wall_ms = 1e3 * best["wall"] / max(steps, 1)
     ms["other"] = max(wall_ms - sum(ms.values()), 0.0)
-    kinds = {}
+    kinds: dict = {}
     for kind in ("verify", "plain"):
         n = runs[0][2].get(f"{kind}_steps", 0)
         kinds[f"{kind}_steps"] = int(n)
         kinds[f"{kind}_step_ms"] = 1e3 * best[f"{kind}_wall"] / n if n else None
+        if n:
+            kp = {k: 1e3 * min(t.get(f"{kind}:{k}", 0.0) for _, _, t in runs) / n for k in HOST_PHASES}
+            kp["other"] = max(kinds[f"{kind}_step_ms"] - sum(kp.values()), 0.0)
+            kinds[f"{kind}_phases_ms"] = kp
     drafts = stats.spec_num_drafts
     return {"async_scheduling": async_scheduling, "spec": spec is not None, "stub": stub, "steps": steps,
             "output_tokens": tokens, "tokens_per_step": tokens / max(steps, 1), "wall_ms_per_step": wall_ms,
@@ -389,13 +398,17 @@ def host_phases(model: str, args, prompts: list[str]) -> dict:
 
     def r3(x):
         return None if x is None else round(x, 3)
-    heads = ["mode", "tokens/step", "ms/token", "ms/step", "verify step ms (n)", "plain step ms (n)"] + \
-        list(HOST_PHASES) + ["other"]
-    print(common.md_table(heads, [[name, r3(r["tokens_per_step"]), r3(r["wall_ms_per_token"]), r3(r["wall_ms_per_step"]),
-                                   f"{r3(r['verify_step_ms'])} ({r['verify_steps']})",
-                                   f"{r3(r['plain_step_ms'])} ({r['plain_steps']})"]
-                                  + [r3(r["phases_ms_per_step"][k]) for k in (*HOST_PHASES, "other")]
-                                  for name, r in rows.items()]), flush=True)
+    heads = ["mode", "steps", "tokens/step", "ms/token", "ms/step"] + list(HOST_PHASES) + ["other"]
+    table = []
+    for name, r in rows.items():
+        table.append([name, r["steps"], r3(r["tokens_per_step"]), r3(r["wall_ms_per_token"]), r3(r["wall_ms_per_step"])]
+                     + [r3(r["phases_ms_per_step"][k]) for k in (*HOST_PHASES, "other")])
+        if r["spec"]:
+            for kind in ("verify", "plain"):
+                if r.get(f"{kind}_phases_ms"):
+                    table.append([f"{name}: {kind} steps", r[f"{kind}_steps"], "", "", r3(r[f"{kind}_step_ms"])]
+                                 + [r3(r[f"{kind}_phases_ms"][k]) for k in (*HOST_PHASES, "other")])
+    print(common.md_table(heads, table), flush=True)
     return {"spec_config": spec, **rows}
 
 
