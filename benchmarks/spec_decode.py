@@ -13,6 +13,14 @@ Parts (``--parts``):
   ``--target`` given), the built-in 7.6M model drafting; batch 1.
 - ``throughput``: ``--streams`` concurrent requests (the code-editing prompts repeated),
   speculation off vs ngram with ``disable_by_batch_size=--cutoff``: output tokens/s.
+- ``host``: the host time of a batch-1 step, phase by phase, with the model replaced by a
+  teacher-forced stub (``TeacherForcedModel``: the logits of each row are one-hot at the
+  token the real model gave there, recorded first), so that speculation accepts exactly
+  what it accepts with the real model while the forward costs ~nothing: plain decode (async
+  and sync scheduling) against ngram, whose steps are split into those that verified drafts
+  and those that had none. On CUDA the same again with the real model (``*_real`` rows):
+  the difference is the device's share of a step. Runs on CPU too (``--host-clock thread``
+  on a shared machine).
 
 TPOT per request is (last token time - first token time) / (output tokens - 1) from the
 engine's RequestMetrics; the reported figure is the mean over requests. Each engine is
@@ -20,6 +28,7 @@ built, measured and released before the next one.
 
     python3 benchmarks/spec_decode.py --json out/spec_decode.json             # H200
     python3 benchmarks/spec_decode.py --device cpu --tiny --parts ngram,draft,throughput   # smoke
+    python3 benchmarks/spec_decode.py --device cpu --parts host --num-prompts 4          # host time, CPU
 """
 from __future__ import annotations
 
@@ -194,6 +203,215 @@ def throughput(model: str, args, prompts: list[str]) -> dict:
     return res
 
 
+class TeacherForcedModel:
+    """Stands in for the model's forward and logits in a batch-1 engine: the hidden state
+    of a token row is its position, and a sampled row's logits are one-hot at the token
+    that follows that position in ``ref`` (the prompt and the real model's greedy output),
+    so greedy decoding replays the real run, speculation included, for a few kernels a step.
+    ``install(runner)`` swaps it in (after CUDA-graph capture: ``ModelRunner.forward`` is
+    replaced, so no graph of the real model replays)."""
+
+    def __init__(self, vocab_size: int, device):
+        self.vocab_size, self.device = vocab_size, device
+        self.ref = None  # int64 [L] on the device: the current request's tokens
+
+    def set_reference(self, token_ids: list[int]) -> None:
+        import torch
+
+        self.ref = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+
+    def forward(self, ids, pos, meta):
+        return pos.to(dtype=self._float()).unsqueeze(1)
+
+    def compute_logits(self, hidden):
+        import torch
+
+        p = (hidden[:, 0].long() + 1).clamp_(max=self.ref.shape[0] - 1)
+        logits = torch.zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32, device=hidden.device)
+        return logits.scatter_(1, self.ref[p].unsqueeze(1), 1.0)
+
+    @staticmethod
+    def _float():
+        import torch
+
+        return torch.float32  # positions up to 2^24 exactly
+
+    def install(self, runner) -> None:
+        runner.forward = self.forward
+        runner.model.compute_logits = self.compute_logits
+
+
+def _timed(obj, name: str, acc: dict, key: str, clock) -> None:
+    """Wrap obj.name so its time on ``clock`` accumulates in acc[key] (seconds)."""
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t = clock()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] += clock() - t
+    setattr(obj, name, wrapper)
+
+
+# --host-clock: wall time, or the engine thread's CPU time (steadier on a shared machine;
+# it leaves out time spent waiting, e.g. for the device, unless the wait spins)
+HOST_CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+HOST_PHASES = ("schedule", "prepare_inputs", "sampling_metadata", "forward", "sampler", "proposer",
+               "sample_rest", "scheduler_update", "output_processor")
+
+
+def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs: list[tuple[list[int], list[int]]],
+              stub: bool = True) -> dict:
+    """Batch-1 decode of each reference (prompt ids, output ids), with the teacher-forced
+    stub (``stub``) or the real model: ms per model step of each phase (HOST_PHASES;
+    ``forward``: the model's forward and logits, the stub's with ``stub``; ``sample_rest``:
+    the sampling call's own work: the device-to-host copy, where the host waits for the
+    device, the emitted tokens, the drafts' padding; ``other``: the rest of a step's time),
+    counted from each request's first token on, on ``--host-clock``. With sync scheduling
+    each engine step is one model step, timed whole: ``verify_step_ms`` for those that
+    verified drafts, ``plain_step_ms`` for the others. With ``--host-repeats`` N the
+    references run N times and each figure is its smallest run."""
+    from collections import defaultdict
+
+    from pyengine import SamplingParams
+
+    llm = _llm(model, args, spec, async_scheduling=async_scheduling)
+    eng = llm.llm_engine
+    core = eng.engine_core
+    runner = core.model_runner
+    forcing = TeacherForcedModel(runner.dims.vocab_size, runner.device) if stub else None
+    if forcing is not None:
+        forcing.install(runner)
+    acc: dict = defaultdict(float)
+    sched = core.scheduler
+    clock = HOST_CLOCKS[args.host_clock]
+    for obj, name, key in ((sched, "schedule", "schedule"), (sched, "update_from_output", "scheduler_update"),
+                           (runner, "_prepare_inputs", "prepare_inputs"),
+                           (runner.sampling_state, "metadata", "sampling_metadata"),
+                           (runner, "forward", "forward"), (runner.model, "compute_logits", "forward"),
+                           (runner, "sampler", "sampler"), (runner, "rejection_sampler", "sampler"),
+                           (runner.drafter, "propose", "proposer"), (runner, "_sample", "sample_total"),
+                           (eng.output_processor, "process_outputs", "output_processor")):
+        if obj is not None:
+            _timed(obj, name, acc, key, clock)
+    last = {"n": 0, "drafts": False}
+    inner = runner.execute_model
+
+    def count(so, *a, **k):
+        last["n"] += 1
+        last["drafts"] = any(s.spec_token_ids for s in so.scheduled)
+        return inner(so, *a, **k)
+    runner.execute_model = count
+    warm, runs = refs[:1], []
+    same = True
+    for rep in range(max(args.host_repeats, 1)):
+        totals: dict = defaultdict(float)
+        steps = tokens = 0
+        for i, (prompt, out) in enumerate(warm + refs):
+            if forcing is not None:
+                forcing.set_reference(prompt + out)
+            sp = SamplingParams(temperature=0, max_tokens=len(out), ignore_eos=True)
+            eng.add_request(f"host{rep}-{i}", prompt, sp)
+            got: list[int] = []
+            while not got:
+                for ro in eng.step():
+                    got = list(ro.outputs[0].token_ids)
+            snap, m0, n0 = dict(acc), last["n"], len(got)
+            while eng.has_unfinished_requests():
+                step_snap = dict(acc) if not async_scheduling else None
+                m, t0 = last["n"], clock()
+                ros = eng.step()
+                dt = clock() - t0
+                if step_snap is not None and last["n"] == m + 1:
+                    kind = "verify" if last["drafts"] else "plain"
+                    totals[f"{kind}_wall"] += dt
+                    totals[f"{kind}_steps"] += 1
+                    for k, v in acc.items():
+                        totals[f"{kind}:{k}"] += v - step_snap.get(k, 0.0)
+                totals["wall"] += dt
+                for ro in ros:
+                    got = list(ro.outputs[0].token_ids)
+            same &= got == out
+            if i < len(warm):
+                for k in [k for k in totals]:
+                    totals[k] = 0.0
+                continue
+            steps += last["n"] - m0
+            tokens += len(got) - n0
+            for k, v in acc.items():
+                totals[k] += v - snap.get(k, 0.0)
+        for pre in ("", "verify:", "plain:"):
+            totals[pre + "sample_rest"] = (totals.pop(pre + "sample_total", 0.0) - totals.get(pre + "sampler", 0.0)
+                                           - totals.get(pre + "proposer", 0.0))
+        runs.append((steps, tokens, totals))
+        warm = []
+    stats = eng.get_stats()
+    common.shutdown_llm(llm)
+    del llm
+    common.free_cuda()
+    steps, tokens = runs[0][0], runs[0][1]  # (the same in every run)
+    best = {k: min(t.get(k, 0.0) for _, _, t in runs) for k in (*HOST_PHASES, "wall", "verify_wall", "plain_wall")}
+    ms = {k: 1e3 * best[k] / max(steps, 1) for k in HOST_PHASES}
+    wall_ms = 1e3 * best["wall"] / max(steps, 1)
+    ms["other"] = max(wall_ms - sum(ms.values()), 0.0)
+    kinds: dict = {}
+    for kind in ("verify", "plain"):
+        n = runs[0][2].get(f"{kind}_steps", 0)
+        kinds[f"{kind}_steps"] = int(n)
+        kinds[f"{kind}_step_ms"] = 1e3 * best[f"{kind}_wall"] / n if n else None
+        if n:
+            kp = {k: 1e3 * min(t.get(f"{kind}:{k}", 0.0) for _, _, t in runs) / n for k in HOST_PHASES}
+            kp["other"] = max(kinds[f"{kind}_step_ms"] - sum(kp.values()), 0.0)
+            kinds[f"{kind}_phases_ms"] = kp
+    drafts = stats.spec_num_drafts
+    return {"async_scheduling": async_scheduling, "spec": spec is not None, "stub": stub, "steps": steps,
+            "output_tokens": tokens, "tokens_per_step": tokens / max(steps, 1), "wall_ms_per_step": wall_ms,
+            "wall_ms_per_token": wall_ms * steps / max(tokens, 1), **kinds,
+            "host_ms_per_step": wall_ms - ms["forward"] if stub else None,
+            "phases_ms_per_step": ms, "tokens_identical": same, "runs": len(runs), "clock": args.host_clock,
+            "mean_acceptance_length": 1 + stats.spec_num_accepted_tokens / drafts if drafts else None}
+
+
+def host_phases(model: str, args, prompts: list[str]) -> dict:
+    """The ``host`` part: record the real model's greedy outputs, then time plain decode
+    (async and sync scheduling) and ngram speculation on them with the teacher-forced stub,
+    and on CUDA (or with ``--host-real``) with the real model too."""
+    from pyengine import SamplingParams
+
+    llm = _llm(model, args, None)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len), use_tqdm=False)
+    refs = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+    common.shutdown_llm(llm)
+    del llm
+    common.free_cuda()
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max}
+    rows = {}
+    for stub in (True, False) if args.device == "cuda" or args.host_real else (True,):
+        tag = "" if stub else "_real"
+        rows["plain_async" + tag] = _host_run(model, args, None, True, refs, stub)
+        rows["plain_sync" + tag] = _host_run(model, args, None, False, refs, stub)
+        rows["ngram" + tag] = _host_run(model, args, spec, False, refs, stub)
+
+    def r3(x):
+        return None if x is None else round(x, 3)
+    heads = ["mode", "steps", "tokens/step", "ms/token", "ms/step"] + list(HOST_PHASES) + ["other"]
+    table = []
+    for name, r in rows.items():
+        table.append([name, r["steps"], r3(r["tokens_per_step"]), r3(r["wall_ms_per_token"]), r3(r["wall_ms_per_step"])]
+                     + [r3(r["phases_ms_per_step"][k]) for k in (*HOST_PHASES, "other")])
+        if r["spec"]:
+            for kind in ("verify", "plain"):
+                if r.get(f"{kind}_phases_ms"):
+                    table.append([f"{name}: {kind} steps", r[f"{kind}_steps"], "", "", r3(r[f"{kind}_step_ms"])]
+                                 + [r3(r[f"{kind}_phases_ms"][k]) for k in (*HOST_PHASES, "other")])
+    print(common.md_table(heads, table), flush=True)
+    return {"spec_config": spec, **rows}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="ngram,draft,throughput")
@@ -211,6 +429,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--cutoff", type=int, default=32, help="disable_by_batch_size of the throughput part")
     p.add_argument("--repeats", type=int, default=3, help="throughput runs per engine (the best counts)")
+    p.add_argument("--host-clock", choices=sorted(HOST_CLOCKS), default="wall",
+                   help="the host part's clock: wall time, or the engine thread's CPU time")
+    p.add_argument("--host-real", action="store_true", help="host part: also with the real model (on CUDA always)")
+    p.add_argument("--host-repeats", type=int, default=1,
+                   help="host part: runs per mode; each phase's figure is its smallest over the runs")
     p.add_argument("--tiny", action="store_true", help="a CPU smoke run: a tiny target, few tokens")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dtype", default=None)
@@ -236,6 +459,8 @@ def main(argv: list[str] | None = None) -> dict:
         fields["draft"]["target_params"] = _params(target)
         fields["draft"]["draft_params"] = _params(model)
         print("draft:", {k: v for k, v in fields["draft"].items() if k != "spec_config"}, flush=True)
+    if "host" in parts:
+        fields["host"] = host_phases(model, args, prompts)
     if "throughput" in parts:
         fields["throughput"] = throughput(model, args, prompts)
         print("throughput:", fields["throughput"], flush=True)

@@ -8,7 +8,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_spec spec_bench spec_bench_draft gpufix_tests gpufix_quant_kernels gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: gpu_spec spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
@@ -77,6 +77,9 @@ step 360 quant_bench python3 benchmarks/quant.py "$OUT"
 # step: it trains the >= 50M target with tools/train_default_model.py first) the draft-model pair
 step 200 gpu_spec python3 -m pytest -q -m gpu tests/spec_decode -p no:cacheprovider --tb=short -o faulthandler_timeout=180
 step 300 spec_bench python3 benchmarks/spec_decode.py --parts ngram,throughput --json "$OUT/spec_decode.json"
+# where a batch-1 step's time goes (plain async / sync decode vs ngram verify and draftless steps), with a
+# teacher-forced stub for the model (host time only) and with the real model (the difference: the device's share)
+step 300 spec_host python3 benchmarks/spec_decode.py --parts host --host-repeats 2 --json "$OUT/spec_host.json"
 step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 4 --json "$OUT/spec_decode_draft.json"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"

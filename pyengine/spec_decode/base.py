@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Proposer", "TokenProposer", "num_drafts_wanted"]
+__all__ = ["Proposer", "TokenProposer", "num_drafts_wanted", "drafts_by_depth"]
 
 
 def num_drafts_wanted(spec, so, s, num_new_tokens: int, max_model_len: int) -> int:
@@ -73,12 +73,14 @@ class TokenProposer(Proposer):
         return out
 
 
-def draft_attn_metadata(seqs, block_size: int, device):
+def draft_attn_metadata(seqs, block_size: int, device, token_ids: torch.Tensor | None = None):
     """Inputs of a proposer model's forward over ``seqs``: (start position, token ids,
     block ids) per request, its tokens at positions start .. start + len - 1 over the
     cached context before ``start``. Returns (ids int64 [T], positions int64 [T],
     ``AttentionMetadata``) on ``device``; a position past the request's blocks gets slot
-    -1 (not written). Raises ValueError for an empty ``seqs``."""
+    -1 (not written). ``token_ids``: the T ids already on the device (the previous draft
+    step's tokens: no host round trip), returned as the ids; only the lengths of the
+    ``seqs``' token lists are read then. Raises ValueError for an empty ``seqs``."""
     import numpy as np
 
     from pyengine.attention.backend import AttentionMetadata
@@ -105,7 +107,17 @@ def draft_attn_metadata(seqs, block_size: int, device):
     meta = AttentionMetadata(T, R, max(len(t) for _, t, _ in seqs), max(seq), qsl_t.to(device), seq_t.to(device),
                              torch.from_numpy(bt).to(device), torch.tensor(slots, dtype=torch.int64).to(device),
                              qsl_t, seq_t)
-    return (torch.tensor(ids, dtype=torch.int64).to(device), torch.tensor(pos, dtype=torch.int64).to(device), meta)
+    if token_ids is None:
+        token_ids = torch.tensor(ids, dtype=torch.int64).to(device)
+    return token_ids, torch.tensor(pos, dtype=torch.int64).to(device), meta
+
+
+def drafts_by_depth(cols: list[torch.Tensor], rows: list[list]) -> list[tuple[object, int]]:
+    """The draft tokens of a proposer's steps, copied to the host at once (one sync):
+    ``cols[j]``: the tokens drafted at depth j (int64, device), one per entry of
+    ``rows[j]``; returns (entry, token) pairs, depth by depth."""
+    flat = torch.cat(cols).tolist()
+    return list(zip((e for r in rows for e in r), flat))
 
 
 def load_draft(config, hf_config, model_dir: str, block_size: int):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pyengine.spec_decode.base import Proposer, draft_attn_metadata, kv_bytes, load_draft, num_drafts_wanted
+from pyengine.spec_decode.base import Proposer, draft_attn_metadata, drafts_by_depth, kv_bytes, load_draft, num_drafts_wanted
 
 __all__ = ["DraftModelProposer"]
 
@@ -86,24 +86,29 @@ class DraftModelProposer(Proposer):
             want.append((s, k))
             ends.append(end)
             self._valid[r.request_id] = (s.epoch, end)
-        drafts = {}
+        drafts: dict[int, list[int]] = {}
         if seqs:
             ids, pos, meta = draft_attn_metadata(seqs, self.block_size, self.device)
             h = self._forward(ids, pos, meta)
-            last = torch.tensor([meta.query_start_loc_cpu[i + 1].item() - 1 for i, (_, k) in enumerate(want) if k],
-                                dtype=torch.int64)
-            if last.numel():
-                tok = self.model.compute_logits(h[last.to(self.device)]).argmax(dim=-1).tolist()
-                active = [(i, s, k) for i, (s, k) in enumerate(want) if k]
-                for (_, s, _), t in zip(active, tok):
-                    drafts[id(s)] = [t]
+            active = [(i, s, k) for i, (s, k) in enumerate(want) if k]
+            if active:
+                qsl = meta.query_start_loc_cpu.tolist()
+                last = torch.tensor([qsl[i + 1] - 1 for i, _, _ in active], dtype=torch.int64).to(self.device)
+                # each depth's tokens stay on the device and feed the next depth; one copy at the end
+                tok = self.model.compute_logits(h[last]).argmax(dim=-1)
+                cols, rows = [tok], [active]
                 for j in range(1, max(k for _, _, k in active)):
-                    active = [(i, s, k) for i, s, k in active if k > j]
-                    if not active:
+                    keep = [a for a, (_, _, k) in enumerate(active) if k > j]
+                    if not keep:
                         break
-                    batch = [(ends[i] - 1 + j, [drafts[id(s)][-1]], s.block_ids) for i, s, _ in active]
-                    ids, pos, meta = draft_attn_metadata(batch, self.block_size, self.device)
-                    tok = self.model.compute_logits(self._forward(ids, pos, meta)).argmax(dim=-1).tolist()
-                    for (_, s, _), t in zip(active, tok):
-                        drafts[id(s)].append(t)
+                    if len(keep) < len(active):
+                        tok = tok[torch.tensor(keep, dtype=torch.int64).to(self.device)]
+                        active = [active[a] for a in keep]
+                    batch = [(ends[i] - 1 + j, (0,), s.block_ids) for i, s, _ in active]
+                    ids, pos, meta = draft_attn_metadata(batch, self.block_size, self.device, token_ids=tok)
+                    tok = self.model.compute_logits(self._forward(ids, pos, meta)).argmax(dim=-1)
+                    cols.append(tok)
+                    rows.append(active)
+                for (_, s, _), t in drafts_by_depth(cols, rows):
+                    drafts.setdefault(id(s), []).append(t)
         return [drafts.get(id(s), []) for s in sampled]

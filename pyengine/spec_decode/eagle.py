@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pyengine.spec_decode.base import Proposer, draft_attn_metadata, kv_bytes, num_drafts_wanted
+from pyengine.spec_decode.base import Proposer, draft_attn_metadata, drafts_by_depth, kv_bytes, num_drafts_wanted
 
 __all__ = ["Eagle3Proposer"]
 
@@ -102,32 +102,35 @@ class Eagle3Proposer(Proposer):
                 want.append((s, k))
                 last_pos.append(start + c - 1)
             row += n
-        drafts = {}
+        drafts: dict[int, list[int]] = {}
         if seqs:
             ids, pos, meta = draft_attn_metadata(seqs, self.block_size, self.device)
             h_in = self.model.combine_hidden_states(aux[torch.cat(rows).to(self.device)])
             normed, pre = self.model(ids, pos, h_in, meta)
             act = [i for i, (_, k) in enumerate(want) if k]
             if act:
-                last = torch.tensor([int(meta.query_start_loc_cpu[i + 1]) - 1 for i in act], device=self.device)
+                qsl = meta.query_start_loc_cpu.tolist()
+                last = torch.tensor([qsl[i + 1] - 1 for i in act], dtype=torch.int64).to(self.device)
+                # each depth's tokens stay on the device and feed the next depth; one copy at the end
                 tok = self.model.compute_draft_tokens(normed[last])
                 h = pre[last]
                 active = [(want[i][0], want[i][1], last_pos[i]) for i in act]
-                out = tok.tolist()
-                for (s, _, _), t in zip(active, out):
-                    drafts[id(s)] = [t]
+                cols, out_rows = [tok], [active]
                 for j in range(1, max(k for _, k, _ in active)):
                     keep = [a for a, (_, k, _) in enumerate(active) if k > j]
                     if not keep:
                         break
-                    active = [active[a] for a in keep]
-                    h = h[torch.tensor(keep, device=self.device)]
-                    tok = tok[torch.tensor(keep, device=self.device)]
-                    batch = [(p + j, [drafts[id(s)][-1]], s.block_ids) for s, _, p in active]
-                    ids, pos, meta = draft_attn_metadata(batch, self.block_size, self.device)
+                    if len(keep) < len(active):
+                        idx = torch.tensor(keep, dtype=torch.int64).to(self.device)
+                        h, tok = h[idx], tok[idx]
+                        active = [active[a] for a in keep]
+                    batch = [(p + j, (0,), s.block_ids) for s, _, p in active]
+                    ids, pos, meta = draft_attn_metadata(batch, self.block_size, self.device, token_ids=tok)
                     normed, h = self.model(ids, pos, h, meta)
                     tok = self.model.compute_draft_tokens(normed)
-                    for (s, _, _), t in zip(active, tok.tolist()):
-                        drafts[id(s)].append(t)
+                    cols.append(tok)
+                    out_rows.append(active)
+                for (s, _, _), t in drafts_by_depth(cols, out_rows):
+                    drafts.setdefault(id(s), []).append(t)
         self.target.aux_hidden_states = None
         return [drafts.get(id(s), []) for s in sampled]

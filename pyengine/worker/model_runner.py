@@ -118,10 +118,16 @@ class ModelRunner:
         self.graph_runner = None  # CUDAGraphRunner once captured (CUDA, triton backend, not enforce_eager)
         self.verify_graph_runner = None  # the same for uniform speculative verification steps
         self.graph_capture_time_s = 0.0
+        self._draft_ids_host: torch.Tensor | None = None  # (CUDA, speculation) a verification's draft ids
         if self._is_cuda:
             self._copy_stream = torch.cuda.Stream()
             self._pinned = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._pinned_idx = 0
+            if self.spec_config is not None:
+                # reused every verification: the step waits for its results, so the copy
+                # out of this buffer is done before the next one refills it
+                n = config.max_num_seqs * (self.spec_config.num_speculative_tokens + 1)
+                self._draft_ids_host = torch.empty(n, dtype=torch.int64, pin_memory=True)
 
     # ---- KV cache ------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -483,13 +489,32 @@ class ModelRunner:
             full = torch.zeros(len(draft_ids), grammar_output.bitmask.shape[1], dtype=grammar_output.bitmask.dtype)
             full[rows] = grammar_output.bitmask[grammar_output.rows]
             apply_token_bitmask(logits, full.to(self.device, non_blocking=True), rows)
-        d_host = torch.tensor(draft_ids, dtype=torch.int64)
-        out = self.rejection_sampler(logits, meta_s, d_host.to(self.device, non_blocking=True), d_host >= 0)
-        cand, acc = out.candidate.tolist(), out.accepted.tolist()
+        greedy = meta_s.all_greedy
+        if greedy:  # the drafts stay on the host: a greedy row accepts its draft when it is the argmax
+            d_dev = None
+        elif self._draft_ids_host is not None:
+            d_host = self._draft_ids_host[:len(draft_ids)]
+            d_host.numpy()[:] = draft_ids
+            d_dev = d_host.to(self.device, non_blocking=True)
+        else:
+            d_dev = torch.tensor(draft_ids, dtype=torch.int64, device=self.device)
+        has_draft = [d >= 0 for d in draft_ids] if meta_s.generators else None  # (seeded rows' draw order)
+        out = self.rejection_sampler(logits, meta_s, d_dev, has_draft)
+        # One device-to-host copy (one sync) for the verification's result; the logprobs'
+        # copies are queued before it, so they are done when it is.
+        lp_host = None
+        if out.logprobs is not None:
+            lp_host = [t.to("cpu", non_blocking=True) for t in (out.logprobs_token_ids, out.logprobs, out.ranks)]
+        if greedy:
+            cand = out.candidate.tolist()
+            acc = [c == d for c, d in zip(cand, draft_ids)]
+        else:
+            assert out.accepted is not None  # (verified with the draft ids)
+            cand, acc = torch.stack((out.candidate, out.accepted.to(torch.int64))).tolist()
         generated = [RejectionSampler.emitted(cand, acc, st, len(s.spec_token_ids)) for st, s in zip(starts, sampled)]
         glps = None
-        if out.logprobs is not None:
-            ids_l, lps_l, ranks_l = out.logprobs_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
+        if lp_host is not None:
+            ids_l, lps_l, ranks_l = (t.tolist() for t in lp_host)
             glps = []
             for st, s, g in zip(starts, sampled, generated):
                 k = s.request.sampling_params.logprobs

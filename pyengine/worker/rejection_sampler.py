@@ -54,14 +54,15 @@ class RejectionOutput:
 
     candidate: int64 [N], the token the row emits if the run gets that far: the draft
       when it was accepted, else the target's (greedy argmax, recovered or bonus sample).
-    accepted: bool [N], the row's draft was accepted (False on rows without a draft).
+    accepted: bool [N], the row's draft was accepted (False on rows without a draft); None
+      for all-greedy rows verified without their draft ids (see ``RejectionSampler``).
     logprobs_token_ids / logprobs / ranks: as ``SamplerOutput``'s, for ``candidate``
       (raw model logprobs); None when no row asked for logprobs.
 
     A request's emitted tokens are ``candidate`` over its rows up to and including the
     first row that is not accepted (``RejectionSampler.emitted``)."""
     candidate: torch.Tensor
-    accepted: torch.Tensor
+    accepted: torch.Tensor | None
     logprobs_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     ranks: torch.Tensor | None = None
@@ -71,12 +72,13 @@ def draw_randomness(num_rows: int, vocab_size: int, draft_rows: torch.Tensor,
                     generators: dict[int, torch.Generator], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(uniforms float32 [N] in [0, 1), exponentials float32 [N, V] ~ Exp(1)). Rows in
     ``generators`` draw from their generator, in row order: a uniform first when the row
-    has a draft (``draft_rows``: bool [N], host), then the exponential vector."""
+    has a draft (``draft_rows``: N bools on the host, a tensor or a sequence; read only
+    when there are generators), then the exponential vector."""
     u = torch.rand(num_rows, device=device)
     e = torch.empty(num_rows, vocab_size, device=device)
     if len(generators) != num_rows:
         e.exponential_()
-    has_draft = draft_rows.tolist() if generators else ()
+    has_draft = (draft_rows.tolist() if isinstance(draft_rows, torch.Tensor) else list(draft_rows)) if generators else ()
     for i, g in sorted(generators.items()):
         if has_draft[i]:
             u[i:i + 1].uniform_(generator=g)
@@ -118,8 +120,8 @@ def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: tor
 class RejectionSampler:
     """Stateless; ``sampler(logits, meta, draft_ids)``."""
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor,
-                 draft_rows_host: torch.Tensor) -> RejectionOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor | None,
+                 draft_rows_host=None) -> RejectionOutput:
         """Verify a batch of rows.
 
         Args:
@@ -128,13 +130,22 @@ class RejectionSampler:
                 parameters and generator; row j's output tokens include the drafts
                 before it).
             draft_ids: int64 [N] (device), the draft token each row checks, -1 for none.
-            draft_rows_host: bool [N] (host), ``draft_ids >= 0``.
+                May be None when ``meta.all_greedy``: the candidates are then the argmaxes
+                whatever the drafts, ``accepted`` is None, and the caller compares them
+                with its drafts (a greedy row accepts its draft when it is the argmax).
+            draft_rows_host: N bools (host: a tensor or a sequence), ``draft_ids >= 0``;
+                needed only when ``meta`` has generators (seeded random rows).
         Raises:
-            ValueError: if ``logits`` is not [N, V] with N = meta's rows.
+            ValueError: if ``logits`` is not [N, V] with N = meta's rows, ``draft_ids``
+                is missing for rows that are not all greedy, or ``draft_rows_host`` is
+                missing while ``meta`` has generators.
         """
-        if logits.dim() != 2 or logits.shape[0] != meta.batch_size or draft_ids.shape[0] != meta.batch_size:
+        n_drafts = meta.batch_size if draft_ids is None else draft_ids.shape[0]
+        if logits.dim() != 2 or logits.shape[0] != meta.batch_size or n_drafts != meta.batch_size:
             raise ValueError(f"logits must be [N={meta.batch_size}, V] with one draft id per row, got "
-                             f"{tuple(logits.shape)} and {tuple(draft_ids.shape)}.")
+                             f"{tuple(logits.shape)} and {n_drafts} draft ids.")
+        if draft_ids is None and not meta.all_greedy:
+            raise ValueError("draft_ids are needed for rows that are not all greedy.")
         logits = logits.float()
         raw = compute_logprobs(logits) if meta.max_num_logprobs is not None else None
         x = apply_allowed_token_ids(logits, meta)
@@ -142,25 +153,27 @@ class RejectionSampler:
         x = apply_min_tokens(x, meta)
         x = apply_penalties(x, meta)
         if meta.all_greedy:
+            # the argmax, accepted or not; a row without a draft (-1) never equals it
             target = x.argmax(dim=-1)
-            accepted = (target == draft_ids) & (draft_ids >= 0)
+            out = RejectionOutput(target, None if draft_ids is None else target == draft_ids)
         else:
             t = apply_temperature(x, meta.temperature, meta.all_random)
             if not meta.no_min_p:
                 t = apply_min_p(t, meta.min_p)
             t = apply_top_k_top_p(t, meta.top_k, meta.top_p, meta.max_top_k)
             probs = torch.softmax(t, dim=-1)
+            if meta.generators and draft_rows_host is None:
+                raise ValueError("draft_rows_host is needed for rows with a generator (seeded rows).")
             u, e = draw_randomness(probs.shape[0], probs.shape[1], draft_rows_host, meta.generators, probs.device)
             accepted, target = rejection_sample(probs, draft_ids, u, e)
             if not meta.all_random:
                 greedy_rows = meta.temperature < _SAMPLING_EPS
                 g = x.argmax(dim=-1)
                 target = torch.where(greedy_rows, g, target)
-                accepted = torch.where(greedy_rows, (g == draft_ids) & (draft_ids >= 0), accepted)
-        candidate = torch.where(accepted, draft_ids, target)
-        out = RejectionOutput(candidate, accepted)
+                accepted = torch.where(greedy_rows, g == draft_ids, accepted)
+            out = RejectionOutput(torch.where(accepted, draft_ids, target), accepted)
         if raw is not None:
-            out.logprobs_token_ids, out.logprobs, out.ranks = gather_logprobs(raw, meta.max_num_logprobs, candidate)
+            out.logprobs_token_ids, out.logprobs, out.ranks = gather_logprobs(raw, meta.max_num_logprobs, out.candidate)
         return out
 
     @staticmethod

@@ -2,14 +2,26 @@
 ``torch.Generator`` of each seeded random request, and (async scheduling) the state it
 had before its last draw, so a draw whose token was dropped can be undone. Builds each
 step's ``SamplingMetadata`` (mirrors the role of vllm/v1/worker/gpu_input_batch.py's
-sampling state)."""
+sampling state).
+
+A step whose rows read nothing that changes from step to step (no penalties, min_tokens,
+bad words or seeded generator: plain greedy / temperature / top-k / top-p rows, the
+common case) gets the metadata built for the same rows before, if it is among the last
+few built: at batch 1 that is every step but the first (and, with speculation, the
+first of each row count), saving the per-row build and its host-to-device copy. A
+request's ``SamplingParams`` are not changed while it runs."""
 from __future__ import annotations
+
+from operator import is_
 
 import torch
 
 from pyengine.worker.sampler import SamplingMetadata
 
 __all__ = ["SamplingState"]
+
+# static metadata kept (plain decode and a verification row count or two at batch 1)
+_STATIC_KEPT = 4
 
 
 class SamplingState:
@@ -21,6 +33,9 @@ class SamplingState:
         self.device, self.vocab_size, self.async_scheduling = device, vocab_size, async_scheduling
         self.generators: dict[str, torch.Generator] = {}
         self._state_before_draw: dict[str, torch.Tensor] = {}
+        # metadata of steps whose rows read no per-step state, newest first:
+        # (each request's params, each request's row count, metadata)
+        self._static: list[tuple[tuple, tuple, SamplingMetadata]] = []
 
     def forget(self, request_ids) -> None:
         """These requests finished: drop their generators."""
@@ -41,6 +56,18 @@ class SamplingState:
     def clear(self) -> None:
         self.generators.clear()
         self._state_before_draw.clear()
+        self._static.clear()
+
+    def _cached(self, params: tuple, rows: tuple) -> SamplingMetadata | None:
+        for p, r, meta in self._static:
+            if r == rows and all(map(is_, p, params)):
+                return meta
+        return None
+
+    def _keep(self, params: tuple, rows: tuple, meta: SamplingMetadata) -> SamplingMetadata:
+        self._static.insert(0, (params, rows, meta))
+        del self._static[_STATIC_KEPT:]
+        return meta
 
     def metadata(self, sampled, ph_flags, spec: bool = False) -> SamplingMetadata:
         """The step's ``SamplingMetadata`` for the ``sampled`` rows (``ScheduledRequest``s);
@@ -51,9 +78,14 @@ class SamplingState:
         request's parameters and generator and, as output tokens, its output followed by
         its first ``j`` drafts (so penalties, min_tokens and bad words see the context
         that row is verified in)."""
-        if spec and any(s.spec_token_ids for s in sampled):
-            return self._spec_metadata(sampled)
-        params = [s.request.sampling_params for s in sampled]
+        params = tuple(s.request.sampling_params for s in sampled)
+        spec = spec and any(s.spec_token_ids for s in sampled)
+        rows = tuple(len(s.spec_token_ids) + 1 for s in sampled) if spec else (1,) * len(sampled)
+        meta = self._cached(params, rows)
+        if meta is not None:
+            return meta
+        if spec:
+            return self._spec_metadata(sampled, params, rows)
         need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                           for p in params)
         # bad words alone need only the last (longest banned sequence - 1) output tokens
@@ -84,12 +116,15 @@ class SamplingState:
                 if self.async_scheduling:
                     self._state_before_draw[rid] = g.get_state()  # host-side copy, no sync
             gens.append(g)
-        return SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device)
+        meta = SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device)
+        if need_tokens or tail or any(g is not None for g in gens):
+            return meta
+        return self._keep(params, rows, meta)
 
-    def _spec_metadata(self, sampled) -> SamplingMetadata:
+    def _spec_metadata(self, sampled, req_params: tuple, rows: tuple) -> SamplingMetadata:
         params, prompts, outs, gens = [], [], [], []
         need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                          or p.bad_words_token_ids for p in (s.request.sampling_params for s in sampled))
+                          or p.bad_words_token_ids for p in req_params)
         for s in sampled:
             r, sp, rid = s.request, s.request.sampling_params, s.request.request_id
             g = None
@@ -104,4 +139,7 @@ class SamplingState:
                 prompts.append(r.prompt_token_ids if need_tokens else ())
                 outs.append(list(o) + s.spec_token_ids[:j] if need_tokens else ())
                 gens.append(g)
-        return SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device)
+        meta = SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device)
+        if need_tokens or any(g is not None for g in gens):
+            return meta
+        return self._keep(req_params, rows, meta)

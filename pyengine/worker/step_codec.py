@@ -117,11 +117,85 @@ def control_header(op: int, n: int) -> np.ndarray:
     return np.array([KIND_CONTROL, op, n] + [0] * (HEADER_LEN - 3), dtype=np.int64)
 
 
+# Steps of at most this many tokens are packed with Python lists and one array per buffer
+# (``_pack_small``): at batch 1 the vectorised path's ~25 numpy calls cost more than the work.
+SMALL_STEP_TOKENS = 32
+
+
 def pack_step(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -> PackedStep:
     """All integer inputs of the step, host side (the layout above). ``prev_rows``: the
     row of each request in the previous step's sampled ids, for its placeholder input.
     A request with draft tokens (``spec_token_ids``, k of them) feeds them after its
     known tokens and has its last 1 + k rows sampled (verification)."""
+    if so.total_num_scheduled_tokens <= SMALL_STEP_TOKENS:
+        return _pack_small(so, block_size, prev_rows)
+    return _pack_vectorised(so, block_size, prev_rows)
+
+
+def _step_tokens(s, toks: list[int], ph_rows: list[int], ph_src: list[int], prev_rows: dict[str, int]) -> None:
+    """Append the tokens ``s`` (a ScheduledRequest) feeds; a placeholder's row and source."""
+    start, n = s.num_computed_tokens, s.num_new_tokens
+    all_ids = s.request.all_token_ids
+    if s.placeholder_input:
+        # Fed from the previous step's sampled ids, still on the device.
+        toks.extend(all_ids[start:start + n - 1])
+        ph_rows.append(len(toks))
+        ph_src.append(prev_rows[s.request.request_id])
+        toks.append(0)
+    elif n == 1:
+        toks.append(all_ids[start])
+    elif s.spec_token_ids:  # the known tokens, then the drafts (speculative decoding)
+        toks.extend(all_ids[start:start + n - len(s.spec_token_ids)])
+        toks.extend(s.spec_token_ids)
+    else:
+        toks.extend(all_ids[start:start + n])
+
+
+def _pack_small(so: SchedulerOutput, bs: int, prev_rows: dict[str, int]) -> PackedStep:
+    """``pack_step`` of a step of few tokens: the same buffers, built in Python."""
+    sched = so.scheduled
+    T, R = so.total_num_scheduled_tokens, len(sched)
+    toks: list[int] = []
+    ph_rows: list[int] = []
+    ph_src: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    rows: list[int] = []
+    max_blocks = max_q = max_seq = 0
+    for s in sched:
+        start, n = s.num_computed_tokens, s.num_new_tokens
+        _step_tokens(s, toks, ph_rows, ph_src, prev_rows)
+        blocks = s.block_ids
+        for p in range(start, start + n):
+            positions.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+        end = qsl[-1] + n
+        qsl.append(end)
+        seq_lens.append(start + n)
+        if s.sample:
+            rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+        max_blocks = max(max_blocks, len(blocks))
+        max_q = max(max_q, n)
+        max_seq = max(max_seq, start + n)
+    shape = StepShape(T, R, len(ph_rows), len(rows), max_blocks, max_q, max_seq)
+    tp, pp = shape.tokens_padded - T, shape.placeholders_padded - len(ph_rows)
+    z = [0] * max(tp, pp)
+    buf64 = np.array(toks + z[:tp] + positions + z[:tp] + slots + z[:tp] + ph_rows + z[:pp] + ph_src + z[:pp]
+                     + rows, dtype=np.int64)
+    buf32 = np.zeros(shape.int32_len, dtype=np.int32)
+    buf32[:R + 1] = qsl
+    buf32[shape.seq_lens_offset:shape.seq_lens_offset + R] = seq_lens
+    bto = shape.block_table_offset
+    for i, s in enumerate(sched):
+        o = bto + i * max_blocks
+        buf32[o:o + len(s.block_ids)] = s.block_ids
+    return PackedStep(shape, buf64, buf32)
+
+
+def _pack_vectorised(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -> PackedStep:
+    """``pack_step`` of a large step: positions and slots computed by numpy."""
     sched = so.scheduled
     T, R, bs = so.total_num_scheduled_tokens, len(sched), block_size
     toks: list[int] = []
@@ -133,22 +207,8 @@ def pack_step(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -
     buf32 = np.zeros(shape.int32_len, dtype=np.int32)
     block_table = buf32[shape.block_table_offset:].reshape(R, max_blocks)
     for i, s in enumerate(sched):
-        start, n = s.num_computed_tokens, s.num_new_tokens
-        starts[i], ns[i] = start, n
-        all_ids = s.request.all_token_ids
-        if s.placeholder_input:
-            # Fed from the previous step's sampled ids, still on the device.
-            toks.extend(all_ids[start:start + n - 1])
-            ph_rows.append(len(toks))
-            ph_src.append(prev_rows[s.request.request_id])
-            toks.append(0)
-        elif n == 1:
-            toks.append(all_ids[start])
-        elif s.spec_token_ids:  # the known tokens, then the drafts (speculative decoding)
-            toks.extend(all_ids[start:start + n - len(s.spec_token_ids)])
-            toks.extend(s.spec_token_ids)
-        else:
-            toks.extend(all_ids[start:start + n])
+        starts[i], ns[i] = s.num_computed_tokens, s.num_new_tokens
+        _step_tokens(s, toks, ph_rows, ph_src, prev_rows)
         block_table[i, :len(s.block_ids)] = s.block_ids
     qsl = buf32[:R + 1]
     np.cumsum(ns, out=qsl[1:])
@@ -160,7 +220,7 @@ def pack_step(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -
             end = int(qsl[i + 1])
             rows.extend(range(end - 1 - len(s.spec_token_ids), end))
     shape = StepShape(T, R, len(ph_rows), len(rows), max_blocks, int(ns.max()), int(seq_lens.max()))
-    buf64 = np.empty(shape.int64_len, dtype=np.int64)
+    buf64 = np.zeros(shape.int64_len, dtype=np.int64)  # (padding zeroed: the same bytes as _pack_small's)
     buf64[:T] = toks
     req_of_tok = np.repeat(np.arange(R), ns)
     positions = buf64[shape.positions_offset:shape.positions_offset + T]

@@ -76,6 +76,24 @@ def test_greedy_accepts_the_argmax_run_then_the_target_token():
     assert RejectionSampler.emitted(out.candidate.tolist(), out.accepted.tolist(), 0, 3) == [1]
 
 
+def test_greedy_rows_verify_without_their_draft_ids():
+    """All-greedy rows need no draft ids on the device: the candidates are the argmaxes,
+    the caller compares them with its drafts; other rows must have them."""
+    logits = torch.tensor([[0, 5, 0, 0, 0, 0], [0, 0, 5, 0, 0, 0], [0, 0, 0, 5, 0, 0], [5, 0, 0, 0, 0, 0.]])
+    sp = SamplingParams(temperature=0, presence_penalty=2.0)  # (penalties apply to the rows)
+    meta = _meta([sp] * 4, outs=[[], [1], [1, 2], [1, 2, 4]])
+    drafts = [1, 2, 4, -1]
+    d = torch.tensor(drafts)
+    with_ids, without = RejectionSampler()(logits, meta, d, d >= 0), RejectionSampler()(logits, meta, None)
+    assert without.accepted is None and torch.equal(without.candidate, with_ids.candidate)
+    cand = without.candidate.tolist()
+    acc = [c == x for c, x in zip(cand, drafts)]
+    assert acc == with_ids.accepted.tolist()
+    assert RejectionSampler.emitted(cand, acc, 0, 3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="draft_ids"):
+        RejectionSampler()(logits, _meta([SamplingParams(temperature=1.0)] * 4), None)
+
+
 def test_penalties_and_top_k_apply_to_the_target_rows():
     # token 1 leads every row, but row j's context holds the drafts before it: with a huge
     # presence penalty a draft of 1 at row 1 is rejected (1 was already drafted at row 0)

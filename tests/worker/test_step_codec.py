@@ -1,0 +1,93 @@
+"""The packed step format: the small-step packer (Python lists) gives the same bytes as the
+vectorised one on every kind of row (decode, prefill chunk, placeholder input, drafts),
+and both hold what the layout says."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
+from pyengine.worker.step_codec import SMALL_STEP_TOKENS, _pack_small, _pack_vectorised, pack_step
+
+BS = 4
+
+
+def _random_step(rng: random.Random, max_tokens: int) -> tuple[SchedulerOutput, dict[str, int]]:
+    sched, prev_rows, total = [], {}, 0
+    for i in range(rng.randint(1, 5)):
+        kind = rng.choice(["decode", "prefill", "placeholder", "drafts"])
+        start = rng.randint(0, 40)
+        drafts: list[int] = []
+        if kind == "decode":
+            n = 1
+        elif kind == "drafts":
+            drafts = [rng.randrange(100) for _ in range(rng.randint(1, 6))]
+            n = 1 + len(drafts)
+        else:
+            n = rng.randint(1, 9)
+        if total + n > max_tokens:
+            break
+        total += n
+        known = start + n - len(drafts)
+        req = SimpleNamespace(request_id=f"r{i}", all_token_ids=[rng.randrange(100) for _ in range(known)])
+        blocks = rng.sample(range(1, 200), -(-(start + n) // BS) + rng.randint(0, 2))
+        ph = kind == "placeholder"
+        if ph:
+            prev_rows[req.request_id] = rng.randrange(8)
+        sample = kind != "prefill" or rng.random() < 0.5
+        sched.append(ScheduledRequest(req, n, start, blocks, sample, ph, 0, drafts))
+    return SchedulerOutput(sched, total), prev_rows
+
+
+def _check_layout(step, so, prev_rows):
+    sh, b64, b32 = step.shape, step.buf64, step.buf32
+    T, R = sh.num_tokens, sh.num_reqs
+    pos = b64[sh.positions_offset:sh.positions_offset + T]
+    slots = b64[sh.slot_mapping_offset:sh.slot_mapping_offset + T]
+    qsl = b32[:R + 1]
+    bt = b32[sh.block_table_offset:].reshape(R, sh.max_blocks)
+    rows = b64[sh.sample_rows_offset:sh.sample_rows_offset + sh.num_sampled].tolist()
+    want_rows = []
+    for i, s in enumerate(so.scheduled):
+        a, b = int(qsl[i]), int(qsl[i + 1])
+        assert b - a == s.num_new_tokens
+        assert pos[a:b].tolist() == list(range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
+        assert slots[a:b].tolist() == [s.block_ids[p // BS] * BS + p % BS for p in pos[a:b].tolist()]
+        assert bt[i, :len(s.block_ids)].tolist() == s.block_ids and not bt[i, len(s.block_ids):].any()
+        ids = b64[a:b].tolist()
+        if s.spec_token_ids:
+            assert ids[len(ids) - len(s.spec_token_ids):] == s.spec_token_ids
+        if not s.placeholder_input:
+            known = s.num_new_tokens - len(s.spec_token_ids)
+            assert ids[:known] == s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + known]
+        if s.sample:
+            want_rows += list(range(b - 1 - len(s.spec_token_ids), b))
+    assert rows == want_rows
+    o, p2, P = sh.placeholder_offset, sh.placeholders_padded, sh.num_placeholders
+    ph = [s for s in so.scheduled if s.placeholder_input]
+    assert b64[o + p2:o + p2 + P].tolist() == [prev_rows[s.request.request_id] for s in ph]
+    assert b64[o:o + P].tolist() == [int(qsl[so.scheduled.index(s) + 1]) - 1 for s in ph]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_small_packer_equals_vectorised(seed):
+    rng = random.Random(seed)
+    so, prev_rows = _random_step(rng, SMALL_STEP_TOKENS)
+    small, vec = _pack_small(so, BS, prev_rows), _pack_vectorised(so, BS, prev_rows)
+    assert small.shape == vec.shape
+    assert small.buf64.dtype == np.int64 and small.buf32.dtype == np.int32
+    assert np.array_equal(small.buf64, vec.buf64) and np.array_equal(small.buf32, vec.buf32)
+    _check_layout(small, so, prev_rows)
+
+
+def test_large_steps_take_the_vectorised_path():
+    rng = random.Random(1)
+    so, prev_rows = _random_step(rng, 10_000)
+    req = SimpleNamespace(request_id="big", all_token_ids=list(range(SMALL_STEP_TOKENS + 1)))
+    so.scheduled.append(ScheduledRequest(req, SMALL_STEP_TOKENS + 1, 0, list(range(1, 20)), True, False, 0))
+    so.total_num_scheduled_tokens += SMALL_STEP_TOKENS + 1
+    step = pack_step(so, BS, prev_rows)
+    _check_layout(step, so, prev_rows)
