@@ -285,14 +285,18 @@ def _gemv_candidates(smoke: bool):
 
 
 def _fits(c: dict, gated: bool) -> bool:
+    """A bf16 grouped tile worth timing: its stages within the H200's shared memory, at most
+    128 float32 accumulators a thread (more spill: the gate/up pass keeps two)."""
     per_stage = 2 * (c["BLOCK_SIZE_M"] * c["BLOCK_SIZE_K"] + (1 + gated) * c["BLOCK_SIZE_K"] * c["BLOCK_SIZE_N"])
-    return c["num_stages"] * per_stage <= H200_SMEM
+    acc_per_thread = (1 + gated) * c["BLOCK_SIZE_M"] * c["BLOCK_SIZE_N"] / (32 * c["num_warps"])
+    return c["num_stages"] * per_stage <= H200_SMEM and acc_per_thread <= 128
 
 
 def _grouped_candidates(base: dict, gated: bool, smoke: bool, quick: bool) -> list[dict]:
     """One pass's tiles to time at one BLOCK_SIZE_M, the default's (``base``) first: a sweep
-    cut short by its budget still has it. Quick: the default and three neighbours (K tile
-    64 <-> 128, N tile doubled or halved, 4 <-> 8 warps); else those, then a grid."""
+    cut short by its budget still has it. Quick: the default and the first three of its
+    neighbours that fit the shared memory (K tile 64 <-> 128, N tile doubled or halved,
+    4 <-> 8 warps, 3 <-> 4 stages); else all of those, then a grid."""
     if smoke:
         return [{**base, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "num_warps": 4, "num_stages": 2}]
     bn_max = 128 if gated else 256
@@ -300,7 +304,8 @@ def _grouped_candidates(base: dict, gated: bool, smoke: bool, quick: bool) -> li
            {**base, "BLOCK_SIZE_K": 128 if base["BLOCK_SIZE_K"] <= 64 else 64},
            {**base, "BLOCK_SIZE_N": base["BLOCK_SIZE_N"] * 2 if base["BLOCK_SIZE_N"] < bn_max
             else base["BLOCK_SIZE_N"] // 2},
-           {**base, "num_warps": 8 if base["num_warps"] == 4 else 4}]
+           {**base, "num_warps": 8 if base["num_warps"] == 4 else 4},
+           {**base, "num_stages": 4 if base["num_stages"] <= 3 else 3}]
     if not quick:
         out += [{**base, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "num_warps": nw, "num_stages": ns}
                 for bn in (64, 128, 256) for bk in (64, 128) for nw in (4, 8) for ns in (2, 3, 4)]
@@ -310,7 +315,7 @@ def _grouped_candidates(base: dict, gated: bool, smoke: bool, quick: bool) -> li
         if key not in seen and _fits(c, gated):
             seen.add(key)
             kept.append(c)
-    return kept
+    return kept[:4] if quick else kept
 
 
 def _block_m_candidates(default_bm: int, m: int, top_k: int, num_experts: int, smoke: bool, quick: bool) -> list[int]:

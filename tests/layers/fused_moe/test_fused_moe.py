@@ -256,7 +256,8 @@ def test_default_tiles(e, inter, h, k):
     """The defaults at real shapes (Qwen3-30B-A3B at TP 1 and 2, Mixtral, Qwen2-MoE): the GEMV
     path up to 4 tokens, grouped tiles above whose M-block grows with the pairs per expert,
     and whose every pass keeps all its pipeline stages within the H200's shared memory
-    (counted as num_stages full copies, above what smem.py's model asks)."""
+    (counted as num_stages full copies, above what smem.py's model asks) and its
+    accumulators in registers."""
     last_bm = 0
     for m in (1, 4, 5, 16, 64, 256, 1024, 4096, 16384):
         cfg = fused_moe.get_default_config(m, e, inter, h, k)
@@ -269,6 +270,8 @@ def test_default_tiles(e, inter, h, k):
             c = fused_moe.pass_config(cfg, which)
             per_stage = 2 * (c["BLOCK_SIZE_M"] * c["BLOCK_SIZE_K"] + (1 + gated) * c["BLOCK_SIZE_K"] * c["BLOCK_SIZE_N"])
             assert c["num_stages"] * per_stage <= H200_SMEM, (m, which, c)
+            # float32 accumulators a thread (gate/up keeps two): more than 128 spill
+            assert (1 + gated) * c["BLOCK_SIZE_M"] * c["BLOCK_SIZE_N"] <= 128 * 32 * c["num_warps"], (m, which, c)
     assert last_bm == 128  # compute-bound at 16384 tokens: the large tile
 
 
