@@ -240,6 +240,11 @@ def bench_kernels(args, cfg, device: str, dtype) -> dict:
                 F.linear(silu_and_mul(F.linear(x, a)), b)
         n = len(sets)
         t_fused = graph_us(fused, device, args.iters, args.repeats) / n
+        # the grouped path's sort of the pairs by expert, alone (part of t_fused)
+        t_align = None if cfg_m.get("small_batch") else graph_us(
+            lambda: fused_moe.moe_align_block_size(ids, int(fused_moe.pass_config(cfg_m, "w13")["BLOCK_SIZE_M"]),
+                                                   cfg.num_experts), device,
+            args.iters, args.repeats)
         t_loop = eager_us(loop, device, iters=min(args.iters, 2 if m >= 1024 else 5)) / n
         t_dense = graph_us(dense_mlp, device, args.iters, args.repeats) / n
         got = fused_moe.fused_experts(x, sets[0][0], sets[0][1], w, ids, config=cfg_m).float()
@@ -249,12 +254,16 @@ def bench_kernels(args, cfg, device: str, dtype) -> dict:
         dense_bytes = 3 * k * inter * h * itemsize + 2 * m * h * itemsize
         rows.append({"m": m, "distinct_experts": distinct, "tile_config": cfg_m,
                      "fused_us": t_fused, "torch_loop_us": t_loop, "dense_same_active_us": t_dense,
+                     "align_us": t_align, "bandwidth_floor_us": moe_bytes / (args.bandwidth_tbs * 1e6),
+                     "fused_tflops": 2 * m * k * 3 * h * inter / t_fused / 1e6,
                      "fused_gb_s": moe_bytes / t_fused / 1e3, "dense_gb_s": dense_bytes / t_dense / 1e3,
                      "fused_vs_loop_speedup": t_loop / t_fused, "fused_vs_dense": t_fused / t_dense,
                      "max_abs_diff_vs_fp32_loop": float((got - ref).abs().max()),
                      "ref_abs_max": float(ref.abs().max())})
-        print(f"kernels M={m}: fused {t_fused:.1f} us, torch loop {t_loop:.1f} us, dense {t_dense:.1f} us "
-              f"({rows[-1]['fused_gb_s']:.0f} GB/s)", flush=True)
+        path = "gemv" if cfg_m.get("small_batch") else f"grouped, align {t_align:.1f} us"
+        print(f"kernels M={m}: fused {t_fused:.1f} us ({path}; {rows[-1]['fused_gb_s']:.0f} GB/s, "
+              f"{rows[-1]['fused_tflops']:.0f} TFLOPS, bandwidth floor {rows[-1]['bandwidth_floor_us']:.1f} us), "
+              f"torch loop {t_loop:.1f} us, dense {t_dense:.1f} us", flush=True)
     del sets, dense
     free_cuda()
     return {"tile_table_shipped": table is not None, "layers_cycled": args.kernel_layers, "rows": rows}
@@ -263,7 +272,9 @@ def bench_kernels(args, cfg, device: str, dtype) -> dict:
 # ---- section: tile-config sweep -------------------------------------------------------------
 
 SWEEP_M = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192)
+QUICK_SWEEP_M = (16, 256, 4096)
 PASSES = ("w13", "w2")
+H200_SMEM = 232448  # a tile whose stages need more shared memory than this is not tried
 
 
 def _gemv_candidates(smoke: bool):
@@ -273,43 +284,88 @@ def _gemv_candidates(smoke: bool):
             for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for nw in (2, 4, 8)]
 
 
-def _grouped_candidates(smoke: bool):
+def _fits(c: dict, gated: bool) -> bool:
+    """A bf16 grouped tile worth timing: its stages within the H200's shared memory, at most
+    128 float32 accumulators a thread (more spill: the gate/up pass keeps two)."""
+    per_stage = 2 * (c["BLOCK_SIZE_M"] * c["BLOCK_SIZE_K"] + (1 + gated) * c["BLOCK_SIZE_K"] * c["BLOCK_SIZE_N"])
+    acc_per_thread = (1 + gated) * c["BLOCK_SIZE_M"] * c["BLOCK_SIZE_N"] / (32 * c["num_warps"])
+    return c["num_stages"] * per_stage <= H200_SMEM and acc_per_thread <= 128
+
+
+def _grouped_candidates(base: dict, gated: bool, smoke: bool, quick: bool) -> list[dict]:
+    """One pass's tiles to time at one BLOCK_SIZE_M, the default's (``base``) first: a sweep
+    cut short by its budget still has it. Quick: the default and the first three of its
+    neighbours that fit the shared memory (K tile 64 <-> 128, N tile doubled or halved,
+    4 <-> 8 warps, 3 <-> 4 stages); else all of those, then a grid."""
     if smoke:
-        return [{"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "num_warps": 4, "num_stages": 2}]
-    return [{"BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "num_warps": nw, "num_stages": ns}
-            for bn in (64, 128) for bk in (64, 128) for nw in (4, 8) for ns in (3, 4)]
+        return [{**base, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "num_warps": 4, "num_stages": 2}]
+    bn_max = 128 if gated else 256
+    out = [base,
+           {**base, "BLOCK_SIZE_K": 128 if base["BLOCK_SIZE_K"] <= 64 else 64},
+           {**base, "BLOCK_SIZE_N": base["BLOCK_SIZE_N"] * 2 if base["BLOCK_SIZE_N"] < bn_max
+            else base["BLOCK_SIZE_N"] // 2},
+           {**base, "num_warps": 8 if base["num_warps"] == 4 else 4},
+           {**base, "num_stages": 4 if base["num_stages"] <= 3 else 3}]
+    if not quick:
+        out += [{**base, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "num_warps": nw, "num_stages": ns}
+                for bn in (64, 128, 256) for bk in (64, 128) for nw in (4, 8) for ns in (2, 3, 4)]
+    seen, kept = set(), []
+    for c in out:
+        key = tuple(sorted(c.items()))
+        if key not in seen and _fits(c, gated):
+            seen.add(key)
+            kept.append(c)
+    return kept[:4] if quick else kept
 
 
-def _block_m_candidates(m: int, top_k: int, num_experts: int, smoke: bool) -> list[int]:
+def _block_m_candidates(default_bm: int, m: int, top_k: int, num_experts: int, smoke: bool, quick: bool) -> list[int]:
     if smoke:
         return [16]
+    if quick:
+        return [default_bm]
     per_expert = m * top_k / num_experts
-    return [bm for bm in (16, 32, 64, 128) if bm <= max(16, 2 * per_expert)]
+    return [default_bm] + [bm for bm in (16, 32, 64, 128) if bm != default_bm and bm <= max(16, 2 * per_expert)]
 
 
-def sweep_shape(args, cfg, n_inter: int, device: str, dtype, deadline: float) -> tuple[dict, list]:
-    """Best tile config per M for (E, n_inter) within the deadline: the GEMV path (each
-    pass's tile chosen alone) against the grouped GEMM (per BLOCK_SIZE_M, each pass's best
-    tile; the alignment's time counted). Returns (table, every timing)."""
+def _entry(c13: dict, c2: dict) -> dict:
+    """A table entry from the two passes' tiles: shared fields at the top, the rest per pass."""
+    shared = {key: v for key, v in c13.items() if c2.get(key) == v}
+    entry = {**shared, "w13": {key: v for key, v in c13.items() if key not in shared},
+             "w2": {key: v for key, v in c2.items() if key not in shared}}
+    return {key: v for key, v in entry.items() if v != {}}
+
+
+def sweep_shape(args, cfg, n_inter: int, device: str, dtype, deadline: float,
+                current: dict[int, dict] | None = None) -> tuple[dict, list]:
+    """Best tile config per M for (E, n_inter) within the deadline, each M an equal share of
+    what is left: the GEMV path (M <= 64, each pass's tile alone, up to half the M's share)
+    against the grouped GEMM (per BLOCK_SIZE_M, each pass's best tile, the two passes'
+    candidates in turn; the alignment's time counted), then each path's best, the default
+    and ``current``'s entry (the table in use) timed whole; the fastest is kept. Quick
+    (``args.sweep_quick``): only the default BLOCK_SIZE_M and four tiles a pass, GEMV only
+    as the default's or the current table's. Returns (table, every timing)."""
     import torch
 
     from pyengine.layers.fused_moe import fused_moe
 
     e, h, k = cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_tok
+    quick = bool(getattr(args, "sweep_quick", False))
     sets = _expert_sets(cfg, args.kernel_layers, n_inter, device, dtype)
     table, log = {}, []
     ms = args.sweep_m
-    for m in ms:
-        if time.perf_counter() > deadline:
+    for i, m in enumerate(ms):
+        now = time.perf_counter()
+        if now > deadline:
             log.append({"m": m, "skipped": "budget"})
             continue
+        deadline_m = now + (deadline - now) / (len(ms) - i)
         x = torch.randn(m, h, device=device, dtype=dtype)
         w, ids = _routing(cfg, m, device, seed=m)
         pairs = m * k
         mid = torch.empty(pairs, n_inter, device=device, dtype=dtype)
         out = torch.empty(pairs, h, device=device, dtype=dtype)
 
-        def timed(fn):
+        def timed(fn, m=m):
             try:
                 return graph_us(fn, device, iters=args.iters, repeats=args.repeats) / len(sets)
             except Exception as exc:  # a tile this GPU cannot run (shared memory, registers)
@@ -318,14 +374,15 @@ def sweep_shape(args, cfg, n_inter: int, device: str, dtype, deadline: float) ->
 
         best = {}  # path -> (total us, config)
         out_t = torch.empty(m, h, device=device, dtype=dtype)
-        if m <= 64:
+        if m <= 64 and not quick:
+            gemv_deadline = time.perf_counter() + (deadline_m - time.perf_counter()) / 2
             per_pass = {}
             for which in PASSES:
                 scores = []
                 fuse_options = (True, False) if which == "w2" else (None,)
                 for c in [{**c, "FUSE_SUM": f} if f is not None else c
                           for c in _gemv_candidates(args.cpu_smoke) for f in fuse_options]:
-                    if time.perf_counter() > deadline:
+                    if time.perf_counter() > gemv_deadline and scores:
                         break
 
                     def run(c=c, which=which):
@@ -345,56 +402,74 @@ def sweep_shape(args, cfg, n_inter: int, device: str, dtype, deadline: float) ->
             if len(per_pass) == 2:
                 best["gemv"] = (per_pass["w13"][0] + per_pass["w2"][0],
                                 {"small_batch": True, "w13": per_pass["w13"][1], "w2": per_pass["w2"][1]})
-        for bm in _block_m_candidates(m, k, e, args.cpu_smoke):
-            if time.perf_counter() > deadline:
+        default = fused_moe.get_default_config(m, e, n_inter, h, k)
+        grouped_default = default if not default.get("small_batch") else fused_moe.get_default_config(
+            max(m, 5), e, n_inter, h, k)
+        for bm in _block_m_candidates(grouped_default["BLOCK_SIZE_M"], m, k, e, args.cpu_smoke, quick):
+            if time.perf_counter() > deadline_m and "grouped" in best:
                 break
             aligned = fused_moe.moe_align_block_size(ids, bm, e)
             t_align = timed(lambda bm=bm: [fused_moe.moe_align_block_size(ids, bm, e) for _ in sets])
-            group_m = 1 if m * k / e < bm else 8
-            per_pass = {}
-            for which, (gated, mul, div) in (("w13", (True, False, k)), ("w2", (False, True, 1))):
-                scores = []
-                for c in _grouped_candidates(args.cpu_smoke):
-                    if time.perf_counter() > deadline:
-                        break
-                    c = {"BLOCK_SIZE_M": bm, "GROUP_SIZE_M": group_m, **c}
+            # the default's tiles seed each pass's candidates (at another BLOCK_SIZE_M, with the
+            # M-blocks grouped when an expert has several)
+            over = {} if bm == grouped_default["BLOCK_SIZE_M"] else {
+                "BLOCK_SIZE_M": bm, "GROUP_SIZE_M": 1 if m * k / e < bm else 8}
+            cands = {which: _grouped_candidates({**fused_moe.pass_config(grouped_default, which), **over},
+                                                which == "w13", args.cpu_smoke, quick)
+                     for which in PASSES}
+            scores = {which: [] for which in PASSES}
+            for j in range(max(len(c) for c in cands.values())):
+                if time.perf_counter() > deadline_m and all(scores.values()):
+                    break
+                for which, (gated, mul, div) in (("w13", (True, False, k)), ("w2", (False, True, 1))):
+                    if j >= len(cands[which]):
+                        continue
+                    c = cands[which][j]
 
                     def run(c=c, gated=gated, mul=mul, div=div, which=which, aligned=aligned):
                         for w13, w2 in sets:
                             a, b, dst = (x, w13, mid) if which == "w13" else (mid, w2, out)
                             fused_moe.grouped_pass(a, b, dst, w, aligned, gated, mul, div, c, pairs)
                     t = timed(run)
-                    scores.append((t, c))
+                    scores[which].append((t, c))
                     log.append({"m": m, "path": "grouped", "pass": which, "config": c, "us": t})
-                if scores:
-                    per_pass[which] = min(scores, key=lambda s: s[0])
-            if len(per_pass) == 2:
-                c13, c2 = per_pass["w13"][1], per_pass["w2"][1]
-                total = t_align + per_pass["w13"][0] + per_pass["w2"][0]
-                shared = {key: v for key, v in c13.items() if c2.get(key) == v}
-                entry = {**shared, "w13": {key: v for key, v in c13.items() if key not in shared},
-                         "w2": {key: v for key, v in c2.items() if key not in shared}}
-                entry = {key: v for key, v in entry.items() if v != {}}
+            if all(scores.values()):
+                (t13, c13), (t2, c2) = (min(scores[which], key=lambda s: s[0]) for which in PASSES)
+                total = t_align + t13 + t2
                 if "grouped" not in best or total < best["grouped"][0]:
-                    best["grouped"] = (total, entry)
-        if best:
-            # each path's best, and the default, timed whole (alignment, buffers, k-sum included)
-            default = fused_moe.get_default_config(m, e, n_inter, h, k)
-            whole = {}
-            for name, entry in [*((p, v[1]) for p, v in best.items()), ("default", default)]:
+                    best["grouped"] = (total, _entry(c13, c2))
+        # each path's best, the default and the table in use, timed whole (alignment, buffers,
+        # k-sum included)
+        contenders = [*((p, v[1]) for p, v in best.items()), ("default", default)]
+        if current:
+            contenders.append(("current", fused_moe.pick_config(current, m, e, n_inter, h, k)))
+        if quick and m <= 64 and not default.get("small_batch"):
+            # the GEMV path with the table's largest-M GEMV tile (the defaults' without one)
+            gemv = [c for _, c in sorted((current or {}).items()) if c.get("small_batch")]
+            contenders.append(("gemv", gemv[-1] if gemv else fused_moe.get_default_config(1, e, n_inter, h, k)))
+        whole, unique = {}, []
+        for name, entry in contenders:
+            if all(entry != u for _, u in unique):
+                unique.append((name, entry))
                 whole[name] = timed(lambda entry=entry: [fused_moe.fused_experts(x, w13, w2, w, ids, config=entry)
                                                          for w13, w2 in sets])
-            path = min(whole, key=whole.get)
-            table[m] = default if path == "default" else best[path][1]
-            log.append({"m": m, "chosen": table[m], "path": path, "whole_us": whole})
-            print(f"sweep N={n_inter} M={m}: {path} {whole[path]:.1f} us (default {whole['default']:.1f} us)",
-                  flush=True)
+        path = min(whole, key=whole.get)
+        if whole[path] == float("inf"):
+            log.append({"m": m, "skipped": "every config failed"})
+            continue
+        table[m] = dict(unique)[path]
+        log.append({"m": m, "chosen": table[m], "path": path, "whole_us": whole})
+        others = ", ".join(f"{name} {t:.1f}" for name, t in whole.items() if name != path)
+        print(f"sweep N={n_inter} M={m}: {path} {whole[path]:.1f} us ({others}): {json.dumps(table[m])}",
+              flush=True)
     del sets
     free_cuda()
     return table, log
 
 
 def run_sweep(args, cfg, device: str, dtype) -> dict:
+    """The sweep of each ``--sweep-n`` size; its table is merged into that shape's file (the
+    Ms it did not time keep their entries) and written."""
     why = _triton_ok(device)
     if why:
         return {"skipped": why}
@@ -403,19 +478,22 @@ def run_sweep(args, cfg, device: str, dtype) -> dict:
     deadline = time.perf_counter() + args.sweep_budget_s
     out = {}
     names = args.sweep_n or [cfg.moe_intermediate_size]
+    device_name = None if device == "cuda" else "cpu-interpreter"
+    config_dir = Path(args.config_dir) if args.config_dir else fused_moe.CONFIG_DIR
     for i, n_inter in enumerate(names):
+        current = fused_moe.load_tile_configs(cfg.num_experts, n_inter, device_name, config_dir) or {}
         # each size gets an equal share of what is left
         share = (deadline - time.perf_counter()) / (len(names) - i)
-        table, log = sweep_shape(args, cfg, n_inter, device, dtype, time.perf_counter() + share)
-        entry = {"table": {str(m): c for m, c in sorted(table.items())}, "log": log}
+        table, log = sweep_shape(args, cfg, n_inter, device, dtype, time.perf_counter() + share, current)
+        entry = {"table": {str(m): c for m, c in sorted(table.items())}, "log": log,
+                 "kept_from_file": sorted(set(current) - set(table))}
         if table:
-            device_name = None if device == "cuda" else "cpu-interpreter"
-            config_dir = Path(args.config_dir) if args.config_dir else fused_moe.CONFIG_DIR
+            merged = {**current, **table}
             path = config_dir / fused_moe.get_config_file_name(cfg.num_experts, n_inter, device_name)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(entry["table"], indent=2) + "\n")
+            path.write_text(json.dumps({str(m): c for m, c in sorted(merged.items())}, indent=2) + "\n")
             entry["written"] = str(path)
-            print(f"tile configs written to {path}")
+            print(f"tile configs written to {path} (M {', '.join(str(m) for m in sorted(merged))})")
         out[str(n_inter)] = entry
     return out
 
@@ -662,9 +740,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="store_true", help="run the tile-config sweep instead of the sections")
     p.add_argument("--sweep-n", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="intermediate sizes to sweep (default: the shape's; 384 is TP=2's)")
-    p.add_argument("--sweep-budget-s", type=float, default=330.0)
-    p.add_argument("--sweep-m", type=lambda s: [int(x) for x in s.split(",")], default=list(SWEEP_M),
-                   help="token counts to tune (the table's keys)")
+    p.add_argument("--sweep-budget-s", type=float, default=None,
+                   help="seconds the sweep may take (default 330; 40 with --sweep-quick)")
+    p.add_argument("--sweep-m", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help=f"token counts to tune (the table's keys; default {','.join(map(str, SWEEP_M))}, "
+                        f"{','.join(map(str, QUICK_SWEEP_M))} with --sweep-quick)")
+    p.add_argument("--sweep-quick", action="store_true",
+                   help="the sweep in under a minute on the H200: M 16,256,4096, the default BLOCK_SIZE_M and four "
+                        "tiles a pass each")
     p.add_argument("--iters", type=int, default=10, help="timed calls per repeat")
     p.add_argument("--repeats", type=int, default=3, help="repeats (median)")
     p.add_argument("--config-dir", default=None, help="where the sweep writes (default: pyengine/layers/fused_moe/configs)")
@@ -702,7 +785,7 @@ def _apply_smoke(args) -> None:
     args.nano_requests, args.nano_min_len, args.nano_max_len = 3, 4, 12
     args.sweep_m = [1, 40]  # one GEMV-path M, one grouped-GEMM M
     args.iters, args.repeats = 1, 1
-    args.sweep_budget_s = min(args.sweep_budget_s, 120.0)
+    args.sweep_budget_s = min(args.sweep_budget_s or 120.0, 120.0)
     args.config_dir = args.config_dir or str(Path(args.out_dir) / "configs")  # never the repository's
 
 
@@ -710,6 +793,10 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     args = build_parser().parse_args(argv)
+    if args.sweep_m is None:
+        args.sweep_m = list(QUICK_SWEEP_M if args.sweep_quick else SWEEP_M)
+    if args.sweep_budget_s is None:
+        args.sweep_budget_s = 40.0 if args.sweep_quick else 330.0
     if args.cpu_smoke:
         _apply_smoke(args)
     device = "cpu" if args.cpu_smoke else "cuda"

@@ -18,14 +18,17 @@ float32 until the sum (Mixtral). In float32 none of this rounds.
 Two ways to run passes 1 and 2, picked per number of tokens M by the tile config:
 
 * grouped GEMM (``_grouped_kernel``): the pairs are sorted by expert and each expert's
-  run padded to a multiple of BLOCK_SIZE_M (``moe_align_block_size``, vLLM's name), so
-  every M-block of the sorted list belongs to one expert; a program computes one
-  (M-block, N-block) tile with ``tl.dot`` and reads that expert's weight tile only.
+  run padded to a multiple of BLOCK_SIZE_M (``moe_align_block_size``, vLLM's name; three
+  small Triton kernels), so every M-block of the sorted list belongs to one expert; a
+  program computes one (M-block, N-block) tile with ``tl.dot`` and reads that expert's
+  weight tile only: each chosen expert's weights are read once per M-block of its pairs.
 * small batch (``_gemv_kernel``): one program per (pair, N-block), a GEMV over the
   pair's own expert; no sorting at all. It reads only the chosen experts' weights, which
   at batch 1 is all a decode step has to read. Its down pass sums the token's k slots in
   the accumulator (``_gemv_down_sum_kernel``, one program per (token, N-block); the
-  w2 tile's ``"FUSE_SUM": false`` keeps the per-pair pass and the separate sum).
+  w2 tile's ``"FUSE_SUM": false`` keeps the per-pair pass and the separate sum). It reads
+  an expert's weights once per pair routed to it, so it is for a few tokens only: at 4096
+  tokens (Qwen3-30B-A3B's shape) that is 300 GB a layer, 40 ms on the H200.
 
 The router's softmax + top-k + renormalisation is one kernel too (``topk_softmax``).
 
@@ -38,8 +41,10 @@ experts this rank holds, N its intermediate size), a map from M to a config:
 ``{"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
 "num_stages"}`` for the grouped GEMM, or ``{"small_batch": true, "BLOCK_SIZE_N",
 "BLOCK_SIZE_K", "num_warps"}`` for the GEMV path; optional ``"w13"`` / ``"w2"`` sub-maps
-override a field for one pass. The entry of the nearest M is used; without a file,
-``get_default_config``. ``benchmarks/moe.py --sweep`` writes the files.
+override a field for one pass. The entry of the M nearest in ratio is used when it is
+within a factor of 2, else ``get_default_config`` (also without a file): a table swept at a
+few Ms says nothing about the others. ``benchmarks/moe.py --sweep`` (``--sweep-quick``: M
+16, 256, 4096 in under a minute) writes the files, merged with the entries already there.
 """
 from __future__ import annotations
 
@@ -54,9 +59,6 @@ import triton.language as tl
 from pyengine.ops import smem
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-# moe_align_block_size ranks pairs by a running one-hot count up to this many
-# pairs x experts (16 MiB of int32: every decode batch), by a sort above it.
-ONE_HOT_MAX = 1 << 22
 PASSES = ("w13", "w2")
 # Under triton's interpreter (CPU tests) the kernels round to bf16 in integer arithmetic
 # and take float32 dot operands: its own conversions truncate and its bf16 dot is unreliable.
@@ -90,8 +92,13 @@ def load_tile_configs(num_experts: int, n: int, device_name: str | None = None,
 
 def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int) -> dict:
     """A tile config without a sweep: the GEMV path up to 4 tokens, else a grouped-GEMM tile
-    whose M-block shrinks when each expert gets few pairs (``m * top_k / E``). ``n``: the
-    intermediate size (the down pass's K), ``k``: the hidden size (gate/up's K)."""
+    that grows with the pairs each expert gets (``m * top_k / E``): BLOCK_SIZE_M about that
+    many rows (padding past it is wasted MMA work), wide N and K tiles while the pass is
+    bandwidth-bound, vLLM's large-M H200 tile (128 x 256 x 64, 8 warps, 4 stages) once it is
+    compute-bound. The gate/up pass computes BLOCK_SIZE_N gate and BLOCK_SIZE_N up columns,
+    so its N tile is half the down pass's for the same work and shared memory. ``n``: the
+    intermediate size (the down pass's K), ``k``: the hidden size (gate/up's K). N and K
+    tiles never exceed the next power of two of their dims (tiny test shapes)."""
     if m <= 4:
         # GEMV tiles: at most ~64 float32 accumulators a thread (gate/up keeps two), K in
         # few unrolled chunks (down's K, the intermediate size, can be 14336: Mixtral).
@@ -101,21 +108,37 @@ def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int) -> 
                 "w2": {"BLOCK_SIZE_N": 16 if n <= 2048 else 4, "BLOCK_SIZE_K": 256 if n <= 2048 else 1024,
                        "num_warps": 4}}
     pairs_per_expert = m * top_k / max(1, num_experts)
-    if pairs_per_expert <= 16:
-        return {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
-                "num_warps": 4, "num_stages": 3}
-    if pairs_per_expert <= 64:
-        return {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
-                "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
-            "num_warps": 8, "num_stages": 3}
+    # (BLOCK_SIZE_M, gate/up BLOCK_SIZE_N, down BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, warps, stages)
+    if pairs_per_expert <= 2:  # about one M-block per chosen expert
+        bm, bn13, bn2, bk, gm, nw, ns = 16, 64, 64, 128, 1, 4, 3
+    elif pairs_per_expert <= 8:  # GROUP_SIZE_M: an expert's M-blocks share its B tiles in L2
+        bm, bn13, bn2, bk, gm, nw, ns = 16, 64, 128, 128, 8, 4, 3
+    elif pairs_per_expert <= 32:
+        bm, bn13, bn2, bk, gm, nw, ns = 32, 128, 256, 64, 8, 4, 3
+    elif pairs_per_expert < 64:
+        bm, bn13, bn2, bk, gm, nw, ns = 64, 64, 128, 64, 8, 4, 3
+    else:
+        bm, bn13, bn2, bk, gm, nw, ns = 128, 128, 256, 64, 8, 8, 4
+    return {"BLOCK_SIZE_M": bm, "GROUP_SIZE_M": gm, "num_warps": nw, "num_stages": ns,
+            "w13": {"BLOCK_SIZE_N": _fit_tile(bn13, n), "BLOCK_SIZE_K": _fit_tile(bk, k)},
+            "w2": {"BLOCK_SIZE_N": _fit_tile(bn2, k), "BLOCK_SIZE_K": _fit_tile(bk, n)}}
+
+
+def _fit_tile(block: int, dim: int) -> int:
+    # a tile no wider than the dim's next power of two (and at least tl.dot's 16)
+    return max(16, min(block, triton.next_power_of_2(max(1, dim))))
 
 
 def pick_config(table: dict[int, dict] | None, m: int, num_experts: int, n: int, k: int, top_k: int) -> dict:
-    """The entry of ``table`` for the M nearest ``m`` (ties: the smaller M), else the default."""
-    if not table:
-        return get_default_config(m, num_experts, n, k, top_k)
-    return table[min(table, key=lambda key: (abs(key - m), key))]
+    """The entry of ``table`` for the M nearest ``m`` in ratio (ties: the smaller M) when it
+    is within a factor of 2 of ``m``, else ``get_default_config``: an entry measured at one
+    M says little about an M far from it (a table holding only M=1's GEMV tile must not
+    send M=4096 down the GEMV path, which reads an expert's weights once per pair)."""
+    if table:
+        key = min(table, key=lambda key: (max(key, m) / max(1, min(key, m)), key))
+        if max(key, m) <= 2 * max(1, min(key, m)):
+            return table[key]
+    return get_default_config(m, num_experts, n, k, top_k)
 
 
 def pass_config(cfg: dict, which: str) -> dict:
@@ -127,50 +150,124 @@ def pass_config(cfg: dict, which: str) -> dict:
 
 # ---- sorting pairs by expert -----------------------------------------------------------
 
+# Alignment tiles: a program's one-hot tile (pairs x buckets) has about this many elements.
+_ALIGN_TILE = 4096
+# At most this many programs count and scatter the pairs (each a contiguous run of them):
+# the prefix over their counts, in one program, stays a few tile loads long.
+_ALIGN_MAX_PROGRAMS = 256
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
                          expert_map: torch.Tensor | None = None):
     """Sort the (token, slot) pairs by expert and pad each expert's run to a multiple of
-    ``block_m`` (vLLM's ``moe_align_block_size``), with torch ops only: no host sync, and
-    output sizes that depend on the shapes only.
+    ``block_m`` (vLLM's ``moe_align_block_size``) in three Triton kernels: no host sync,
+    output sizes that depend on the shapes only (CUDA-graph safe), and a cost of a few
+    microseconds at any batch size (torch's cumsum down a [pairs, experts] one-hot ran one
+    thread per expert along all the pairs).
 
     topk_ids: int [T, k] global expert ids; num_experts: experts this rank holds;
     expert_map: int32 [E_global] (global -> local, -1 elsewhere) or None. Returns
     ``(sorted_ids int32 [P], expert_ids int32 [P / block_m], num_post_padded int32 [1])``:
-    ``sorted_ids`` lists pair indices (t * k + slot) expert by expert, padding entries
-    equal to T * k; ``expert_ids[b]`` is the local expert of block b, -1 for a block of
-    pairs routed to another rank's experts or past the end; ``num_post_padded`` is the
-    used length of ``sorted_ids``. P = ceil((T*k + buckets * (block_m - 1)) / block_m) * block_m.
+    ``sorted_ids`` lists pair indices (t * k + slot) expert by expert, in pair order within
+    an expert, padding entries equal to T * k; ``expert_ids[b]`` is the local expert of
+    block b, -1 for a block of pairs routed to another rank's experts (their own bucket,
+    after the local ones) or past the end; ``num_post_padded`` is the used length of
+    ``sorted_ids``. P = ceil((T*k + buckets * (block_m - 1)) / block_m) * block_m.
     """
-    flat = topk_ids.reshape(-1).long()
+    flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
     n = flat.numel()
-    buckets = num_experts
-    if expert_map is not None:  # pairs of other ranks' experts go to one extra bucket
-        flat = expert_map.long()[flat]
-        flat = torch.where(flat < 0, num_experts, flat)
-        buckets = num_experts + 1
-    if n * buckets <= ONE_HOT_MAX:
-        # Each pair's rank among its expert's pairs from a running count per expert (no
-        # sort: CUB's sorts are not all CUDA-graph capturable; decode sizes take this way).
-        running = (flat[:, None] == torch.arange(buckets, device=flat.device)[None, :]).to(torch.int32).cumsum(0)
-        counts = running[-1].long()
-        rank = running.gather(1, flat[:, None]).squeeze(1).long() - 1
-        order = torch.arange(n, device=flat.device)
-        sorted_e = flat
-    else:  # large (prefill) steps, run eagerly: a stable sort by expert
-        counts = torch.zeros(buckets, dtype=torch.int64, device=flat.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
-        sorted_e, order = torch.sort(flat, stable=True)
-        rank = torch.arange(n, device=flat.device) - (torch.cumsum(counts, 0) - counts)[sorted_e]
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    starts = ends - padded
-    dest = starts[sorted_e] + rank
+    dev = flat.device
+    buckets = num_experts + (expert_map is not None)  # other ranks' pairs: one extra bucket
+    b_pad = triton.next_power_of_2(buckets)
+    sub = max(16, min(512, _ALIGN_TILE // b_pad))  # pairs per one-hot tile
+    per = max(sub, triton.cdiv(triton.cdiv(n, _ALIGN_MAX_PROGRAMS), sub) * sub)  # pairs per program
+    programs = max(1, triton.cdiv(n, per))
     size = triton.cdiv(n + buckets * (block_m - 1), block_m) * block_m
-    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=flat.device)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    block_expert = torch.searchsorted(ends, torch.arange(0, size, block_m, device=flat.device), right=True)
-    expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+    num_blocks = size // block_m
+    emap = expert_map.to(torch.int32).contiguous() if expert_map is not None else flat
+    counts = torch.empty((programs, b_pad), dtype=torch.int32, device=dev)
+    starts = torch.empty(b_pad, dtype=torch.int32, device=dev)
+    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    npost = torch.empty(1, dtype=torch.int32, device=dev)
+    has_emap = expert_map is not None
+    _align_count_kernel[(programs,)](flat, emap, counts, n, per, num_experts, HAS_EMAP=has_emap, SUB=sub,
+                                     B_PAD=b_pad, num_warps=4)
+    _align_offsets_kernel[(1,)](counts, starts, expert_ids, npost, programs, buckets, num_experts, num_blocks,
+                                block_m, B_PAD=b_pad, ROWS=max(1, _ALIGN_TILE // b_pad), num_warps=4)
+    _align_scatter_kernel[(programs,)](flat, emap, counts, starts, sorted_ids, n, per, num_experts,
+                                       HAS_EMAP=has_emap, SUB=sub, B_PAD=b_pad, num_warps=4)
+    return sorted_ids, expert_ids, npost
+
+
+@triton.jit
+def _align_bucket(ids_ptr, emap_ptr, offs, n, num_local, HAS_EMAP: tl.constexpr):
+    # The bucket of each pair in offs: its local expert, num_local for another rank's
+    # expert (expert map), -1 past the end.
+    valid = offs < n
+    e = tl.load(ids_ptr + offs, mask=valid, other=0)
+    if HAS_EMAP:
+        e = tl.load(emap_ptr + e, mask=valid, other=0)
+        e = tl.where(e < 0, num_local, e)
+    return tl.where(valid, e, -1)
+
+
+@triton.jit(do_not_specialize=["n", "per"])
+def _align_count_kernel(ids_ptr, emap_ptr, counts_ptr, n, per, num_local, HAS_EMAP: tl.constexpr,
+                        SUB: tl.constexpr, B_PAD: tl.constexpr):
+    # counts[p, b] = pairs of bucket b among program p's run [p * per, (p + 1) * per).
+    pid = tl.program_id(0)
+    rb = tl.arange(0, B_PAD)
+    cnt = tl.zeros([B_PAD], dtype=tl.int32)
+    for s in range(0, per, SUB):
+        b = _align_bucket(ids_ptr, emap_ptr, pid * per + s + tl.arange(0, SUB), n, num_local, HAS_EMAP)
+        cnt += tl.sum((b[:, None] == rb[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + pid * B_PAD + rb, cnt)
+
+
+@triton.jit(do_not_specialize=["programs", "num_blocks"])
+def _align_offsets_kernel(counts_ptr, starts_ptr, expert_ptr, npost_ptr, programs, buckets, num_local,
+                          num_blocks, block_m, B_PAD: tl.constexpr, ROWS: tl.constexpr):
+    # One program: counts[p, b] becomes the number of bucket-b pairs in the runs before p
+    # (an exclusive prefix down the programs); each bucket's padded run starts at
+    # starts[b]; the block -> expert map and the used length.
+    rb = tl.arange(0, B_PAD)
+    rr = tl.arange(0, ROWS)
+    total = tl.zeros([B_PAD], dtype=tl.int32)
+    for r0 in range(0, programs, ROWS):
+        rows = r0 + rr
+        ptrs = counts_ptr + rows[:, None] * B_PAD + rb[None, :]
+        m = (rows[:, None] < programs) & (rb[None, :] < B_PAD)
+        c = tl.load(ptrs, mask=m, other=0)
+        tl.store(ptrs, tl.cumsum(c, axis=0) - c + total[None, :], mask=m)
+        total += tl.sum(c, axis=0)
+    padded = (total + block_m - 1) // block_m * block_m
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(starts_ptr + rb, ends - padded)
+    tl.store(npost_ptr, tl.sum(padded, axis=0))
+    real = rb < buckets
+    for b0 in range(0, num_blocks, ROWS):
+        blk = b0 + rr
+        # the bucket of block blk: how many buckets end at or before its first slot
+        e = tl.sum(((ends[None, :] <= (blk * block_m)[:, None]) & real[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ptr + blk, tl.where(e < num_local, e, -1), mask=blk < num_blocks)
+
+
+@triton.jit(do_not_specialize=["n", "per"])
+def _align_scatter_kernel(ids_ptr, emap_ptr, counts_ptr, starts_ptr, sorted_ptr, n, per, num_local,
+                          HAS_EMAP: tl.constexpr, SUB: tl.constexpr, B_PAD: tl.constexpr):
+    # Each pair of program p's run to its slot: its bucket's start, plus the bucket's pairs
+    # in earlier runs, plus its rank among the bucket's pairs in this run.
+    pid = tl.program_id(0)
+    rb = tl.arange(0, B_PAD)
+    nxt = tl.load(counts_ptr + pid * B_PAD + rb) + tl.load(starts_ptr + rb)  # next free slot per bucket
+    for s in range(0, per, SUB):
+        offs = pid * per + s + tl.arange(0, SUB)
+        b = _align_bucket(ids_ptr, emap_ptr, offs, n, num_local, HAS_EMAP)
+        hot = (b[:, None] == rb[None, :]).to(tl.int32)
+        slot = tl.sum(hot * (tl.cumsum(hot, axis=0) - 1 + nxt[None, :]), axis=1)
+        tl.store(sorted_ptr + slot, offs, mask=offs < n)
+        nxt += tl.sum(hot, axis=0)
 
 
 # ---- kernels ---------------------------------------------------------------------------

@@ -162,10 +162,10 @@ def test_bf16_rounds_as_the_torch_path(kind, cast, cfg, t):
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2 ** -6)
 
 
-@pytest.mark.parametrize("one_hot_max", [fused_moe.ONE_HOT_MAX, 0])  # running counts, then the sort
-def test_align_block_size(one_hot_max, monkeypatch):
-    monkeypatch.setattr(fused_moe, "ONE_HOT_MAX", one_hot_max)
-    ids = torch.tensor([[2, 0], [2, 3], [0, 2]], dtype=torch.int32)  # pairs 0..5
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_align_block_size(kind):
+    dev = _dev(kind)
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]], dtype=torch.int32, device=dev)  # pairs 0..5
     sorted_ids, expert_ids, npost = fused_moe.moe_align_block_size(ids, 4, num_experts=4)
     # expert 0: pairs 1, 4 (+2 pad); expert 2: pairs 0, 2, 5 (+1 pad); expert 3: pair 3 (+3 pad)
     assert int(npost) == 12
@@ -173,11 +173,53 @@ def test_align_block_size(one_hot_max, monkeypatch):
     assert sorted_ids.numel() == 20 and (sorted_ids[12:] == 6).all()  # ceil((6 + 4*3) / 4) * 4 slots
     assert expert_ids.tolist() == [0, 2, 3, -1, -1]
     # expert map (rank 1 of 2 holds experts 2, 3): experts 0 and 1 go to the "elsewhere" bucket
-    emap = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)
+    emap = torch.tensor([-1, -1, 0, 1], dtype=torch.int32, device=dev)
     sorted_ids, expert_ids, npost = fused_moe.moe_align_block_size(ids, 4, num_experts=2, expert_map=emap)
     assert int(npost) == 12
     assert sorted_ids[:12].tolist() == [0, 2, 5, 6, 3, 6, 6, 6, 1, 4, 6, 6]
     assert expert_ids[:3].tolist() == [0, 1, -1]
+
+
+def _align_reference(ids, block_m, num_experts, emap=None):
+    """Bucket by bucket, in pair order, each run padded to block_m (plain Python)."""
+    flat = ids.reshape(-1).long().cpu()
+    buckets = num_experts
+    if emap is not None:
+        flat = emap.long().cpu()[flat]
+        flat = torch.where(flat < 0, num_experts, flat)
+        buckets += 1
+    slots, experts = [], []
+    for b in range(buckets):
+        pairs = (flat == b).nonzero().flatten().tolist()
+        pairs += [flat.numel()] * (-len(pairs) % block_m)
+        slots += pairs
+        experts += [b if b < num_experts else -1] * (len(pairs) // block_m)
+    return slots, experts
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("t,k,e,block_m,ep", [(1, 8, 128, 16, False), (37, 8, 128, 16, False),
+                                              (300, 8, 128, 64, True), (1000, 2, 8, 16, False),
+                                              (5, 4, 60, 32, True), (0, 2, 8, 16, False)])
+def test_align_block_size_random(kind, t, k, e, block_m, ep):
+    """Against a plain reference, with the pairs split over many programs (300 x 8 pairs: 75
+    runs of 32), experts that are not a power of two, and the other ranks' bucket."""
+    dev = _dev(kind)
+    ids = torch.randint(0, e, (t, k), generator=torch.Generator().manual_seed(t), dtype=torch.int32)
+    local, emap = e, None
+    if ep:
+        local = e // 2
+        emap = torch.full((e,), -1, dtype=torch.int32)
+        emap[local:] = torch.arange(local, dtype=torch.int32)
+        emap = emap.to(dev)
+    sorted_ids, expert_ids, npost = fused_moe.moe_align_block_size(ids.to(dev), block_m, local, emap)
+    slots, experts = _align_reference(ids, block_m, local, emap)
+    buckets = local + ep
+    assert sorted_ids.numel() == -(-(t * k + buckets * (block_m - 1)) // block_m) * block_m
+    assert expert_ids.numel() == sorted_ids.numel() // block_m
+    assert int(npost) == len(slots)
+    assert sorted_ids[:len(slots)].tolist() == slots and (sorted_ids[len(slots):] == t * k).all()
+    assert expert_ids[:len(experts)].tolist() == experts and (expert_ids[len(experts):] == -1).all()
 
 
 def test_tile_config_table(tmp_path):
@@ -189,12 +231,48 @@ def test_tile_config_table(tmp_path):
     assert loaded == {1: GEMV, 64: GROUPED}
     assert fused_moe.pick_config(loaded, 2, 128, 768, 2048, 8) == GEMV
     assert fused_moe.pick_config(loaded, 40, 128, 768, 2048, 8) == GROUPED
+    assert fused_moe.pick_config(loaded, 128, 128, 768, 2048, 8) == GROUPED
+    # an entry applies within a factor of 2 of its M only: beyond, the defaults (M=1's GEMV
+    # tile on M=4096 read every expert's weights once per pair: 90x the dense GEMM)
+    for m in (3, 4, 16, 129, 4096):
+        assert fused_moe.pick_config(loaded, m, 128, 768, 2048, 8) == fused_moe.get_default_config(m, 128, 768, 2048, 8)
+    assert not fused_moe.pick_config(loaded, 4096, 128, 768, 2048, 8).get("small_batch")
+    # nearest in ratio, not in difference: 24 is 1.5x from 16 and 1.33x from 32
+    assert fused_moe.pick_config({16: GEMV, 32: GROUPED}, 24, 128, 768, 2048, 8) == GROUPED
     assert fused_moe.load_tile_configs(64, 768, "NVIDIA H200", tmp_path) is None
     assert fused_moe.pick_config(None, 1, 128, 768, 2048, 8)["small_batch"]
     (tmp_path / name).write_text("[1, 2]")
     with pytest.raises(ValueError, match="tile config"):
         fused_moe.load_tile_configs(128, 768, "NVIDIA H200", tmp_path)
     assert fused_moe.pass_config(GEMV_SPLIT, "w2") == {"small_batch": True, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16}
+
+
+H200_SMEM = 232448  # bytes a block may use (227 KiB)
+
+
+@pytest.mark.parametrize("e,inter,h,k", [(128, 768, 2048, 8), (128, 384, 2048, 8), (8, 14336, 4096, 2),
+                                         (60, 1408, 2048, 4)])
+def test_default_tiles(e, inter, h, k):
+    """The defaults at real shapes (Qwen3-30B-A3B at TP 1 and 2, Mixtral, Qwen2-MoE): the GEMV
+    path up to 4 tokens, grouped tiles above whose M-block grows with the pairs per expert,
+    and whose every pass keeps all its pipeline stages within the H200's shared memory
+    (counted as num_stages full copies, above what smem.py's model asks) and its
+    accumulators in registers."""
+    last_bm = 0
+    for m in (1, 4, 5, 16, 64, 256, 1024, 4096, 16384):
+        cfg = fused_moe.get_default_config(m, e, inter, h, k)
+        assert bool(cfg.get("small_batch")) == (m <= 4)
+        if m <= 4:
+            continue
+        assert cfg["BLOCK_SIZE_M"] >= last_bm
+        last_bm = cfg["BLOCK_SIZE_M"]
+        for which, gated in (("w13", True), ("w2", False)):
+            c = fused_moe.pass_config(cfg, which)
+            per_stage = 2 * (c["BLOCK_SIZE_M"] * c["BLOCK_SIZE_K"] + (1 + gated) * c["BLOCK_SIZE_K"] * c["BLOCK_SIZE_N"])
+            assert c["num_stages"] * per_stage <= H200_SMEM, (m, which, c)
+            # float32 accumulators a thread (gate/up keeps two): more than 128 spill
+            assert (1 + gated) * c["BLOCK_SIZE_M"] * c["BLOCK_SIZE_N"] <= 128 * 32 * c["num_warps"], (m, which, c)
+    assert last_bm == 128  # compute-bound at 16384 tokens: the large tile
 
 
 def test_shipped_configs_are_tables():
