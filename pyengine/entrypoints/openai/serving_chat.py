@@ -165,8 +165,9 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | N
     whether the response is streamed, where the front end decides it (the C ABI's two
     functions) rather than the request's ``stream`` field; ``reasoning_parser``: the
     ``--reasoning-parser`` class (``reasoning.load_reasoning_parser``): each choice is then
-    split into reasoning and content, and a structured-output constraint (tool_choice
-    required / named included) applies to the content only. Raises
+    split into reasoning and content, a structured-output constraint (tool_choice
+    required / named included) applies to the content only, and ``thinking_token_budget``
+    (vLLM's field; refused without a parser) bounds the reasoning. Raises
     VLLMValidationError."""
     check_stream_options(req, stream)
     refuse_unsupported(req)
@@ -179,6 +180,13 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | N
     params = to_sampling_params(processor, req, max_tokens=max_tokens, logprobs=num_top,
                                 structured_outputs=constraint, output_kind=output_kind,
                                 logprobs_param="top_logprobs")
+    if req.thinking_token_budget is not None:
+        if reasoning_parser is None:
+            raise VLLMValidationError(
+                "thinking_token_budget needs a reasoning parser: the server was started without "
+                "--reasoning-parser, so it cannot tell the model's reasoning from its answer.",
+                parameter="thinking_token_budget", value=req.thinking_token_budget)
+        params = params.clone(thinking_token_budget=req.thinking_token_budget)
     salt = processor.check_cache_salt(req.cache_salt)
     text, ids = run(lambda: render_chat_prompt(processor, req, chat_template, tools, params))
     reasoning = None
@@ -187,6 +195,7 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | N
                                      req.include_reasoning is not False)
         if params.structured_outputs is not None:
             params = params.clone(structured_outputs=reasoning.gate(params.structured_outputs))
+        params = reasoning.budget(params)
     return ChatInputs(text, ids, params, req.priority or 0, mode, num_top, chat_echo(req), salt, reasoning)
 
 
