@@ -474,11 +474,11 @@ class Processor:
         """The engine request of a prompt that passed its rules (``check_prompt`` /
         ``tokenize``, ``finish_prompt``) and of params that passed ``check_params``: the
         derived sampling fields (stop token ids with the EOS ids unless ``ignore_eos``,
-        bad words tokenized, allowed token ids, the structured-output constraint
-        validated), ``max_tokens`` resolved against the prompt's length, and one
-        ``EngineCoreRequest`` per completion (``arrival_time``: ``time.monotonic()``
-        seconds, now if None). Raises ``VLLMValidationError`` (bad words, allowed token
-        ids, structured outputs, ``max_tokens``)."""
+        bad words tokenized, allowed token ids, the thinking budget checked, the
+        structured-output constraint validated), ``max_tokens`` resolved against the
+        prompt's length, and one ``EngineCoreRequest`` per completion (``arrival_time``:
+        ``time.monotonic()`` seconds, now if None). Raises ``VLLMValidationError`` (bad
+        words, allowed token ids, thinking budget, structured outputs, ``max_tokens``)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string.")
         stop_ids = set(params.stop_token_ids)  # type: ignore[arg-type] # a list after __post_init__

@@ -183,8 +183,9 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | N
     if req.thinking_token_budget is not None:
         if reasoning_parser is None:
             raise VLLMValidationError(
-                "thinking_token_budget needs a reasoning parser: the server was started without "
-                "--reasoning-parser, so it cannot tell the model's reasoning from its answer.",
+                "thinking_token_budget needs a reasoning parser to tell the model's reasoning from its answer, and "
+                "none is configured (vengine serve --reasoning-parser; the C ABI's "
+                "vllm_model_params.reasoning_parser).",
                 parameter="thinking_token_budget", value=req.thinking_token_budget)
         params = params.clone(thinking_token_budget=req.thinking_token_budget)
     salt = processor.check_cache_salt(req.cache_salt)
