@@ -139,3 +139,26 @@ def test_the_processor_refuses_what_it_cannot_honour(llms, ids, prompt, kw, para
     with pytest.raises(ValueError) as e:
         llms["sync"].generate([prompt], sp, use_tqdm=False)
     assert e.value.parameter == param, str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_budget_on_the_device(thinking_loop_dir, tok, ids, prompt, async_scheduling):
+    """On CUDA (decode CUDA graphs, pinned copies, the device-side placeholder check): the
+    same exact budgets, greedy and seeded random, as on the CPU."""
+    llm = LLM(str(thinking_loop_dir), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
+              async_scheduling=async_scheduling)
+    try:
+        budgets = [0, 1, 7, 30]
+        outs = gen(llm, [prompt] * len(budgets), [budgeted(ids, b) for b in budgets])
+        for b, out in zip(budgets, outs):
+            assert out.token_ids == [ids["<think>"]] + [ids["Hmm"]] * b + [ids["</think>"], ids["para"], ids["OK"],
+                                                                           ids["eos"]], b
+        opened = prompt + [ids["<think>"]]
+        parser = ReasoningParserManager.get_reasoning_parser("deepseek_r1")(tok, prompt_token_ids=opened)
+        rand = gen(llm, [opened] * 8, [budgeted(ids, 6, open_=True, temperature=4.0, seed=s, max_tokens=40)
+                                      for s in range(8)])
+        assert all(parser.count_reasoning_tokens(o.token_ids) <= 6 for o in rand)
+        assert any(parser.count_reasoning_tokens(o.token_ids) == 6 for o in rand)
+    finally:
+        llm.shutdown()
