@@ -262,7 +262,8 @@ VLLM_API void vllm_request_free(vllm_request* request);
 /* ---- OpenAI chat ---------------------------------------------------------- *
  * request_json: one /v1/chat/completions request (messages, max_tokens /
  * max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop,
- * penalties, ignore_eos, min_tokens, priority, chat_template_kwargs, ...;
+ * penalties, ignore_eos, min_tokens, priority, chat_template_kwargs,
+ * thinking_token_budget (with vllm_model_params.reasoning_parser), ...;
  * response_format, structured_outputs and guided_* as over HTTP; `model` and
  * `stream` are ignored; tools, logprobs, return_token_ids and n > 1 are refused). The model's chat
  * template is applied.

@@ -198,6 +198,19 @@ class SamplingParams:
     # Keep only the last k prompt tokens (vLLM's left truncation); -1: as many as fit next
     # to a given max_tokens. Applied by the Processor before the prompt length checks.
     truncate_prompt_tokens: int | None = None
+    # At most this many reasoning tokens (vLLM's thinking_token_budget): once the output's
+    # reasoning holds that many tokens and has not ended, the next token is forced to be
+    # thinking_end_token_id and generation goes on with the answer. The reasoning is what lies
+    # between the think tags: from the first output token when thinking_open (the prompt
+    # opened it), else only when the first output token is thinking_start_token_id (Qwen3's
+    # optional <think>); the tags themselves are not counted, and a repeated start tag inside
+    # the reasoning is not counted either (the reasoning parsers' count). The server sets the
+    # three tag fields from its --reasoning-parser; Python callers set them themselves (the
+    # Processor refuses a budget without thinking_end_token_id).
+    thinking_token_budget: int | None = None
+    thinking_start_token_id: int | None = None
+    thinking_end_token_id: int | None = None
+    thinking_open: bool = True
     # Token ids that end generation by default (EOS etc.), filled from the model's
     # generation config by the engine; not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -278,7 +291,8 @@ class SamplingParams:
                                       f"got {len(self.stop_token_ids)}.", parameter="stop_token_ids")
         self.stop_token_ids = [_check_int("stop_token_ids", t, 0, INT64_MAX, "a list of non-negative integers")
                                for t in self.stop_token_ids]
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "thinking_open"):
             if not isinstance(getattr(self, name), bool):
                 raise VLLMValidationError(f"{name} must be a boolean, got {getattr(self, name)!r}.",
                                           parameter=name, value=getattr(self, name))
@@ -330,6 +344,7 @@ class SamplingParams:
                                           f"got {len(ids)}.", parameter="allowed_token_ids")
             self.allowed_token_ids = [_check_int("allowed_token_ids", t, 0, INT64_MAX,
                                                  "a list of non-negative integers") for t in ids]
+        self._verify_thinking()
         k = self.truncate_prompt_tokens
         if k is not None:
             self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", k, -1, INT64_MAX,
@@ -337,6 +352,29 @@ class SamplingParams:
             if k == 0:
                 raise VLLMValidationError(f"truncate_prompt_tokens must be -1 or an integer in [1, {INT64_MAX}], "
                                           "got 0.", parameter="truncate_prompt_tokens", value=0)
+
+    def _verify_thinking(self) -> None:
+        """``thinking_token_budget`` and its tags: types and how they go together (whether a
+        budget has its end tag, and the tags are in the vocabulary, is the Processor's check)."""
+        if self.thinking_token_budget is not None:
+            self.thinking_token_budget = _check_int("thinking_token_budget", self.thinking_token_budget, 0,
+                                                    INT64_MAX)
+        for name in ("thinking_start_token_id", "thinking_end_token_id"):
+            v = getattr(self, name)
+            if v is not None:
+                setattr(self, name, _check_int(name, v, 0, INT64_MAX, "a token id (an integer >= 0)"))
+        if self.thinking_token_budget is None:
+            given = [n for n in ("thinking_start_token_id", "thinking_end_token_id")
+                     if getattr(self, n) is not None] + ([] if self.thinking_open else ["thinking_open"])
+            if given:
+                raise VLLMValidationError(f"{given[0]} is only used with thinking_token_budget.", parameter=given[0])
+        elif not self.thinking_open and self.thinking_start_token_id is None:
+            raise VLLMValidationError("thinking_open=False (the first output token decides whether the reasoning "
+                                      "opens) needs thinking_start_token_id.", parameter="thinking_start_token_id")
+        if (self.thinking_end_token_id is not None
+                and self.thinking_end_token_id == self.thinking_start_token_id):
+            raise VLLMValidationError("thinking_start_token_id and thinking_end_token_id must differ.",
+                                      parameter="thinking_end_token_id")
 
     @property
     def sampling_type_greedy(self) -> bool:

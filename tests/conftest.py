@@ -25,6 +25,7 @@ from tests.helpers import (  # noqa: E402
     build_wordpiece_tokenizer,
     reasoning_script,
     scripted_script,
+    thinking_loop_script,
     with_generation_config,
 )
 
@@ -150,6 +151,15 @@ def reasoning_tool_dir(tmp_path_factory, reasoning_tokenizer_dir, reasoning_toke
     ``<think>Hmm</think>\n\n<tool_call>{"name": "get_weather", ...}</tool_call>``."""
     return build_scripted_model(tmp_path_factory.mktemp("reasoning_tool"), reasoning_tokenizer_dir,
                                 reasoning_script(reasoning_tokenizer, REASONING_TOOL_CALL))
+
+
+@pytest.fixture(scope="session")
+def thinking_loop_dir(tmp_path_factory, reasoning_tokenizer_dir, reasoning_tokenizer):
+    """A Qwen3-style reasoning model that thinks ``Hmm`` forever unless a thinking budget
+    forces ``</think>``, after which it says ``\n\nOK`` (tests.helpers.thinking_loop_script;
+    positions up to 2048, for Anthropic's 1024-token least budget)."""
+    return build_scripted_model(tmp_path_factory.mktemp("thinking_loop"), reasoning_tokenizer_dir,
+                                thinking_loop_script(reasoning_tokenizer), max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="session")

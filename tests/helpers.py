@@ -349,7 +349,20 @@ def reasoning_script(tok, pieces: Sequence[str] = tuple(REASONING_ANSWER)) -> di
     return chain_script(tok, "\n", pieces)
 
 
-def build_scripted_model(out_dir, tokenizer_dir, script: dict[int, int], logit_gap: float = 16.0) -> Path:
+def thinking_loop_script(tok) -> dict[int, int]:
+    """A reasoning model that never ends its reasoning by itself: after ``"\n"`` (a
+    thinking prompt) ``<think>``, then ``Hmm`` after ``<think>`` and after every ``Hmm``;
+    after ``</think>`` (only ever forced, by a thinking budget) ``"\n\n"``, ``OK``, EOS."""
+    def one(text):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+    nl, start, hmm, end, para, ok = map(one, ("\n", THINK_START, "Hmm", THINK_END, "\n\n", "OK"))
+    return {nl: start, start: hmm, hmm: hmm, end: para, para: ok, ok: tok.eos_token_id}
+
+
+def build_scripted_model(out_dir, tokenizer_dir, script: dict[int, int], logit_gap: float = 16.0,
+                         max_position_embeddings: int = 1024) -> Path:
     """A Llama checkpoint whose greedy next token after token ``t`` is ``script[t]``,
     whatever came before, so a prompt ending in a script key yields a fixed token sequence
     (deterministic text tests: stop strings, offsets, UTF-8 boundaries).
@@ -368,7 +381,8 @@ def build_scripted_model(out_dir, tokenizer_dir, script: dict[int, int], logit_g
     if len(script) > hidden:
         raise ValueError(f"at most {hidden} script entries, got {len(script)}")
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=1024,
+                      num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                      max_position_embeddings=max_position_embeddings,
                       rms_norm_eps=1e-6, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
                       tie_word_embeddings=False)
     torch.manual_seed(0)

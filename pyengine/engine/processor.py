@@ -334,6 +334,31 @@ class Processor:
             return None
         return sorted(set(self.check_token_ids(params.allowed_token_ids, "allowed_token_ids")))
 
+    def check_thinking_budget(self, params: SamplingParams, allowed: list[int] | None,
+                              bad_words: list[list[int]] | None) -> None:
+        """A ``thinking_token_budget`` the engine can honour: its end tag
+        (``thinking_end_token_id``) given, the tags in the vocabulary, and the end tag neither
+        left out of ``allowed_token_ids`` nor banned by ``bad_words`` (the budget would force a
+        token the request forbids). Raises ``VLLMValidationError``."""
+        if params.thinking_token_budget is None:
+            return
+        end = params.thinking_end_token_id
+        if end is None:
+            raise VLLMValidationError(
+                "thinking_token_budget needs thinking_end_token_id, the token that ends the reasoning (the "
+                "server sets it from --reasoning-parser).", parameter="thinking_token_budget")
+        for name in ("thinking_start_token_id", "thinking_end_token_id"):
+            tid = getattr(params, name)
+            if tid is not None and tid >= self.vocab_size:
+                raise VLLMValidationError(f"{name} {tid} is not in the vocabulary (size {self.vocab_size}).",
+                                          parameter=name)
+        if allowed is not None and end not in allowed:
+            raise VLLMValidationError(f"allowed_token_ids must include the reasoning's end token ({end}) with "
+                                      "thinking_token_budget, which may force it.", parameter="allowed_token_ids")
+        if any(w[-1] == end for w in bad_words or ()):
+            raise VLLMValidationError(f"bad_words may not ban the reasoning's end token ({end}) with "
+                                      "thinking_token_budget, which may force it.", parameter="bad_words")
+
     def check_encoded(self, ids: list[int], parameter: str = "prompt") -> list[int]:
         """A text prompt's token ids: at least one, all in the model's vocabulary (a
         tokenizer larger than the model's vocabulary is refused here, not in the model).
@@ -449,11 +474,11 @@ class Processor:
         """The engine request of a prompt that passed its rules (``check_prompt`` /
         ``tokenize``, ``finish_prompt``) and of params that passed ``check_params``: the
         derived sampling fields (stop token ids with the EOS ids unless ``ignore_eos``,
-        bad words tokenized, allowed token ids, the structured-output constraint
-        validated), ``max_tokens`` resolved against the prompt's length, and one
-        ``EngineCoreRequest`` per completion (``arrival_time``: ``time.monotonic()``
-        seconds, now if None). Raises ``VLLMValidationError`` (bad words, allowed token
-        ids, structured outputs, ``max_tokens``)."""
+        bad words tokenized, allowed token ids, the thinking budget checked, the
+        structured-output constraint validated), ``max_tokens`` resolved against the
+        prompt's length, and one ``EngineCoreRequest`` per completion (``arrival_time``:
+        ``time.monotonic()`` seconds, now if None). Raises ``VLLMValidationError`` (bad
+        words, allowed token ids, thinking budget, structured outputs, ``max_tokens``)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string.")
         stop_ids = set(params.stop_token_ids)  # type: ignore[arg-type] # a list after __post_init__
@@ -462,6 +487,7 @@ class Processor:
         changes: dict[str, Any] = {"all_stop_token_ids": stop_ids,
                                    "bad_words_token_ids": self.bad_words_token_ids(params.bad_words),
                                    "allowed_token_ids": self.check_allowed_token_ids(params)}
+        self.check_thinking_budget(params, changes["allowed_token_ids"], changes["bad_words_token_ids"])
         if params.structured_outputs is not None:
             changes["structured_outputs"] = self.validate_structured_outputs(params.structured_outputs)
         params = params.clone(**changes)

@@ -5,8 +5,10 @@
   tokenizer at start-up (its think tokens must be single tokens): ValueError otherwise.
 - ``RequestReasoning``: one request's setup (the parser class, the request's
   ``chat_template_kwargs``, its prompt ids, ``include_reasoning``): a parser per choice
-  (``choice()``), and the structured-output constraint gated to the content
-  (``gate(so)``: the grammar starts after the end token, vLLM's reasoner-aware grammar).
+  (``choice()``), the structured-output constraint gated to the content
+  (``gate(so)``: the grammar starts after the end token, vLLM's reasoner-aware grammar), and
+  the thinking budget given the parser's tags (``budget(params)``: the engine forces the end
+  token once the reasoning holds ``thinking_token_budget`` tokens).
 - ``ChoiceReasoning``: one choice's split, streamed (``stream(text, token_ids)`` then
   ``finish()``) or whole (``whole(text, token_ids)``): ``(reasoning, content)`` text pairs,
   the content being what tool-call parsing and the response's ``content`` get.
@@ -19,7 +21,7 @@ from typing import Any
 
 from pyengine.reasoning import ReasoningParser, ReasoningParserManager
 from pyengine.reasoning.basic_parsers import UNDECIDED, BaseThinkingReasoningParser
-from pyengine.sampling_params import StructuredOutputsParams
+from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def load_reasoning_parser(name: str | None, tokenizer) -> type[ReasoningParser] | None:
@@ -99,3 +101,20 @@ class RequestReasoning:
         undecided = p.initial_phase == UNDECIDED
         return dataclasses.replace(so, reasoning_end_token_id=p.end_token_id,
                                    reasoning_start_token_id=p.start_token_id if undecided else None)
+
+    def budget(self, params: SamplingParams) -> SamplingParams:
+        """``params`` whose ``thinking_token_budget`` (if any) the engine can enforce: the
+        parser's think tags and where the output starts (the reasoning open, or the first
+        token deciding: ``thinking_open``), so the engine counts the reasoning as this
+        parser splits it. An output that starts as the answer (the prompt closed the
+        reasoning, ``enable_thinking`` false) has no reasoning to bound: the budget is
+        dropped. Raises ValueError for a parser without think token ids."""
+        if params.thinking_token_budget is None:
+            return params
+        p = self.parser()
+        if p.prompt_is_reasoning_end():
+            return params.clone(thinking_token_budget=None)
+        if not isinstance(p, BaseThinkingReasoningParser):
+            raise ValueError(f"{type(p).__name__} cannot enforce a thinking budget (no think token ids)")
+        return params.clone(thinking_start_token_id=p.start_token_id, thinking_end_token_id=p.end_token_id,
+                            thinking_open=p.initial_phase != UNDECIDED)

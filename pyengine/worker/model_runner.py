@@ -425,7 +425,7 @@ class ModelRunner:
             from pyengine.structured_output.backend_xgrammar import apply_token_bitmask
             bitmask = grammar_output.bitmask[:len(sampled)].to(self.device, non_blocking=True)
             apply_token_bitmask(logits, bitmask, grammar_output.rows)
-        if (not meta_s.no_penalties or meta_s.bad_words_need_last) and any(ph_flags):
+        if (not meta_s.no_penalties or meta_s.need_last_token_ids) and any(ph_flags):
             # the placeholders' tokens: the previous step's sampled ids, still on the device
             rows = [i for i, f in enumerate(ph_flags) if f]
             idx = torch.tensor([rows, [self._prev_rows[sampled[i].request.request_id] for i in rows]],
@@ -435,7 +435,7 @@ class ModelRunner:
                 meta_s.output_token_counts.index_put_(
                     (idx[0], toks),
                     torch.ones(len(rows), dtype=meta_s.output_token_counts.dtype, device=self.device), accumulate=True)
-            if meta_s.bad_words_need_last:
+            if meta_s.need_last_token_ids:  # bad words and the thinking budget compare it
                 meta_s.last_token_ids = torch.full((len(sampled),), -1, dtype=torch.int64,
                                                    device=self.device).index_put_((idx[0],), toks)
         out = self.sampler(logits, meta_s)

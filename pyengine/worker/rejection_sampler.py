@@ -4,7 +4,7 @@ A request that fed ``k`` draft tokens ``d_0 .. d_{k-1}`` after its newest token 
 ``k + 1`` logits rows: row ``j`` is the target's distribution of the token after
 ``d_{j-1}`` (row 0: after the newest token). The rows are processed exactly as the plain
 sampler processes a row (``pyengine.worker.sampler``: allowed ids, bad words, min_tokens,
-penalties, then temperature / min-p / top-k / top-p), with each row's metadata built as
+penalties, the thinking budget, then temperature / min-p / top-k / top-p), with each row's metadata built as
 if the drafts before it were already output tokens (``SamplingState.metadata`` with
 ``drafts``). Then, row by row:
 
@@ -38,6 +38,7 @@ from pyengine.worker.sampler import (
     apply_min_tokens,
     apply_penalties,
     apply_temperature,
+    apply_thinking_budget,
     apply_top_k_top_p,
     compute_logprobs,
     gather_logprobs,
@@ -152,6 +153,7 @@ class RejectionSampler:
         x = apply_bad_words(x, meta)
         x = apply_min_tokens(x, meta)
         x = apply_penalties(x, meta)
+        x = apply_thinking_budget(x, meta)
         if meta.all_greedy:
             # the argmax, accepted or not; a row without a draft (-1) never equals it
             target = x.argmax(dim=-1)

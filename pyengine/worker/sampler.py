@@ -24,8 +24,13 @@ Order of operations, per row (as vLLM v1 by default):
    token ids (``SamplingParams.all_stop_token_ids``, which include EOS) get ``-inf``.
 5. Penalties: repetition (prompt and output tokens), frequency and presence (output
    tokens only).
-6. Greedy rows (``temperature < 1e-5``): argmax.
-7. Random rows: temperature, min-p, top-k, top-p, then one draw with the
+6. ``thinking_token_budget``: a row whose reasoning has used its budget and not ended gets
+   ``-inf`` everywhere but the reasoning's end token (forced next). The host decides from
+   the request's output (``SamplingState``); where the newest token is a placeholder it
+   gives, per row, the outcome for each kind of that token (the end tag: no; the start tag
+   or any other: yes or no) and the device picks by ``last_token_ids``, with no sync.
+7. Greedy rows (``temperature < 1e-5``): argmax.
+8. Random rows: temperature, min-p, top-k, top-p, then one draw with the
    exponential-race trick ``argmax(probs / q)``, ``q ~ Exp(1)``, which is an exact sample
    from ``probs``. Rows that carry a ``torch.Generator`` (per-request seed) draw their
    ``q`` from it, so a seeded request gives the same tokens whatever else is in the batch.
@@ -46,6 +51,7 @@ __all__ = [
     "apply_allowed_token_ids",
     "apply_bad_words",
     "apply_min_tokens",
+    "apply_thinking_budget",
     "apply_penalties",
     "apply_temperature",
     "apply_min_p",
@@ -98,9 +104,15 @@ class SamplingMetadata:
             token is banned this step.
         bad_words_need_last: some triple depends on ``last_token_ids`` (async scheduling's
             placeholders); the caller must then set ``last_token_ids``.
+        thinking_idx: int64 [6, F], per row that the thinking budget may force: (row, end
+            token, depends on the newest token, start token or -1, forced if the newest
+            token is the start token, forced if it is any other but the end token); a row
+            that does not depend on the newest token is forced. None when no row is.
+        thinking_need_last: some row of ``thinking_idx`` depends on ``last_token_ids``.
         last_token_ids: int64 [B], per row the newest output token where the host has not
             seen it (a placeholder), anything elsewhere; set by the caller (the model
-            runner, from the previous step's sampled ids) when ``bad_words_need_last``.
+            runner, from the previous step's sampled ids) when ``bad_words_need_last`` or
+            ``thinking_need_last``.
     """
     temperature: torch.Tensor
     all_greedy: bool
@@ -126,7 +138,14 @@ class SamplingMetadata:
     allowed_idx: torch.Tensor | None = None
     bad_words_idx: torch.Tensor | None = None
     bad_words_need_last: bool = False
+    thinking_idx: torch.Tensor | None = None
+    thinking_need_last: bool = False
     last_token_ids: torch.Tensor | None = None
+
+    @property
+    def need_last_token_ids(self) -> bool:
+        """Some mask compares the newest output token on the device (``last_token_ids``)."""
+        return self.bad_words_need_last or self.thinking_need_last
 
     @property
     def batch_size(self) -> int:
@@ -141,6 +160,7 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str,
+        thinking: Sequence[tuple[int, int, int, int, int] | None] | None = None,
     ) -> SamplingMetadata:
         """Build the metadata of one step from per-row Python values.
 
@@ -159,6 +179,10 @@ class SamplingMetadata:
                 Ignored for greedy rows.
             vocab_size: ``V``, the width of the logits.
             device: where the tensors go (the logits' device).
+            thinking: per row, None (the thinking budget does not force it) or ``(end token,
+                depends on the newest token (0/1), start token or -1, forced if the newest
+                token is the start token (0/1), forced if it is another token but the end
+                token (0/1))``, as ``SamplingState`` works it out; None: no row.
 
         Raises:
             ValueError: if the per-row sequences do not all have length ``B``.
@@ -168,7 +192,8 @@ class SamplingMetadata:
         them.
         """
         B = len(params)
-        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == B):
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == B) or (
+                thinking is not None and len(thinking) != B):
             raise ValueError(
                 "params, prompt_token_ids, output_token_ids and generators must have the "
                 f"same length, got {B}, {len(prompt_token_ids)}, {len(output_token_ids)}, "
@@ -286,6 +311,11 @@ class SamplingMetadata:
             meta.bad_words_idx = torch.tensor([list(c) for c in zip(*bw)], dtype=torch.int64,
                                               pin_memory=pin).to(device, non_blocking=True)
             meta.bad_words_need_last = any(t[2] >= 0 for t in bw)
+        th = [(i, *t) for i, t in enumerate(thinking or ()) if t is not None]
+        if th:
+            meta.thinking_idx = torch.tensor([list(c) for c in zip(*th)], dtype=torch.int64,
+                                             pin_memory=pin).to(device, non_blocking=True)
+            meta.thinking_need_last = any(t[2] for t in th)
         return meta
 
 
@@ -404,6 +434,25 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         return logits
     neg_inf = torch.full((), float("-inf"), device=logits.device, dtype=logits.dtype)
     return logits.index_put((meta.min_tokens_rows, meta.min_tokens_cols), neg_inf)
+
+
+def apply_thinking_budget(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Force the reasoning's end token in the rows of ``meta.thinking_idx`` that the budget
+    stops (see ``SamplingMetadata``): such a row becomes ``-inf`` but 0 at its end token, so
+    greedy, random and rejection sampling all pick it. Returns float32 [B, V] (new tensor
+    if any row may be forced, else ``logits`` itself)."""
+    if meta.thinking_idx is None:
+        return logits
+    rows, ends, dep, start, if_start, if_other = meta.thinking_idx
+    forced = torch.full((rows.shape[0], logits.shape[1]), float("-inf"), device=logits.device,
+                        dtype=logits.dtype).scatter_(1, ends.unsqueeze(1), 0.0)
+    if meta.thinking_need_last:
+        if meta.last_token_ids is None:
+            raise ValueError("SamplingMetadata.last_token_ids must be set when thinking_need_last.")
+        last = meta.last_token_ids[rows]
+        on = (dep == 0) | ((last != ends) & (torch.where(last == start, if_start, if_other) != 0))
+        forced = torch.where(on.unsqueeze(1), forced, logits[rows])
+    return logits.index_put((rows,), forced)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -577,6 +626,7 @@ class Sampler:
         logits = apply_bad_words(logits, meta)
         logits = apply_min_tokens(logits, meta)
         logits = apply_penalties(logits, meta)
+        logits = apply_thinking_budget(logits, meta)
         sampled = self.sample(logits, meta)
         if raw_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)

@@ -1,11 +1,13 @@
 """Per-request sampling state kept by the model runner across steps: the seeded
 ``torch.Generator`` of each seeded random request, and (async scheduling) the state it
-had before its last draw, so a draw whose token was dropped can be undone. Builds each
+had before its last draw, so a draw whose token was dropped can be undone; where each
+request with a ``thinking_token_budget`` stands in its reasoning (``ThinkingBudgetState``,
+advanced over the output tokens the host has seen, O(new tokens) per step). Builds each
 step's ``SamplingMetadata`` (mirrors the role of vllm/v1/worker/gpu_input_batch.py's
 sampling state).
 
 A step whose rows read nothing that changes from step to step (no penalties, min_tokens,
-bad words or seeded generator: plain greedy / temperature / top-k / top-p rows, the
+bad words, thinking budget or seeded generator: plain greedy / temperature / top-k / top-p rows, the
 common case) gets the metadata built for the same rows before, if it is among the last
 few built: at batch 1 that is every step but the first (and, with speculation, the
 first of each row count), saving the per-row build and its host-to-device copy. A
@@ -18,10 +20,73 @@ import torch
 
 from pyengine.worker.sampler import SamplingMetadata
 
-__all__ = ["SamplingState"]
+__all__ = ["SamplingState", "ThinkingBudgetState"]
 
 # static metadata kept (plain decode and a verification row count or two at batch 1)
 _STATIC_KEPT = 4
+
+_CONTENT, _REASONING, _UNDECIDED = 0, 1, 2
+
+
+class ThinkingBudgetState:
+    """One request's output against its thinking budget, after its first ``seen`` output
+    tokens: its phase (the reasoning parsers' rules: an undecided start is opened by the
+    start tag, ended by any other first token; the reasoning ends at the end tag) and
+    ``count``, its reasoning tokens so far (tags not counted)."""
+
+    __slots__ = ("phase", "count", "seen")
+
+    def __init__(self, params):
+        self.phase = _REASONING if params.thinking_open else _UNDECIDED
+        self.count = 0
+        self.seen = 0
+
+    def copy(self) -> ThinkingBudgetState:
+        c = ThinkingBudgetState.__new__(ThinkingBudgetState)
+        c.phase, c.count, c.seen = self.phase, self.count, self.seen
+        return c
+
+    def feed(self, tokens, params) -> None:
+        """Advance over these output tokens (the next ones after ``seen``)."""
+        start, end = params.thinking_start_token_id, params.thinking_end_token_id
+        for t in tokens:
+            if self.phase == _UNDECIDED:
+                self.phase = _REASONING if t == start else _CONTENT
+            elif self.phase == _REASONING:
+                if t == end:
+                    self.phase = _CONTENT
+                elif t != start:  # a repeated start tag is not reasoning
+                    self.count += 1
+        self.seen += len(tokens)
+
+    def catch_up(self, request) -> None:
+        """Advance over the output tokens of ``request`` the host has seen since last time
+        (they only grow: preemption keeps them, dropped tokens were never appended)."""
+        sp, first = request.sampling_params, request.num_prompt_tokens + self.seen
+        if self.phase != _CONTENT and first < request.num_tokens:
+            self.feed(request.all_token_ids[first:], sp)
+        else:
+            self.seen = request.num_tokens - request.num_prompt_tokens
+
+    def row(self, params, placeholder: bool) -> tuple[int, int, int, int, int] | None:
+        """This step's ``SamplingMetadata.build`` ``thinking`` entry: None when the next
+        token is surely free, else ``(end, depends on the newest token, start or -1, forced
+        if it is the start tag, forced if it is another token but the end tag)``.
+        ``placeholder``: the newest output token is on the device only (not fed here)."""
+        budget, end = params.thinking_token_budget, params.thinking_end_token_id
+        if not placeholder:
+            return (end, 0, -1, 1, 1) if self.phase == _REASONING and self.count >= budget else None
+        if self.phase == _REASONING:
+            if_start, if_other = self.count >= budget, self.count + 1 >= budget
+        elif self.phase == _UNDECIDED:  # that token is the first: the start tag opens an empty reasoning
+            if_start, if_other = budget <= 0, False
+        else:
+            return None
+        if not (if_start or if_other):
+            return None
+        start = params.thinking_start_token_id
+        return end, 1, -1 if start is None else start, int(if_start), int(if_other)
+
 
 
 class SamplingState:
@@ -33,15 +98,17 @@ class SamplingState:
         self.device, self.vocab_size, self.async_scheduling = device, vocab_size, async_scheduling
         self.generators: dict[str, torch.Generator] = {}
         self._state_before_draw: dict[str, torch.Tensor] = {}
+        self._thinking: dict[str, ThinkingBudgetState] = {}
         # metadata of steps whose rows read no per-step state, newest first:
         # (each request's params, each request's row count, metadata)
         self._static: list[tuple[tuple, tuple, SamplingMetadata]] = []
 
     def forget(self, request_ids) -> None:
-        """These requests finished: drop their generators."""
+        """These requests finished: drop their generators and budget states."""
         for rid in request_ids:
             self.generators.pop(rid, None)
             self._state_before_draw.pop(rid, None)
+            self._thinking.pop(rid, None)
 
     def rewind(self, request_ids) -> None:
         """Undo the last draw of these requests' seeded generators: its token was dropped
@@ -56,7 +123,16 @@ class SamplingState:
     def clear(self) -> None:
         self.generators.clear()
         self._state_before_draw.clear()
+        self._thinking.clear()
         self._static.clear()
+
+    def thinking_state(self, request) -> ThinkingBudgetState:
+        """``request``'s budget state, caught up with the output the host has seen."""
+        st = self._thinking.get(request.request_id)
+        if st is None:
+            st = self._thinking[request.request_id] = ThinkingBudgetState(request.sampling_params)
+        st.catch_up(request)
+        return st
 
     def _cached(self, params: tuple, rows: tuple) -> SamplingMetadata | None:
         for p, r, meta in self._static:
@@ -76,8 +152,8 @@ class SamplingState:
         ``spec`` (speculative decoding): a request with ``k`` draft tokens
         (``ScheduledRequest.spec_token_ids``) gets ``k + 1`` rows, row ``j`` with the
         request's parameters and generator and, as output tokens, its output followed by
-        its first ``j`` drafts (so penalties, min_tokens and bad words see the context
-        that row is verified in)."""
+        its first ``j`` drafts (so penalties, min_tokens, bad words and the thinking budget
+        see the context that row is verified in)."""
         params = tuple(s.request.sampling_params for s in sampled)
         spec = spec and any(s.spec_token_ids for s in sampled)
         rows = tuple(len(s.spec_token_ids) + 1 for s in sampled) if spec else (1,) * len(sampled)
@@ -116,13 +192,19 @@ class SamplingState:
                 if self.async_scheduling:
                     self._state_before_draw[rid] = g.get_state()  # host-side copy, no sync
             gens.append(g)
-        meta = SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device)
-        if need_tokens or tail or any(g is not None for g in gens):
+        thinking = None
+        if any(p.thinking_token_budget is not None for p in params):
+            thinking = [None if s.request.sampling_params.thinking_token_budget is None else
+                        self.thinking_state(s.request).row(s.request.sampling_params, ph)
+                        for s, ph in zip(sampled, ph_flags)]
+        meta = SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device, thinking)
+        if need_tokens or tail or thinking is not None or any(g is not None for g in gens):
             return meta
         return self._keep(params, rows, meta)
 
     def _spec_metadata(self, sampled, req_params: tuple, rows: tuple) -> SamplingMetadata:
         params, prompts, outs, gens = [], [], [], []
+        thinking: list | None = [] if any(p.thinking_token_budget is not None for p in req_params) else None
         need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                           or p.bad_words_token_ids for p in req_params)
         for s in sampled:
@@ -134,12 +216,18 @@ class SamplingState:
                     g = self.generators[rid] = torch.Generator(device=self.device)
                     g.manual_seed(sp.seed)
             o = r.output_token_ids if need_tokens else ()
+            # row j's budget state: the request's, fed its first j drafts (sync steps: no placeholder)
+            st = self.thinking_state(r).copy() if sp.thinking_token_budget is not None else None
             for j in range(len(s.spec_token_ids) + 1):
                 params.append(sp)
                 prompts.append(r.prompt_token_ids if need_tokens else ())
                 outs.append(list(o) + s.spec_token_ids[:j] if need_tokens else ())
                 gens.append(g)
-        meta = SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device)
-        if need_tokens or any(g is not None for g in gens):
+                if thinking is not None:
+                    if st is not None and j:
+                        st.feed(s.spec_token_ids[j - 1:j], sp)
+                    thinking.append(None if st is None else st.row(sp, False))
+        meta = SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device, thinking)
+        if need_tokens or thinking is not None or any(g is not None for g in gens):
             return meta
         return self._keep(req_params, rows, meta)

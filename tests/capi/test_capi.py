@@ -319,6 +319,20 @@ def test_chat_carries_the_reasoning_fields(capi_test_bin, capi_lib, reasoning_di
     assert proc.returncode != 0 and "<think>" in proc.stdout + proc.stderr
 
 
+def test_chat_thinking_token_budget(capi_test_bin, capi_lib, thinking_loop_dir):
+    """vllm_chat takes chat's thinking_token_budget as over HTTP: on the model that thinks
+    forever, the reasoning holds exactly the budget and the answer follows; without
+    vllm_model_params.reasoning_parser the budget is refused, naming the field."""
+    req = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0,
+                      "thinking_token_budget": 3})
+    out = _check(_run(capi_test_bin, capi_lib, "chat", thinking_loop_dir, req,
+                      env={"CAPI_TEST_REASONING_PARSER": "qwen3"}))
+    msg = json.loads(_unescape(next(x for x in out.splitlines() if x.startswith("CHAT "))[5:]))["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("HmmHmmHmm", "\n\nOK")
+    proc = _run(capi_test_bin, capi_lib, "chat", thinking_loop_dir, req)
+    assert proc.returncode != 0 and "thinking_token_budget needs a reasoning parser" in proc.stdout
+
+
 def test_engine_defaults_come_from_the_generation_config(capi_test_bin, capi_lib, llama_greedy_dir):
     # the model recommends greedy sampling, top_k 7 and 3 new tokens (generation_config.json)
     from pyengine import LLM, SamplingParams

@@ -259,7 +259,7 @@ def test_responses_refusal_names_the_responses_field(servers):
 
 def test_messages_create(servers):
     m = anth(servers["answer"]).messages.create(model=MODEL, max_tokens=16, system="Be brief.", messages=ASK,
-                                                thinking={"type": "enabled", "budget_tokens": 1024})
+                                                thinking={"type": "adaptive"})  # budgets: test_thinking_budget
     assert [b.type for b in m.content] == ["thinking", "text"] and m.content[0].thinking == "Hmm"
     assert m.content[1].text == "\n\nOK" and m.stop_reason == "end_turn" and m.usage.output_tokens > 0
 

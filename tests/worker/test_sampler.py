@@ -362,8 +362,11 @@ def test_cuda_sampler_has_no_host_sync():
                   bad_words_token_ids=[[7], [4, 9], [2, 3]])]
     gens = [None, torch.Generator(dev).manual_seed(1), None, None, None,
             torch.Generator(dev).manual_seed(2)]
-    meta = SamplingMetadata.build(params, [[1, 2, 3]] * B, [[4, 4]] * (B - 1) + [[4, 2, -1]], gens, Vg, dev)
-    assert meta.bad_words_need_last and meta.allowed_rows is not None
+    # thinking budget: row 4 forced by the host, row 5 depending on its device-only newest token
+    thinking = [None] * 4 + [(9, 0, -1, 1, 1), (900, 1, 3, 1, 0)]
+    meta = SamplingMetadata.build(params, [[1, 2, 3]] * B, [[4, 4]] * (B - 1) + [[4, 2, -1]], gens, Vg, dev,
+                                  thinking)
+    assert meta.bad_words_need_last and meta.allowed_rows is not None and meta.thinking_need_last
     meta.last_token_ids = torch.full((B,), 3, device=dev)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -373,3 +376,4 @@ def test_cuda_sampler_has_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.shape == (B,)
     assert out.sampled_token_ids[0].item() == logits[0].argmax().item()
+    assert out.sampled_token_ids[4].item() == 9 and out.sampled_token_ids[5].item() == 900  # newest: 3, the start tag

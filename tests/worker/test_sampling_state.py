@@ -1,6 +1,6 @@
 """SamplingState's reuse of metadata: a step whose rows read no per-step state gets the
-metadata built for the same rows before; a step with penalties, min_tokens, bad words or
-a seeded generator, or with other rows, gets metadata built for it."""
+metadata built for the same rows before; a step with penalties, min_tokens, bad words, a
+thinking budget or a seeded generator, or with other rows, gets metadata built for it."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -59,7 +59,8 @@ def test_rows_with_per_step_state_are_built_each_step():
     for sp in (SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.5),
                SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.2),
                SamplingParams(temperature=0, max_tokens=8, min_tokens=4),
-               SamplingParams(temperature=0.8, max_tokens=8, seed=3)):
+               SamplingParams(temperature=0.8, max_tokens=8, seed=3),
+               SamplingParams(temperature=0, max_tokens=8, thinking_token_budget=4, thinking_end_token_id=9)):
         for spec, drafts in ((False, ()), (True, (4, 4))):
             st = SamplingState(torch.device("cpu"), V, async_scheduling=True)
             r = _row("a", sp, drafts=drafts)

@@ -7,7 +7,8 @@ conversions): pure functions, no HTTP.
   ``tool`` messages, ``thinking`` -> the assistant's ``reasoning_content``, a last assistant
   message -> ``continue_final_message``; sampling fields; tools and ``tool_choice``
   (``any`` -> ``required``, ``tool`` -> a named function, ``disable_parallel_tool_use`` ->
-  ``parallel_tool_calls: false``); ``thinking`` -> ``enable_thinking``; ``output_config``.
+  ``parallel_tool_calls: false``); ``thinking`` -> ``enable_thinking``, and ``enabled``'s
+  ``budget_tokens`` -> vLLM's ``thinking_token_budget``; ``output_config``.
   ``ANTHROPIC_PARAMS`` renames the chat fields a refusal names back.
 - ``chat_to_message(req, chat_completion)``: a finished chat result -> the ``Message``
   (``thinking``, ``text``, ``tool_use`` blocks; ``stop_reason`` ``end_turn`` /
@@ -43,7 +44,8 @@ from pyengine.entrypoints.anthropic.protocol import (
 
 # chat-completions field -> the Messages field a refusal should name
 ANTHROPIC_PARAMS = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
-                    "response_format": "output_config.format", "user": "metadata.user_id"}
+                    "response_format": "output_config.format", "user": "metadata.user_id",
+                    "thinking_token_budget": "thinking.budget_tokens"}
 
 
 def anthropic_param(chat_param: str | None) -> str | None:
@@ -150,6 +152,8 @@ def messages_to_chat_request(req: MessagesRequest | CountTokensRequest) -> dict:
                     top_p=req.top_p, top_k=req.top_k, stream=bool(req.stream), priority=req.priority,
                     request_id=req.request_id, seed=req.seed,
                     user=req.metadata.user_id if req.metadata is not None else None)
+        if isinstance(req.thinking, ThinkingEnabled):  # the engine enforces it (count_tokens generates nothing)
+            body["thinking_token_budget"] = req.thinking.budget_tokens
     return {k: v for k, v in body.items() if v is not None}
 
 

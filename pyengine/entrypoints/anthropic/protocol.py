@@ -12,8 +12,10 @@ system; text, ``tool_use``, ``tool_result`` with text, ``thinking`` and
 ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, custom ``tools``
 with ``input_schema``, ``tool_choice`` (``auto`` / ``any`` / ``tool`` / ``none``,
 ``disable_parallel_tool_use``), ``thinking`` (``enabled`` / ``adaptive`` / ``disabled``:
-the chat template's ``enable_thinking``; ``budget_tokens`` is not enforced, only
-``max_tokens`` bounds the output), ``output_config`` (``format`` json_schema, ``effort``),
+the chat template's ``enable_thinking``; ``enabled``'s ``budget_tokens``, at least 1024 and
+below ``max_tokens`` as Anthropic requires, bounds the reasoning: the engine forces the end
+of the thinking once it holds that many tokens (chat's ``thinking_token_budget``; needs
+``--reasoning-parser``)), ``output_config`` (``format`` json_schema, ``effort``),
 ``metadata.user_id``, ``stream``, ``cache_control`` (prefix caching is automatic).
 Refused: images, documents and other block types, server tools, citations, containers,
 MCP servers, ``context_management``, ...
@@ -25,6 +27,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pyengine.entrypoints.request_fields import CaptureModel, check_fields, tagged
+from pyengine.exceptions import VLLMValidationError
 
 # ---------------------------------------------------------------------------------------
 # Request
@@ -244,10 +247,31 @@ def unsupported_fields(req: _Conversation) -> list[tuple[str, str]]:
     return out
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+
+
+def check_thinking(req: _Conversation) -> None:
+    """Anthropic's rules for ``thinking.budget_tokens``, with its messages: at least 1024,
+    and below ``max_tokens`` (thinking counts towards it). Raises VLLMValidationError."""
+    if not isinstance(req.thinking, ThinkingEnabled):
+        return
+    budget = req.thinking.budget_tokens
+    if budget < MIN_THINKING_BUDGET:
+        raise VLLMValidationError(f"thinking.enabled.budget_tokens: Input should be greater than or equal to "
+                                  f"{MIN_THINKING_BUDGET}", parameter="thinking.budget_tokens", value=budget)
+    if isinstance(req, MessagesRequest) and req.max_tokens <= budget:
+        raise VLLMValidationError(
+            "`max_tokens` must be greater than `thinking.budget_tokens`. Please consult our documentation at "
+            "https://docs.claude.com/en/docs/build-with-claude/extended-thinking#max-tokens-and-context-window-size",
+            parameter="max_tokens", value=req.max_tokens)
+
+
 def check_messages_request(req: _Conversation) -> None:
     """Refuse unknown fields and fields ``unsupported_fields`` lists (also for a
-    ``CountTokensRequest``). Raises VLLMValidationError (``parameter``: the first field)."""
+    ``CountTokensRequest``), and a thinking budget Anthropic would refuse
+    (``check_thinking``). Raises VLLMValidationError (``parameter``: the first field)."""
     check_fields(req, unsupported_fields)
+    check_thinking(req)
 
 
 # ---------------------------------------------------------------------------------------

@@ -152,6 +152,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict | None = None
     reasoning_effort: str | None = None  # passed to the chat template, as vLLM
     include_reasoning: bool | None = None  # no reasoning parser: no reasoning content is returned either way
+    # vLLM's: at most this many reasoning tokens, then the end token is forced (needs --reasoning-parser)
+    thinking_token_budget: int | None = None
     documents: list[dict[str, str]] | None = None  # passed to the chat template (RAG templates)
     # refused unless unset (UNSUPPORTED_FIELDS)
     chat_template: str | None = None

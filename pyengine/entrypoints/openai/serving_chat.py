@@ -165,8 +165,9 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | N
     whether the response is streamed, where the front end decides it (the C ABI's two
     functions) rather than the request's ``stream`` field; ``reasoning_parser``: the
     ``--reasoning-parser`` class (``reasoning.load_reasoning_parser``): each choice is then
-    split into reasoning and content, and a structured-output constraint (tool_choice
-    required / named included) applies to the content only. Raises
+    split into reasoning and content, a structured-output constraint (tool_choice
+    required / named included) applies to the content only, and ``thinking_token_budget``
+    (vLLM's field; refused without a parser) bounds the reasoning. Raises
     VLLMValidationError."""
     check_stream_options(req, stream)
     refuse_unsupported(req)
@@ -179,6 +180,14 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | N
     params = to_sampling_params(processor, req, max_tokens=max_tokens, logprobs=num_top,
                                 structured_outputs=constraint, output_kind=output_kind,
                                 logprobs_param="top_logprobs")
+    if req.thinking_token_budget is not None:
+        if reasoning_parser is None:
+            raise VLLMValidationError(
+                "thinking_token_budget needs a reasoning parser to tell the model's reasoning from its answer, and "
+                "none is configured (vengine serve --reasoning-parser; the C ABI's "
+                "vllm_model_params.reasoning_parser).",
+                parameter="thinking_token_budget", value=req.thinking_token_budget)
+        params = params.clone(thinking_token_budget=req.thinking_token_budget)
     salt = processor.check_cache_salt(req.cache_salt)
     text, ids = run(lambda: render_chat_prompt(processor, req, chat_template, tools, params))
     reasoning = None
@@ -187,6 +196,7 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | N
                                      req.include_reasoning is not False)
         if params.structured_outputs is not None:
             params = params.clone(structured_outputs=reasoning.gate(params.structured_outputs))
+        params = reasoning.budget(params)
     return ChatInputs(text, ids, params, req.priority or 0, mode, num_top, chat_echo(req), salt, reasoning)
 
 

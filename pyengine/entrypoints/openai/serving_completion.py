@@ -38,13 +38,18 @@ CHAT_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", 
 def refuse_tool_fields(req: CompletionRequest) -> None:
     """A completions request carrying tool fields (unknown there: pydantic's model_extra),
     or chat's ``max_completion_tokens`` (vLLM's CompletionRequest does not know it and
-    would silently give 16 tokens; OpenAI's legacy completions refuse it). Raises
-    VLLMValidationError."""
+    would silently give 16 tokens; OpenAI's legacy completions refuse it), or
+    ``thinking_token_budget`` (vLLM takes it here too; without a reasoning parser on this
+    path it could only be ignored). Raises VLLMValidationError."""
     extra = req.model_extra or {}
     for name in CHAT_TOOL_FIELDS:
         if extra.get(name) is not None:
             raise VLLMValidationError(f"{name} is not supported by /v1/completions; tool calling is served by "
                                       "/v1/chat/completions.", parameter=name)
+    if extra.get("thinking_token_budget") is not None:
+        raise VLLMValidationError("thinking_token_budget is not supported by /v1/completions (no reasoning parser "
+                                  "reads its output); it is served by /v1/chat/completions with --reasoning-parser.",
+                                  parameter="thinking_token_budget")
     if extra.get("max_completion_tokens") is not None:
         raise VLLMValidationError("max_completion_tokens is a /v1/chat/completions field; /v1/completions takes "
                                   "max_tokens.", parameter="max_completion_tokens")

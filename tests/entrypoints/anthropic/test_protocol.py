@@ -80,7 +80,7 @@ def tool_call(call_id="toolu_1", name="get_weather", arguments=ARGS) -> dict:
 
 def test_sdk_request_is_understood_and_becomes_a_chat_request():
     body = sent_by_sdk(
-        max_tokens=100, system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools.",
+        max_tokens=4096, system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools.",
                                                                           "cache_control": {"type": "ephemeral"}}],
         stop_sequences=["END"], tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather",
                                                               "disable_parallel_tool_use": True},
@@ -106,7 +106,8 @@ def test_sdk_request_is_understood_and_becomes_a_chat_request():
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
         {"role": "user", "content": "And tomorrow?"}]
     assert (chat["max_tokens"], chat["stop"], chat["temperature"], chat["top_p"], chat["top_k"]) == \
-        (100, ["END"], 0.5, 0.9, 5)
+        (4096, ["END"], 0.5, 0.9, 5)
+    assert chat["thinking_token_budget"] == 2048  # enforced by the engine (vLLM's chat field)
     assert chat["user"] == "u1" and chat["parallel_tool_calls"] is False and chat["stream"] is False
     assert chat["chat_template_kwargs"] == {"enable_thinking": True}
     assert "continue_final_message" not in chat
@@ -151,6 +152,42 @@ def test_prefill_thinking_off_and_count_tokens():
     counted = messages_to_chat_request(creq)
     assert counted["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "x"}]
     assert "max_tokens" not in counted and counted["tools"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize("max_tokens,budget,param,message", [
+    (4096, 1023, "thinking.budget_tokens", "thinking.enabled.budget_tokens: Input should be greater than or equal "
+                                           "to 1024"),
+    (1024, 1024, "max_tokens", "`max_tokens` must be greater than `thinking.budget_tokens`."),
+    (1000, 2048, "max_tokens", "`max_tokens` must be greater than `thinking.budget_tokens`."),
+])
+def test_thinking_budget_is_checked_as_anthropic_does(max_tokens, budget, param, message):
+    body = {"model": "m", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "x"}],
+            "thinking": {"type": "enabled", "budget_tokens": budget}}
+    with pytest.raises(VLLMValidationError) as e:
+        check_messages_request(parse(body))
+    assert e.value.parameter == param and str(e.value).startswith(message), str(e.value)
+    assert error_body(400, str(e.value))["error"]["type"] == "invalid_request_error"
+
+
+def test_thinking_budget_edges_and_count_tokens():
+    ok = {"model": "m", "max_tokens": 1025, "messages": [{"role": "user", "content": "x"}],
+          "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    check_messages_request(parse(ok))
+    assert messages_to_chat_request(parse(ok))["thinking_token_budget"] == 1024
+    assert anthropic_param("thinking_token_budget") == "thinking.budget_tokens"
+    # count_tokens has no max_tokens and generates nothing: the 1024 floor only, no budget in its chat request
+    counted = dict(ok)
+    del counted["max_tokens"]
+    creq = parse(counted, CountTokensRequest)
+    check_messages_request(creq)
+    assert "thinking_token_budget" not in messages_to_chat_request(creq)
+    counted["thinking"] = {"type": "enabled", "budget_tokens": 10}
+    with pytest.raises(VLLMValidationError, match="greater than or equal to 1024"):
+        check_messages_request(parse(counted, CountTokensRequest))
+    # adaptive thinking carries no budget
+    adaptive = dict(ok, thinking={"type": "adaptive"}, max_tokens=5)
+    check_messages_request(parse(adaptive))
+    assert "thinking_token_budget" not in messages_to_chat_request(parse(adaptive))
 
 
 @pytest.mark.parametrize("extra,param", [
