@@ -310,6 +310,7 @@ def run_kernels(args, results: dict) -> None:
                  "fp8_gemv": ([lambda wq=wq, sc=sc: quant.fp8_gemv(x1, wq, sc, act="token") for wq, sc in fp8],
                               fp8_bytes),
                  "w4a16_gemv": ([lambda q=q: quant.int_gemv(x1, q[0], q[1], q[2], 4, gs) for q in ints], int_bytes)}
+        row.update(_gemv_errors(x1, fp8[0], ints[0], gs))
         for label, (calls, nbytes) in gemvs.items():
             us = _rotated_us(dev, calls)
             row[f"{label}_us"], row[f"{label}_gb_s"] = us, nbytes / us / 1e3
@@ -338,6 +339,24 @@ def run_kernels(args, results: dict) -> None:
         out["sweep_s"] = time.perf_counter() - sweep_t0
         out["config_files"] = _write_gemv_configs(args, dev, rows)
     results["kernels"] = out
+
+
+def _gemv_errors(x1, fp8, ints, gs) -> dict:
+    """Each quantized GEMV (default config) against its dequantized float32 reference: the
+    largest error over the largest reference value (the GPU tests' bound for bf16: 1e-2)."""
+
+    from pyengine.ops import quant
+
+    wq, ws = fp8
+    xf = x1.float()
+    xs = (xf.abs().amax() / 448.0).clamp(min=quant._MIN_SCALE)
+    xq = (xf / xs).clamp(-448.0, 448.0).to(quant.FP8_DTYPE).float() * xs
+    refs = {"fp8_gemv": (quant.fp8_gemv(x1, wq, ws, act="token"), xq @ (wq.float() * ws[:, None]).t()),
+            "w4a16_gemv": (quant.int_gemv(x1, *ints, 4, gs), xf @ quant.dequant_int_ref(*ints, 4, gs).t())}
+    out = {}
+    for label, (y, ref) in refs.items():
+        out[f"{label}_rel_err"] = ((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+    return out
 
 
 def _time_gemms(dev, dtype, m, w, fp8, ints, gs) -> dict:
@@ -489,6 +508,10 @@ def report(results: dict, hw: dict, cmd: str) -> None:
                         [r["fp8_gemv_us"] / r["bf16_gemv_us"], r["w4a16_gemv_us"] / r["bf16_gemv_us"]] +
                         [r.get(f"{x}_us") for x in ("bf16_gemm", "fp8_gemm", "fp8_gemm_triton", "w4a16_gemm")]
                         for r in rows]))
+        errs = {x: max(r[f"{x}_rel_err"] for r in rows) for x in ("fp8_gemv", "w4a16_gemv")}
+        print(f"\nLargest error against the dequantized reference (of the largest output; bound 1e-2): FP8 "
+              f"{errs['fp8_gemv']:.2e}, W4A16 {errs['w4a16_gemv']:.2e}" +
+              ("" if max(errs.values()) <= 1e-2 else "  ** OVER THE BOUND **"))
         ratio = kern["layer_gemv_ratio"]
         print(f"\nA layer's four GEMVs: bf16 {kern['layer_gemv_us']['bf16_gemv']:.1f} us, FP8 "
               f"{kern['layer_gemv_us']['fp8_gemv']:.1f} us ({ratio['fp8']:.3f}x), W4A16 "
