@@ -120,6 +120,52 @@ def _round_fp8(v, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _fp8_gemv_x(x_ptr, k0, rs, rc, K: tl.constexpr, S: tl.constexpr):
+    """Chunk k0's activation as the dot's [S, 16] operand (column c: slice c), float32."""
+    offs_x = k0 + rc[None, :] * S + rs[:, None]
+    return tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemv_chunk(acc, w, x, x_ptr, s_ptr, k0, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K: tl.constexpr,
+                    S: tl.constexpr, M: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
+                    BLOCK_SCALED: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr, IEEE: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    """One chunk of ``_fp8_gemv_kernel``: acc [M, 16] += the dot of the chunk's weight w
+    [M, S] and its activation x [S, 16] (quantized here; rows scaled for per-slice scales)."""
+    if ACT == 2:
+        gs = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, MIN_SCALE)  # [16]: each slice's scale
+        xq = tl.clamp(x / gs[None, :], -448.0, 448.0)
+    elif ACT != 0:
+        xq = tl.clamp(x / x_scale, -448.0, 448.0)
+    else:
+        xq = x
+    if EMULATE and ACT != 0:
+        xq = _round_fp8(xq, True)
+    if EMULATE:  # the interpreter: float32 operands (its low-precision dot is unreliable)
+        part = tl.dot(w.to(tl.float32), xq, input_precision="ieee")
+    elif ACT == 0:
+        if IEEE:  # float32 activations: no TF32
+            part = tl.dot(w.to(tl.float32), xq, input_precision="ieee")
+        else:  # e4m3 values are exact in bf16/fp16: exact products, float32 sums
+            part = tl.dot(w.to(x_ptr.dtype.element_ty), xq.to(x_ptr.dtype.element_ty))
+    else:
+        part = tl.dot(w, xq.to(tl.float8e4nv))
+    if ACT == 2 or BLOCK_SCALED:
+        sc = tl.full([M], 1.0, tl.float32)
+        if BLOCK_SCALED:
+            sc = sc * tl.load(s_ptr + (rn_m // BN_SCALE) * stride_sn + (k0 + c_m * S) // BK_SCALE,
+                              mask=mask_m & (k0 + c_m * S < K), other=0.0)
+        if ACT == 2:
+            acc += part * (sc[:, None] * gs[None, :])
+        else:
+            acc += part * sc[:, None]
+    else:
+        acc += part
+    return acc
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, stride_sn, K: tl.constexpr,
                      BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr,
@@ -142,7 +188,16 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, stride_sn, K:
     mask_m = rn_m < N
     rs = tl.arange(0, S)
     rc = tl.arange(0, 16)
-    w_rows = w_ptr + rn_m.to(tl.int64) * K + c_m * S
+    w_tile = w_ptr + (rn_m.to(tl.int64) * K + c_m * S)[:, None] + rs[None, :]  # chunk 0's [M, S] weight
+    cols = c_m[:, None] * S + rs[None, :]  # and its columns
+    # K in at most two chunks: both are loaded first, so their bytes are in flight during the
+    # token's amax (a pipelined loop would issue them after it, and one chunk after the other)
+    PRELOAD: tl.constexpr = K <= 2 * BLOCK_K
+    if PRELOAD:
+        w0 = tl.load(w_tile, mask=mask_m[:, None] & (cols < K), other=0.0)
+        w1 = tl.load(w_tile + BLOCK_K, mask=mask_m[:, None] & (BLOCK_K + cols < K), other=0.0)
+        x0 = _fp8_gemv_x(x_ptr, 0, rs, rc, K, S)
+        x1 = _fp8_gemv_x(x_ptr, BLOCK_K, rs, rc, K, S)
     x_scale = 1.0
     if ACT == 1:  # the token's scale: every program reads the whole (small, cached) row, all loads at once
         ra = tl.arange(0, AMAX_BLOCK)
@@ -154,40 +209,18 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, stride_sn, K:
     if ACT == 3:
         x_scale = tl.load(xs_ptr).to(tl.float32)
     acc = tl.zeros([M, 16], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_w = k0 + c_m[:, None] * S + rs[None, :]  # [M, S]: each weight element's column
-        w = tl.load(w_rows[:, None] + k0 + rs[None, :], mask=mask_m[:, None] & (offs_w < K), other=0.0)
-        offs_x = k0 + rc[None, :] * S + rs[:, None]  # [S, 16]
-        x = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
-        if ACT == 2:
-            gs = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, MIN_SCALE)  # [16]: each slice's scale
-            xq = tl.clamp(x / gs[None, :], -448.0, 448.0)
-        elif ACT != 0:
-            xq = tl.clamp(x / x_scale, -448.0, 448.0)
-        else:
-            xq = x
-        if EMULATE and ACT != 0:
-            xq = _round_fp8(xq, True)
-        if EMULATE:  # the interpreter: float32 operands (its low-precision dot is unreliable)
-            part = tl.dot(w.to(tl.float32), xq, input_precision="ieee")
-        elif ACT == 0:
-            if IEEE:  # float32 activations: no TF32
-                part = tl.dot(w.to(tl.float32), xq, input_precision="ieee")
-            else:  # e4m3 values are exact in bf16/fp16: exact products, float32 sums
-                part = tl.dot(w.to(x_ptr.dtype.element_ty), xq.to(x_ptr.dtype.element_ty))
-        else:
-            part = tl.dot(w, xq.to(tl.float8e4nv))
-        if ACT == 2 or BLOCK_SCALED:
-            sc = tl.full([M], 1.0, tl.float32)
-            if BLOCK_SCALED:
-                sc = sc * tl.load(s_ptr + (rn_m // BN_SCALE) * stride_sn + (k0 + c_m * S) // BK_SCALE,
-                                  mask=mask_m & (k0 + c_m * S < K), other=0.0)
-            if ACT == 2:
-                acc += part * (sc[:, None] * gs[None, :])
-            else:
-                acc += part * sc[:, None]
-        else:
-            acc += part
+    if PRELOAD:
+        acc = _fp8_gemv_chunk(acc, w0, x0, x_ptr, s_ptr, 0, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K, S, M,
+                              BN_SCALE, BK_SCALE, BLOCK_SCALED, ACT, MIN_SCALE, IEEE, EMULATE)
+        if BLOCK_K < K:
+            acc = _fp8_gemv_chunk(acc, w1, x1, x_ptr, s_ptr, BLOCK_K, x_scale, rn_m, c_m, mask_m, rc, stride_sn,
+                                  K, S, M, BN_SCALE, BK_SCALE, BLOCK_SCALED, ACT, MIN_SCALE, IEEE, EMULATE)
+    else:
+        for k0 in range(0, K, BLOCK_K):  # software-pipelined by Triton (num_stages)
+            w = tl.load(w_tile + k0, mask=mask_m[:, None] & (k0 + cols < K), other=0.0)
+            x = _fp8_gemv_x(x_ptr, k0, rs, rc, K, S)
+            acc = _fp8_gemv_chunk(acc, w, x, x_ptr, s_ptr, k0, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K, S, M,
+                                  BN_SCALE, BK_SCALE, BLOCK_SCALED, ACT, MIN_SCALE, IEEE, EMULATE)
     d = tl.where(c_m[:, None] == rc[None, :], acc, 0.0)
     y = tl.sum(tl.sum(tl.reshape(d, [BLOCK_N, 16, 16]), axis=2), axis=1)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)

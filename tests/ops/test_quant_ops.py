@@ -198,13 +198,15 @@ def test_int_gemv_configs(kind, bits, group_size, block_n, num_warps):
 def test_fp8_gemv_configs(kind, act, block_n, block_k):
     """The FP8 GEMV at the launch configs the sweep tries: K over several chunks, evenly
     and not (1000: a masked last chunk and slices), N not a multiple of block_n; block
-    scales (their 64 columns: the slice for per-group activations; K = 1088, 17 groups)
-    and per-row ones."""
+    scales (their columns, 32 or 64: the slice for per-group activations; K = 1088, a whole
+    number of groups) and per-row ones; K in at most two chunks (loaded before the amax)
+    and in more (the pipelined loop)."""
     dev = _dev(kind)
     for k in (2048, 1088 if act == "group" else 1000):
         n = 24 if dev == "cpu" else 4104
-        block = (8, 64) if act == "group" else None
-        w, ws = _fp8_weight(-(-n // 8) * 8, -(-k // 64) * 64, dev, block)
+        bk = max(32, block_k // 16)  # per-group activations: slices of the block's columns
+        block = (8, bk) if act == "group" else None
+        w, ws = _fp8_weight(-(-n // 8) * 8, -(-k // bk) * bk, dev, block)
         w = w[:n, :k].contiguous()
         if block is None:
             ws = ws[:n]
@@ -212,7 +214,7 @@ def test_fp8_gemv_configs(kind, act, block_n, block_k):
         bias = torch.randn(n, device=dev)
         static = x.abs().amax().reshape(1) / 448.0 * 1.5 if act == "tensor" else None
         y = quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k)
-        xr = x if act is None else _ref_act(x, group=64 if act == "group" else None, static=static)
+        xr = x if act is None else _ref_act(x, group=bk if act == "group" else None, static=static)
         dense = dequantize_fp8(w, ws, block)
         _check(y, xr @ dense.t() + bias, torch.float32)
 
