@@ -459,6 +459,7 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC, K: tl.
     mask_n = rn < N
     rw = tl.arange(0, BKW)
     rc = tl.arange(0, C)
+    rcw = rc[:, None] * CW + tl.arange(0, CW)[None, :]  # [C, CW]: the chunk's words by thread
     rows = qw_ptr + rn[:, None].to(tl.int64) * KW
     acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
     for kc in range(0, KW, BKW):  # a runtime loop: unrolled, the loads of every chunk would be hoisted and spill
@@ -475,7 +476,9 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC, K: tl.
         for j in tl.static_range(PER):
             LOW = j * BITS + BITS <= 20
             POS = j * BITS if LOW else j * BITS - 16
-            xj = tl.reshape(tl.load(x_ptr + w_idx * PER + j, mask=mw, other=0.0).to(tl.float32), [C, CW])
+            # loaded as [C, CW], not reshaped from [BKW]: the load then has the layout the
+            # products use (no shared-memory conversion and barrier a value)
+            xj = tl.load(x_ptr + (kc + rcw) * PER + j, mask=kc + rcw < KW, other=0.0).to(tl.float32)
             xs += xj
             src = words if LOW else hi
             f = ((src & (((1 << BITS) - 1) << POS)) | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
