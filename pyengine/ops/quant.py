@@ -246,10 +246,11 @@ def fp8_gemv_default(n: int, k: int) -> dict[str, int]:
 
 
 def fp8_gemv_smem_bytes(block_n: int, block_k: int, num_stages: int, act_bytes: int) -> int:
-    """Shared memory of ``_fp8_gemv_kernel`` by the model of ``pyengine.ops.smem``: per stage
-    the weight chunk (``block_n * block_k`` bytes) and the activation chunk; fixed: the
-    quantized activation handed to the dot."""
-    return smem.smem_need(block_n * block_k + block_k * act_bytes, block_k * 2, num_stages)
+    """Shared memory ``_fp8_gemv_kernel`` may take: ``num_stages`` buffers of a chunk's weight
+    (``block_n * block_k`` bytes) and activation, plus the quantized activation handed to the
+    dot (an upper bound of what Triton 3.6 allocated on sm_90: 59 KiB at 8 x 2048 x 3, 66 KiB
+    at 16 x 2048 x 3 where K takes two chunks)."""
+    return num_stages * (block_n * block_k + block_k * act_bytes) + block_k
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None = None,
@@ -280,9 +281,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
                              f"({'equal to it' if act == 'group' else 'dividing it'}) as the GEMV's slice")
         block_k = 16 * (s if act == "group" else min(s, block_k // 16))
     limit = smem.max_shared_mem(x.device)
-    while limit is not None and num_stages > 2 and fp8_gemv_smem_bytes(block_n, block_k, num_stages,
+    while limit is not None and num_stages > 1 and fp8_gemv_smem_bytes(block_n, block_k, num_stages,
                                                                         x.element_size()) > limit:
-        num_stages -= 1
+        num_stages -= 1  # (the H200's 227 KiB hold every config of the sweep at its stages)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight_scale, bias if bias is not None else weight_scale,
@@ -500,9 +501,10 @@ _MAGIC = 0x4B000000  # the bits of float32 2**23: OR-ed below a value of < 23 bi
 
 def int_gemv_default(n: int, k: int) -> dict[str, int]:
     """The packed-integer GEMV's launch config without a swept one (gemv_configs): 8 rows a
-    program (each activation value serves 8 rows; 8 x 16 bytes of weight in flight a thread
-    a step), 2 warps (64 threads, a 256-word chunk: 7 steps of down_proj's 1792 words)."""
-    return {"block_n": 8, "num_warps": 2}
+    program (each activation value serves 8 rows), 4 warps where K fits one chunk of 512
+    words (K = 4096 at 4 bits: every load issued at once), else 2 (256-word chunks: 7 even
+    steps of down_proj's 1792 words)."""
+    return {"block_n": 8, "num_warps": 4 if k // 8 <= 512 else 2}
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
