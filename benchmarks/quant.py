@@ -400,11 +400,14 @@ def _sweep_gemv(dev, x1, fp8, ints, gs, fp8_bytes, int_bytes) -> dict:
         timed, refused = {}, {}
         for cfg in grid:
             label = ",".join(f"{k}={v}" for k, v in cfg.items())
-            err = (calls[kind](cfg, weights[kind][0]).float() - ref).abs().max().item()
-            if not err <= tol:
-                refused[label] = err
-                continue
-            timed[label] = _rotated_us(dev, [lambda q=q, cfg=cfg: calls[kind](cfg, q) for q in weights[kind]])
+            try:  # a config that fails to compile or launch is recorded, not fatal
+                err = (calls[kind](cfg, weights[kind][0]).float() - ref).abs().max().item()
+                if not err <= tol:
+                    refused[label] = f"max error {err:.3g} > {tol:.3g}"
+                    continue
+                timed[label] = _rotated_us(dev, [lambda q=q, cfg=cfg: calls[kind](cfg, q) for q in weights[kind]])
+            except Exception as e:  # noqa: BLE001 (triton's compile and resource errors have no common base)
+                refused[label] = f"{type(e).__name__}: {str(e)[:200]}"
         best = min(timed, key=timed.get)
         out[f"{kind}_us"], out[f"{kind}_refused"] = timed, refused
         out[f"{kind}_best"], out[f"{kind}_best_us"] = best, timed[best]
