@@ -408,8 +408,10 @@ def _sweep_gemv(dev, x1, fp8, ints, gs, fp8_bytes, int_bytes) -> dict:
                 timed[label] = _rotated_us(dev, [lambda q=q, cfg=cfg: calls[kind](cfg, q) for q in weights[kind]])
             except Exception as e:  # noqa: BLE001 (triton's compile and resource errors have no common base)
                 refused[label] = f"{type(e).__name__}: {str(e)[:200]}"
-        best = min(timed, key=timed.get)
         out[f"{kind}_us"], out[f"{kind}_refused"] = timed, refused
+        if not timed:
+            raise RuntimeError(f"every {kind} config was refused: {refused}")
+        best = min(timed, key=timed.get)
         out[f"{kind}_best"], out[f"{kind}_best_us"] = best, timed[best]
         out[f"{kind}_best_gb_s"] = nbytes[kind] / timed[best] / 1e3
         out[f"{kind}_best_config"] = next(c for c in grid if ",".join(f"{k}={v}" for k, v in c.items()) == best)
