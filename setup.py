@@ -27,7 +27,8 @@ setup(
     packages=find_packages(include=["pyengine", "pyengine.*", "server", "server.*", "capi", "capi.*"])
     + ["pyengine.default_model", "server.static"],  # data folders: listed so setuptools ships them quietly
     package_data={"pyengine.default_model": ["*"], "capi": ["*.c", "*.h"], "server.static": ["*"],
-                  "pyengine.layers.fused_moe": ["configs/*.json"]},
+                  "pyengine.layers.fused_moe": ["configs/*.json"],
+                  "pyengine.ops": ["configs/*.json"]},
     cmdclass={"build_py": BuildPy},
     include_package_data=True,
     install_requires=[

@@ -23,9 +23,17 @@ Parts (``--parts``, default all):
 * ``kv``: KV cache blocks/tokens with the bf16 and the FP8 cache at the same
   ``--gpu-memory-utilization`` (target 2x);
 * ``kernels``: per linear-layer shape of the model, one-token GEMV time and weight
-  bandwidth of bf16 (ops.linear), FP8 (ops.quant.fp8_gemv) and INT4 (ops.quant.int_gemv),
-  and the prefill GEMM (``--gemm-m`` rows) of bf16, FP8 (scaled_mm and the Triton kernel)
-  and INT4;
+  bandwidth of bf16 (ops.linear), FP8 (ops.quant.fp8_gemv, per-token activations) and INT4
+  (ops.quant.int_gemv, group ``--group-size``): a CUDA graph of back-to-back calls rotating
+  over copies of the weight (4x the L2 cache in all, so every call reads HBM, as a decode
+  step does), plus the single call after an L2 flush that earlier runs recorded
+  (``*_single_us``); a layer's four GEMVs summed against bf16's; and the prefill GEMM
+  (``--gemm-m`` rows; 0: none) of bf16, FP8 (scaled_mm and the Triton kernel) and INT4.
+  ``--sweep`` also times the GEMV launch configs (``FP8_SWEEP``, ``INT_SWEEP``; about 30-40
+  s of compiles and timings on one H200), reports the best per shape and writes them
+  to ``pyengine/ops/configs/gemv,device_name=<GPU>.json`` (merged with what is there;
+  ``--config-dir``) and a copy into the output directory: the table the GEMVs read
+  (pyengine/ops/gemv_configs.py);
 * ``attention``: paged decode attention over bf16 and FP8 caches (batch x context from
   ``--attn-cases``): time and KV bytes read per second.
 
@@ -34,7 +42,7 @@ a markdown summary is printed. On one H200 the whole run takes about 5-6 minutes
 
     python benchmarks/quant.py results/2026-12-02-h200                 # everything
     python benchmarks/quant.py OUT --parts tpot,kv
-    python benchmarks/quant.py OUT --parts kernels --sweep              # GEMV tiles per layer shape
+    python benchmarks/quant.py OUT --parts kernels --sweep --gemm-m 0   # GEMV configs per layer shape
     python benchmarks/quant.py OUT --device cpu --shape tiny --output-len 4 --num-requests 4 \\
         --max-len 24 --iters 1 --group-size 32                           # CPU smoke (engine parts)
     TRITON_INTERPRET=1 python benchmarks/quant.py OUT --device cpu --shape tiny --parts kernels,attention
@@ -86,11 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--group-size", type=int, default=128, help="INT4 group size (32 for --shape tiny)")
-    p.add_argument("--gemm-m", type=int, default=2048, help="rows of the prefill GEMMs (kernels part)")
+    p.add_argument("--gemm-m", type=int, default=2048, help="rows of the prefill GEMMs (kernels part; 0: none)")
     p.add_argument("--attn-cases", default="1x4096,64x2048,256x1024", help="batch x context of the attention part")
     p.add_argument("--sweep", action="store_true",
-                   help="kernels part: also time GEMV tiles (FP8: block_n x block_k x unroll; INT4: block_n x unroll x "
-                        "warps) and record the best per layer")
+                   help="kernels part: also time the GEMV launch configs (FP8_SWEEP, INT_SWEEP), record the best per "
+                        "layer shape and write them to pyengine/ops/configs/gemv,device_name=<GPU>.json (and OUT)")
+    p.add_argument("--config-dir", default=None, help="where --sweep writes its configs (default: pyengine/ops/configs)")
     p.add_argument("--verbose", action="store_true", help="engine INFO logs")
     return p
 
@@ -241,6 +250,36 @@ def _layer_shapes(hf) -> dict[str, tuple[int, int]]:
             "gate_up_proj": (2 * i, h), "down_proj": (h, i)}
 
 
+# The launch configs the sweep times, per GEMV (see ops/quant.py): FP8 rows a program x
+# columns a chunk x pipeline stages (4 warps: one wgmma warp group), packed-int rows a
+# program x warps; the first of each is its CPU smoke run's. 15 configs, 30 compiles for
+# the 8B shapes' two K values (~0.5-1.5 s each).
+FP8_SWEEP = [{"block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": st}
+             for bn, bk, st in ((8, 2048, 3), (4, 1024, 4), (4, 2048, 3), (8, 1024, 4), (8, 2048, 4), (16, 2048, 3),
+                                (16, 2048, 4))]
+INT_SWEEP = [{"block_n": bn, "num_warps": nw} for bn, nw in ((8, 2), (4, 1), (4, 2), (8, 1), (8, 4), (16, 1),
+                                                              (16, 2), (16, 4))]
+
+
+def _copies(dev: str, nbytes: int) -> int:
+    """Weight copies a timing rotates over: at least 4x the L2 cache in all (every call reads
+    HBM, as in a forward), one on CPU."""
+    if dev != "cuda":
+        return 1
+    import torch
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, -(-4 * l2 // nbytes))
+
+
+def _rotated_us(dev: str, calls: list[Callable[[], object]], iters: int = 10, repeats: int = 5) -> float:
+    """Microseconds per call of back-to-back calls over the weight copies in a CUDA graph
+    (how a decode step runs them); on CPU, ``_time_us`` of the first."""
+    if dev != "cuda":
+        return _time_us(calls[0], dev, reps=25)
+    from benchmarks.common import cuda_graph_replay_us
+    return cuda_graph_replay_us(lambda: [c() for c in calls], iters, repeats) / len(calls)
+
+
 def run_kernels(args, results: dict) -> None:
     import torch
     from transformers import AutoConfig
@@ -254,59 +293,156 @@ def run_kernels(args, results: dict) -> None:
     hf = AutoConfig.from_pretrained(str(prepare_model_dir(args)))
     rows = []
     gs = args.group_size
+    sweep_t0 = None
     for name, (n, k) in _layer_shapes(hf).items():
-        w = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
-        wq, ws = fp8_quantize(w)
-        qw = pack_int32(torch.randint(0, 16, (k, n), device=dev, dtype=torch.int32), 4, 0)
-        s = torch.full((k // gs, n), 0.002, device=dev, dtype=dtype)
-        z = torch.full((k // gs, n), 8.0, device=dev, dtype=dtype)
-        x1 = torch.randn(1, k, device=dev, dtype=dtype)
-        row = {"layer": name, "N": n, "K": k}
-        for label, fn, nbytes in (
-                ("bf16_gemv", lambda: ops.linear(x1, w), n * k * w.element_size()),
-                ("fp8_gemv", lambda: quant.fp8_gemv(x1, wq, ws, act="token"), n * k),
-                ("w4a16_gemv", lambda: quant.int_gemv(x1, qw, s, z, 4, gs), n * k // 2 + 4 * n * k // gs)):
-            us = _time_us(fn, dev)
+        g = torch.Generator(device=dev).manual_seed(n + k)
+        w_bytes, fp8_bytes, int_bytes = n * k * 2, n * k, n * k // 2 + 4 * n * k // gs
+        ws = [torch.randn(n, k, device=dev, dtype=dtype, generator=g) * 0.02 for _ in range(_copies(dev, w_bytes))]
+        fp8 = [fp8_quantize(torch.randn(n, k, device=dev, dtype=dtype, generator=g) * 0.02)
+               for _ in range(_copies(dev, fp8_bytes))]
+        ints = [(pack_int32(torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32, generator=g), 4, 1),
+                 torch.rand(k // gs, n, device=dev, generator=g).to(dtype) * 0.004,
+                 torch.randint(0, 16, (k // gs, n), device=dev, generator=g).to(dtype))
+                for _ in range(_copies(dev, int_bytes))]
+        x1 = torch.randn(1, k, device=dev, dtype=dtype, generator=g)
+        row = {"layer": name, "N": n, "K": k, "copies": {"bf16": len(ws), "fp8": len(fp8), "int4": len(ints)}}
+        gemvs = {"bf16_gemv": ([lambda w=w: ops.linear(x1, w) for w in ws], w_bytes),
+                 "fp8_gemv": ([lambda wq=wq, sc=sc: quant.fp8_gemv(x1, wq, sc, act="token") for wq, sc in fp8],
+                              fp8_bytes),
+                 "w4a16_gemv": ([lambda q=q: quant.int_gemv(x1, q[0], q[1], q[2], 4, gs) for q in ints], int_bytes)}
+        row.update(_gemv_errors(x1, fp8[0], ints[0], gs))
+        for label, (calls, nbytes) in gemvs.items():
+            us = _rotated_us(dev, calls)
             row[f"{label}_us"], row[f"{label}_gb_s"] = us, nbytes / us / 1e3
+            # one call after an L2 flush (triton's do_bench): what earlier runs recorded
+            row[f"{label}_single_us"] = _time_us(calls[0], dev)
         if args.sweep:
-            row["sweep"] = _sweep_gemv(dev, x1, wq, ws, qw, s, z, gs)
+            sweep_t0 = sweep_t0 or time.perf_counter()
+            row["sweep"] = _sweep_gemv(dev, x1, fp8, ints, gs, fp8_bytes, int_bytes)
         m = args.gemm_m if dev == "cuda" else 16
-        xm = torch.randn(m, k, device=dev, dtype=dtype)
-        xq, xs = quant.quant_fp8(xm)
-        flops = 2 * m * n * k
-        gemms = [("bf16_gemm", lambda: torch.nn.functional.linear(xm, w)),
-                 # what a prefill runs: activation quantization + scaled_mm (or the Triton GEMM)
-                 ("fp8_gemm", lambda: quant.fp8_linear(xm, wq, ws, None, None, None, "token")),
-                 ("fp8_gemm_triton", lambda: quant.fp8_gemm(xq, wq, ws, xs, dtype)),  # the GEMM alone
-                 ("w4a16_gemm", lambda: quant.int_gemm(xm, qw, s, z, 4, gs))]
-        for label, fn in gemms:
-            us = _time_us(fn, dev, reps=25)
-            row[f"{label}_us"], row[f"{label}_tflops"] = us, flops / us / 1e6
+        if m:
+            row.update(_time_gemms(dev, dtype, m, ws[0], fp8[0], ints[0], gs))
         rows.append(row)
-        print(f"[kernels] {name}: " + ", ".join(f"{k_}={v:.1f}" for k_, v in row.items() if k_.endswith("_us")),
-              flush=True)
-    results["kernels"] = {"gemm_m": args.gemm_m if dev == "cuda" else 16, "group_size": gs, "rows": rows}
+        print(f"[kernels] {name}: " + ", ".join(f"{k_}={v:.1f}" for k_, v in row.items()
+                                               if k_.endswith("_us") and not k_.endswith("single_us")), flush=True)
+        del ws, fp8, ints
+        free_cuda()
+    layer = {x: sum(r[f"{x}_us"] for r in rows) for x in ("bf16_gemv", "fp8_gemv", "w4a16_gemv")}
+    out = {"gemm_m": m, "group_size": gs, "rows": rows,
+           "layer_gemv_us": layer, "layer_gemv_ratio": {"fp8": layer["fp8_gemv"] / layer["bf16_gemv"],
+                                                         "w4a16": layer["w4a16_gemv"] / layer["bf16_gemv"]}}
+    if args.sweep:
+        best = {x: sum(r["sweep"][f"{x}_best_us"] for r in rows) for x in ("fp8_gemv", "w4a16_gemv")}
+        out["layer_gemv_best_us"] = best
+        out["layer_gemv_best_ratio"] = {"fp8": best["fp8_gemv"] / layer["bf16_gemv"],
+                                        "w4a16": best["w4a16_gemv"] / layer["bf16_gemv"]}
+        out["sweep_s"] = time.perf_counter() - sweep_t0
+        out["config_files"] = _write_gemv_configs(args, dev, rows)
+    results["kernels"] = out
 
 
-def _sweep_gemv(dev, x1, wq, ws, qw, s, z, gs) -> dict:
-    """The fastest tile of each GEMV for one layer shape, with every tile's time."""
-    import itertools
+def _gemv_errors(x1, fp8, ints, gs) -> dict:
+    """Each quantized GEMV (default config) against its dequantized float32 reference: the
+    largest error over the largest reference value (the GPU tests' bound for bf16: 1e-2)."""
 
     from pyengine.ops import quant
 
-    small = dev != "cuda"
-    fp8 = {}
-    for bn, bk, un in itertools.product((4, 8) if small else (4, 8, 16), (256,) if small else (256, 512, 1024),
-                                        (1, 2) if small else (1, 2, 4)):
-        fp8[f"{bn}x{bk}x{un}"] = _time_us(lambda: quant.fp8_gemv(x1, wq, ws, act="token", block_n=bn, block_k=bk,
-                                                                 unroll=un), dev, reps=20)
-    w4 = {}
-    for bn, un, nw in itertools.product((16,) if small else (8, 16, 32, 64), (2,) if small else (2, 4, 8),
-                                        (4,) if small else (2, 4, 8)):
-        w4[f"{bn}x{un}x{nw}w"] = _time_us(lambda: quant.int_gemv(x1, qw, s, z, 4, gs, block_n=bn, unroll=un,
-                                                                 num_warps=nw), dev, reps=20)
-    return {"fp8_gemv_best": min(fp8, key=fp8.get), "fp8_gemv_best_us": min(fp8.values()), "fp8_gemv_us": fp8,
-            "w4a16_gemv_best": min(w4, key=w4.get), "w4a16_gemv_best_us": min(w4.values()), "w4a16_gemv_us": w4}
+    wq, ws = fp8
+    xf = x1.float()
+    xs = (xf.abs().amax() / 448.0).clamp(min=quant._MIN_SCALE)
+    xq = (xf / xs).clamp(-448.0, 448.0).to(quant.FP8_DTYPE).float() * xs
+    refs = {"fp8_gemv": (quant.fp8_gemv(x1, wq, ws, act="token"), xq @ (wq.float() * ws[:, None]).t()),
+            "w4a16_gemv": (quant.int_gemv(x1, *ints, 4, gs), xf @ quant.dequant_int_ref(*ints, 4, gs).t())}
+    out = {}
+    for label, (y, ref) in refs.items():
+        out[f"{label}_rel_err"] = ((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+    return out
+
+
+def _time_gemms(dev, dtype, m, w, fp8, ints, gs) -> dict:
+    """The prefill GEMMs (m rows) of one layer shape: us and TFLOP/s."""
+    import torch
+
+    from pyengine.ops import quant
+
+    (wq, wsc), (qw, s, z) = fp8, ints
+    n, k = w.shape
+    xm = torch.randn(m, k, device=dev, dtype=dtype)
+    xq, xs = quant.quant_fp8(xm)
+    flops = 2 * m * n * k
+    gemms = [("bf16_gemm", lambda: torch.nn.functional.linear(xm, w)),
+             # what a prefill runs: activation quantization + scaled_mm (or the Triton GEMM)
+             ("fp8_gemm", lambda: quant.fp8_linear(xm, wq, wsc, None, None, None, "token")),
+             ("fp8_gemm_triton", lambda: quant.fp8_gemm(xq, wq, wsc, xs, dtype)),  # the GEMM alone
+             ("w4a16_gemm", lambda: quant.int_gemm(xm, qw, s, z, 4, gs))]
+    out = {}
+    for label, fn in gemms:
+        us = _time_us(fn, dev, reps=25)
+        out[f"{label}_us"], out[f"{label}_tflops"] = us, flops / us / 1e6
+    return out
+
+
+def _sweep_gemv(dev, x1, fp8, ints, gs, fp8_bytes, int_bytes) -> dict:
+    """Every config of FP8_SWEEP / INT_SWEEP on one layer shape (configs whose output differs
+    from the default's by more than bf16 rounding are refused), and the fastest."""
+    from pyengine.ops import quant
+
+    grids = {"fp8_gemv": FP8_SWEEP if dev == "cuda" else FP8_SWEEP[:2],
+             "w4a16_gemv": INT_SWEEP if dev == "cuda" else INT_SWEEP[:2]}
+    calls = {"fp8_gemv": lambda cfg, q: quant.fp8_gemv(x1, q[0], q[1], act="token", **cfg),
+             "w4a16_gemv": lambda cfg, q: quant.int_gemv(x1, q[0], q[1], q[2], 4, gs, **cfg)}
+    weights = {"fp8_gemv": fp8, "w4a16_gemv": ints}
+    nbytes = {"fp8_gemv": fp8_bytes, "w4a16_gemv": int_bytes}
+    out: dict = {}
+    for kind, grid in grids.items():
+        ref = calls[kind]({}, weights[kind][0]).float()
+        tol = 1e-2 * ref.abs().max().item() + 1e-6
+        timed, refused = {}, {}
+        for cfg in grid:
+            label = ",".join(f"{k}={v}" for k, v in cfg.items())
+            try:  # a config that fails to compile or launch is recorded, not fatal
+                err = (calls[kind](cfg, weights[kind][0]).float() - ref).abs().max().item()
+                if not err <= tol:
+                    refused[label] = f"max error {err:.3g} > {tol:.3g}"
+                    continue
+                timed[label] = _rotated_us(dev, [lambda q=q, cfg=cfg: calls[kind](cfg, q) for q in weights[kind]])
+            except Exception as e:  # noqa: BLE001 (triton's compile and resource errors have no common base)
+                refused[label] = f"{type(e).__name__}: {str(e)[:200]}"
+        out[f"{kind}_us"], out[f"{kind}_refused"] = timed, refused
+        if not timed:
+            raise RuntimeError(f"every {kind} config was refused: {refused}")
+        best = min(timed, key=timed.get)
+        out[f"{kind}_best"], out[f"{kind}_best_us"] = best, timed[best]
+        out[f"{kind}_best_gb_s"] = nbytes[kind] / timed[best] / 1e3
+        out[f"{kind}_best_config"] = next(c for c in grid if ",".join(f"{k}={v}" for k, v in c.items()) == best)
+    return out
+
+
+def _write_gemv_configs(args, dev: str, rows: list[dict]) -> list[str]:
+    """The sweep's best configs as the table pyengine/ops/gemv_configs.py reads, merged into
+    the device's file in the package (and copied into the output directory); [] off CUDA."""
+    if dev != "cuda":
+        return []
+    import torch
+
+    from pyengine.ops import gemv_configs
+
+    name = gemv_configs.config_file_name(torch.cuda.get_device_name(0))
+    pkg = Path(args.config_dir) if args.config_dir else gemv_configs.CONFIG_DIR
+    path = pkg / name
+    table = gemv_configs.parse_table(json.loads(path.read_text()), str(path)) if path.is_file() else {}
+    for r in rows:
+        key = gemv_configs.shape_key(r["N"], r["K"])
+        table.setdefault("fp8", {})[key] = r["sweep"]["fp8_gemv_best_config"]
+        table.setdefault("int4", {})[key] = r["sweep"]["w4a16_gemv_best_config"]
+    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
+    pkg.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    copy = Path(args.out_dir) / name
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(text)
+    gemv_configs.load_table.cache_clear()
+    return [str(path), str(copy)]
 
 
 def run_attention(args, results: dict) -> None:
@@ -366,19 +502,36 @@ def report(results: dict, hw: dict, cmd: str) -> None:
                        [[k, v, TARGETS[k]] for k, v in results.get("ratios", {}).items()]))
         print()
     if "kernels" in results:
-        rows = results["kernels"]["rows"]
-        print(md_table(["layer", "N x K", "bf16 GEMV us (GB/s)", "FP8 GEMV us (GB/s)", "W4A16 GEMV us (GB/s)",
+        kern = results["kernels"]
+        rows = kern["rows"]
+        print("GEMV: one row, a CUDA graph of back-to-back calls over weight copies (HBM reads); "
+              "us (GB/s of weight bytes)")
+        print(md_table(["layer", "N x K", "bf16 GEMV", "FP8 GEMV", "W4A16 GEMV", "FP8 / bf16", "W4A16 / bf16",
                         "bf16 GEMM us", "FP8 GEMM us", "FP8 Triton GEMM us", "W4A16 GEMM us"],
                        [[r["layer"], f"{r['N']}x{r['K']}"] +
                         [f"{r[f'{x}_us']:.1f} ({r[f'{x}_gb_s']:.0f})" for x in ("bf16_gemv", "fp8_gemv", "w4a16_gemv")] +
-                        [r[f"{x}_us"] for x in ("bf16_gemm", "fp8_gemm", "fp8_gemm_triton", "w4a16_gemm")]
+                        [r["fp8_gemv_us"] / r["bf16_gemv_us"], r["w4a16_gemv_us"] / r["bf16_gemv_us"]] +
+                        [r.get(f"{x}_us") for x in ("bf16_gemm", "fp8_gemm", "fp8_gemm_triton", "w4a16_gemm")]
                         for r in rows]))
+        errs = {x: max(r[f"{x}_rel_err"] for r in rows) for x in ("fp8_gemv", "w4a16_gemv")}
+        print(f"\nLargest error against the dequantized reference (of the largest output; bound 1e-2): FP8 "
+              f"{errs['fp8_gemv']:.2e}, W4A16 {errs['w4a16_gemv']:.2e}" +
+              ("" if max(errs.values()) <= 1e-2 else "  ** OVER THE BOUND **"))
+        ratio = kern["layer_gemv_ratio"]
+        print(f"\nA layer's four GEMVs: bf16 {kern['layer_gemv_us']['bf16_gemv']:.1f} us, FP8 "
+              f"{kern['layer_gemv_us']['fp8_gemv']:.1f} us ({ratio['fp8']:.3f}x), W4A16 "
+              f"{kern['layer_gemv_us']['w4a16_gemv']:.1f} us ({ratio['w4a16']:.3f}x)")
         print()
         if rows and "sweep" in rows[0]:
-            print(md_table(["layer", "FP8 GEMV best tile (n x k x unroll)", "us", "W4A16 GEMV best tile "
-                            "(n x unroll x warps)", "us"],
-                           [[r["layer"], r["sweep"]["fp8_gemv_best"], r["sweep"]["fp8_gemv_best_us"],
-                             r["sweep"]["w4a16_gemv_best"], r["sweep"]["w4a16_gemv_best_us"]] for r in rows]))
+            print(md_table(["layer", "FP8 GEMV best config", "us (GB/s)", "W4A16 GEMV best config", "us (GB/s)"],
+                           [[r["layer"], r["sweep"]["fp8_gemv_best"],
+                             f"{r['sweep']['fp8_gemv_best_us']:.1f} ({r['sweep']['fp8_gemv_best_gb_s']:.0f})",
+                             r["sweep"]["w4a16_gemv_best"],
+                             f"{r['sweep']['w4a16_gemv_best_us']:.1f} ({r['sweep']['w4a16_gemv_best_gb_s']:.0f})"]
+                            for r in rows]))
+            best = kern["layer_gemv_best_ratio"]
+            print(f"\nBest configs, a layer: FP8 {best['fp8']:.3f}x bf16, W4A16 {best['w4a16']:.3f}x bf16; sweep "
+                  f"{kern['sweep_s']:.0f} s; configs written: {', '.join(kern['config_files']) or 'none (CPU)'}")
             print()
     if "attention" in results:
         print(md_table(["batch x context", "splits", "bf16 us (KV GB/s)", "FP8 us (KV GB/s)", "FP8 speed-up"],

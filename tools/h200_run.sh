@@ -8,7 +8,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_spec spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: gpu_spec spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
@@ -71,6 +71,10 @@ step 45 gpufix_quant_kernels python3 benchmarks/quant.py "$OUT" --parts kernels
 # issue 25's quick tile sweep (M 16, 256, 4096 against the defaults; about 50 s), its table merged into the
 # shipped one and copied back; gpufix_moe_kernels then measures the layer on it
 step 90 moe_quick_sweep bash -c "python3 benchmarks/moe.py --sweep --sweep-quick --out-dir $OUT && mkdir -p $OUT/moe_configs && cp pyengine/layers/fused_moe/configs/*.json $OUT/moe_configs/"
+# issue 26's batch-1 GEMVs: default configs checked against their dequantized references and
+# timed in CUDA graphs, then the launch-config sweep (~30 compiles); its table lands in $OUT as
+# gemv,device_name=<GPU>.json (commit it to pyengine/ops/configs/)
+step 110 gemv_sweep python3 benchmarks/quant.py "$OUT" --parts kernels --sweep --gemm-m 0
 step 60 gpufix_moe_kernels python3 benchmarks/moe.py --out-dir "$OUT" --sections kernels --kernel-m 1,16,256,4096 --repeats 2
 # quantization (issue 26): kernels vs their dequantized references, the quantized tiny models, then the 8B-shape benchmark
 step 200 gpu_quant python3 -m pytest -q -m gpu tests/quantization tests/ops/test_quant_ops.py -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=180

@@ -5,9 +5,11 @@ Weight forms (pyengine/layers/quantization/utils.py makes them at load):
 
 * FP8: ``weight`` float8_e4m3fn [N, K], ``weight_scale`` float32 [N] (per output row) or
   [ceil(N/bn), ceil(K/bk)] (blocks of ``block = (bn, bk)``).
-* packed integer: ``qweight`` int32 [K*bits/32, N] (value j of word i is row i*32/bits + j,
-  bits [j*bits, (j+1)*bits)), ``scales`` / ``zeros`` [K/group_size, N] in the compute dtype:
-  ``w[k, n] = (q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n]``.
+* packed integer: ``qweight`` int32 [N, K*bits/32] (value j of word i of row n is input
+  column i*32/bits + j, bits [j*bits, (j+1)*bits)): each output row's words contiguous, so
+  the batch-1 GEMV reads whole 16-byte vectors along K and each activation value serves
+  all the rows of a program. ``scales`` / ``zeros`` [ceil(K/group_size), N] in the compute
+  dtype: ``w[n, k] = (q[n, k] - zeros[k // group_size, n]) * scales[k // group_size, n]``.
 
 Entry points, each ``x [M, K] (bf16/fp16/fp32) -> [M, N]`` in x.dtype:
 
@@ -118,44 +120,111 @@ def _round_fp8(v, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, K, stride_sn, BN_SCALE, BK_SCALE,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr, EMULATE: tl.constexpr):
-    # ACT: 0 x unquantized (weight-only), 1 per token, 2 per BLOCK_K (= BK_SCALE) columns, 3 static.
-    # Each outer step issues UNROLL chunks' loads before using them: bytes in flight decide a
-    # GEMV's speed (see ops/gemv.py).
+def _fp8_gemv_x(x_ptr, k0, rs, rc, K: tl.constexpr, S: tl.constexpr):
+    """Chunk k0's activation as the dot's [S, 16] operand (column c: slice c), float32."""
+    offs_x = k0 + rc[None, :] * S + rs[:, None]
+    return tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemv_chunk(acc, w, x, x_ptr, s_ptr, k0, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K: tl.constexpr,
+                    S: tl.constexpr, M: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
+                    BLOCK_SCALED: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr, IEEE: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    """One chunk of ``_fp8_gemv_kernel``: acc [M, 16] += the dot of the chunk's weight w
+    [M, S] and its activation x [S, 16] (quantized here; rows scaled for per-slice scales)."""
+    if ACT == 2:
+        gs = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, MIN_SCALE)  # [16]: each slice's scale
+        xq = tl.clamp(x / gs[None, :], -448.0, 448.0)
+    elif ACT != 0:
+        xq = tl.clamp(x / x_scale, -448.0, 448.0)
+    else:
+        xq = x
+    if EMULATE and ACT != 0:
+        xq = _round_fp8(xq, True)
+    if EMULATE:  # the interpreter: float32 operands (its low-precision dot is unreliable)
+        part = tl.dot(w.to(tl.float32), xq, input_precision="ieee")
+    elif ACT == 0:
+        if IEEE:  # float32 activations: no TF32
+            part = tl.dot(w.to(tl.float32), xq, input_precision="ieee")
+        else:  # e4m3 values are exact in bf16/fp16: exact products, float32 sums
+            part = tl.dot(w.to(x_ptr.dtype.element_ty), xq.to(x_ptr.dtype.element_ty))
+    else:
+        part = tl.dot(w, xq.to(tl.float8e4nv))
+    if ACT == 2 or BLOCK_SCALED:
+        sc = tl.full([M], 1.0, tl.float32)
+        if BLOCK_SCALED:
+            sc = sc * tl.load(s_ptr + (rn_m // BN_SCALE) * stride_sn + (k0 + c_m * S) // BK_SCALE,
+                              mask=mask_m & (k0 + c_m * S < K), other=0.0)
+        if ACT == 2:
+            acc += part * (sc[:, None] * gs[None, :])
+        else:
+            acc += part * sc[:, None]
+    else:
+        acc += part
+    return acc
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, stride_sn, K: tl.constexpr,
+                     BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr,
+                     AMAX_BLOCK: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
+    # ACT: 0 x unquantized (weight-only), 1 per token, 2 per S = BLOCK_K / 16 (= BK_SCALE)
+    # columns, 3 static. One row on the tensor cores without a 16x broadcast of x: each chunk
+    # of BLOCK_K columns is cut into 16 slices of S columns; the dot multiplies the
+    # [BLOCK_N * 16, S] weight (row (n, c): slice c of output row n, S contiguous bytes) by
+    # the [S, 16] activation (column c: slice c), and R[(n, c), c] is row n's part of slice
+    # c. The diagonal is summed once after the loop (per-slice scales are applied to R's
+    # rows inside it). With BLOCK_N * 16 >= 64 the dot is a wgmma reading the weight straight
+    # from the shared memory the software pipeline fills (num_stages), so the per-byte work
+    # is a few instructions and the kernel is bound by HBM alone.
+    S: tl.constexpr = BLOCK_K // 16
+    M: tl.constexpr = BLOCK_N * 16
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * K
+    rm = tl.arange(0, M)
+    rn_m = pid * BLOCK_N + rm // 16  # the output row of each dot row
+    c_m = rm % 16  # and its slice
+    mask_m = rn_m < N
+    rs = tl.arange(0, S)
+    rc = tl.arange(0, 16)
+    w_tile = w_ptr + (rn_m.to(tl.int64) * K + c_m * S)[:, None] + rs[None, :]  # chunk 0's [M, S] weight
+    cols = c_m[:, None] * S + rs[None, :]  # and its columns
+    # K in at most two chunks: both are loaded first, so their bytes are in flight during the
+    # token's amax (a pipelined loop would issue them after it, and one chunk after the other)
+    PRELOAD: tl.constexpr = K <= 2 * BLOCK_K
+    if PRELOAD:
+        w0 = tl.load(w_tile, mask=mask_m[:, None] & (cols < K), other=0.0)
+        w1 = tl.load(w_tile + BLOCK_K, mask=mask_m[:, None] & (BLOCK_K + cols < K), other=0.0)
+        x0 = _fp8_gemv_x(x_ptr, 0, rs, rc, K, S)
+        x1 = _fp8_gemv_x(x_ptr, BLOCK_K, rs, rc, K, S)
     x_scale = 1.0
-    if ACT == 1:  # the token's scale: every program reads the whole (small, cached) row
-        amax = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + rk
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)))
+    if ACT == 1:  # the token's scale: every program reads the whole (small, cached) row, all loads at once
+        ra = tl.arange(0, AMAX_BLOCK)
+        amax = tl.zeros([AMAX_BLOCK], tl.float32)
+        for k0 in tl.static_range(0, K, AMAX_BLOCK):
+            offs = k0 + ra
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)))
         x_scale = tl.maximum(tl.max(amax, 0) / 448.0, MIN_SCALE)
     if ACT == 3:
         x_scale = tl.load(xs_ptr).to(tl.float32)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k1 in range(0, K, BLOCK_K * UNROLL):
-        for u in tl.static_range(UNROLL):
-            offs_k = k1 + u * BLOCK_K + rk
-            mk = offs_k < K
-            x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            if ACT == 2:
-                gs = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, MIN_SCALE)
-                x = _round_fp8(tl.clamp(x / gs, -448.0, 448.0), EMULATE) * gs
-            elif ACT != 0:
-                x = _round_fp8(tl.clamp(x / x_scale, -448.0, 448.0), EMULATE)
-            if BLOCK_SCALED:
-                s = tl.load(s_ptr + (rn // BN_SCALE)[:, None] * stride_sn + (offs_k // BK_SCALE)[None, :],
-                            mask=mask_n[:, None] & mk[None, :], other=0.0)
-                w = w * s
-            acc += w * x[None, :]
-    y = tl.sum(acc, axis=1)
+    acc = tl.zeros([M, 16], dtype=tl.float32)
+    if PRELOAD:
+        acc = _fp8_gemv_chunk(acc, w0, x0, x_ptr, s_ptr, 0, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K, S, M,
+                              BN_SCALE, BK_SCALE, BLOCK_SCALED, ACT, MIN_SCALE, IEEE, EMULATE)
+        if BLOCK_K < K:
+            acc = _fp8_gemv_chunk(acc, w1, x1, x_ptr, s_ptr, BLOCK_K, x_scale, rn_m, c_m, mask_m, rc, stride_sn,
+                                  K, S, M, BN_SCALE, BK_SCALE, BLOCK_SCALED, ACT, MIN_SCALE, IEEE, EMULATE)
+    else:
+        for k0 in range(0, K, BLOCK_K):  # software-pipelined by Triton (num_stages)
+            w = tl.load(w_tile + k0, mask=mask_m[:, None] & (k0 + cols < K), other=0.0)
+            x = _fp8_gemv_x(x_ptr, k0, rs, rc, K, S)
+            acc = _fp8_gemv_chunk(acc, w, x, x_ptr, s_ptr, k0, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K, S, M,
+                                  BN_SCALE, BK_SCALE, BLOCK_SCALED, ACT, MIN_SCALE, IEEE, EMULATE)
+    d = tl.where(c_m[:, None] == rc[None, :], acc, 0.0)
+    y = tl.sum(tl.sum(tl.reshape(d, [BLOCK_N, 16, 16]), axis=2), axis=1)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
     if ACT == 1 or ACT == 3:
         y = y * x_scale
     if not BLOCK_SCALED:
@@ -168,33 +237,70 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, K, stride_sn,
 _ACT_CODES = {None: 0, "token": 1, "group": 2, "tensor": 3}
 
 
+def fp8_gemv_default(n: int, k: int) -> dict[str, int]:
+    """The FP8 GEMV's launch config without a swept one (pyengine/ops/gemv_configs.py): 8
+    rows a program (a 128-row wgmma), chunks of 2048 columns (16 slices of 128 bytes), three
+    pipeline stages (two chunks, 32 KiB, in flight a program; 59 KiB of shared memory: three
+    programs an SM)."""
+    return {"block_n": 8, "block_k": 2048 if k >= 2048 else 512, "num_warps": 4, "num_stages": 3}
+
+
+def fp8_gemv_smem_bytes(block_n: int, block_k: int, num_stages: int, act_bytes: int) -> int:
+    """Shared memory ``_fp8_gemv_kernel`` may take: ``num_stages`` buffers of a chunk's weight
+    (``block_n * block_k`` bytes) and activation, plus the quantized activation handed to the
+    dot (an upper bound of what Triton 3.6 allocated on sm_90: 59 KiB at 8 x 2048 x 3, 66 KiB
+    at 16 x 2048 x 3 where K takes two chunks)."""
+    return num_stages * (block_n * block_k + block_k * act_bytes) + block_k
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None = None,
              bias: torch.Tensor | None = None, act: str | None = None, input_scale: torch.Tensor | None = None,
-             block_n: int = 8, block_k: int | None = None, unroll: int | None = None,
-             num_warps: int = 4) -> torch.Tensor:
+             block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+             num_stages: int | None = None) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(weight [N, K] FP8).T -> [1, N] in x.dtype.
     The activation is quantized in the kernel as the GEMM path quantizes it (``act``), so a
     request's output does not depend on the size of its batch; its scale per token is
-    computed by every program from the (cached) row. ``act="group"`` needs ``block_k`` =
-    the block's column count. The default tile (8 rows, K in chunks of 512, two chunks' loads
-    in flight; 128-column chunks, eight in flight, for per-group activations) is a starting
-    point for benchmarks/quant.py."""
+    computed by every program from the (cached) row. The launch config: the arguments, else
+    the swept one of this shape and GPU (``gemv_configs``), else ``fp8_gemv_default``;
+    ``block_k`` (a power of two) is cut to the scale block's columns x 16 for block scales
+    (``act="group"`` needs its slice, ``block_k / 16``, to be exactly those columns).
+    Raises ValueError for a config the kernel cannot run."""
     n, k = weight.shape
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    cfg = _gemv_config("fp8", n, k, x.device, fp8_gemv_default)
+    block_n = block_n or cfg["block_n"]
+    block_k = block_k or cfg["block_k"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
     bn, bk = block if block is not None else (1, 1)
-    if block_k is None:
-        block_k = bk if act == "group" else 512
-    if act == "group" and block_k != bk:
-        raise ValueError(f"per-group activations need block_k = {bk}")
-    if unroll is None:
-        unroll = max(1, min(8, 1024 // block_k))
+    if block_k & (block_k - 1) or block_k < 256 or block_n & (block_n - 1):
+        raise ValueError(f"block_k {block_k} must be a power of two >= 256 and block_n {block_n} a power of two")
+    if block is not None:  # a slice (block_k / 16 columns) must lie in one scale block
+        s = bk & -bk  # the largest power of two dividing bk
+        if act == "group" and s != bk or s < 16:
+            raise ValueError(f"FP8 block scales of {bk} columns need a power of two >= 16 "
+                             f"({'equal to it' if act == 'group' else 'dividing it'}) as the GEMV's slice")
+        block_k = 16 * (s if act == "group" else min(s, block_k // 16))
+    limit = smem.max_shared_mem(x.device)
+    while limit is not None and num_stages > 1 and fp8_gemv_smem_bytes(block_n, block_k, num_stages,
+                                                                        x.element_size()) > limit:
+        num_stages -= 1  # (the H200's 227 KiB hold every config of the sweep at its stages)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight_scale, bias if bias is not None else weight_scale,
-        input_scale if input_scale is not None else weight_scale, y, n, k,
-        weight_scale.stride(0) if block is not None else 0, bn, bk, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
-        BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, ACT=_ACT_CODES[act], MIN_SCALE=_MIN_SCALE,
-        EMULATE=_INTERPRET, num_warps=num_warps)
+        input_scale if input_scale is not None else weight_scale, y, n,
+        weight_scale.stride(0) if block is not None else 0, K=k, BN_SCALE=bn, BK_SCALE=bk, BLOCK_N=block_n,
+        BLOCK_K=block_k, BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, ACT=_ACT_CODES[act],
+        MIN_SCALE=_MIN_SCALE, AMAX_BLOCK=min(2048, triton.next_power_of_2(k)), IEEE=x.dtype == torch.float32,
+        EMULATE=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
     return y
+
+
+def _gemv_config(kind: str, n: int, k: int, device: torch.device, default) -> dict[str, int]:
+    """The swept launch config of this GEMV kind and shape (pyengine/ops/gemv_configs.py),
+    else ``default(n, k)``."""
+    from pyengine.ops import gemv_configs
+
+    return gemv_configs.lookup(kind, n, k, device) or default(n, k)
 
 
 # ---- FP8 GEMM ------------------------------------------------------------------------------
@@ -332,68 +438,97 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 # ---- packed integer (W4A16 / W8A16) --------------------------------------------------------
 @triton.jit
-def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, GROUP_SIZE,
-                     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC, K: tl.constexpr, GROUP: tl.constexpr,
+                     BITS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr, NUM_WARPS: tl.constexpr,
                      HAS_BIAS: tl.constexpr):
-    # A chunk of BLOCK_K rows lies in one group (BLOCK_K divides GROUP_SIZE): its packed words
-    # [BLOCK_K / PER, BLOCK_N] are loaded once and split in registers, and the group's scale
-    # and zero are one row each. The products accumulate elementwise in a [WORDS, PER,
-    # BLOCK_N] tile, reduced once after the loop: no cross-thread reduction (and barrier)
-    # per chunk, so the UNROLL chunks' loads are all in flight together.
+    # qweight [N, K / PER]: every thread owns CW consecutive words (a 16-byte load at CW = 4)
+    # of all BLOCK_N rows, the threads side by side along K (a chunk of 32 * NUM_WARPS * CW
+    # words a step), so each activation value is loaded, converted and scaled once per
+    # program and serves BLOCK_N rows. A value q at bits [p, p + BITS) of a word (p <= 16)
+    # becomes the float 2**23 + q * 2**p by one AND-OR (MAGIC, the bits of 2**23, lives in a
+    # register: an AND with one immediate and an OR with a register is a single LOP3) and
+    # q * 2**p by one exact FADD; x is pre-scaled by 2**-p, so the FFMA adds q * x exactly.
+    # The values above bit 20 come from the word shifted right by 16. A thread's CW words lie
+    # in one group: t = sum(q * x) - zero * sum(x) and acc += scale * t, per row and chunk.
     PER: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    WORDS: tl.constexpr = BLOCK_K // PER
+    KW: tl.constexpr = K // PER
+    G: tl.constexpr = (K + GROUP - 1) // GROUP
+    C: tl.constexpr = 32 * NUM_WARPS
+    BKW: tl.constexpr = C * CW
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
-    rw = tl.arange(0, WORDS)
-    rj = tl.arange(0, PER)
-    shifts = rj * BITS
-    acc = tl.zeros([WORDS, PER, BLOCK_N], dtype=tl.float32)
-    for k1 in range(0, K, BLOCK_K * UNROLL):
-        for u in tl.static_range(UNROLL):
-            k0 = k1 + u * BLOCK_K
-            w_row = k0 // PER + rw  # [WORDS]
-            mw = w_row < K // PER
-            words = tl.load(qw_ptr + w_row[:, None].to(tl.int64) * N + rn[None, :], mask=mw[:, None] & mask_n[None, :],
-                            other=0)  # [WORDS, BLOCK_N]
-            offs_k = k0 + rw[:, None] * PER + rj[None, :]  # [WORDS, PER]
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # 0 past K: adds nothing
-            q = ((words[:, None, :] >> shifts[None, :, None]) & MASK).to(tl.float32)  # [WORDS, PER, BLOCK_N]
-            g = k0 // GROUP_SIZE
-            mg = rn < tl.where(k0 < K, N, 0)  # (a scalar `&` trips the interpreter: folded into the bound)
-            sc = tl.load(s_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32)
-            zs = tl.load(z_ptr + g.to(tl.int64) * N + rn, mask=mg, other=0.0).to(tl.float32) * sc
-            acc += (q * sc[None, None, :] - zs[None, None, :]) * x[:, :, None]
-    y = tl.sum(tl.sum(acc, axis=1), axis=0)
+    rw = tl.arange(0, BKW)
+    rc = tl.arange(0, C)
+    rcw = rc[:, None] * CW + tl.arange(0, CW)[None, :]  # [C, CW]: the chunk's words by thread
+    rows = qw_ptr + rn[:, None].to(tl.int64) * KW
+    acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
+    for kc in range(0, KW, BKW):  # a runtime loop: unrolled, the loads of every chunk would be hoisted and spill
+        w_idx = kc + rw
+        mw = w_idx < KW
+        if KW % BKW == 0:
+            words = tl.load(rows + w_idx[None, :], mask=mask_n[:, None], other=0)
+        else:
+            words = tl.load(rows + w_idx[None, :], mask=mask_n[:, None] & mw[None, :], other=0)
+        words = tl.reshape(words, [BLOCK_N, C, CW])  # no data movement: CW is each thread's vector
+        hi = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+        t = tl.zeros([BLOCK_N, C, CW], dtype=tl.float32)
+        xs = tl.zeros([C, CW], dtype=tl.float32)
+        for j in tl.static_range(PER):
+            LOW = j * BITS + BITS <= 20
+            POS = j * BITS if LOW else j * BITS - 16
+            # loaded as [C, CW], not reshaped from [BKW]: the load then has the layout the
+            # products use (no shared-memory conversion and barrier a value)
+            xj = tl.load(x_ptr + (kc + rcw) * PER + j, mask=kc + rcw < KW, other=0.0).to(tl.float32)
+            xs += xj
+            src = words if LOW else hi
+            f = ((src & (((1 << BITS) - 1) << POS)) | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+            t += f * (xj * (1.0 / (1 << POS)))[None, :, :]
+        g = ((kc + rc * CW) * PER) // GROUP  # [C]: each thread's group
+        m2 = mask_n[:, None] & (g < G)[None, :]
+        off = g[None, :].to(tl.int64) * N + rn[:, None]
+        sc = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        zc = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        acc += sc * (tl.sum(t, axis=2) - zc * tl.sum(xs, axis=1)[None, :])
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
+_MAGIC = 0x4B000000  # the bits of float32 2**23: OR-ed below a value of < 23 bits, it is 2**23 + value
+
+
+def int_gemv_default(n: int, k: int) -> dict[str, int]:
+    """The packed-integer GEMV's launch config without a swept one (gemv_configs): 8 rows a
+    program (each activation value serves 8 rows), 4 warps where K fits one chunk of 512
+    words (K = 4096 at 4 bits: every load issued at once), else 2 (256-word chunks: 7 even
+    steps of down_proj's 1792 words)."""
+    return {"block_n": 8, "num_warps": 4 if k // 8 <= 512 else 2}
+
+
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
              group_size: int, bias: torch.Tensor | None = None, block_n: int | None = None,
-             block_k: int | None = None, unroll: int = 4, num_warps: int = 4) -> torch.Tensor:
-    """One row: x [1, K] (contiguous) @ dequant(qweight).T -> [1, N] in x.dtype. Each program
-    owns ``block_n`` output columns (the packed words are contiguous along N; default 16, 32
-    from N = 16384: enough programs to fill an H200's 132 SMs several times over) and walks K
-    in chunks of ``block_k`` rows (default: 128, or the group size when it is smaller; it must
-    divide the group size), ``unroll`` chunks' loads in flight. Starting points:
-    ``benchmarks/quant.py --sweep`` measures the tiles."""
-    n = qweight.shape[1]
-    k = qweight.shape[0] * (32 // bits)
-    if block_n is None:
-        block_n = 32 if n >= 16384 else 16
-    if block_k is None:
-        block_k = min(128, group_size)
-        while group_size % block_k:
-            block_k //= 2
-    if group_size % block_k or block_k < 32 // bits:
-        raise ValueError(f"block_k {block_k} must divide the group size {group_size} and hold whole words")
+             num_warps: int | None = None) -> torch.Tensor:
+    """One row: x [1, K] (contiguous) @ dequant(qweight [N, K * bits / 32]).T -> [1, N] in
+    x.dtype. Each program owns ``block_n`` output rows and all of K (see the kernel); the
+    launch config: the arguments, else the swept one of this shape and GPU
+    (``gemv_configs``), else ``int_gemv_default``. A thread's words must lie in one group:
+    4 of them where the group size allows, else 2 or 1; ValueError for a group size that
+    is not a multiple of the values a word holds."""
+    n, kw = qweight.shape
+    per = 32 // bits
+    k = kw * per
+    cfg = _gemv_config(f"int{bits}", n, k, x.device, int_gemv_default)
+    block_n = block_n or cfg["block_n"]
+    num_warps = num_warps or cfg["num_warps"]
+    if group_size % per:
+        raise ValueError(f"group size {group_size} must be a multiple of the {per} values an int32 word holds")
+    cw = next(c for c in (4, 2, 1) if group_size % (c * per) == 0 and kw % c == 0)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _int_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scales, zeros, bias if bias is not None else scales, y, n, k, group_size,
-        BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, HAS_BIAS=bias is not None, num_warps=num_warps)
+        x, qweight, scales, zeros, bias if bias is not None else scales, y, n, _MAGIC, K=k, GROUP=group_size,
+        BITS=bits, BLOCK_N=block_n, CW=cw, NUM_WARPS=num_warps, HAS_BIAS=bias is not None, num_warps=num_warps)
     return y
 
 
@@ -401,8 +536,8 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
 def _int_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, c_ptr, M, N, K, GROUP_SIZE, stride_am, stride_cm,
                      BITS: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, TILE_IN_GROUP: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # Each K step loads the BLOCK_K / PER packed words of its rows once ([WORDS, BLOCK_N], not
-    # one word per row) and splits them in registers; with TILE_IN_GROUP (BLOCK_K divides
+    # Each K step loads the BLOCK_K / PER packed words of its rows once ([WORDS, BLOCK_N] of
+    # qweight [N, K / PER], contiguous along K) and splits them in registers; with TILE_IN_GROUP (BLOCK_K divides
     # GROUP_SIZE) the step's rows share one group, whose scale and zero are one row each.
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -429,7 +564,7 @@ def _int_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, c_ptr, M, N, K, GROUP_S
         a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_am + offs_k[None, :],
                     mask=mask_m[:, None] & mk[None, :], other=0.0)
         w_row = k0 // PER + rw
-        words = tl.load(qw_ptr + w_row[:, None].to(tl.int64) * N + rn[None, :],
+        words = tl.load(qw_ptr + rn[None, :].to(tl.int64) * (K // PER) + w_row[:, None],
                         mask=(w_row < K // PER)[:, None] & mask_n[None, :], other=0)  # [WORDS, BLOCK_N]
         q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, [BLOCK_K, BLOCK_N]).to(tl.float32)
         if TILE_IN_GROUP:  # rows past K: q is 0 there and so is a
@@ -475,7 +610,7 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     is halved while that makes it divide ``group_size``. Raises ValueError for a
     ``block_k`` that is not a power of two holding whole packed words."""
     m, k = x.shape
-    n = qweight.shape[1]
+    n = qweight.shape[0]
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return c
@@ -518,8 +653,8 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 # ---- torch references (tests, benchmarks) ---------------------------------------------------
 def dequant_int_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                     group_size: int) -> torch.Tensor:
-    """The float32 [N, K] weight the packed form stands for."""
+    """The float32 [N, K] weight the packed form (qweight [N, K*bits/32]) stands for."""
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
-    q = ((qweight.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)).flatten(0, 1).float()  # [K, N]
-    g = torch.arange(q.shape[0], device=q.device) // group_size
-    return ((q - zeros.float()[g]) * scales.float()[g]).t()
+    q = ((qweight.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(1).float()  # [N, K]
+    g = torch.arange(q.shape[1], device=q.device) // group_size
+    return (q - zeros.float()[g].t()) * scales.float()[g].t()

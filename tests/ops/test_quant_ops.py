@@ -154,7 +154,7 @@ def _int_weight(n, k, bits, group_size, dev):
     groups = k // group_size
     scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.001)
     zeros = torch.randint(0, 1 << bits, (groups, n), generator=g).float()
-    return pack_int32(q, bits, 0).to(dev), scales.to(dev), zeros.to(dev)
+    return pack_int32(q.t(), bits, 1).to(dev), scales.to(dev), zeros.to(dev)  # the kernels' [N, K*bits/32]
 
 
 @pytest.mark.parametrize("kind", DEVICES)
@@ -173,12 +173,58 @@ def test_int_linear(kind, bits, group_size):
             _check(y, x.float() @ quant.dequant_int_ref(qw, s, z, bits, gs).t() + bias.float(), dtype)
 
 
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("bits, group_size", [(4, 128), (4, 64), (8, 32), (4, -1), (4, 16)])
+@pytest.mark.parametrize("block_n, num_warps", [(4, 1), (16, 2), (8, 4)])
+def test_int_gemv_configs(kind, bits, group_size, block_n, num_warps):
+    """The GEMV at every launch config the sweep tries: K over several chunks of
+    32 * num_warps * 4 words, evenly (2048 for 4-bit at 1-2 warps) and not (1792 at 4 warps:
+    a masked last chunk; 8-bit: twice the words), N not a multiple of block_n, group
+    sizes whose words a thread splits (16: two words a thread)."""
+    dev = _dev(kind)
+    for k in (2048, 1792):
+        n = 20 if dev == "cpu" else 4100
+        gs = k if group_size == -1 else group_size
+        qw, s, z = _int_weight(n, k, bits, gs, dev)
+        x = torch.randn(1, k, device=dev) * 3
+        bias = torch.randn(n, device=dev)
+        y = quant.int_gemv(x, qw, s, z, bits, gs, bias, block_n=block_n, num_warps=num_warps)
+        _check(y, x @ quant.dequant_int_ref(qw, s, z, bits, gs).t() + bias, torch.float32)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("act", ["token", "tensor", None, "group"])
+@pytest.mark.parametrize("block_n, block_k", [(2, 256), (4, 512), (8, 1024)])
+def test_fp8_gemv_configs(kind, act, block_n, block_k):
+    """The FP8 GEMV at the launch configs the sweep tries: K over several chunks, evenly
+    and not (1000: a masked last chunk and slices), N not a multiple of block_n; block
+    scales (their columns, 32 or 64: the slice for per-group activations; K = 1088, a whole
+    number of groups) and per-row ones; K in at most two chunks (loaded before the amax)
+    and in more (the pipelined loop)."""
+    dev = _dev(kind)
+    for k in (2048, 1088 if act == "group" else 1000):
+        n = 24 if dev == "cpu" else 4104
+        bk = max(32, block_k // 16)  # per-group activations: slices of the block's columns
+        block = (8, bk) if act == "group" else None
+        w, ws = _fp8_weight(-(-n // 8) * 8, -(-k // bk) * bk, dev, block)
+        w = w[:n, :k].contiguous()
+        if block is None:
+            ws = ws[:n]
+        x = torch.randn(1, k, device=dev) * 3
+        bias = torch.randn(n, device=dev)
+        static = x.abs().amax().reshape(1) / 448.0 * 1.5 if act == "tensor" else None
+        y = quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k)
+        xr = x if act is None else _ref_act(x, group=bk if act == "group" else None, static=static)
+        dense = dequantize_fp8(w, ws, block)
+        _check(y, xr @ dense.t() + bias, torch.float32)
+
+
 def test_dequant_int_ref_matches_unpack():
     """The reference's unpacking is pack_int32's inverse (so the kernel tests test something)."""
     from pyengine.layers.quantization.utils import dequantize_int, unpack_int32
 
     qw, s, z = _int_weight(24, 64, 4, 32, "cpu")
-    q = unpack_int32(qw, 4, 0)
+    q = unpack_int32(qw, 4, 1).t()
     g = torch.arange(64) // 32
     torch.testing.assert_close(quant.dequant_int_ref(qw, s, z, 4, 32), dequantize_int(q, s, z, g))
 

@@ -6,8 +6,9 @@ every method turns its checkpoint tensors into after loading —
   output row ([N]) or per block ([ceil(N/bn), ceil(K/bk)]); activations quantized per token,
   per 128-group of a token (block scales) or with a static per-tensor scale — or not at all;
 * **packed integer** (``finalize_int``): 4- or 8-bit unsigned values packed along K into
-  int32 [K * bits / 32, N] (GPTQ's layout), scales and zero points [num_groups, N] in the
-  compute dtype (zero points in quantized units), weight-only.
+  int32 [N, K * bits / 32] (each output row's words contiguous: the batch-1 GEMV's layout,
+  not GPTQ's [K * bits / 32, N]), scales and zero points [num_groups, N] in the compute
+  dtype (zero points in quantized units), weight-only.
 
 On CPU (and wherever the quantized kernels do not run) the weight is dequantized at load
 into one dense [N, K] weight of the compute dtype: ``(q - zero) * scale`` in float32, then
@@ -206,7 +207,8 @@ def finalize_int(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros:
     if perm is not None:
         first = int(g_idx.min())
         q, scales, zeros = q.index_select(0, perm), scales[first:], zeros[first:]
-    replace_parameters(layer, qweight=pack_int32(q, bits, 0), scales=scales.to(dtype).contiguous(),
+    # the kernels' layout: [N, K * bits / 32], each output row's words contiguous (ops/quant.py)
+    replace_parameters(layer, qweight=pack_int32(q.t(), bits, 1), scales=scales.to(dtype).contiguous(),
                        zeros=zeros.to(dtype).contiguous(), perm=perm)
     layer.int_linear = IntLinear(bits, group_size, dense=False)
 
