@@ -103,6 +103,6 @@ class SamplingState:
             for j in range(len(s.spec_token_ids) + 1):
                 params.append(sp)
                 prompts.append(r.prompt_token_ids if need_tokens else ())
-                outs.append(list(o) + s.spec_token_ids[:j] if need_tokens else ())
+                outs.append(list(o) + list(s.spec_token_ids[:j]) if need_tokens else ())
                 gens.append(g)
         return SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device)
