@@ -192,7 +192,8 @@ def run_http(engine, streams: int, tokens: int, prompt_len: int, clients: int) -
 
 def run_capi(engine, streams: int, tokens: int, prompt_len: int) -> dict:
     """``vllm_request_submit`` streams as the C ABI's Python side serves them: a host
-    thread submits every request through ``_Bridge.submit``; the output thread's listener
+    thread validates every request (``Processor.process``, as ``vllm_request_submit``) and
+    submits it through ``_Bridge.submit``; the output thread's listener
     drains the collectors and calls ``vg_push`` once per step, here a recorder of each
     delta's request, token count, finish flag and time (the real one copies into C and
     returns; the C delivery threads need no GIL)."""
@@ -232,7 +233,7 @@ def run_capi(engine, streams: int, tokens: int, prompt_len: int) -> dict:
                                 output_kind=RequestOutputKind.DELTA)
             sent[i] = time.perf_counter()
             results[i].start = time.time()
-            bridge.submit(ffi.cast("void*", i + 1), i, r.prompt, sp, 0)
+            bridge.submit(ffi.cast("void*", i + 1), engine.processor.process(_impl._request_id(i), r.prompt, sp, 0))
         if not done.wait(600):
             raise RuntimeError("C ABI streams did not finish")
         dur = time.perf_counter() - t0
@@ -254,7 +255,7 @@ def run_capi(engine, streams: int, tokens: int, prompt_len: int) -> dict:
                     res.ok, res.e2e, res.end = d.status == 0, t - sent[i], time.time()
         return summarize(results, dur)
     finally:
-        bridge.unsubscribe()
+        bridge.drain.close()
         _impl.ffi, _impl.lib = old
 
 

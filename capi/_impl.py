@@ -106,7 +106,7 @@ class _Live:
         return "".join(chunk_json(o) + "\n" for o in objs).encode("utf-8", "replace")
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step: no __dict__
 class _Delivery:
     """One ``vg_delta`` (include/vllm.h's delivery to C): the request's new ``text``
     (UTF-8), ``token_ids``, whether it ``finished``, its ``status`` (a VLLM_* code),

@@ -491,7 +491,9 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self._ctx = list(self._ids)  # the prompt's tail, set up by the base class
         self._ctx_text = self._prefix_text or ""
-        self._unflushed: list[int] = []  # ids stepped since the stream last emitted text
+        # what was stepped since the stream last emitted text: ids, and the prompt's tail as
+        # one list (flattened only when flushed: no copy per token)
+        self._unflushed: list[int | list[int]] = []
         emitted = self._step(self._ctx) if self._ctx else ""
         if emitted is None:  # the stream failed on the prompt: the window state stands
             return
@@ -543,7 +545,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
             if self._unflushed:
                 self._unflushed = []
         else:
-            self._unflushed.extend(ids if isinstance(ids, list) else (ids,))
+            self._unflushed.append(ids)
         return text
 
     def _to_window(self, token_id: int) -> str:
@@ -607,7 +609,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
             return super()._flush()
         if not self._unflushed or self._decode is None:
             return ""
-        text = self._decode(self._unflushed)
+        text = self._decode([t for x in self._unflushed for t in (x if isinstance(x, list) else (x,))])
         self._unflushed = []
         return self._cut_prompt_text(text)
 

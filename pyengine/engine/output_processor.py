@@ -422,23 +422,26 @@ class OutputProcessor:
             m.last_token_time = timestamp
             if iteration_stats is not None:
                 iteration_stats.num_generation_tokens += len(eco.new_token_ids)
-        num_before = child.detok.num_output_tokens
-        stop_str = child.detok.update(eco.new_token_ids, eco.finish_reason == _STOP, eco.finished)
-        if eco.new_logprobs and child.want_logprobs:
+        finish = eco.finish_reason
+        finished = finish is not None
+        want_lps = child.want_logprobs and eco.new_logprobs
+        num_before = child.detok.num_output_tokens if want_lps else 0
+        stop_str = child.detok.update(eco.new_token_ids, finish == _STOP, finished)
+        if want_lps:
             # (a stop string inside several new tokens drops those after it, logprobs too)
-            for entry in eco.new_logprobs[:child.detok.num_output_tokens - num_before]:
+            for entry in eco.new_logprobs[:child.detok.num_output_tokens - num_before]:  # type: ignore[index] # set: want_lps
                 child.logprobs.append(self._logprob_dict(entry))  # type: ignore[union-attr] # lists when want_logprobs
                 child.cumulative_logprob += entry.logprobs[0]  # type: ignore[operator]
-        if stop_str is not None and eco.finish_reason != _ABORT:
+        if stop_str is not None and finish != _ABORT:
             child.finish_reason, child.stop_reason = _STOP, stop_str
-            if not eco.finished:
+            if not finished:
                 to_abort.append(eco.request_id)
-        elif eco.finished:
+        elif finished:
             child.finish_reason, child.stop_reason = eco.finish_reason, eco.stop_reason
             child.error = eco.error
         if child.finish_reason is not None:
             if child.deferred:
-                child.finish_deferred(eco.finish_reason == _STOP)
+                child.finish_deferred(finish == _STOP)
             del self.children[eco.request_id]
             parent.child_finished()
             if parent.finished:

@@ -165,7 +165,8 @@ class SamplingState:
         need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                           for p in params)
         # bad words alone need only the last (longest banned sequence - 1) output tokens
-        tail = max((len(w) for p in params for w in (p.bad_words_token_ids or ())), default=1) - 1
+        banned = [p.bad_words_token_ids for p in params if p.bad_words_token_ids]  # (no generator per row)
+        tail = max(len(w) for words in banned for w in words) - 1 if banned else 0
         if need_tokens or tail:
             # A placeholder counts as one more output token (-1: its id is on the device only;
             # the penalties add it there, bad words compare it there).
@@ -221,7 +222,7 @@ class SamplingState:
             for j in range(len(s.spec_token_ids) + 1):
                 params.append(sp)
                 prompts.append(r.prompt_token_ids if need_tokens else ())
-                outs.append(list(o) + s.spec_token_ids[:j] if need_tokens else ())
+                outs.append(list(o) + list(s.spec_token_ids[:j]) if need_tokens else ())
                 gens.append(g)
                 if thinking is not None:
                     if st is not None and j:

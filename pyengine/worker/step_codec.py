@@ -215,10 +215,13 @@ def _pack_vectorised(so: SchedulerOutput, block_size: int, prev_rows: dict[str, 
     seq_lens = buf32[shape.seq_lens_offset:shape.seq_lens_offset + R]
     seq_lens[:] = starts + ns
     rows = []  # the last row of each sampling request; its last 1 + k rows when it has k drafts
-    for i, s in enumerate(sched):
+    ends = qsl[1:].tolist()  # (one conversion, not a numpy scalar per request)
+    for s, end in zip(sched, ends):
         if s.sample:
-            end = int(qsl[i + 1])
-            rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+            if s.spec_token_ids:
+                rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+            else:
+                rows.append(end - 1)
     shape = StepShape(T, R, len(ph_rows), len(rows), max_blocks, int(ns.max()), int(seq_lens.max()))
     buf64 = np.zeros(shape.int64_len, dtype=np.int64)  # (padding zeroed: the same bytes as _pack_small's)
     buf64[:T] = toks

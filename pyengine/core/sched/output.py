@@ -5,6 +5,7 @@ on the engine thread.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pyengine.request import Request
@@ -20,8 +21,9 @@ class ScheduledRequest:
     placeholder_input: bool  # the last fed token was sampled by the previous step, still on device
     epoch: int  # request.num_preemptions at schedule time; stale outputs are dropped
     # draft tokens fed after the newest token (speculative decoding; their count is part of
-    # num_new_tokens): the runner verifies them and samples len + 1 rows for this request
-    spec_token_ids: list[int] = field(default_factory=list)
+    # num_new_tokens): the runner verifies them and samples len + 1 rows for this request.
+    # An empty tuple by default: no list made per request per step without drafts.
+    spec_token_ids: Sequence[int] = ()
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from pyengine.config import EngineConfig, SchedulingPolicy
 from pyengine.core.kv_cache_manager import KVCacheManager, cdiv
@@ -349,10 +349,12 @@ class Scheduler:
                 if n <= 0 or not self._can_schedule_running(req):
                     i += 1
                     continue
-                spec = self._drafts_for_step(req, n, budget) if req.spec_token_ids else []
-                n += len(spec)
-                lookahead = self._lookahead(req, n)
-                while not kv.allocate_slots(req, n, num_lookahead_tokens=lookahead):
+                spec = self._drafts_for_step(req, n, budget) if req.spec_token_ids else ()
+                if spec:
+                    n += len(spec)
+                # (no call per request per step without speculative decoding)
+                lookahead = self._lookahead(req, n) if self.num_lookahead_tokens else 0
+                while not kv.allocate_slots(req, n, (), lookahead):
                     victim = self._pick_victim()
                     if self.running.index(victim) < i:
                         # Already scheduled this step (priority policy): take that back too.
@@ -411,7 +413,7 @@ class Scheduler:
         self.step_host_time_s += time.perf_counter() - t0
         return out
 
-    def _scheduled(self, req: Request, n: int, spec: list[int] | None = None) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, spec: Sequence[int] = ()) -> ScheduledRequest:
         start = req.num_computed_tokens
         sample = start + n >= req.num_tokens + req.num_output_placeholders
         placeholder = req.num_output_placeholders > 0 and start + n > req.num_tokens
@@ -458,8 +460,8 @@ class Scheduler:
             if gen is not None:
                 toks, lp_list = gen[row], (glps[row] if glps is not None else None)
                 new_drafts = drafts[row] if drafts is not None else None
-            else:
-                toks, lp_list = (tokens[row],), ([lps[row]] if lps is not None and lps[row] is not None else None)
+            else:  # one token (the lists for its output are made below)
+                tok, lp = tokens[row], (lps[row] if lps is not None else None)
             row += 1
             req = s.request
             if req.is_finished() or req.request_id not in self.requests:
@@ -472,21 +474,28 @@ class Scheduler:
                 continue
             try:
                 self._on_token_consumed(req)
-                if s.spec_token_ids:
-                    self._account_drafts(req, len(s.spec_token_ids), len(toks))
-                appended = 0
-                for tok in toks:
+                if gen is None:
+                    if s.spec_token_ids:
+                        self._account_drafts(req, len(s.spec_token_ids), 1)
                     req.all_token_ids.append(tok)
-                    appended += 1
                     finished = self._check_stop(req, tok)
-                    if finished:
-                        break
-                if appended < len(toks):
-                    toks = toks[:appended]
+                    toks, lp_list = [tok], ([lp] if lp is not None else None)
+                else:
+                    if s.spec_token_ids:
+                        self._account_drafts(req, len(s.spec_token_ids), len(toks))
+                    appended = 0
+                    for tok in toks:
+                        req.all_token_ids.append(tok)
+                        appended += 1
+                        finished = self._check_stop(req, tok)
+                        if finished:
+                            break
+                    # copies: the runner's lists are not the outputs' (cut after a stop)
+                    toks = list(toks[:appended])
                     if lp_list is not None:
-                        lp_list = lp_list[:appended]
-                if gen is not None and not finished and new_drafts:
-                    req.spec_token_ids = new_drafts
+                        lp_list = list(lp_list[:appended])
+                    if not finished and new_drafts:
+                        req.spec_token_ids = new_drafts
                 if req.request_id in rejected:
                     raise ValueError(f"the structured-output grammar rejected token {tok} (output token "
                                      f"{req.num_output_tokens}); this is a bug, please report it")
@@ -498,7 +507,7 @@ class Scheduler:
                     finished = True
                 first = req.num_output_tokens == len(toks)
                 out = EngineCoreOutput(
-                    req.request_id, list(toks), list(lp_list) if lp_list is not None else None,
+                    req.request_id, toks, lp_list,
                     finish_reason=req.get_finished_reason() if finished else None,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0,
