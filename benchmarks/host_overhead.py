@@ -8,6 +8,12 @@ a constant hidden state; scheduling, input preparation, sampling, the scheduler 
 and the output processor run for real.
 
     python benchmarks/host_overhead.py --batch-sizes 1,64,256 --steps 200 --json out.json
+
+Each phase's figure is its mean per step; ``--quantile 0.1`` reports that quantile of its
+per-call times instead (on a shared machine a run's mean moves by a quarter from run to
+run, a low quantile far less: compare checkouts by the median of such runs, interleaved).
+``--temperature 0`` samples greedily (the stub's constant hidden state then gives one token
+id for every row and step).
 """
 from __future__ import annotations
 
@@ -24,20 +30,22 @@ if _REPO not in sys.path:
 from benchmarks.common import command_line, hardware_info, header_md, make_model_dir, md_table, parse_ints, write_json  # noqa: E402
 
 
-def _timed(obj, name: str, acc: dict) -> None:
-    """Wrap obj.name so its wall time accumulates in acc[name] (seconds)."""
+def _timed(obj, name: str, acc: dict, key: str | None = None) -> None:
+    """Wrap obj.name so the wall time of each call goes to the list acc[key or name] (seconds)."""
     fn = getattr(obj, name)
+    times = acc[key or name]
 
     def wrapper(*a, **k):
         t = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            acc[name] += time.perf_counter() - t
+            times.append(time.perf_counter() - t)
     setattr(obj, name, wrapper)
 
 
-def measure(batch: int, steps: int, async_scheduling: bool, model_dir: str) -> dict:
+def measure(batch: int, steps: int, async_scheduling: bool, model_dir: str, temperature: float = 0.8,
+            quantile: float | None = None) -> dict:
     import torch
 
     from pyengine import LLM, RequestOutputKind, SamplingParams
@@ -49,31 +57,43 @@ def measure(batch: int, steps: int, async_scheduling: bool, model_dir: str) -> d
     hidden = runner.dims.hidden_size
     # The forward pass is what a GPU does; stub it so only host work is timed.
     runner.model.forward = lambda ids, pos, meta: torch.zeros(ids.shape[0], hidden)
-    acc: dict = defaultdict(float)
+    acc: dict = defaultdict(list)
     sched = eng.engine_core.scheduler
     _timed(sched, "schedule", acc)
     _timed(sched, "update_from_output", acc)
     _timed(runner, "_prepare_inputs", acc)
-    _timed(runner.sampling_state, "metadata", acc)
+    if hasattr(runner, "sampling_state"):
+        _timed(runner.sampling_state, "metadata", acc)
+    else:  # a checkout before the runner's split (89ee766): same phase
+        _timed(runner, "_sampling_metadata", acc, "metadata")
     _timed(runner, "sampler", acc)
     _timed(eng.output_processor, "process_outputs", acc)
-    sp = SamplingParams(temperature=0.8, max_tokens=steps, ignore_eos=True,
+    sp = SamplingParams(temperature=temperature, max_tokens=steps, ignore_eos=True,
                         output_kind=RequestOutputKind.DELTA)
     for i in range(batch):
         eng.add_request(f"h{i}", [10 + i % 50] * 32, sp)
     for _ in range(5):  # prefill and warm-up
         eng.step()
-    acc.clear()
+    for v in acc.values():
+        v.clear()
+    step_times = []
     t0 = time.perf_counter()
-    n = 0
     while eng.has_unfinished_requests():
+        t = time.perf_counter()
         eng.step()
-        n += 1
+        step_times.append(time.perf_counter() - t)
     wall = time.perf_counter() - t0
     llm.shutdown()
-    per_step = {k: 1e3 * v / n for k, v in acc.items()}
-    return {"batch": batch, "async": async_scheduling, "steps": n, "wall_ms_per_step": 1e3 * wall / n,
-            **{f"{k}_ms": v for k, v in per_step.items()}}
+    n = len(step_times)
+
+    def per_step(times: list) -> float:
+        if quantile is None:
+            return 1e3 * sum(times) / n
+        ordered = sorted(times)
+        return 1e3 * ordered[min(int(quantile * len(ordered)), len(ordered) - 1)] if ordered else 0.0
+    return {"batch": batch, "async": async_scheduling, "steps": n,
+            "wall_ms_per_step": 1e3 * wall / n if quantile is None else per_step(step_times),
+            **{f"{k}_ms": per_step(v) for k, v in acc.items()}}
 
 
 def main(argv=None) -> dict:
@@ -81,11 +101,17 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-sizes", type=parse_ints, default=[1, 64, 256])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--quantile", type=float, default=None,
+                   help="report this quantile of each phase's per-call times (default: the mean per step)")
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
     import tempfile
     model_dir = str(make_model_dir("tiny", os.path.join(tempfile.gettempdir(), "vengine_bench_models", "tiny")))
-    rows = [measure(b, args.steps, not args.no_async_scheduling, model_dir) for b in args.batch_sizes]
+    if args.quantile is not None and not 0 <= args.quantile <= 1:
+        p.error("--quantile must be in [0, 1]")
+    rows = [measure(b, args.steps, not args.no_async_scheduling, model_dir, args.temperature, args.quantile)
+            for b in args.batch_sizes]
     phases = ["schedule", "_prepare_inputs", "metadata", "sampler", "update_from_output",
               "process_outputs"]
     hw = hardware_info("cpu")

@@ -10,7 +10,7 @@
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
 # STEP: gpu_spec spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
-#       serve_final2 structured gpu_structured serve_default
+#       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
 # (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast tp_profile (tools/tp_h200x2.sh).
@@ -52,6 +52,15 @@ step 400 serve_final_mp python3 $SERVE --profile-seconds 3 --cores mp --frontend
 # issue 29: the default vengine serve (automatic --api-server-count) against offline at c=256 with both
 # clients (this file's and the aiohttp one shaped like vllm bench serve's); target >= 0.85x, TTFT p50 <= 250 ms
 step 420 serve_default python3 $SERVE --cores mp --concurrency 256 --frontends offline,http,http-aio,http-auto,http-aio-x4 --json "$OUT/serve_default.json"
+# the 12-02 regression check (docs/benchmarks.md, "Host time before and after the house, fields,
+# spec and DP merges"): 11-30's suite shape (levels 1,64,256, engine process) for offline, AsyncLLM
+# and the C ABI on this checkout and on .bench_before/ (here a plain checkout of 89ee766, its own
+# benchmarks/), then this checkout at c=256 alone (serve_b's shape: the run's shape against the code).
+# About 4 + 4 + 3 minutes: perfreg_after perfreg_before in one call, perfreg_after_256 in another.
+SERVE_AB="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 0 --cores mp --frontends offline,asyncllm,capi"
+step 290 perfreg_after python3 $SERVE_AB --json "$OUT/perfreg_after.json"
+step 290 perfreg_before bash -c "cd .bench_before && python3 $SERVE_AB --json $OUT/perfreg_before.json"
+step 220 perfreg_after_256 python3 $SERVE_AB --concurrency 256 --json "$OUT/perfreg_after_256.json"
 step 150 serve_final_inproc python3 $SERVE --cores inproc --frontends asyncllm,http --concurrency 64,256 --profile 0 --json "$OUT/serve_inproc.json"
 # the second session's final run: every front end against both ceilings (LLM.generate, and the
 # closed-loop offline rate at each concurrency), then structured outputs (issue 15)

@@ -231,3 +231,17 @@ def test_tp_profile_analyze_trace(tmp_path):
     assert tp_profile.kernel_class("_decode_split_kernel") == "attention"
     assert tp_profile.kernel_class("_rope_cache_kernel") == "norm_rope_act"
     assert tp_profile.kernel_class("_rms_norm_kernel") == "norm_rope_act"
+
+
+def test_host_overhead_quantile(tmp_path):
+    """--quantile reports a quantile of the per-call times (greedy here); out of [0, 1] is refused."""
+    from benchmarks import host_overhead
+
+    res = host_overhead.main(["--batch-sizes", "4", "--steps", "12", "--temperature", "0", "--quantile", "0.5"])
+    row = res["results"][0]
+    assert row["batch"] == 4 and row["steps"] > 0
+    assert all(row[f"{ph}_ms"] > 0 for ph in ("schedule", "_prepare_inputs", "metadata", "update_from_output",
+                                                "process_outputs"))
+    assert row["wall_ms_per_step"] >= row["schedule_ms"]
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--batch-sizes", "1", "--quantile", "1.5"])
