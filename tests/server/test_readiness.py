@@ -47,13 +47,14 @@ def _free_port() -> int:
 
 def _probe(port: int):
     """One fresh-connection ``GET /health``: ``(status, body, headers)``, or None when the
-    connection is refused."""
+    connection is refused or reset (a listening socket closed with the connection still in
+    its accept queue resets it: as refused, nobody served it)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("GET", "/health")
         r = conn.getresponse()
         return r.status, r.read(), dict(r.getheaders())
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):
         return None
     finally:
         conn.close()
