@@ -55,7 +55,7 @@ def test_int_gemm_launches_within_the_limit(dtype, m, limit, monkeypatch):
     q = torch.randint(0, 16, (k, n), generator=g, dtype=torch.int32)
     s = (torch.rand(k // gs, n, generator=g) * 0.02 + 0.001).to(dtype)
     z = torch.randint(0, 16, (k // gs, n), generator=g).to(dtype)
-    qw = pack_int32(q, 4, 0)
+    qw = pack_int32(q.t(), 4, 1)  # the kernels' [N, K*bits/32]
     x = torch.randn(m, k, generator=g).to(dtype)
     y = quant.int_gemm(x, qw, s, z, 4, gs)
     (kw,) = launches
