@@ -675,3 +675,17 @@ def build_tiny_eagle3(out_dir, target_dir, seed: int = 0, draft_vocab_size: int 
         t["embed_tokens.weight"] = w(V, H, scale=1.0)
     save_file(t, str(out / "model.safetensors"))
     return out
+
+
+# A sitecustomize.py (format with root=, delay= seconds) that slows every engine step of the
+# processes started with its directory on PYTHONPATH: a stream that surely is still running.
+SLOW_STEP_SITECUSTOMIZE = """
+import sys, time
+sys.path.insert(0, {root!r})
+import pyengine.worker.model_runner as _mr
+_orig = _mr.ModelRunner.execute_model
+def _slow(self, *a, **k):
+    time.sleep({delay})
+    return _orig(self, *a, **k)
+_mr.ModelRunner.execute_model = _slow
+"""

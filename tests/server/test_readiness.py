@@ -32,6 +32,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers import SLOW_STEP_SITECUSTOMIZE
 from tests.server.conftest import MODEL_NAME
 from tests.server.http_util import SSEStream, get, request
 
@@ -144,16 +145,6 @@ def test_engine_start_failure_still_exits_non_zero(no_tokenizer_dir):
     assert "vengine: serving" not in out
 
 
-_SLOW_SITE = """
-import sys, time
-sys.path.insert(0, {root!r})
-import pyengine.worker.model_runner as _mr
-_orig = _mr.ModelRunner.execute_model
-def _slow(self, *a, **k):
-    time.sleep({delay})
-    return _orig(self, *a, **k)
-_mr.ModelRunner.execute_model = _slow
-"""
 STEP_DELAY_S = 0.02  # a slow engine step (patched in by sitecustomize), so the stream surely runs
 
 
@@ -171,7 +162,7 @@ def _await_serving(proc, lines: list[str], timeout: float = 90) -> None:
 
 @pytest.mark.timeout(120)
 def test_health_is_503_draining_while_a_stream_finishes(llama_dir, tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(_SLOW_SITE.format(root=str(REPO), delay=STEP_DELAY_S))
+    (tmp_path / "sitecustomize.py").write_text(SLOW_STEP_SITECUSTOMIZE.format(root=str(REPO), delay=STEP_DELAY_S))
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
     port = _free_port()
     proc = _spawn(llama_dir, port, "--shutdown-timeout", "30", env=env)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers import SLOW_STEP_SITECUSTOMIZE
 from tests.server.conftest import MODEL_NAME, make_engine, slow_steps
 from tests.server.http_util import SSEStream, spawn_server
 
@@ -134,22 +135,12 @@ def test_http10_keep_alive_stream_ends(server):
             assert json.loads(body)["choices"]
 
 
-_SLOW_SITE = """
-import sys, time
-sys.path.insert(0, {root!r})
-import pyengine.worker.model_runner as _mr
-_orig = _mr.ModelRunner.execute_model
-def _slow(self, *a, **k):
-    time.sleep({delay})
-    return _orig(self, *a, **k)
-_mr.ModelRunner.execute_model = _slow
-"""
 
 
 @pytest.mark.timeout(180)
 def test_sigterm_drains_then_exits_zero(llama_dir, tmp_path):
     # issue 12 kind 3: every stream was cut after 1 s with no terminal event and no [DONE]
-    (tmp_path / "sitecustomize.py").write_text(_SLOW_SITE.format(root=str(REPO), delay=STEP_DELAY_S))
+    (tmp_path / "sitecustomize.py").write_text(SLOW_STEP_SITECUSTOMIZE.format(root=str(REPO), delay=STEP_DELAY_S))
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
     proc, port = spawn_server(llama_dir, MODEL_NAME, "--max-model-len", "512", "--num-gpu-blocks-override", "256",
                               "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--disable-access-log", env=env, cwd=REPO)
