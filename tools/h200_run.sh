@@ -71,7 +71,7 @@ step 110 gpu_quick python3 -m pytest -q -m gpu tests/test_llm.py tests/engine/te
 # mixture of experts (issue 25): the kernels and models on the GPU, the tile sweep (its JSON
 # configs copied back), then the Qwen3-30B-A3B-shape benchmark on the swept tiles
 step 200 gpu_moe python3 -m pytest -q -m gpu tests/layers/fused_moe tests/models/test_moe.py -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=180
-step 150 moe_sweep bash -c "python3 benchmarks/moe.py --sweep --sweep-n 768 --sweep-budget-s 100 --out-dir $OUT && mkdir -p $OUT/moe_configs && cp pyengine/layers/fused_moe/configs/*.json $OUT/moe_configs/"
+step 150 moe_sweep bash -c "python3 benchmarks/moe.py --sweep --sweep-n 768 --sweep-budget-s 100 --out-dir $OUT && tar -cf $OUT/moe_configs.tar -C pyengine/layers/fused_moe configs"
 step 330 moe_bench python3 benchmarks/moe.py --out-dir "$OUT"
 # the GPU fixes of MoE and quantization in one short call (< 4 min): their GPU tests (TP=2 ones
 # skip on one GPU), then the kernel parts of the two benchmarks only (needs .whl: compressed-tensors, loguru)
@@ -79,11 +79,11 @@ step 170 gpufix_tests python3 -m pytest -q -m gpu tests/layers/fused_moe tests/m
 step 45 gpufix_quant_kernels python3 benchmarks/quant.py "$OUT" --parts kernels
 # issue 25's quick tile sweep (M 16, 256, 4096 against the defaults; about 50 s), its table merged into the
 # shipped one and copied back; gpufix_moe_kernels then measures the layer on it
-step 90 moe_quick_sweep bash -c "python3 benchmarks/moe.py --sweep --sweep-quick --out-dir $OUT && mkdir -p $OUT/moe_configs && cp pyengine/layers/fused_moe/configs/*.json $OUT/moe_configs/"
+step 90 moe_quick_sweep bash -c "python3 benchmarks/moe.py --sweep --sweep-quick --out-dir $OUT && tar -cf $OUT/moe_configs.tar -C pyengine/layers/fused_moe configs"
 # issue 26's batch-1 GEMVs: default configs checked against their dequantized references and
-# timed in CUDA graphs, then the launch-config sweep (~30 compiles); its table lands in $OUT as
-# gemv,device_name=<GPU>.json (commit it to pyengine/ops/configs/)
-step 110 gemv_sweep python3 benchmarks/quant.py "$OUT" --parts kernels --sweep --gemm-m 0
+# timed in CUDA graphs, then the launch-config sweep (~30 compiles); its table comes back in
+# $OUT/gemv_configs.tar (the device tool drops file names with ',' or '=': commit it to pyengine/ops/configs/)
+step 110 gemv_sweep bash -c "python3 benchmarks/quant.py $OUT --parts kernels --sweep --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
 step 60 gpufix_moe_kernels python3 benchmarks/moe.py --out-dir "$OUT" --sections kernels --kernel-m 1,16,256,4096 --repeats 2
 # quantization (issue 26): kernels vs their dequantized references, the quantized tiny models, then the 8B-shape benchmark
 step 200 gpu_quant python3 -m pytest -q -m gpu tests/quantization tests/ops/test_quant_ops.py -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=180
