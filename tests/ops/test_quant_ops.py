@@ -38,8 +38,14 @@ def _dev(kind):
     return "cuda"
 
 
-def _check(y, ref, dtype):
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+# Hopper's FP8 tensor-core MMA adds its exact e4m3 products with a narrower accumulator than
+# float32 (DeepSeek-V3's report measures ~14 bits kept per fused add), so an FP8 x FP8 dot of
+# K = 2048 lands ~1e-4 from the float32 sum of the same products (5-9e-5 seen on the H200).
+FP8_MMA_TOL = 5e-4
+
+
+def _check(y, ref, dtype, tol=None):
+    tol = tol or (1e-5 if dtype == torch.float32 else 1e-2)
     err = (y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)
     assert err <= tol, f"relative error {err:.3g} > {tol}"
 
@@ -216,7 +222,10 @@ def test_fp8_gemv_configs(kind, act, block_n, block_k):
         y = quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k)
         xr = x if act is None else _ref_act(x, group=bk if act == "group" else None, static=static)
         dense = dequantize_fp8(w, ws, block)
-        _check(y, xr @ dense.t() + bias, torch.float32)
+        # float32 x with act None stays float32 through the dot (no TF32): 1e-5; quantized
+        # activations take the FP8 MMA, whose accumulator is narrower on the GPU
+        tol = FP8_MMA_TOL if act is not None and dev == "cuda" else None
+        _check(y, xr @ dense.t() + bias, torch.float32, tol)
 
 
 def test_dequant_int_ref_matches_unpack():
