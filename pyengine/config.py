@@ -212,9 +212,9 @@ class EngineArgs:
     """Speculative decoding, as vLLM's JSON object: {"method": "ngram" | "draft_model" |
     "eagle3", "num_speculative_tokens": k, "model": draft model directory (draft_model,
     eagle3), "prompt_lookup_min" / "prompt_lookup_max" (ngram), "disable_by_batch_size":
-    no drafts in steps with at least that many running requests}. Speculative steps run
-    synchronously: async scheduling stays on only for the steps disable_by_batch_size
-    exempts (off altogether without it)."""
+    no drafts in steps with at least that many running requests}. Async scheduling stays
+    on: the next step is scheduled with draft placeholders before this one's drafts are
+    verified."""
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig.from_args(self)
@@ -370,17 +370,13 @@ class EngineConfig:
             if a.tensor_parallel_size != 1:
                 raise ValueError("speculative_config: speculative decoding with tensor_parallel_size > 1 is "
                                  "not supported yet.")
-            if async_sched and spec.disable_by_batch_size is None:
-                # The drafts of step N+1 come from step N's accepted tokens, which async
-                # scheduling has not seen when it schedules N+1.
-                logger.warning("Speculative decoding (%s) turns asynchronous scheduling off: drafts are "
-                               "proposed from the tokens each step accepted (with disable_by_batch_size, "
-                               "steps of that many running requests or more keep it).", spec.method)
-                async_sched = False
-            elif async_sched:
-                logger.info("Speculative decoding (%s): steps with fewer than %d running requests run "
-                            "synchronously (drafts need the tokens of the step before); larger ones are "
-                            "scheduled asynchronously, without drafts.", spec.method, spec.disable_by_batch_size)
+            if async_sched:
+                # Step N+1 is scheduled with draft placeholders before step N's acceptance is
+                # known; the model runner fills them and corrects the positions
+                # (pyengine/core/sched/async_scheduler.py, pyengine/worker/model_runner.py).
+                logger.info("Speculative decoding (%s) with asynchronous scheduling: each step is scheduled "
+                            "before the previous one's drafts are verified (draft placeholders, corrected "
+                            "a step later).", spec.method)
         backend = a.attention_backend
         if backend is None:
             hd = get_head_dim(hf_config)

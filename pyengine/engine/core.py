@@ -112,11 +112,13 @@ class EngineCore:
         sampled ids)."""
         ex = self.model_executor
         deferred = None
-        # Speculative decoding: a step whose drafts come from the batch in flight waits for it
-        # (below disable_by_batch_size running requests), and so does any step after a
-        # speculative one (its tokens are on the host only).
-        spec_wait = bool(self.batch_queue) and (self.batch_queue[-1][0].speculative
-                                                or self.scheduler.wants_speculative_step())
+        # Speculative decoding pipelines too: the runner fills the next step's draft
+        # placeholders itself (pyengine/worker/model_runner.py). Only where the step would
+        # change between speculative and not (disable_by_batch_size crossed) does it wait for
+        # the batch in flight, so that no placeholder spans the two kinds of step.
+        sched = self.scheduler
+        spec_wait = (sched.spec_enabled and bool(self.batch_queue)
+                     and self.batch_queue[-1][0].speculative != sched.wants_speculative_step())
         if (len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests()
                 and not spec_wait):
             so = self.scheduler.schedule()

@@ -7,12 +7,21 @@ One code path for CPU and GPU. With async scheduling, the token a decode step fe
 have been sampled by the previous step and never seen by the host: it is gathered on the
 device from that step's sampled ids. Sampled ids reach the host through a pinned buffer
 copied on a side stream, with an event the engine waits on only when it consumes them.
+
+Speculative decoding with async scheduling: the scheduler gives step N+1's decode rows
+draft placeholders and positions that assume all of step N's drafts accepted, before step
+N's verification is known. The runner keeps step N's verification in flight
+(``_SpecVerification``) and resolves it at the start of step N+1 (or when the engine
+consumes step N, whichever comes first): it waits for that one small device-to-host copy,
+runs the proposer on step N's result, then runs step N+1 with the placeholders filled from
+its own drafts and each row moved back by its rejected drafts (``_fill_drafts``). The
+scheduler learns the acceptance one step later and corrects its counts the same way.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -20,7 +29,7 @@ import torch
 from pyengine.attention.backend import AttentionMetadata, get_backend_cls
 from pyengine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from pyengine.core.kv_cache_manager import cdiv
-from pyengine.core.sched.output import SchedulerOutput
+from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
 from pyengine.messages import LogprobsEntry
 from pyengine.models.loader import load_model
 from pyengine.models.registry import model_dims
@@ -42,12 +51,15 @@ class ModelRunnerOutput:
     sampled row, the 1..k+1 tokens its verification produced (``sampled_token_ids`` is
     then their first tokens), ``generated_logprobs`` one entry per such token (None when
     no row asked for logprobs), and ``draft_token_ids`` the drafts proposed for each row's
-    next step ([] for none)."""
+    next step ([] for none; None under async scheduling, where the runner keeps them).
+    ``num_draft_tokens``: per sampled row, the drafts it fed (async scheduling: the runner
+    fills up to the scheduled placeholders with the drafts it has); None: all scheduled."""
     sampled_token_ids: list[int]
     logprobs: list[LogprobsEntry] | None = None
     generated_token_ids: list[list[int]] | None = None
     generated_logprobs: list[list[LogprobsEntry]] | None = None
     draft_token_ids: list[list[int]] | None = None
+    num_draft_tokens: list[int] | None = None
 
     def ready(self) -> bool:  # (as AsyncModelRunnerOutput: a speculative step's output is on the host)
         return True
@@ -72,6 +84,87 @@ class AsyncModelRunnerOutput:
         out = ModelRunnerOutput(self._host.tolist(), self._logprobs_fn() if self._logprobs_fn else None)
         self._keepalive = None
         return out
+
+
+class _SpecVerification:
+    """One speculative step's verification, its results on their way to the host.
+
+    ``so``: the step as run (drafts filled in); ``sampled``: its sampled rows; ``starts``:
+    each row's first logits row; ``draft_ids``: per logits row the draft it checked (-1
+    on each request's last row); ``dev``: the device results to copy (the candidates, and
+    the acceptance flags unless ``greedy``); ``lp``: the logprobs' three tensors or [];
+    ``sched_drafts``: per sampled row the draft placeholders the scheduler gave it;
+    ``hidden``: the target's hidden states of the step (for the proposer). ``result()``
+    waits for the copy (once) and builds the ``ModelRunnerOutput``."""
+
+    def __init__(self, runner, so, sampled, starts, draft_ids, greedy: bool, dev: list, lp: list,
+                 sched_drafts, hidden, non_blocking: bool):
+        self.so, self.sampled, self.starts, self.draft_ids = so, sampled, starts, draft_ids
+        self.greedy, self.has_logprobs, self.sched_drafts, self.hidden = greedy, bool(lp), sched_drafts, hidden
+        self._out: ModelRunnerOutput | None = None
+        self._event = None
+        self._keepalive = None
+        if non_blocking and runner._is_cuda:
+            # pinned copies on the side stream; result() waits for their event only
+            stream = runner._copy_stream
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                              for t in dev + lp]
+                self._event = torch.cuda.Event()
+                self._event.record()
+            self._keepalive = dev + lp  # (the copies read them on the side stream)
+        else:
+            # the logprobs' copies are queued before the candidates' (one sync for all)
+            self._host = dev + [t.to("cpu", non_blocking=True) for t in lp]
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> ModelRunnerOutput:
+        if self._out is not None:
+            return self._out
+        if self._event is not None:
+            self._event.synchronize()
+        host, draft_ids, sampled, starts = self._host, self.draft_ids, self.sampled, self.starts
+        if self.greedy:  # a greedy row accepts its draft when it is the argmax
+            cand = host[0].tolist()
+            acc = [c == d for c, d in zip(cand, draft_ids)]
+        else:
+            cand, acc = torch.stack((host[0], host[1].to(torch.int64))).tolist()
+        generated = [RejectionSampler.emitted(cand, acc, st, len(s.spec_token_ids)) for st, s in zip(starts, sampled)]
+        glps = None
+        if self.has_logprobs:
+            ids_l, lps_l, ranks_l = (t.tolist() for t in host[-3:])
+            glps = []
+            for st, s, g in zip(starts, sampled, generated):
+                k = s.request.sampling_params.logprobs
+                glps.append(None if k is None else
+                            [LogprobsEntry(ids_l[j][:k + 1], lps_l[j][:k + 1], ranks_l[j]) for j in range(st, st + len(g))])
+            if all(g is None for g in glps):
+                glps = None
+        fed = [len(s.spec_token_ids) for s in sampled]
+        self._out = ModelRunnerOutput([g[0] for g in generated], None, generated, glps, None,
+                                      None if self.sched_drafts is None or fed == self.sched_drafts else fed)
+        self._host = self._keepalive = None
+        return self._out
+
+
+class AsyncSpecRunnerOutput:
+    """``AsyncModelRunnerOutput`` of a speculative step under async scheduling:
+    ``get_output()`` first lets the runner finish the step (the proposer) if the next step
+    has not already done so, then returns the verification's host results."""
+
+    def __init__(self, runner, verification: _SpecVerification):
+        self._runner, self._ver = runner, verification
+
+    def ready(self) -> bool:
+        return self._ver.ready()
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._runner._spec_pending is self._ver:
+            self._runner._resolve_spec()
+        return self._ver.result()
 
 
 class ModelRunner:
@@ -103,6 +196,15 @@ class ModelRunner:
         if self.spec_config is not None:
             from pyengine.spec_decode import make_proposer
             self.drafter = make_proposer(config, self)
+        # Async scheduling with speculation (see the module docstring): the verification in
+        # flight, each request's drafts (request id -> (epoch, position of the first draft,
+        # drafts)), and per request of the last resolved step its rejected draft
+        # placeholders and its generated tokens (for the next step's placeholder rows).
+        self._async_spec = self.spec_config is not None and config.async_scheduling
+        self._spec_pending: _SpecVerification | None = None
+        self._drafts: dict[str, tuple[int, int, list[int]]] = {}
+        self._spec_rejected: dict[str, int] = {}
+        self._spec_generated: dict[str, list[int]] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
@@ -361,6 +463,16 @@ class ModelRunner:
         ``sample_tokens(grammar_output)`` samples later (vLLM's split), so the host can fill
         the bitmask, which needs the previous step's tokens, while the device runs this
         step's forward."""
+        pending = None
+        sched_drafts = None
+        if self._async_spec:
+            if self._spec_pending is not None:
+                self._resolve_spec()  # the previous step's proposer, before anything of this one
+            if so.speculative:
+                sched_drafts = [len(s.spec_token_ids) for s in so.scheduled if s.sample]
+                so, pending = self._fill_drafts(so)
+            else:
+                self._spec_rejected, self._spec_generated = {}, {}
         self.sampling_state.forget(so.finished_req_ids)
         self.sampling_state.rewind(so.discarded_draw_req_ids)
         if self.drafter is not None:
@@ -372,7 +484,8 @@ class ModelRunner:
         sampled = [s for s in so.scheduled if s.sample]
         ph_flags = [s.placeholder_input for s in sampled]
         spec = self.drafter is not None and so.speculative
-        meta_s = self.sampling_state.metadata(sampled, ph_flags, spec) if sampled else None
+        meta_s = self.sampling_state.metadata(sampled, ph_flags, spec, pending) if sampled else None
+        self._sched_drafts = sched_drafts
         prof = self.profiler
         if prof is not None:
             prof.phase("forward")
@@ -420,7 +533,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, sampled, ph_flags, meta_s, non_blocking: bool, grammar_output):
         """Sample the step's rows from ``logits`` float32 [S, V] (device)."""
         if self.drafter is not None and self._last_so.speculative:
-            return self._sample_spec(logits, sampled, meta_s, grammar_output)
+            return self._sample_spec(logits, sampled, meta_s, grammar_output, non_blocking)
         if grammar_output is not None:
             from pyengine.structured_output.backend_xgrammar import apply_token_bitmask
             bitmask = grammar_output.bitmask[:len(sampled)].to(self.device, non_blocking=True)
@@ -473,11 +586,14 @@ class ModelRunner:
             event.record()
         return AsyncModelRunnerOutput(event, buf, logprobs_fn, tokens)
 
-    def _sample_spec(self, logits: torch.Tensor, sampled, meta_s, grammar_output) -> ModelRunnerOutput:
-        """Speculative decoding (sync scheduling only): verify each sampled request's
-        drafts on its 1 + k rows of ``logits`` (float32 [N, V]) with the rejection sampler,
-        then let the proposer draft the next step's tokens. Constrained requests carry no
-        drafts (one row each), so the grammar bitmask applies to their single row."""
+    def _sample_spec(self, logits: torch.Tensor, sampled, meta_s, grammar_output, non_blocking: bool = False):
+        """Speculative decoding: verify each sampled request's drafts on its 1 + k rows of
+        ``logits`` (float32 [N, V]) with the rejection sampler. Sync scheduling: wait for
+        the result, let the proposer draft the next step's tokens, return the
+        ``ModelRunnerOutput``. Async scheduling: return an ``AsyncSpecRunnerOutput`` and
+        keep the verification pending; the next step (or the engine consuming this one)
+        resolves it (``_resolve_spec``). Constrained requests carry no drafts (one row
+        each), so the grammar bitmask applies to their single row."""
         starts, draft_ids = [], []
         for s in sampled:
             starts.append(len(draft_ids))
@@ -493,44 +609,106 @@ class ModelRunner:
         if greedy:  # the drafts stay on the host: a greedy row accepts its draft when it is the argmax
             d_dev = None
         elif self._draft_ids_host is not None:
-            d_host = self._draft_ids_host[:len(draft_ids)]
-            d_host.numpy()[:] = draft_ids
+            if self._async_spec:  # (a buffer per step: the previous step's may still be in use)
+                d_host = torch.tensor(draft_ids, dtype=torch.int64).pin_memory()
+            else:
+                d_host = self._draft_ids_host[:len(draft_ids)]
+                d_host.numpy()[:] = draft_ids
             d_dev = d_host.to(self.device, non_blocking=True)
         else:
             d_dev = torch.tensor(draft_ids, dtype=torch.int64, device=self.device)
         has_draft = [d >= 0 for d in draft_ids] if meta_s.generators else None  # (seeded rows' draw order)
         out = self.rejection_sampler(logits, meta_s, d_dev, has_draft)
-        # One device-to-host copy (one sync) for the verification's result; the logprobs'
-        # copies are queued before it, so they are done when it is.
-        lp_host = None
-        if out.logprobs is not None:
-            lp_host = [t.to("cpu", non_blocking=True) for t in (out.logprobs_token_ids, out.logprobs, out.ranks)]
-        if greedy:
-            cand = out.candidate.tolist()
-            acc = [c == d for c, d in zip(cand, draft_ids)]
-        else:
-            assert out.accepted is not None  # (verified with the draft ids)
-            cand, acc = torch.stack((out.candidate, out.accepted.to(torch.int64))).tolist()
-        generated = [RejectionSampler.emitted(cand, acc, st, len(s.spec_token_ids)) for st, s in zip(starts, sampled)]
-        glps = None
-        if lp_host is not None:
-            ids_l, lps_l, ranks_l = (t.tolist() for t in lp_host)
-            glps = []
-            for st, s, g in zip(starts, sampled, generated):
-                k = s.request.sampling_params.logprobs
-                glps.append(None if k is None else
-                            [LogprobsEntry(ids_l[j][:k + 1], lps_l[j][:k + 1], ranks_l[j]) for j in range(st, st + len(g))])
-            if all(g is None for g in glps):
-                glps = None
-        drafts = self.drafter.propose(self._last_so, sampled, generated, self._step_hidden)
+        dev = [out.candidate] if greedy else [out.candidate, out.accepted]
+        lp = [out.logprobs_token_ids, out.logprobs, out.ranks] if out.logprobs is not None else []
+        sched = self._sched_drafts if self._async_spec else None
+        ver = _SpecVerification(self, self._last_so, sampled, starts, draft_ids, greedy, dev, lp,
+                                sched, self._step_hidden, non_blocking and self._async_spec)
         self._step_hidden = None
+        if self._async_spec:
+            self._spec_pending = ver
+            return AsyncSpecRunnerOutput(self, ver) if non_blocking else AsyncSpecRunnerOutput(self, ver).get_output()
+        res = ver.result()
+        drafts = self._propose(ver, res.generated_token_ids)
+        return replace(res, draft_token_ids=drafts)
+
+    def _propose(self, ver: _SpecVerification, generated) -> list[list[int]]:
+        """The proposer's drafts after the verified step ``ver`` (one list per sampled row),
+        padded to k for a CUDA-graph verification (fewer than k drafts: the last one
+        repeated, so that the next verification is uniform and replays a graph; a padded
+        draft is verified like any other)."""
+        drafts = self.drafter.propose(ver.so, ver.sampled, generated, ver.hidden)
         vg = self.verify_graph_runner
         if vg is not None:
-            # fewer than k drafts: pad with the last one, so that the next verification is
-            # uniform and replays a CUDA graph (a padded draft is verified like any other)
             k = vg.query_len - 1
             drafts = [d + [d[-1]] * (k - len(d)) if 0 < len(d) < k else d for d in drafts]
-        return ModelRunnerOutput([g[0] for g in generated], None, generated, glps, drafts)
+        return drafts
+
+    def _resolve_spec(self) -> None:
+        """Async scheduling: finish the pending speculative step N. Waits for its
+        verification's copy to the host, runs the proposer on its result (every request
+        still holds its tokens before step N: the engine has not consumed N yet), and keeps
+        what step N+1 needs: each request's drafts, stamped with its epoch and the position
+        of the first draft, its rejected draft placeholders and its generated tokens, and
+        (as ``prev_sampled``) its newest token, fed into N+1's placeholder rows."""
+        ver, self._spec_pending = self._spec_pending, None
+        if ver is None:
+            return
+        res = ver.result()
+        gen = res.generated_token_ids
+        drafts = self._propose(ver, gen)
+        store = self._drafts
+        sched = ver.sched_drafts
+        rejected, generated, rows = {}, {}, {}
+        for i, (s, g, d) in enumerate(zip(ver.sampled, gen, drafts)):
+            rid = s.request.request_id
+            # the token before the drafts sat at start + n - 1 - k; g took the positions after it
+            newest = s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids) - 1 + len(g)
+            store[rid] = (s.epoch, newest + 1, d)
+            rejected[rid] = (sched[i] if sched is not None else len(s.spec_token_ids)) - (len(g) - 1)
+            generated[rid] = g
+            rows[rid] = i
+        self._spec_rejected, self._spec_generated = rejected, generated
+        self.prev_sampled = torch.tensor([g[-1] for g in gen], dtype=torch.int64).to(self.device, non_blocking=True)
+        self._prev_rows = rows
+
+    def _fill_drafts(self, so: SchedulerOutput) -> tuple[SchedulerOutput, dict]:
+        """Async scheduling, a speculative step: the step the runner runs for ``so``. A row
+        whose newest token is a placeholder moves back by the drafts its previous step
+        rejected (the scheduler assumed them accepted); each row's draft placeholders take
+        the drafts proposed at its position (fewer, or none, when the proposer gave fewer
+        or its drafts are stale). Returns (that ``SchedulerOutput``, request id -> the
+        tokens the previous step gave each placeholder row, for the sampling metadata).
+        Raises RuntimeError for a placeholder row the last resolved step did not sample
+        (an engine bug: the steps would be misplaced)."""
+        rej, gen, store = self._spec_rejected, self._spec_generated, self._drafts
+        pending: dict = {}
+        out: list[ScheduledRequest] = []
+        total = 0
+        for s in so.scheduled:
+            k = len(s.spec_token_ids)
+            if s.placeholder_input or k:
+                rid = s.request.request_id
+                start = s.num_computed_tokens
+                if s.placeholder_input:
+                    if rid not in rej:
+                        raise RuntimeError(f"request {rid}: a placeholder input without a resolved speculative step")
+                    start -= rej[rid]
+                    pending[rid] = gen[rid]
+                d: list[int] = []
+                if k:
+                    e = store.get(rid)
+                    if e is not None and e[0] == s.epoch and e[1] == start + 1:
+                        d = e[2][:k]
+                s = ScheduledRequest(s.request, s.num_new_tokens - k + len(d), start, s.block_ids, s.sample,
+                                     s.placeholder_input, s.epoch, d)
+            out.append(s)
+            total += s.num_new_tokens
+        for rid in so.preempted_req_ids:
+            store.pop(rid, None)
+        for rid in so.finished_req_ids:
+            store.pop(rid, None)
+        return replace(so, scheduled=out, total_num_scheduled_tokens=total), pending
 
     def release(self) -> None:
         """Drop the model, KV cache, CUDA graphs and per-step device state so their memory
@@ -540,6 +718,8 @@ class ModelRunner:
         self.graph_runner = None
         self.verify_graph_runner = None
         self.drafter = None
+        self._spec_pending = None
+        self._drafts.clear()
         self.kv_caches = []
         self.model = None
         self.prev_sampled = None

@@ -145,7 +145,7 @@ class SamplingState:
         del self._static[_STATIC_KEPT:]
         return meta
 
-    def metadata(self, sampled, ph_flags, spec: bool = False) -> SamplingMetadata:
+    def metadata(self, sampled, ph_flags, spec: bool = False, pending=None) -> SamplingMetadata:
         """The step's ``SamplingMetadata`` for the ``sampled`` rows (``ScheduledRequest``s);
         ``ph_flags[i]``: row i's newest token is a placeholder (on the device only).
 
@@ -153,7 +153,9 @@ class SamplingState:
         (``ScheduledRequest.spec_token_ids``) gets ``k + 1`` rows, row ``j`` with the
         request's parameters and generator and, as output tokens, its output followed by
         its first ``j`` drafts (so penalties, min_tokens, bad words and the thinking budget
-        see the context that row is verified in)."""
+        see the context that row is verified in). ``pending`` (async scheduling with
+        speculation): request id -> the tokens the step in flight gave it, which the
+        runner knows and the request does not hold yet; they come before the drafts."""
         params = tuple(s.request.sampling_params for s in sampled)
         spec = spec and any(s.spec_token_ids for s in sampled)
         rows = tuple(len(s.spec_token_ids) + 1 for s in sampled) if spec else (1,) * len(sampled)
@@ -161,7 +163,7 @@ class SamplingState:
         if meta is not None:
             return meta
         if spec:
-            return self._spec_metadata(sampled, params, rows)
+            return self._spec_metadata(sampled, params, rows, pending or {})
         need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                           for p in params)
         # bad words alone need only the last (longest banned sequence - 1) output tokens
@@ -203,7 +205,7 @@ class SamplingState:
             return meta
         return self._keep(params, rows, meta)
 
-    def _spec_metadata(self, sampled, req_params: tuple, rows: tuple) -> SamplingMetadata:
+    def _spec_metadata(self, sampled, req_params: tuple, rows: tuple, pending: dict) -> SamplingMetadata:
         params, prompts, outs, gens = [], [], [], []
         thinking: list | None = [] if any(p.thinking_token_budget is not None for p in req_params) else None
         need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
@@ -216,9 +218,14 @@ class SamplingState:
                 if g is None:
                     g = self.generators[rid] = torch.Generator(device=self.device)
                     g.manual_seed(sp.seed)
-            o = r.output_token_ids if need_tokens else ()
-            # row j's budget state: the request's, fed its first j drafts (sync steps: no placeholder)
+                if self.async_scheduling:
+                    self._state_before_draw[rid] = g.get_state()  # (the step's draws, all rows)
+            new = pending.get(rid, ())
+            o = r.output_token_ids + list(new) if need_tokens else ()
+            # row j's budget state: the request's, fed the pending tokens and its first j drafts
             st = self.thinking_state(r).copy() if sp.thinking_token_budget is not None else None
+            if st is not None and new:
+                st.feed(new, sp)
             for j in range(len(s.spec_token_ids) + 1):
                 params.append(sp)
                 prompts.append(r.prompt_token_ids if need_tokens else ())

@@ -137,11 +137,15 @@ def _step_tokens(s, toks: list[int], ph_rows: list[int], ph_src: list[int], prev
     start, n = s.num_computed_tokens, s.num_new_tokens
     all_ids = s.request.all_token_ids
     if s.placeholder_input:
-        # Fed from the previous step's sampled ids, still on the device.
-        toks.extend(all_ids[start:start + n - 1])
+        # Fed from the previous step's sampled ids, still on the device; then the drafts
+        # (async scheduling with speculative decoding: the runner's own, filled in)
+        d = s.spec_token_ids
+        toks.extend(all_ids[start:start + n - 1 - len(d)])
         ph_rows.append(len(toks))
         ph_src.append(prev_rows[s.request.request_id])
         toks.append(0)
+        if d:
+            toks.extend(d)
     elif n == 1:
         toks.append(all_ids[start])
     elif s.spec_token_ids:  # the known tokens, then the drafts (speculative decoding)

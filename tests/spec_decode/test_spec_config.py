@@ -1,6 +1,6 @@
 """speculative_config (pyengine.config.SpeculativeConfig): vLLM's keys, every bad value
 refused with ValueError naming it, the command line's --speculative-config, async
-scheduling turned off with a logged reason."""
+scheduling kept on (by default and when asked for) with every method."""
 from __future__ import annotations
 
 import json
@@ -19,17 +19,21 @@ def _cfg(llama_dir, spec, **kw):
     return EngineArgs(model=str(llama_dir), device="cpu", speculative_config=spec, **kw).create_engine_config()
 
 
-def test_ngram_defaults_and_async_off(llama_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="pyengine.config"):
+def test_ngram_defaults_and_async_on(llama_dir, caplog, monkeypatch):
+    monkeypatch.delenv("VENGINE_ASYNC_SCHED", raising=False)
+    with caplog.at_level(logging.INFO, logger="pyengine.config"):
         c = _cfg(llama_dir, NGRAM, async_scheduling=True)
     s = c.speculative_config
     assert (s.method, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max) == ("ngram", 3, 5, 5)
     assert s.disable_by_batch_size is None and not s.uses_draft_kv
-    assert c.async_scheduling is False
-    assert "turns asynchronous scheduling off" in caplog.text
+    assert c.async_scheduling is True
+    assert "turns asynchronous scheduling off" not in caplog.text
+    assert "with asynchronous scheduling" in caplog.text
+    assert _cfg(llama_dir, NGRAM).async_scheduling is True  # the default too
+    assert _cfg(llama_dir, NGRAM, async_scheduling=False).async_scheduling is False
     assert _cfg(llama_dir, None).speculative_config is None
     c = _cfg(llama_dir, {**NGRAM, "disable_by_batch_size": 8}, async_scheduling=True)
-    assert c.async_scheduling is True  # steps at or above the cutoff keep it
+    assert c.async_scheduling is True
     s = _cfg(llama_dir, {**NGRAM, "prompt_lookup_max": 4}).speculative_config
     assert (s.prompt_lookup_min, s.prompt_lookup_max) == (4, 4)
 

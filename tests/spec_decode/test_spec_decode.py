@@ -252,3 +252,21 @@ def test_seeded_random_is_reproducible(llama_dir, prompts):
     again = _tokens(llm.generate([prompts[0]], sp, use_tqdm=False))[0]
     assert alone == batch == again
     llm.shutdown()
+
+
+ASYNC_CASES = [("ngram", "default"), ("draft_self", "default"), ("eagle3", "default")]
+
+
+@pytest.mark.parametrize("method,mode", ASYNC_CASES)
+def test_greedy_async_on_equals_off(method, mode, llama_dir, draft_dir, eagle_dir, prompts, reference):
+    llm = LLM(str(llama_dir), device="cpu", async_scheduling=True,
+              speculative_config=_spec(method, draft_dir, eagle_dir, llama_dir), **MODES[mode])
+    assert llm.llm_engine.engine_core.config.async_scheduling
+    got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
+    assert got == reference
+    st = llm.llm_engine.get_stats()
+    assert st.spec_num_drafts > 0
+    if method == "draft_self":
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+    _assert_no_leak(llm)
+    llm.shutdown()

@@ -61,6 +61,8 @@ class Scheduler:
         # proposer also writes its own KV past the step's tokens (lookahead slots).
         spec = config.speculative_config
         self.spec_enabled = spec is not None
+        # the runner fills the drafts in (AsyncScheduler: k placeholders per decode row)
+        self.drafts_on_worker = False
         self.spec_disable_batch = spec.disable_by_batch_size if spec is not None else None
         self._spec_step = False  # this schedule() call's SchedulerOutput.speculative
         self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_draft_kv else 0
@@ -151,8 +153,8 @@ class Scheduler:
     def wants_speculative_step(self) -> bool:
         """Speculative decoding would run in the next step: it is configured and fewer
         requests run than ``disable_by_batch_size`` (if set). Under async scheduling the
-        engine then consumes the batch in flight before scheduling (drafts need every token
-        of their request on the host); at higher load it pipelines as usual."""
+        engine consumes the batch in flight before scheduling only where this changes
+        between two steps."""
         return self.spec_enabled and (self.spec_disable_batch is None or len(self.running) < self.spec_disable_batch)
 
     def _drafts_for_step(self, req: Request, n: int, budget: int) -> list[int]:
@@ -337,6 +339,7 @@ class Scheduler:
         self._spec_step = self.wants_speculative_step()
         kv = self.kv_cache_manager
         thr = self.long_prefill_token_threshold
+        worker_drafts = self._spec_step and self.drafts_on_worker
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -349,7 +352,7 @@ class Scheduler:
                 if n <= 0 or not self._can_schedule_running(req):
                     i += 1
                     continue
-                spec = self._drafts_for_step(req, n, budget) if req.spec_token_ids else ()
+                spec = self._drafts_for_step(req, n, budget) if req.spec_token_ids or worker_drafts else ()
                 if spec:
                     n += len(spec)
                 # (no call per request per step without speculative decoding)
@@ -438,8 +441,10 @@ class Scheduler:
 
         Speculative decoding: ``generated_token_ids`` (per sampled row the 1..k+1 tokens
         the verification produced: the accepted drafts, then the target's own token),
-        ``generated_logprobs`` (per row, one entry per token) and ``draft_token_ids`` (per
-        row the drafts proposed for the next step). The rejected drafts' KV is rolled back
+        ``generated_logprobs`` (per row, one entry per token), ``draft_token_ids`` (per
+        row the drafts proposed for the next step; None under async scheduling, where the
+        runner keeps them) and ``num_draft_tokens`` (per row the drafts fed, when fewer
+        than the placeholders scheduled; None: all). The rejected drafts' KV is rolled back
         (``num_computed_tokens``); tokens after one that ends the request (a stop token,
         max_tokens, max_model_len) are dropped."""
         t0 = time.perf_counter()
@@ -447,6 +452,7 @@ class Scheduler:
         if gen is not None:
             glps = runner_output.generated_logprobs
             drafts = runner_output.draft_token_ids
+            fed = getattr(runner_output, "num_draft_tokens", None)
             tokens = [g[0] for g in gen]
         else:
             tokens = runner_output.sampled_token_ids
@@ -460,6 +466,7 @@ class Scheduler:
             if gen is not None:
                 toks, lp_list = gen[row], (glps[row] if glps is not None else None)
                 new_drafts = drafts[row] if drafts is not None else None
+                num_fed = fed[row] if fed is not None else None
             else:  # one token (the lists for its output are made below)
                 tok, lp = tokens[row], (lps[row] if lps is not None else None)
             row += 1
@@ -482,7 +489,7 @@ class Scheduler:
                     toks, lp_list = [tok], ([lp] if lp is not None else None)
                 else:
                     if s.spec_token_ids:
-                        self._account_drafts(req, len(s.spec_token_ids), len(toks))
+                        self._account_drafts(req, len(s.spec_token_ids), len(toks), num_fed)
                     appended = 0
                     for tok in toks:
                         req.all_token_ids.append(tok)
@@ -523,12 +530,19 @@ class Scheduler:
         self.step_host_time_s += time.perf_counter() - t0
         return self._make_outputs(outputs, so.total_num_scheduled_tokens)
 
-    def _account_drafts(self, req: Request, num_drafts: int, num_generated: int) -> None:
-        """A verified run of ``num_drafts`` drafts gave ``num_generated`` tokens (the
-        accepted drafts and one more): the rejected drafts' KV is rolled back (it is
-        overwritten when real tokens take those positions), and the counters advance."""
+    def _account_drafts(self, req: Request, num_drafts: int, num_generated: int, num_fed: int | None = None) -> None:
+        """A verified run of ``num_drafts`` scheduled drafts gave ``num_generated``
+        tokens (the accepted drafts and one more): the rejected drafts' KV is rolled back
+        (it is overwritten when real tokens take those positions), and the counters
+        advance. ``num_fed``: the drafts the runner actually fed (async scheduling: it
+        fills ``num_drafts`` placeholders with up to that many proposed drafts; the rest
+        count as rejected here, and not as drafts in the counters); None: all of them."""
         accepted = num_generated - 1
         req.num_computed_tokens -= num_drafts - accepted
+        if num_fed is not None:
+            num_drafts = num_fed
+            if not num_drafts:
+                return
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_drafts
         self.spec_num_accepted_tokens += accepted
