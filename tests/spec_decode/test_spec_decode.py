@@ -1,9 +1,10 @@
-"""Speculative decoding end to end (LLM on tiny random models, CPU): greedy output with
-speculation on is token-identical to off for every proposer (ngram, a draft model, the
-target as its own draft, an untrained EAGLE-3 head) under prefix caching, chunked
-prefill, preemption, priority; scripted proposers give 100% / 0% acceptance with the
-same output; stop tokens, stop strings, max_tokens, logprobs, n > 1, structured outputs,
-disable_by_batch_size; no KV block leaks."""
+"""Speculative decoding end to end (LLM on tiny random models, CPU), with sync and with
+async scheduling: greedy output with speculation on is token-identical to off for every
+proposer (ngram, a draft model, the target as its own draft, an untrained EAGLE-3 head)
+under prefix caching, chunked prefill, preemption, priority; scripted proposers give
+100% / 0% acceptance with the same output; stop tokens, stop strings, max_tokens,
+logprobs, n > 1, structured outputs, disable_by_batch_size; no KV block leaks. Async:
+the next step is scheduled with draft placeholders before this one is verified."""
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,13 @@ def prompts(tokenizer):
     return [base[0] * 3, base[1] + base[1], shared + base[3][:5], shared + base[4][:5]]
 
 
-def _llm(model_dir, spec=None, **kw):
-    return LLM(str(model_dir), device="cpu", async_scheduling=False, speculative_config=spec, **kw)
+SCHED = ["sync", "async"]
+
+
+def _llm(model_dir, spec=None, sched="sync", **kw):
+    llm = LLM(str(model_dir), device="cpu", async_scheduling=sched == "async", speculative_config=spec, **kw)
+    assert llm.llm_engine.engine_core.config.async_scheduling == (sched == "async")
+    return llm
 
 
 def _greedy(**kw):
@@ -81,11 +87,14 @@ MODES = {
 CASES = [("ngram", mode) for mode in MODES] + [("draft_self", "default"), ("draft_self", "preemption"),
                                                ("draft_model", "chunked_prefill"), ("eagle3", "default"),
                                                ("eagle3", "preemption")]
+ASYNC_ONLY = [("draft_model", "default"), ("draft_self", "chunked_prefill"), ("draft_self", "priority"),
+              ("eagle3", "chunked_prefill"), ("eagle3", "no_prefix_caching")]
 
 
-@pytest.mark.parametrize("method,mode", CASES)
-def test_greedy_on_equals_off(method, mode, llama_dir, draft_dir, eagle_dir, prompts, reference):
-    llm = _llm(llama_dir, _spec(method, draft_dir, eagle_dir, llama_dir), **MODES[mode])
+@pytest.mark.parametrize("method,mode,sched", [(m, d, s) for s in SCHED for m, d in CASES]
+                         + [(m, d, "async") for m, d in ASYNC_ONLY])
+def test_greedy_on_equals_off(method, mode, sched, llama_dir, draft_dir, eagle_dir, prompts, reference):
+    llm = _llm(llama_dir, _spec(method, draft_dir, eagle_dir, llama_dir), sched, **MODES[mode])
     prio = list(range(len(prompts), 0, -1)) if mode == "priority" else None
     got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False, priority=prio))
     assert got == reference
@@ -116,9 +125,9 @@ class Scripted(TokenProposer):
         return nxt if self.right else [(t + 1) % self.vocab for t in nxt]
 
 
-@pytest.fixture(scope="module")
-def scripted(llama_dir, prompts, reference):
-    llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K})
+@pytest.fixture(scope="module", params=SCHED)
+def scripted(request, llama_dir, prompts, reference):
+    llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K}, request.param)
     runner = llm.llm_engine.engine_core.model_runner
     refs = {tuple(p): r[0] for p, r in zip(prompts, reference)}
 
@@ -204,8 +213,9 @@ def test_prefix_cache_hit_on_a_speculated_output(scripted, off, prompts, referen
     assert _tokens(got) == _tokens(off.generate(longer, _greedy(max_tokens=8), use_tqdm=False))
 
 
-def test_structured_outputs_carry_no_drafts(llama_dir, off, prompts):
-    llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1})
+@pytest.mark.parametrize("sched", SCHED)
+def test_structured_outputs_carry_no_drafts(sched, llama_dir, off, prompts):
+    llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}, sched)
     so = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,20}"))
     params = [so, _greedy()] * 2
     want, got = off.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False)
@@ -214,9 +224,10 @@ def test_structured_outputs_carry_no_drafts(llama_dir, off, prompts):
     llm.shutdown()
 
 
-def test_disable_by_batch_size(llama_dir, prompts, reference):
+@pytest.mark.parametrize("sched", SCHED)
+def test_disable_by_batch_size(sched, llama_dir, prompts, reference):
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "disable_by_batch_size": 2}
-    llm = _llm(llama_dir, spec, max_num_seqs=8)
+    llm = _llm(llama_dir, spec, sched, max_num_seqs=8)
     (got, (drafts, _, _)) = _delta(llm, lambda: _tokens(llm.generate(prompts[:2], _greedy(), use_tqdm=False)))
     assert got == reference[:2] and drafts == 0  # two running: no drafts
     (got, (drafts, _, _)) = _delta(llm, lambda: _tokens(llm.generate(prompts[:1], _greedy(), use_tqdm=False)))
@@ -225,9 +236,10 @@ def test_disable_by_batch_size(llama_dir, prompts, reference):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_self", "eagle3"])
-def test_async_scheduling_above_the_cutoff(method, llama_dir, draft_dir, eagle_dir, prompts, reference):
-    """With disable_by_batch_size, async scheduling stays on: steps of that many running
-    requests pipeline without drafts, smaller ones run synchronously with drafts."""
+def test_async_scheduling_across_the_cutoff(method, llama_dir, draft_dir, eagle_dir, prompts, reference):
+    """With disable_by_batch_size and async scheduling: steps of that many running
+    requests pipeline without drafts, smaller ones pipeline with draft placeholders; the
+    engine crosses between the two as requests finish."""
     spec = {**_spec(method, draft_dir, eagle_dir, llama_dir), "disable_by_batch_size": 3}
     llm = LLM(str(llama_dir), device="cpu", async_scheduling=True, speculative_config=spec)
     assert llm.llm_engine.engine_core.config.async_scheduling
@@ -243,8 +255,9 @@ def test_async_scheduling_above_the_cutoff(method, llama_dir, draft_dir, eagle_d
     llm.shutdown()
 
 
-def test_seeded_random_is_reproducible(llama_dir, prompts):
-    llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1})
+@pytest.mark.parametrize("sched", SCHED)
+def test_seeded_random_is_reproducible(sched, llama_dir, prompts):
+    llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}, sched)
     sp = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=MAX_TOKENS)
     alone = _tokens(llm.generate([prompts[0]], sp, use_tqdm=False))[0]
     batch = _tokens(llm.generate(prompts, [sp] + [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)] * 3,
@@ -254,19 +267,61 @@ def test_seeded_random_is_reproducible(llama_dir, prompts):
     llm.shutdown()
 
 
-ASYNC_CASES = [("ngram", "default"), ("draft_self", "default"), ("eagle3", "default")]
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_self", "eagle3"])
+def test_async_schedules_the_next_step_before_this_one_is_verified(method, llama_dir, draft_dir, eagle_dir, prompts,
+                                                                   reference):
+    """The overlap itself: each speculative step after the first is scheduled while the
+    step before it is still in flight (its update_from_output not yet run), its decode
+    rows carrying draft placeholders; a fallback to synchronous stepping fails this. The
+    runner fills the placeholders: drafts are fed and counted (the target drafting for
+    itself: every one accepted)."""
+    llm = _llm(llama_dir, _spec(method, draft_dir, eagle_dir, llama_dir), "async")
+    sched = llm.llm_engine.engine_core.scheduler
+    in_flight: list = []
+    overlapped = sync_like = 0
+    schedule, update = sched.schedule, sched.update_from_output
 
-@pytest.mark.parametrize("method,mode", ASYNC_CASES)
-def test_greedy_async_on_equals_off(method, mode, llama_dir, draft_dir, eagle_dir, prompts, reference):
-    llm = LLM(str(llama_dir), device="cpu", async_scheduling=True,
-              speculative_config=_spec(method, draft_dir, eagle_dir, llama_dir), **MODES[mode])
-    assert llm.llm_engine.engine_core.config.async_scheduling
+    def traced_schedule():
+        nonlocal overlapped, sync_like
+        so = schedule()
+        rows = [s for s in so.scheduled if s.spec_token_ids]
+        if so.speculative and rows:
+            if in_flight and all(s.placeholder_input and set(s.spec_token_ids) == {-1} for s in rows):
+                overlapped += 1
+            else:
+                sync_like += 1
+        if not so.is_empty:
+            in_flight.append(so)
+        return so
+
+    def traced_update(so, out):
+        in_flight.remove(so)
+        return update(so, out)
+    sched.schedule, sched.update_from_output = traced_schedule, traced_update
     got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
     assert got == reference
+    assert overlapped >= 3 and sync_like == 0
     st = llm.llm_engine.get_stats()
-    assert st.spec_num_drafts > 0
+    assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens > 0
+    assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens
     if method == "draft_self":
         assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
     _assert_no_leak(llm)
     llm.shutdown()
+
+
+def test_async_counters_equal_sync_with_the_target_as_draft(llama_dir, draft_dir, eagle_dir, prompts):
+    """Accepted counts come from the corrected placeholders: with the target drafting for
+    itself at batch 1 (no max_tokens cut inside the run: k + 1 divides max_tokens), async
+    scheduling verifies exactly what sync scheduling does."""
+    spec = _spec("draft_self", draft_dir, eagle_dir, llama_dir)
+    stats = []
+    for sched in SCHED:
+        llm = _llm(llama_dir, spec, sched)
+        llm.generate(prompts[:1], _greedy(max_tokens=1 + 2 * (K + 1)), use_tqdm=False)
+        st = llm.llm_engine.get_stats()
+        stats.append((st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens,
+                      st.spec_accepted_per_pos))
+        llm.shutdown()
+    assert stats[0] == stats[1] == (2, 2 * K, 2 * K, [2] * K)
