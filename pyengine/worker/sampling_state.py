@@ -157,7 +157,8 @@ class SamplingState:
         speculation): request id -> the tokens the step in flight gave it, which the
         runner knows and the request does not hold yet; they come before the drafts."""
         params = tuple(s.request.sampling_params for s in sampled)
-        spec = spec and any(s.spec_token_ids for s in sampled)
+        # (async scheduling: rows after a step in flight take its tokens from ``pending``)
+        spec = spec and (bool(pending) or any(s.spec_token_ids for s in sampled))
         rows = tuple(len(s.spec_token_ids) + 1 for s in sampled) if spec else (1,) * len(sampled)
         meta = self._cached(params, rows)
         if meta is not None:

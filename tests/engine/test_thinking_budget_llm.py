@@ -107,9 +107,11 @@ def test_a_reasoning_that_ends_first_is_left_alone(reasoning_dir, tok, ids, prom
         llm.shutdown()
 
 
-def test_speculative_drafts_stop_where_the_budget_ends(thinking_loop_dir, ids, prompt):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_speculative_drafts_stop_where_the_budget_ends(thinking_loop_dir, ids, prompt, async_scheduling):
+    """(async: the rows' budget state also takes the tokens of the step in flight.)"""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
-    llm = LLM(str(thinking_loop_dir), device="cpu", max_model_len=256, async_scheduling=False,
+    llm = LLM(str(thinking_loop_dir), device="cpu", max_model_len=256, async_scheduling=async_scheduling,
               speculative_config=spec)
     try:
         budgets = [2, 5, 9]

@@ -325,3 +325,16 @@ def test_async_counters_equal_sync_with_the_target_as_draft(llama_dir, draft_dir
                       st.spec_accepted_per_pos))
         llm.shutdown()
     assert stats[0] == stats[1] == (2, 2 * K, 2 * K, [2] * K)
+
+
+@pytest.mark.parametrize("sched", SCHED)
+def test_penalties_and_min_tokens_see_every_earlier_token(sched, llama_dir, off, prompts):
+    """Penalties and min_tokens read the output so far; under async scheduling that
+    includes the tokens of the step in flight, which only the runner knows yet."""
+    llm = _llm(llama_dir, _spec("draft_self", None, None, llama_dir), sched)
+    sp = _greedy(max_tokens=16, frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.3, min_tokens=6,
+                 stop_token_ids=[0, 1, 2, 3])
+    assert _tokens(llm.generate(prompts, sp, use_tqdm=False)) == _tokens(off.generate(prompts, sp, use_tqdm=False))
+    assert llm.llm_engine.get_stats().spec_num_accepted_tokens > 0
+    _assert_no_leak(llm)
+    llm.shutdown()
