@@ -17,8 +17,9 @@ Parts (``--parts``):
   teacher-forced stub (``TeacherForcedModel``: the logits of each row are one-hot at the
   token the real model gave there, recorded first), so that speculation accepts exactly
   what it accepts with the real model while the forward costs ~nothing: plain decode (async
-  and sync scheduling) against ngram, whose steps are split into those that verified drafts
-  and those that had none. On CUDA the same again with the real model (``*_real`` rows):
+  and sync scheduling) against ngram with sync scheduling, whose steps are split into those
+  that verified drafts and those that had none, and ngram with async scheduling (the next
+  step scheduled with draft placeholders before this one is verified). On CUDA the same again with the real model (``*_real`` rows):
   the difference is the device's share of a step. Runs on CPU too (``--host-clock thread``
   on a shared machine).
 
@@ -344,8 +345,9 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
             for k, v in acc.items():
                 totals[k] += v - snap.get(k, 0.0)
         for pre in ("", "verify:", "plain:"):
+            # (async scheduling: the proposer runs at the start of the next step, outside _sample)
             totals[pre + "sample_rest"] = (totals.pop(pre + "sample_total", 0.0) - totals.get(pre + "sampler", 0.0)
-                                           - totals.get(pre + "proposer", 0.0))
+                                           - (0.0 if async_scheduling else totals.get(pre + "proposer", 0.0)))
         runs.append((steps, tokens, totals))
         warm = []
     stats = eng.get_stats()
@@ -395,6 +397,7 @@ def host_phases(model: str, args, prompts: list[str]) -> dict:
         rows["plain_async" + tag] = _host_run(model, args, None, True, refs, stub)
         rows["plain_sync" + tag] = _host_run(model, args, None, False, refs, stub)
         rows["ngram" + tag] = _host_run(model, args, spec, False, refs, stub)
+        rows["ngram_async" + tag] = _host_run(model, args, spec, True, refs, stub)
 
     def r3(x):
         return None if x is None else round(x, 3)

@@ -268,6 +268,32 @@ def test_seeded_random_is_reproducible(sched, llama_dir, prompts):
 
 
 
+def trace_overlap(llm) -> dict:
+    """Count, from now on, the speculative steps with drafts that were scheduled while
+    the step before was in flight with each drafted row's drafts still placeholders
+    (``overlapped``), and those that were not (``sync_like``)."""
+    sched = llm.llm_engine.engine_core.scheduler
+    in_flight: list = []
+    counts = {"overlapped": 0, "sync_like": 0}
+    schedule, update = sched.schedule, sched.update_from_output
+
+    def traced_schedule():
+        so = schedule()
+        rows = [s for s in so.scheduled if s.spec_token_ids]
+        if so.speculative and rows:
+            ok = in_flight and all(s.placeholder_input and set(s.spec_token_ids) == {-1} for s in rows)
+            counts["overlapped" if ok else "sync_like"] += 1
+        if not so.is_empty:
+            in_flight.append(so)
+        return so
+
+    def traced_update(so, out):
+        in_flight.remove(so)
+        return update(so, out)
+    sched.schedule, sched.update_from_output = traced_schedule, traced_update
+    return counts
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_self", "eagle3"])
 def test_async_schedules_the_next_step_before_this_one_is_verified(method, llama_dir, draft_dir, eagle_dir, prompts,
                                                                    reference):
@@ -277,31 +303,10 @@ def test_async_schedules_the_next_step_before_this_one_is_verified(method, llama
     runner fills the placeholders: drafts are fed and counted (the target drafting for
     itself: every one accepted)."""
     llm = _llm(llama_dir, _spec(method, draft_dir, eagle_dir, llama_dir), "async")
-    sched = llm.llm_engine.engine_core.scheduler
-    in_flight: list = []
-    overlapped = sync_like = 0
-    schedule, update = sched.schedule, sched.update_from_output
-
-    def traced_schedule():
-        nonlocal overlapped, sync_like
-        so = schedule()
-        rows = [s for s in so.scheduled if s.spec_token_ids]
-        if so.speculative and rows:
-            if in_flight and all(s.placeholder_input and set(s.spec_token_ids) == {-1} for s in rows):
-                overlapped += 1
-            else:
-                sync_like += 1
-        if not so.is_empty:
-            in_flight.append(so)
-        return so
-
-    def traced_update(so, out):
-        in_flight.remove(so)
-        return update(so, out)
-    sched.schedule, sched.update_from_output = traced_schedule, traced_update
+    counts = trace_overlap(llm)
     got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
     assert got == reference
-    assert overlapped >= 3 and sync_like == 0
+    assert counts["overlapped"] >= 3 and counts["sync_like"] == 0
     st = llm.llm_engine.get_stats()
     assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens > 0
     assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens

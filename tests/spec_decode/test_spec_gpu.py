@@ -1,6 +1,8 @@
 """Speculative decoding on CUDA (triton attention, CUDA graphs for the plain decode steps):
 greedy output with speculation on is token-identical to off for ngram, a draft model (the
-target drafting for itself: all drafts accepted) and an untrained EAGLE-3 head, float32."""
+target drafting for itself: all drafts accepted) and an untrained EAGLE-3 head, float32,
+with sync and with async scheduling (the next step scheduled with draft placeholders
+while this one runs: pinned copies on the side stream)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +10,7 @@ import torch
 
 from pyengine import LLM, SamplingParams
 from tests.helpers import build_tiny_eagle3, prompt_token_ids
+from tests.spec_decode.test_spec_decode import trace_overlap
 
 pytestmark = pytest.mark.gpu
 
@@ -27,20 +30,26 @@ def setup(tokenizer, llama_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_self", "eagle3"])
-@pytest.mark.parametrize("mode", ["default", "preemption", "async_cutoff"])
+@pytest.mark.parametrize("mode", ["default", "preemption", "async", "async_preemption", "async_cutoff"])
 def test_greedy_on_equals_off_cuda(setup, llama_dir, method, mode):
     prompts, sp, ref, eagle = setup
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
             "draft_self": {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3},
             "eagle3": {"method": "eagle3", "model": str(eagle), "num_speculative_tokens": 3}}[method]
-    kw = {"num_gpu_blocks_override": 12, "max_model_len": 192} if mode == "preemption" else {}
-    if mode == "async_cutoff":  # async scheduling on for steps of >= 3 requests, drafts below
+    kw: dict = {"num_gpu_blocks_override": 12, "max_model_len": 192} if mode.endswith("preemption") else {}
+    kw["async_scheduling"] = mode.startswith("async")
+    if mode == "async_cutoff":  # no drafts in steps of >= 3 requests, drafts below
         spec = {**spec, "disable_by_batch_size": 3}
-        kw = {"async_scheduling": True}
     llm = LLM(str(llama_dir), device="cuda", dtype="float32", speculative_config=spec, **kw)
     try:
+        assert llm.llm_engine.engine_core.config.async_scheduling == kw["async_scheduling"]
+        counts = trace_overlap(llm)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert got == ref
+        if mode in ("async", "async_preemption"):
+            assert counts["overlapped"] > 0 and counts["sync_like"] == 0
+        if mode.endswith("preemption"):
+            assert llm.llm_engine.get_stats().num_preemptions > 0
         if mode == "async_cutoff":  # two requests: below the cutoff, with drafts
             assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp, use_tqdm=False)] == ref[:2]
         st = llm.llm_engine.get_stats()

@@ -157,7 +157,7 @@ class Scheduler:
         between two steps."""
         return self.spec_enabled and (self.spec_disable_batch is None or len(self.running) < self.spec_disable_batch)
 
-    def _drafts_for_step(self, req: Request, n: int, budget: int) -> list[int]:
+    def _drafts_for_step(self, req: Request, n: int, budget: int) -> Sequence[int]:
         """The draft tokens ``req`` feeds this step (its ``spec_token_ids``, consumed):
         none for a prefill chunk, a constrained request, a request with a token in flight
         (async scheduling), or a step that is not speculative (``disable_by_batch_size``
