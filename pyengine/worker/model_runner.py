@@ -468,6 +468,9 @@ class ModelRunner:
         if self._async_spec:
             if self._spec_pending is not None:
                 self._resolve_spec()  # the previous step's proposer, before anything of this one
+            for ids in (so.finished_req_ids, so.preempted_req_ids):
+                for rid in ids:
+                    self._drafts.pop(rid, None)
             if so.speculative:
                 sched_drafts = [len(s.spec_token_ids) for s in so.scheduled if s.sample]
                 so, pending = self._fill_drafts(so)
@@ -629,8 +632,8 @@ class ModelRunner:
             self._spec_pending = ver
             return AsyncSpecRunnerOutput(self, ver) if non_blocking else AsyncSpecRunnerOutput(self, ver).get_output()
         res = ver.result()
-        drafts = self._propose(ver, res.generated_token_ids)
-        return replace(res, draft_token_ids=drafts)
+        res.draft_token_ids = self._propose(ver, res.generated_token_ids)
+        return res
 
     def _propose(self, ver: _SpecVerification, generated) -> list[list[int]]:
         """The proposer's drafts after the verified step ``ver`` (one list per sampled row),
@@ -704,10 +707,6 @@ class ModelRunner:
                                      s.placeholder_input, s.epoch, d)
             out.append(s)
             total += s.num_new_tokens
-        for rid in so.preempted_req_ids:
-            store.pop(rid, None)
-        for rid in so.finished_req_ids:
-            store.pop(rid, None)
         return replace(so, scheduled=out, total_num_scheduled_tokens=total), pending
 
     def release(self) -> None:
