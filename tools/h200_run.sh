@@ -11,6 +11,7 @@
 # STEP: gpu_spec spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
+#       house_after house_before house_after2
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
 # (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast tp_profile (tools/tp_h200x2.sh).
@@ -61,6 +62,13 @@ SERVE_AB="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 0 --cores m
 step 290 perfreg_after python3 $SERVE_AB --json "$OUT/perfreg_after.json"
 step 290 perfreg_before bash -c "cd .bench_before && python3 $SERVE_AB --json $OUT/perfreg_before.json"
 step 220 perfreg_after_256 python3 $SERVE_AB --concurrency 256 --json "$OUT/perfreg_after_256.json"
+# issue 24's last check: every front end (one API server for HTTP, as on both codes) at c=256 on
+# this checkout, then on .bench_before/ (git archive 692c422, today's benchmarks/ laid over it), then
+# this checkout again: after / before with the drift between the two "after" passes beside it
+SERVE_HOUSE="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 0 --cores mp --frontends offline,asyncllm,http,capi --concurrency 256"
+step 200 house_after python3 $SERVE_HOUSE --json "$OUT/house_after.json"
+step 200 house_before bash -c "cd .bench_before && python3 $SERVE_HOUSE --json $OUT/house_before.json"
+step 200 house_after2 python3 $SERVE_HOUSE --json "$OUT/house_after2.json"
 step 150 serve_final_inproc python3 $SERVE --cores inproc --frontends asyncllm,http --concurrency 64,256 --profile 0 --json "$OUT/serve_inproc.json"
 # the second session's final run: every front end against both ceilings (LLM.generate, and the
 # closed-loop offline rate at each concurrency), then structured outputs (issue 15)
