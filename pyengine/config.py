@@ -367,9 +367,13 @@ class EngineConfig:
             async_sched = False
         spec = SpeculativeConfig.from_dict(a.speculative_config, hf_config, a.trust_remote_code)
         if spec is not None:
-            if a.tensor_parallel_size != 1:
-                raise ValueError("speculative_config: speculative decoding with tensor_parallel_size > 1 is "
-                                 "not supported yet.")
+            if spec.draft_hf_config is not None:
+                # the draft model / EAGLE-3 head is sharded on the target's ranks
+                try:
+                    _check_tensor_parallel(a.tensor_parallel_size, spec.draft_hf_config, device)
+                except ValueError as e:
+                    raise ValueError(f"speculative_config: the draft model is sharded over the target's "
+                                     f"tensor-parallel ranks: {e}") from None
             if async_sched:
                 # Step N+1 is scheduled with draft placeholders before step N's acceptance is
                 # known; the model runner fills them and corrects the positions

@@ -160,6 +160,17 @@ class GroupCoordinator:
         out = buf.movedim(0, d)
         return out.reshape(*x.shape[:d], self.world_size * x.shape[d], *x.shape[d + 1:])
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (same shape and dtype on all ranks) on every rank, stacked in
+        rank order: [world_size, *x.shape]. Collective."""
+        x = x.contiguous()
+        out = x.new_empty((self.world_size, *x.shape))
+        if x.is_cuda:
+            dist.all_gather_into_tensor(out, x, group=self.device_group)
+        else:  # (gloo has no all_gather_into_tensor)
+            dist.all_gather(list(out.unbind(0)), x, group=self.device_group)
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` into every rank's ``x`` (in place); returns ``x``."""
         dist.broadcast(x, src=src, group=self.device_group)

@@ -84,3 +84,25 @@ class ParallelLMHead(VocabParallelEmbedding):
                 return None
             logits = logits[:, :self.num_embeddings]
         return logits.float()
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of ``forward(hidden)``'s logits, int64 [N], on every rank (a proposer's
+        greedy draft tokens, which every rank feeds to its next draft step): each rank takes
+        the first maximum of its vocabulary range, one all-gather brings every rank's
+        (value, id) pair [2, N] (ids as float32: exact below 2**24), and the first rank with
+        the largest value wins, so ties go to the lowest id as ``torch.argmax`` does over the
+        whole vocabulary. Collective: every rank calls it."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits.float().argmax(dim=-1)
+        n = self.vocab_end_index - self.vocab_start_index
+        if n == 0:  # (a vocabulary smaller than the group: this rank's range is empty)
+            val = torch.full((hidden.shape[0],), float("-inf"), device=hidden.device)
+            idx = torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+        else:
+            local = logits[:, :n].float()  # padding rows cut
+            idx = local.argmax(dim=-1)
+            val = local.gather(1, idx.unsqueeze(1)).squeeze(1)
+        both = self.tp_group.all_gather(torch.stack((val, (idx + self.vocab_start_index).float())))  # [W, 2, N]
+        best = both[:, 0].argmax(dim=0, keepdim=True)  # [1, N]: the first rank holding the maximum
+        return both[:, 1].gather(0, best).squeeze(0).to(torch.int64)

@@ -113,7 +113,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, tp_group)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, tp_group)
 
-    def forward(self, positions, hidden, residual, meta):
+    def forward(self, positions, hidden, residual, meta, keep: list | None = None):
         # residual carries the pre-norm stream; the fused add+norm saves one pass per layer.
         # With tensor parallelism the attention and MLP outputs arrive as this rank's
         # partial sums, and each norm after them all-reduces first (one kernel with the
@@ -123,6 +123,8 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, all_reduce_x=True)
+        if keep is not None:  # the input residual stream, summed over the ranks (EAGLE-3)
+            keep.append(residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual, all_reduce_x=True)
         return self.mlp(hidden), residual
@@ -146,7 +148,10 @@ class DecoderModel(nn.Module):
 
     # EAGLE-3 (pyengine/spec_decode/eagle.py): the layers whose input residual stream
     # (hidden + residual; len(layers): the last layer's output) forward() keeps, concatenated
-    # in this order, in ``aux_hidden_states`` [T, len * hidden_size]. Empty: none kept.
+    # in this order, in ``aux_hidden_states`` [T, len * hidden_size]. Empty: none kept. It
+    # is the residual each layer's input norm (the final norm for len(layers)) returns:
+    # with tensor parallelism the sum over the ranks, the same on every rank, at no extra
+    # all-reduce.
     aux_hidden_state_layers: tuple = ()
     aux_hidden_states: torch.Tensor | None = None
 
@@ -157,13 +162,15 @@ class DecoderModel(nn.Module):
         aux = {} if aux_ids else None
         for i, layer in enumerate(self.layers):
             if aux is not None and i in aux_ids:
-                aux[i] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(positions, hidden, residual, meta)
+                kept: list = []
+                hidden, residual = layer(positions, hidden, residual, meta, keep=kept)
+                aux[i] = kept[0]
+            else:
+                hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, residual = self.norm(hidden, residual, all_reduce_x=True)  # the last MLP's partial sum
         if aux is not None:
-            if len(self.layers) in aux_ids:
-                aux[len(self.layers)] = hidden + residual
+            aux[len(self.layers)] = residual
             self.aux_hidden_states = torch.cat([aux[i] for i in aux_ids], dim=-1)
-        hidden, _ = self.norm(hidden, residual, all_reduce_x=True)  # the last MLP's partial sum
         return hidden
 
 
@@ -224,6 +231,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
+
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token of each row of ``hidden`` [N, hidden_size]: int64 [N] on every
+        tensor-parallel rank (``ParallelLMHead.greedy``; all ranks must call it)."""
+        return self.lm_head.greedy(hidden)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Raises ValueError unless there is exactly one cache per layer."""

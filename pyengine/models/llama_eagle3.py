@@ -43,20 +43,21 @@ def default_aux_layers(hf_config, num_target_layers: int) -> tuple[int, ...]:
 
 
 class _Eagle3Layer(nn.Module):
-    def __init__(self, cfg, attn_backend, rotary):
+    def __init__(self, cfg, attn_backend, rotary, tp_group=None):
         super().__init__()
         H = cfg.hidden_size
-        self.self_attn = DecoderAttention(cfg, attn_backend, rotary, qkv_bias=bool(getattr(cfg, "attention_bias", False)),
-                                          o_bias=bool(getattr(cfg, "attention_bias", False)), qk_norm=False)
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.self_attn = DecoderAttention(cfg, attn_backend, rotary, qkv_bias=bias, o_bias=bias, qk_norm=False,
+                                          tp_group=tp_group)
         heads = cfg.num_attention_heads
         self.self_attn.qkv_proj = QKVParallelLinear(2 * H, get_head_dim(cfg), heads,
                                                     getattr(cfg, "num_key_value_heads", None) or heads,
-                                                    bias=bool(getattr(cfg, "attention_bias", False)))
+                                                    bias=bias, tp_group=tp_group)
         self.mlp = GatedMLP(H, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)),
-                            hidden_act=getattr(cfg, "hidden_act", "silu"))
+                            hidden_act=getattr(cfg, "hidden_act", "silu"), tp_group=tp_group)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, tp_group)
         self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
 
     def forward(self, positions, embeds, hidden, meta):
@@ -68,38 +69,38 @@ class _Eagle3Layer(nn.Module):
             residual = hidden
             hidden = self.hidden_norm(hidden)
         x = self.self_attn(positions, torch.cat([embeds, hidden], dim=-1), meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.post_attention_layernorm(x, residual, all_reduce_x=True)  # o_proj's partial sum
+        return self.mlp(x), residual  # (down_proj's partial sum: the final norm sums it)
 
 
 class _Eagle3Model(nn.Module):
-    def __init__(self, cfg, attn_backend, has_embed: bool):
+    def __init__(self, cfg, attn_backend, has_embed: bool, tp_group=None):
         super().__init__()
         H = cfg.hidden_size
         self.rotary_emb = RotaryEmbedding(get_head_dim(cfg), cfg.max_position_embeddings, get_rope_params(cfg))
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, H) if has_embed else None
-        self.layers = nn.ModuleList([_Eagle3Layer(cfg, attn_backend, self.rotary_emb)])
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, H, tp_group) if has_embed else None
+        self.layers = nn.ModuleList([_Eagle3Layer(cfg, attn_backend, self.rotary_emb, tp_group)])
         target_h = getattr(cfg, "target_hidden_size", None) or H
         self.fc = ReplicatedLinear(3 * target_h, H, bias=False)
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, tp_group)
 
 
 class Eagle3LlamaForCausalLM(nn.Module):
-    """``Eagle3LlamaForCausalLM(hf_config, attn_backend, has_embed=True)``; load with
-    ``load_eagle3_weights``. Without its own embedding, ``share_embedding(target)`` must
-    be called (the checkpoint relies on the target's)."""
+    """``Eagle3LlamaForCausalLM(hf_config, attn_backend, has_embed=True, tp_group=None)``;
+    load with ``load_eagle3_weights``. Without its own embedding, ``share_embedding(target)``
+    must be called (the checkpoint relies on the target's). ``tp_group``: sharded as the
+    target is (heads, MLP, the draft vocabulary of the embedding and LM head; ``fc`` and
+    the norms replicated), on the target's group; every rank runs every forward."""
 
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, hf_config, attn_backend, has_embed: bool = True, tp_group=None):
         super().__init__()
-        if tp_group is not None:
-            raise ValueError("EAGLE-3 heads run on one rank")
         self.config = hf_config
         self.draft_vocab_size = getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size
-        self.model = _Eagle3Model(hf_config, attn_backend, has_embed)
-        self.lm_head = ParallelLMHead(self.draft_vocab_size, hf_config.hidden_size)
+        self.model = _Eagle3Model(hf_config, attn_backend, has_embed, tp_group)
+        self.lm_head = ParallelLMHead(self.draft_vocab_size, hf_config.hidden_size, tp_group=tp_group)
         self.draft_id_to_target_id = nn.Parameter(torch.zeros(self.draft_vocab_size, dtype=torch.int64),
                                                   requires_grad=False)
         self._shared_embed: nn.Module | None = None
@@ -115,11 +116,12 @@ class Eagle3LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, hidden, meta) -> tuple[torch.Tensor, torch.Tensor]:
         embed = self.model.embed_tokens if self.model.embed_tokens is not None else self._shared_embed
         x, residual = self.model.layers[0](positions, embed(input_ids), hidden, meta)
-        return self.model.norm(x, residual)
+        return self.model.norm(x, residual, all_reduce_x=True)
 
     def compute_draft_tokens(self, normed: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens (target vocabulary ids) int64 [N] of ``normed`` [N, H]."""
-        d = self.lm_head(normed).argmax(dim=-1)
+        """Greedy draft tokens (target vocabulary ids) int64 [N] of ``normed`` [N, H], on
+        every tensor-parallel rank (collective: ``ParallelLMHead.greedy``)."""
+        d = self.lm_head.greedy(normed)
         return d + self.draft_id_to_target_id[d]
 
     def bind_kv_caches(self, kv_caches: list) -> None:

@@ -2,11 +2,13 @@
 this is the one shape ours share)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
-__all__ = ["Proposer", "TokenProposer", "num_drafts_wanted", "drafts_by_depth"]
+__all__ = ["Proposer", "TokenProposer", "DraftPlan", "num_drafts_wanted", "drafts_by_depth"]
 
 
 def num_drafts_wanted(spec, so, s, num_new_tokens: int, max_model_len: int) -> int:
@@ -24,12 +26,75 @@ def num_drafts_wanted(spec, so, s, num_new_tokens: int, max_model_len: int) -> i
     return max(0, min(spec.num_speculative_tokens, req.max_tokens - num_out - 1, max_model_len - num_tok - 1))
 
 
+class DraftPlan(NamedTuple):
+    """A model-based proposer's forwards of one step, decided by tensor-parallel rank 0 (the
+    one that holds the requests) and run the same way on every rank (its model is sharded
+    on the target's group: every rank runs every forward, every collective).
+
+    ``seqs``: the first forward, per request (start position, token ids, block ids), as
+    ``draft_attn_metadata`` takes them. ``active``: (index into ``seqs``, k >= 1) of the
+    requests that get k drafts: the first draft from the last row of its first-forward
+    tokens, then one one-token forward per further depth, at the positions after it, each
+    fed the depth before's tokens (``ParallelLMHead.greedy``: the same on every rank).
+    ``row_starts``: EAGLE-3, per request the row of the target step's hidden states under its
+    first token (its rows are consecutive); None for a draft model."""
+    seqs: list[tuple[int, list[int], list[int]]]
+    active: list[tuple[int, int]]
+    row_starts: list[int] | None = None
+
+    def encode(self) -> np.ndarray:
+        """int64 [n]: ``[R, A, has row_starts, (start, #tokens, #blocks, tokens..., blocks...)
+        per request, (index, k) per active request, row_starts...]``."""
+        out = [len(self.seqs), len(self.active), int(self.row_starts is not None)]
+        for start, toks, blocks in self.seqs:
+            out += (start, len(toks), len(blocks))
+            out += toks
+            out += blocks
+        for i, k in self.active:
+            out += (i, k)
+        if self.row_starts is not None:
+            out += self.row_starts
+        return np.array(out, dtype=np.int64)
+
+    @staticmethod
+    def decode(a: np.ndarray) -> DraftPlan:
+        """The plan ``encode`` gave ``a`` (int64)."""
+        v = a.tolist()
+        R, A, has_rows = v[0], v[1], v[2]
+        o = 3
+        seqs = []
+        for _ in range(R):
+            start, nt, nb = v[o], v[o + 1], v[o + 2]
+            o += 3
+            seqs.append((start, v[o:o + nt], v[o + nt:o + nt + nb]))
+            o += nt + nb
+        active = [(v[o + 2 * j], v[o + 2 * j + 1]) for j in range(A)]
+        o += 2 * A
+        return DraftPlan(seqs, active, v[o:o + R] if has_rows else None)
+
+    def depth_batch(self, active: Sequence[tuple[int, int]], j: int) -> list[tuple[int, tuple, list[int]]]:
+        """``draft_attn_metadata``'s seqs of depth ``j`` >= 1 for the ``active`` entries:
+        one token each, at the position ``j`` after its first forward's last one."""
+        seqs = self.seqs
+        return [(seqs[i][0] + len(seqs[i][1]) - 1 + j, (0,), seqs[i][2]) for i, _ in active]
+
+
 class Proposer:
     """Drafts the next step's tokens. ``propose`` runs once per step after verification
     (also for steps that sample nothing: a model-based proposer writes its KV of prefill
-    chunks then)."""
+    chunks then).
+
+    Tensor parallelism: a model-based proposer turns each step into a ``DraftPlan`` on rank
+    0, hands it to ``plan_sink`` (rank 0's sender to the other ranks; None with one rank)
+    and runs it; the other ranks run it in ``follow``."""
 
     allows_cuda_graphs = True  # the target's decode steps may replay CUDA graphs
+    plan_sink: Callable[[DraftPlan], None] | None = None
+
+    def follow(self, plan: DraftPlan) -> None:
+        """Ranks > 0: run rank 0's ``plan`` (the same forwards and collectives, drafts
+        discarded). Raises RuntimeError for a proposer that sends none."""
+        raise RuntimeError(f"{type(self).__name__} runs on rank 0 only; it sends no draft plans")
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of the proposer's own KV cache per block (0: none)."""
@@ -120,20 +185,21 @@ def drafts_by_depth(cols: list[torch.Tensor], rows: list[list]) -> list[tuple[ob
     return list(zip((e for r in rows for e in r), flat))
 
 
-def load_draft(config, hf_config, model_dir: str, block_size: int):
+def load_draft(config, hf_config, model_dir: str, block_size: int, tp_group=None):
     """(model, attention backend, dims) of a proposer checkpoint ``model_dir`` with
-    ``hf_config``, in the target's dtype and device and attention backend kind."""
+    ``hf_config``, in the target's dtype and device and attention backend kind; with
+    ``tp_group`` (the target's) this rank's shard, dims per rank."""
     from pyengine.attention.backend import get_backend_cls
     from pyengine.models.loader import load_model
     from pyengine.models.registry import model_dims
 
-    dims = model_dims(hf_config)
+    dims = model_dims(hf_config, tp_group.world_size if tp_group is not None else 1)
     attn = get_backend_cls(config.attention_backend)(dims.num_heads, dims.num_kv_heads, dims.head_dim,
                                                      dims.head_dim ** -0.5, block_size, config.dtype, config.device)
     dcfg = config.replace(model=model_dir, tokenizer=model_dir, hf_config=hf_config, quantization=None,
                           kv_cache_dtype="auto", speculative_config=None, enable_expert_parallel=False,
                           load_format="auto")
-    return load_model(dcfg, attn), attn, dims
+    return load_model(dcfg, attn, tp_group), attn, dims
 
 
 def kv_bytes(dims, block_size: int, dtype) -> int:

@@ -9,12 +9,16 @@ yet written (``_valid``: how many leading positions of the request hold valid dr
 this step's accepted tokens and its new token, and those of steps without speculation
 it missed), whose last row gives the first draft;
 then ``k - 1`` one-token forwards, each feeding the previous draft. A rejected draft's
-KV is overwritten when a real token takes its position."""
+KV is overwritten when a real token takes its position.
+
+Tensor parallelism: the draft model is sharded on the target's group; rank 0 decides each
+step's forwards (a ``DraftPlan``), sends them, and every rank runs them."""
 from __future__ import annotations
 
 import torch
 
-from pyengine.spec_decode.base import Proposer, draft_attn_metadata, drafts_by_depth, kv_bytes, load_draft, num_drafts_wanted
+from pyengine.spec_decode.base import (DraftPlan, Proposer, draft_attn_metadata, drafts_by_depth, kv_bytes, load_draft,
+                                       num_drafts_wanted)
 
 __all__ = ["DraftModelProposer"]
 
@@ -26,7 +30,7 @@ class DraftModelProposer(Proposer):
         self.spec = config.speculative_config
         self.config, self.block_size, self.device = config, config.block_size, config.device
         self.model, self.attn, self.dims = load_draft(config, self.spec.draft_hf_config, self.spec.model,
-                                                      config.block_size)
+                                                      config.block_size, runner.tp)
         self.kv_caches: list[torch.Tensor] = []
         self._valid: dict[str, tuple[int, int]] = {}  # request id -> (epoch, positions with valid draft KV)
         self._graphs = None  # CUDAGraphRunner of the one-token draft steps (CUDA)
@@ -62,7 +66,7 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def propose(self, so, sampled, generated, hidden) -> list[list[int]]:
         gen = {id(s): g for s, g in zip(sampled, generated)}
-        seqs, want, ends = [], [], []
+        seqs, want, active = [], [], []
         for s in so.scheduled:
             r = s.request
             g = gen.get(id(s))
@@ -82,33 +86,49 @@ class DraftModelProposer(Proposer):
                 ctx, k = r.all_token_ids, 0
             if v >= end:
                 continue
+            if k:
+                active.append((len(seqs), k))
             seqs.append((v, ctx[v:end], s.block_ids))
-            want.append((s, k))
-            ends.append(end)
+            want.append(s)
             self._valid[r.request_id] = (s.epoch, end)
         drafts: dict[int, list[int]] = {}
         if seqs:
-            ids, pos, meta = draft_attn_metadata(seqs, self.block_size, self.device)
-            h = self._forward(ids, pos, meta)
-            active = [(i, s, k) for i, (s, k) in enumerate(want) if k]
-            if active:
-                qsl = meta.query_start_loc_cpu.tolist()
-                last = torch.tensor([qsl[i + 1] - 1 for i, _, _ in active], dtype=torch.int64).to(self.device)
-                # each depth's tokens stay on the device and feed the next depth; one copy at the end
-                tok = self.model.compute_logits(h[last]).argmax(dim=-1)
-                cols, rows = [tok], [active]
-                for j in range(1, max(k for _, _, k in active)):
-                    keep = [a for a, (_, _, k) in enumerate(active) if k > j]
-                    if not keep:
-                        break
-                    if len(keep) < len(active):
-                        tok = tok[torch.tensor(keep, dtype=torch.int64).to(self.device)]
-                        active = [active[a] for a in keep]
-                    batch = [(ends[i] - 1 + j, (0,), s.block_ids) for i, s, _ in active]
-                    ids, pos, meta = draft_attn_metadata(batch, self.block_size, self.device, token_ids=tok)
-                    tok = self.model.compute_logits(self._forward(ids, pos, meta)).argmax(dim=-1)
-                    cols.append(tok)
-                    rows.append(active)
-                for (_, s, _), t in drafts_by_depth(cols, rows):
-                    drafts.setdefault(id(s), []).append(t)
+            plan = DraftPlan(seqs, active)
+            if self.plan_sink is not None:
+                self.plan_sink(plan)
+            cols, rows = self._run(plan)
+            if cols:
+                for (i, _), t in drafts_by_depth(cols, rows):
+                    drafts.setdefault(id(want[i]), []).append(t)
         return [drafts.get(id(s), []) for s in sampled]
+
+    def follow(self, plan: DraftPlan) -> None:
+        with torch.inference_mode():
+            self._run(plan)
+
+    def _run(self, plan: DraftPlan) -> tuple[list[torch.Tensor], list[list[tuple[int, int]]]]:
+        """The forwards of ``plan`` (every rank): (each depth's draft tokens int64 on the
+        device, the ``plan.active`` entries they belong to); ([], []) without drafts."""
+        ids, pos, meta = draft_attn_metadata(plan.seqs, self.block_size, self.device)
+        h = self._forward(ids, pos, meta)
+        active = plan.active
+        if not active:
+            return [], []
+        qsl = meta.query_start_loc_cpu.tolist()
+        last = torch.tensor([qsl[i + 1] - 1 for i, _ in active], dtype=torch.int64).to(self.device)
+        # each depth's tokens stay on the device and feed the next depth; one copy at the end
+        tok = self.model.compute_greedy(h[last])
+        cols, rows = [tok], [active]
+        for j in range(1, max(k for _, k in active)):
+            keep = [a for a, (_, k) in enumerate(active) if k > j]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                tok = tok[torch.tensor(keep, dtype=torch.int64).to(self.device)]
+                active = [active[a] for a in keep]
+            ids, pos, meta = draft_attn_metadata(plan.depth_batch(active, j), self.block_size, self.device,
+                                                 token_ids=tok)
+            tok = self.model.compute_greedy(self._forward(ids, pos, meta))
+            cols.append(tok)
+            rows.append(active)
+        return cols, rows

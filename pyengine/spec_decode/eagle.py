@@ -11,12 +11,17 @@ blocks) and gives the first draft; then ``k - 1`` one-row forwards feeding the p
 draft with the head's own previous output as hidden state. Runs on every step (one
 layer), also where ``disable_by_batch_size`` leaves the drafts out, so its KV stays
 whole. The target keeps its auxiliary states only while this proposer needs them; its
-decode steps run eagerly (no CUDA graphs)."""
+decode steps run eagerly (no CUDA graphs).
+
+Tensor parallelism: the head is sharded on the target's group (the target's auxiliary
+states are the summed residual stream, the same on every rank); rank 0 decides each
+step's forwards (a ``DraftPlan``), sends them, and every rank runs them."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from pyengine.spec_decode.base import Proposer, draft_attn_metadata, drafts_by_depth, kv_bytes, num_drafts_wanted
+from pyengine.spec_decode.base import DraftPlan, Proposer, draft_attn_metadata, drafts_by_depth, kv_bytes, num_drafts_wanted
 
 __all__ = ["Eagle3Proposer"]
 
@@ -47,13 +52,14 @@ class Eagle3Proposer(Proposer):
                              f"are {config.hf_config.hidden_size}")
         target.aux_hidden_state_layers = default_aux_layers(cfg, len(target.layers))
         self.target = target
-        self.dims = d = model_dims(cfg)
+        tp = runner.tp
+        self.dims = d = model_dims(cfg, tp.world_size if tp is not None else 1)
         self.attn = get_backend_cls(config.attention_backend)(d.num_heads, d.num_kv_heads, d.head_dim,
                                                               d.head_dim ** -0.5, config.block_size, config.dtype,
                                                               config.device)
         names = {n for n, _ in iterate_weights(spec.model)}
         has_embed = any(n.endswith("embed_tokens.weight") for n in names)
-        self.model = build_model(lambda: Eagle3LlamaForCausalLM(cfg, self.attn, has_embed), config.dtype,
+        self.model = build_model(lambda: Eagle3LlamaForCausalLM(cfg, self.attn, has_embed, tp), config.dtype,
                                  config.device, config.max_model_len)
         weights = Eagle3LlamaForCausalLM.checkpoint_names(iterate_weights(spec.model))
         if not any(n.endswith("d2t") for n in names):
@@ -77,11 +83,11 @@ class Eagle3Proposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, so, sampled, generated, hidden) -> list[list[int]]:
-        aux = self.target.aux_hidden_states
-        if aux is None or not so.scheduled:
+        if self.target.aux_hidden_states is None or not so.scheduled:
+            self.target.aux_hidden_states = None
             return [[] for _ in sampled]
         gen = {id(s): g for s, g in zip(sampled, generated)}
-        seqs, rows, want, last_pos = [], [], [], []
+        seqs, row_starts, want, active = [], [], [], []
         row = 0
         for s in so.scheduled:
             r, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
@@ -97,40 +103,63 @@ class Eagle3Proposer(Proposer):
                 c = min(n, r.num_tokens - 1 - start)
                 k = 0
             if c > 0:
+                if k:
+                    active.append((len(seqs), k))
                 seqs.append((start, ctx[start + 1:start + 1 + c], s.block_ids))
-                rows.append(torch.arange(row, row + c))
-                want.append((s, k))
-                last_pos.append(start + c - 1)
+                row_starts.append(row)
+                want.append(s)
             row += n
         drafts: dict[int, list[int]] = {}
         if seqs:
-            ids, pos, meta = draft_attn_metadata(seqs, self.block_size, self.device)
-            h_in = self.model.combine_hidden_states(aux[torch.cat(rows).to(self.device)])
-            normed, pre = self.model(ids, pos, h_in, meta)
-            act = [i for i, (_, k) in enumerate(want) if k]
-            if act:
-                qsl = meta.query_start_loc_cpu.tolist()
-                last = torch.tensor([qsl[i + 1] - 1 for i in act], dtype=torch.int64).to(self.device)
-                # each depth's tokens stay on the device and feed the next depth; one copy at the end
-                tok = self.model.compute_draft_tokens(normed[last])
-                h = pre[last]
-                active = [(want[i][0], want[i][1], last_pos[i]) for i in act]
-                cols, out_rows = [tok], [active]
-                for j in range(1, max(k for _, k, _ in active)):
-                    keep = [a for a, (_, k, _) in enumerate(active) if k > j]
-                    if not keep:
-                        break
-                    if len(keep) < len(active):
-                        idx = torch.tensor(keep, dtype=torch.int64).to(self.device)
-                        h, tok = h[idx], tok[idx]
-                        active = [active[a] for a in keep]
-                    batch = [(p + j, (0,), s.block_ids) for s, _, p in active]
-                    ids, pos, meta = draft_attn_metadata(batch, self.block_size, self.device, token_ids=tok)
-                    normed, h = self.model(ids, pos, h, meta)
-                    tok = self.model.compute_draft_tokens(normed)
-                    cols.append(tok)
-                    out_rows.append(active)
-                for (s, _, _), t in drafts_by_depth(cols, out_rows):
-                    drafts.setdefault(id(s), []).append(t)
+            plan = DraftPlan(seqs, active, row_starts)
+            if self.plan_sink is not None:
+                self.plan_sink(plan)
+            cols, out_rows = self._run(plan)
+            if cols:
+                for (i, _), t in drafts_by_depth(cols, out_rows):
+                    drafts.setdefault(id(want[i]), []).append(t)
         self.target.aux_hidden_states = None
         return [drafts.get(id(s), []) for s in sampled]
+
+    def follow(self, plan: DraftPlan) -> None:
+        with torch.inference_mode():
+            self._run(plan)
+        self.target.aux_hidden_states = None
+
+    def _run(self, plan: DraftPlan) -> tuple[list[torch.Tensor], list[list[tuple[int, int]]]]:
+        """The forwards of ``plan`` over the target's auxiliary states of the step (every
+        rank): (each depth's draft tokens int64 on the device, the ``plan.active`` entries
+        they belong to); ([], []) without drafts."""
+        aux = self.target.aux_hidden_states
+        if aux is None:
+            raise RuntimeError("EAGLE-3: the target kept no auxiliary hidden states for this step")
+        ids, pos, meta = draft_attn_metadata(plan.seqs, self.block_size, self.device)
+        qsl = meta.query_start_loc_cpu.numpy()
+        lens = np.diff(qsl)
+        # each request's rows of the target step: its row start, then consecutive
+        rows = np.arange(int(qsl[-1])) + np.repeat(np.asarray(plan.row_starts, dtype=np.int64) - qsl[:-1], lens)
+        h_in = self.model.combine_hidden_states(aux[torch.from_numpy(rows).to(self.device)])
+        normed, pre = self.model(ids, pos, h_in, meta)
+        active = plan.active
+        if not active:
+            return [], []
+        last = torch.tensor([int(qsl[i + 1]) - 1 for i, _ in active], dtype=torch.int64).to(self.device)
+        # each depth's tokens stay on the device and feed the next depth; one copy at the end
+        tok = self.model.compute_draft_tokens(normed[last])
+        h = pre[last]
+        cols, out_rows = [tok], [active]
+        for j in range(1, max(k for _, k in active)):
+            keep = [a for a, (_, k) in enumerate(active) if k > j]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                idx = torch.tensor(keep, dtype=torch.int64).to(self.device)
+                h, tok = h[idx], tok[idx]
+                active = [active[a] for a in keep]
+            ids, pos, meta = draft_attn_metadata(plan.depth_batch(active, j), self.block_size, self.device,
+                                                 token_ids=tok)
+            normed, h = self.model(ids, pos, h, meta)
+            tok = self.model.compute_draft_tokens(normed)
+            cols.append(tok)
+            out_rows.append(active)
+        return cols, out_rows

@@ -210,6 +210,9 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
         self.sampling_state = SamplingState(self.device, self.dims.vocab_size, config.async_scheduling)
         self._sender = TPStepSender(tp_group) if tp_group is not None else None
+        if self.drafter is not None and tp_group is not None and tp_group.rank == 0:
+            # a model-based proposer's forwards run on every rank (sharded): rank 0 sends them
+            self.drafter.plan_sink = self._sender.send_draft_plan
         # Async scheduling: the previous launch's sampled ids (device) and row per request.
         self.prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
@@ -370,7 +373,7 @@ class ModelRunner:
         if self._sender is not None:
             if prof is not None:
                 prof.phase("send")
-            self._sender.send_step(step)
+            self._sender.send_step(step, verify=self.drafter is not None and so.speculative)
         if prof is not None:
             prof.phase("prepare")
         return self.step_tensors(step)
@@ -672,7 +675,10 @@ class ModelRunner:
             generated[rid] = g
             rows[rid] = i
         self._spec_rejected, self._spec_generated = rejected, generated
-        self.prev_sampled = torch.tensor([g[-1] for g in gen], dtype=torch.int64).to(self.device, non_blocking=True)
+        newest = [g[-1] for g in gen]
+        if self._sender is not None:  # the other ranks' placeholders take them too
+            self._sender.send_tokens(newest)
+        self.prev_sampled = torch.tensor(newest, dtype=torch.int64).to(self.device, non_blocking=True)
         self._prev_rows = rows
 
     def _fill_drafts(self, so: SchedulerOutput) -> tuple[SchedulerOutput, dict]:

@@ -12,7 +12,12 @@ of each kernel):
 - int32 ``[query_start_loc | seq_lens | block table]``.
 
 The message header is ``[kind, *StepShape]`` (``HEADER_LEN`` int64s): kind 0 stop, 1 a
-step, 2 a control message (``[2, op, payload bytes, 0...]``, then the payload)."""
+step, 3 a step whose rows the rejection sampler verifies (speculative decoding: rank 0
+broadcasts no sampled ids after it), 2 a control message (``[2, op, payload bytes,
+0...]``, then the payload), 4 a proposer's draft forwards (``[4, int64 count, 0...]``, then
+``pyengine.spec_decode.base.DraftPlan.encode``'s int64 array), 5 the newest token of each
+row of a verified step (async scheduling: ``[5, rows, 0...]``, then int64 [rows]; the next
+step's placeholders take them)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -21,11 +26,11 @@ import numpy as np
 
 from pyengine.core.sched.output import SchedulerOutput
 
-__all__ = ["StepShape", "PackedStep", "pack_step", "payload_bytes", "control_header",
-           "HEADER_LEN", "KIND_STOP", "KIND_STEP", "KIND_CONTROL"]
+__all__ = ["StepShape", "PackedStep", "pack_step", "payload_bytes", "control_header", "int64_header",
+           "HEADER_LEN", "KIND_STOP", "KIND_STEP", "KIND_CONTROL", "KIND_VERIFY", "KIND_DRAFT", "KIND_TOKENS"]
 
 HEADER_LEN = 8
-KIND_STOP, KIND_STEP, KIND_CONTROL = 0, 1, 2
+KIND_STOP, KIND_STEP, KIND_CONTROL, KIND_VERIFY, KIND_DRAFT, KIND_TOKENS = 0, 1, 2, 3, 4, 5
 
 
 def _align(n: int, m: int) -> int:
@@ -85,8 +90,9 @@ class StepShape(NamedTuple):
     def int32_len(self) -> int:
         return self.block_table_offset + self.num_reqs * self.max_blocks
 
-    def header(self) -> list[int]:
-        return [KIND_STEP, *self]
+    def header(self, verify: bool = False) -> list[int]:
+        """``verify``: the rejection sampler verifies the step's rows (``KIND_VERIFY``)."""
+        return [KIND_VERIFY if verify else KIND_STEP, *self]
 
     @staticmethod
     def stop_header() -> list[int]:
@@ -95,7 +101,7 @@ class StepShape(NamedTuple):
     @staticmethod
     def from_header(h) -> StepShape | None:
         """None for the stop header."""
-        return StepShape(*(int(x) for x in h[1:])) if h[0] == KIND_STEP else None
+        return StepShape(*(int(x) for x in h[1:])) if h[0] in (KIND_STEP, KIND_VERIFY) else None
 
 
 class PackedStep(NamedTuple):
@@ -106,15 +112,23 @@ class PackedStep(NamedTuple):
 
 def payload_bytes(head) -> int:
     """Size of the payload that follows a step message's header."""
-    if head[0] == KIND_STEP:
+    kind = head[0]
+    if kind in (KIND_STEP, KIND_VERIFY):
         sh = StepShape.from_header(head)
         return sh.int64_len * 8 + sh.int32_len * 4
-    return int(head[2]) if head[0] == KIND_CONTROL else 0
+    if kind in (KIND_DRAFT, KIND_TOKENS):
+        return int(head[1]) * 8
+    return int(head[2]) if kind == KIND_CONTROL else 0
 
 
 def control_header(op: int, n: int) -> np.ndarray:
     """The header of a control message ``op`` with ``n`` payload bytes."""
     return np.array([KIND_CONTROL, op, n] + [0] * (HEADER_LEN - 3), dtype=np.int64)
+
+
+def int64_header(kind: int, n: int) -> np.ndarray:
+    """The header of a ``KIND_DRAFT`` / ``KIND_TOKENS`` message of ``n`` int64s."""
+    return np.array([kind, n] + [0] * (HEADER_LEN - 2), dtype=np.int64)
 
 
 # Steps of at most this many tokens are packed with Python lists and one array per buffer

@@ -2,7 +2,16 @@
 (``pyengine.worker.step_codec``) and the profiling-window controls to the other ranks;
 each of those runs ``follow_one_step`` in its busy loop and repeats rank 0's forward (and
 the logits gather; with async scheduling it takes the sampled ids rank 0 broadcasts).
-Only rank 0 samples. Transport: ``GroupCoordinator.send_step`` / ``recv_step``."""
+Only rank 0 samples. Transport: ``GroupCoordinator.send_step`` / ``recv_step``.
+
+Speculative decoding: verification is the target's forward with query length 1 + k (the
+drafts are input ids of the packed step, so every rank feeds the same ones); only rank 0
+runs the rejection sampler. A model-based proposer's forwards follow as a draft-plan
+message (``pyengine.spec_decode.base.DraftPlan``: the token ids, positions and blocks
+rank 0 decided, accepted tokens included), which every rank runs on its shard of the
+draft model / EAGLE-3 head; their greedy tokens are the same on every rank
+(``ParallelLMHead.greedy``). With async scheduling a verified step's newest tokens, which
+the next step's placeholders take, come as a tokens message instead of a broadcast."""
 from __future__ import annotations
 
 import os
@@ -11,7 +20,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from pyengine.worker.step_codec import HEADER_LEN, KIND_CONTROL, PackedStep, StepShape, control_header, payload_bytes
+from pyengine.worker.step_codec import (HEADER_LEN, KIND_CONTROL, KIND_DRAFT, KIND_TOKENS, KIND_VERIFY, PackedStep,
+                                        StepShape, control_header, int64_header, payload_bytes)
 
 
 class ModelRunner(Protocol):
@@ -24,6 +34,7 @@ class ModelRunner(Protocol):
     config: Any
     device: torch.device
     prev_sampled: torch.Tensor | None
+    drafter: Any
 
     def step_tensors(self, step: PackedStep) -> tuple: ...
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor: ...
@@ -42,8 +53,20 @@ class TPStepSender:
     def __init__(self, tp_group):
         self.tp = tp_group
 
-    def send_step(self, step: PackedStep) -> None:
-        self.tp.send_step(np.array(step.shape.header(), dtype=np.int64), step.buf64, step.buf32)
+    def send_step(self, step: PackedStep, verify: bool = False) -> None:
+        """``verify``: the rejection sampler verifies the step's rows (no sampled-id
+        broadcast follows it)."""
+        self.tp.send_step(np.array(step.shape.header(verify), dtype=np.int64), step.buf64, step.buf32)
+
+    def send_draft_plan(self, plan) -> None:
+        """A proposer's ``DraftPlan``; the other ranks run it (``Proposer.follow``)."""
+        data = plan.encode()
+        self.tp.send_step(int64_header(KIND_DRAFT, data.size), data)
+
+    def send_tokens(self, tokens: list[int]) -> None:
+        """The rows' newest tokens of a verified step: the other ranks' ``prev_sampled``."""
+        data = np.array(tokens, dtype=np.int64)
+        self.tp.send_step(int64_header(KIND_TOKENS, data.size), data)
 
     def send_stop(self) -> None:
         """The other ranks' ``follow_one_step`` returns False."""
@@ -74,8 +97,18 @@ def follow_one_step(runner: ModelRunner) -> bool:
     if prof is not None:
         prof.phase("recv")
     head, payload = runner.tp.recv_step(HEADER_LEN, payload_bytes)
-    if head[0] == KIND_CONTROL:
+    kind = head[0]
+    if kind == KIND_CONTROL:
         _follow_control(runner, int(head[1]), payload)
+        return True
+    if kind == KIND_DRAFT:
+        from pyengine.spec_decode.base import DraftPlan
+        if prof is not None:
+            prof.phase("draft")
+        runner.drafter.follow(DraftPlan.decode(payload.view(np.int64)))  # (its phase ends at the next recv)
+        return True
+    if kind == KIND_TOKENS:
+        runner.prev_sampled = torch.from_numpy(payload.view(np.int64).copy()).to(runner.device)
         return True
     shape = StepShape.from_header(head)
     if shape is None:
@@ -92,7 +125,7 @@ def follow_one_step(runner: ModelRunner) -> bool:
         if prof is not None:
             prof.phase("logits")
         runner.model.compute_logits(hidden if rows_t is None else hidden[rows_t])  # the gather
-        if runner.config.async_scheduling:  # the next step may feed these ids (placeholders)
+        if runner.config.async_scheduling and kind != KIND_VERIFY:  # the next step may feed these ids
             if prof is not None:
                 prof.phase("token_bcast")
             runner.prev_sampled = runner.tp.broadcast(
