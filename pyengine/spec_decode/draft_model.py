@@ -17,8 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from pyengine.spec_decode.base import (DraftPlan, Proposer, draft_attn_metadata, drafts_by_depth, kv_bytes, load_draft,
-                                       num_drafts_wanted)
+from pyengine.spec_decode.base import (
+    DraftPlan,
+    Proposer,
+    draft_attn_metadata,
+    drafts_by_depth,
+    kv_bytes,
+    load_draft,
+    num_drafts_wanted,
+)
 
 __all__ = ["DraftModelProposer"]
 

@@ -20,8 +20,18 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from pyengine.worker.step_codec import (HEADER_LEN, KIND_CONTROL, KIND_DRAFT, KIND_TOKENS, KIND_VERIFY, PackedStep,
-                                        StepShape, control_header, int64_header, payload_bytes)
+from pyengine.worker.step_codec import (
+    HEADER_LEN,
+    KIND_CONTROL,
+    KIND_DRAFT,
+    KIND_TOKENS,
+    KIND_VERIFY,
+    PackedStep,
+    StepShape,
+    control_header,
+    int64_header,
+    payload_bytes,
+)
 
 
 class ModelRunner(Protocol):

@@ -194,11 +194,11 @@ def _spawned_children(pid: int) -> list[int]:
     return out
 
 
-def _kill_worker_and_check(llama_dir, prompts, device, multiprocess, limit_s):
+def _kill_worker_and_check(llama_dir, prompts, device, multiprocess, limit_s, **engine_kw):
     from pyengine import AsyncLLM, EngineArgs
 
     engine = AsyncLLM.from_engine_args(EngineArgs(model=str(llama_dir), device=device, tensor_parallel_size=2,
-                                                  max_num_seqs=16, gpu_memory_utilization=0.3),
+                                                  max_num_seqs=16, gpu_memory_utilization=0.3, **engine_kw),
                                        multiprocess=multiprocess)
     try:
         if multiprocess:  # rank 0 lives in the engine-core process

@@ -1,8 +1,9 @@
 """The EAGLE-3 proposer against a dense reference written from the checkpoint format: every
 draft the engine proposed (incremental, through its paged KV cache, its rows fed from this
-step's target states only) equals the draft of a from-scratch computation over the whole
-context: transformers' hidden states of the target at the auxiliary layers, then the head
-(fc, one midlayer over [norm(embedding), norm(hidden)], RoPE, GQA, d2t) in plain torch."""
+step's target states only; also sharded over two tensor-parallel ranks) equals the draft
+of a from-scratch computation over the whole context: transformers' hidden states of the
+target at the auxiliary layers, then the head (fc, one midlayer over [norm(embedding),
+norm(hidden)], RoPE, GQA, d2t) in plain torch."""
 from __future__ import annotations
 
 import json
@@ -79,9 +80,12 @@ class DenseEagle3:
 
 
 MODES = {"default": {}, "chunked_prefill": {"max_num_batched_tokens": 8},
-         "preemption": {"num_gpu_blocks_override": 3, "max_model_len": 48}}
+         "preemption": {"num_gpu_blocks_override": 3, "max_model_len": 48},
+         # the head sharded over two ranks (gloo), fed the target's summed residual stream
+         "tp2_chunked_prefill": {"tensor_parallel_size": 2, "max_num_batched_tokens": 8}}
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_eagle3_drafts_equal_a_dense_reference(llama_dir, tokenizer, tmp_path_factory, mode):
     from transformers import AutoModelForCausalLM

@@ -75,11 +75,10 @@ def test_draft_models_checked(llama_dir, tmp_path, tokenizer_dir):
     assert _cfg(llama_dir, NGRAM, tensor_parallel_size=2).speculative_config.method == "ngram"
     assert _cfg(llama_dir, {"method": "eagle3", "model": str(eagle), "num_speculative_tokens": 2},
                 tensor_parallel_size=2).tensor_parallel_size == 2
-    three_heads = build_tiny_model(tmp_path / "h3", "llama", tokenizer_dir, num_hidden_layers=1,
-                                   num_attention_heads=3, num_key_value_heads=1, head_dim=16)
-    _cfg(llama_dir, {"method": "draft_model", "model": str(three_heads), "num_speculative_tokens": 2})  # one rank: fine
-    with pytest.raises(ValueError, match=r"draft model is sharded.*num_attention_heads \(3\)"):
-        _cfg(llama_dir, {"method": "draft_model", "model": str(three_heads), "num_speculative_tokens": 2},
+    odd = build_tiny_model(tmp_path / "odd", "llama", tokenizer_dir, num_hidden_layers=1, intermediate_size=129)
+    _cfg(llama_dir, {"method": "draft_model", "model": str(odd), "num_speculative_tokens": 2})  # one rank: fine
+    with pytest.raises(ValueError, match=r"draft model is sharded.*intermediate_size \(129\)"):
+        _cfg(llama_dir, {"method": "draft_model", "model": str(odd), "num_speculative_tokens": 2},
              tensor_parallel_size=2)
 
 
