@@ -14,7 +14,7 @@
 #       house_after house_before house_after2
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
-# (default: all), and on a 2-GPU machine gpu_tp tp tp_step_broadcast tp_profile (tools/tp_h200x2.sh).
+# (default: all), and on a 2-GPU machine gpu_tp gpu_tp_spec tp tp_step_broadcast tp_profile (tools/tp_h200x2.sh).
 # A device call is capped at 10 minutes: split the steps over two calls
 # (e.g. `gpu_ops gpu_e2e latency gpu_idle attention` then the rest).
 set -u
@@ -114,8 +114,9 @@ step 120 gpu_idle_b256 python3 benchmarks/gpu_idle.py --batch 256 --json "$OUT/g
 step 240 async_sched python3 benchmarks/async_sched.py --json "$OUT/async_sched.json"
 step 120 attention python3 benchmarks/attention_kernels.py --verbose --json "$OUT/attention.json"
 # tensor parallelism, 2 GPUs: TP GPU tests (fp32 vs transformers, bf16 vs TP=1, killed NCCL worker),
-# TPOT / throughput TP=2 vs TP=1 (each run its own process), how the step reaches the other ranks
-step 270 gpu_tp python3 -m pytest -q -m gpu tests/distributed tests/executor -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
+# the same with speculative decoding (gpu_tp_spec), TPOT / throughput TP=2 vs TP=1 (each run its own process), how the step reaches the other ranks
+step 270 gpu_tp python3 -m pytest -q -m gpu tests/distributed tests/executor --ignore=tests/executor/test_spec_decode_tp.py -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
+step 300 gpu_tp_spec python3 -m pytest -q -m gpu tests/executor/test_spec_decode_tp.py -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
 step 300 tp python3 benchmarks/tp.py --timeout 100 --throughput-shapes llama-3.1-8b --json "$OUT/tp.json"
 # the fused all-reduce + residual add + RMSNorm kernel (pyengine/distributed/all_reduce_norm.py): its test,
 # its cost per call against NCCL and torch's one-shot (each + the norm), and the decode profile with it on and off

@@ -2,6 +2,8 @@
 # Tensor parallelism on the 2-GPU H200 machine (device kind nvidia-h200-x2), one device
 # call, under 10 minutes: the tools/h200_run.sh steps
 #   gpu_tp             TP GPU tests: fp32 TP=2 vs transformers, bf16 TP=2 vs TP=1, a killed NCCL worker
+#   gpu_tp_spec        the same with speculative decoding (ngram, the target as its own draft, EAGLE-3);
+#                      not in the default set (10 minutes): `bash tools/tp_h200x2.sh gpu_tp_spec`
 #   tp                 benchmarks/tp.py: batch-1 TPOT of the Llama-3.1-8B shape and offline throughput
 #                      on nano-vllm's workload (Qwen3-0.6B and Llama-3.1-8B shapes), TP=2 vs TP=1
 #   tp_step_broadcast  benchmarks/tp_step_broadcast.py: how a step's inputs reach the other ranks

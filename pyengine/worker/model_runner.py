@@ -171,7 +171,10 @@ class ModelRunner:
     """``ModelRunner(config, tp_group=None)``: one rank's model, KV cache and step logic.
     With ``tp_group`` (a ``pyengine.distributed.GroupCoordinator``) rank 0's
     ``execute_model`` sends each step's inputs to the other ranks, whose
-    ``execute_follower_step`` runs the same forward; only rank 0 samples."""
+    ``execute_follower_step`` runs the same forward; only rank 0 samples. With speculative
+    decoding a verification step is flagged as such, a model-based proposer's forwards
+    follow as a draft plan every rank runs, and under async scheduling a verified step's
+    newest tokens follow as a message (pyengine/worker/tp_follower.py)."""
 
     def __init__(self, config: EngineConfig, tp_group=None):
         self.config = config
