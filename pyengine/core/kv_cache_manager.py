@@ -93,7 +93,9 @@ class KVCacheManager:
         need = cdiv(total + num_lookahead_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         if need <= 0 and not new_computed_blocks:  # fast path: most decode steps
             if self.enable_caching:
-                self._cache_full_blocks(request, min(total, request.num_tokens) // self.block_size)
+                num_full = min(total, len(request.all_token_ids)) // self.block_size
+                if num_full > self.num_cached_blocks.get(rid, 0):  # (no call while no block filled up)
+                    self._cache_full_blocks(request, num_full)
             return True
         if (self.num_blocks_to_take(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
                 > self.block_pool.get_num_free_blocks()):

@@ -147,8 +147,11 @@ class Scheduler:
         return self._make_outputs([])
 
     # ---- scheduling ----------------------------------------------------------------
+    # (The per-request checks below, run for every running request at every step, read
+    # ``len(req.all_token_ids)`` for ``req.num_tokens`` once instead of calling the
+    # properties: a property is a Python call, several per request per step.)
     def _num_tokens_to_feed(self, req: Request) -> int:
-        return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+        return len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens
 
     def wants_speculative_step(self) -> bool:
         """Speculative decoding would run in the next step: it is configured and fewer
@@ -182,10 +185,12 @@ class Scheduler:
 
     def _can_schedule_running(self, req: Request) -> bool:
         # Placeholders count against max_tokens and max_model_len: an in-flight token may finish it.
-        if req.num_output_placeholders:
-            if req.num_output_tokens + req.num_output_placeholders >= req.max_tokens:
+        ph = req.num_output_placeholders
+        if ph:
+            num_tokens = len(req.all_token_ids)
+            if num_tokens - req.num_prompt_tokens + ph >= req.max_tokens:
                 return False
-            if req.num_tokens + req.num_output_placeholders >= self.max_model_len:
+            if num_tokens + ph >= self.max_model_len:
                 return False
         return True
 
@@ -417,9 +422,9 @@ class Scheduler:
         return out
 
     def _scheduled(self, req: Request, n: int, spec: Sequence[int] = ()) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        sample = start + n >= req.num_tokens + req.num_output_placeholders
-        placeholder = req.num_output_placeholders > 0 and start + n > req.num_tokens
+        start, num_tokens, ph = req.num_computed_tokens, len(req.all_token_ids), req.num_output_placeholders
+        sample = start + n >= num_tokens + ph
+        placeholder = ph > 0 and start + n > num_tokens
         s = ScheduledRequest(req, n, start, self.kv_cache_manager.get_block_ids(req.request_id),
                              sample, placeholder, req.num_preemptions)
         if spec:
@@ -512,7 +517,7 @@ class Scheduler:
                     # request (ignore_eos): nothing else may follow.
                     req.status = RequestStatus.FINISHED_STOPPED
                     finished = True
-                first = req.num_output_tokens == len(toks)
+                first = len(req.all_token_ids) - req.num_prompt_tokens == len(toks)  # (num_output_tokens)
                 out = EngineCoreOutput(
                     req.request_id, toks, lp_list,
                     finish_reason=req.get_finished_reason() if finished else None,
@@ -580,12 +585,14 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         sp = req.sampling_params
+        num_tokens = len(req.all_token_ids)
+        num_output = num_tokens - req.num_prompt_tokens
         # stop_token_ids, plus EOS unless ignore_eos
-        if req.num_output_tokens >= sp.min_tokens and tok in sp.all_stop_token_ids:
+        if num_output >= sp.min_tokens and tok in sp.all_stop_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = tok if tok in sp.stop_token_ids else None  # type: ignore[operator] # a list after __post_init__
             return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
