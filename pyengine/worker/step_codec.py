@@ -20,6 +20,7 @@ row of a verified step (async scheduling: ``[5, rows, 0...]``, then int64 [rows]
 step's placeholders take them)."""
 from __future__ import annotations
 
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -212,22 +213,36 @@ def _pack_small(so: SchedulerOutput, bs: int, prev_rows: dict[str, int]) -> Pack
     return PackedStep(shape, buf64, buf32)
 
 
+def _fill_block_table(block_table: np.ndarray, block_lists: list[list[int]], lens: list[int]) -> None:
+    """Row i of ``block_table`` (int32 [R, max_blocks], zeroed) gets ``block_lists[i]``
+    (``lens[i]`` ids) at its start; the rest of the row stays 0."""
+    if min(lens) == block_table.shape[1]:  # every request as long (most decode batches)
+        block_table[:] = block_lists
+        return
+    n = np.array(lens, dtype=np.int64)
+    rows = np.repeat(np.arange(len(lens)), n)
+    cols = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    block_table[rows, cols] = list(chain.from_iterable(block_lists))
+
+
 def _pack_vectorised(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -> PackedStep:
     """``pack_step`` of a large step: positions and slots computed by numpy."""
     sched = so.scheduled
     T, R, bs = so.total_num_scheduled_tokens, len(sched), block_size
     toks: list[int] = []
     ph_rows, ph_src = [], []
-    starts = np.empty(R, dtype=np.int64)
-    ns = np.empty(R, dtype=np.int64)
-    max_blocks = max(len(s.block_ids) for s in sched)
+    for s in sched:
+        _step_tokens(s, toks, ph_rows, ph_src, prev_rows)
+    # (lists made into arrays at once: a numpy element or row assignment per request costs more)
+    starts = np.array([s.num_computed_tokens for s in sched], dtype=np.int64)
+    ns = np.array([s.num_new_tokens for s in sched], dtype=np.int64)
+    block_lists = [s.block_ids for s in sched]
+    lens = [len(b) for b in block_lists]
+    max_blocks = max(lens)
     shape = StepShape(T, R, 0, 0, max_blocks, 0, 0)
     buf32 = np.zeros(shape.int32_len, dtype=np.int32)
     block_table = buf32[shape.block_table_offset:].reshape(R, max_blocks)
-    for i, s in enumerate(sched):
-        starts[i], ns[i] = s.num_computed_tokens, s.num_new_tokens
-        _step_tokens(s, toks, ph_rows, ph_src, prev_rows)
-        block_table[i, :len(s.block_ids)] = s.block_ids
+    _fill_block_table(block_table, block_lists, lens)
     qsl = buf32[:R + 1]
     np.cumsum(ns, out=qsl[1:])
     seq_lens = buf32[shape.seq_lens_offset:shape.seq_lens_offset + R]

@@ -91,3 +91,19 @@ def test_large_steps_take_the_vectorised_path():
     so.total_num_scheduled_tokens += SMALL_STEP_TOKENS + 1
     step = pack_step(so, BS, prev_rows)
     _check_layout(step, so, prev_rows)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_vectorised_block_table_rows(ragged):
+    # every request with as many blocks (one array assignment) or not (scattered): each row
+    # holds its request's blocks, then zeros, as the small packer writes it
+    sched = []
+    for i in range(6):
+        req = SimpleNamespace(request_id=f"r{i}", all_token_ids=list(range(10 + i)))
+        blocks = [100 + 10 * i + j for j in range(4 + (i % 3 if ragged else 0))]
+        sched.append(ScheduledRequest(req, 1, 9 + i, blocks, True, False, 0))
+    so = SchedulerOutput(sched, len(sched))
+    vec = _pack_vectorised(so, BS, {})
+    _check_layout(vec, so, {})
+    small = _pack_small(so, BS, {})
+    assert np.array_equal(small.buf32, vec.buf32) and np.array_equal(small.buf64, vec.buf64)
