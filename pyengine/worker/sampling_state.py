@@ -156,7 +156,7 @@ class SamplingState:
         see the context that row is verified in). ``pending`` (async scheduling with
         speculation): request id -> the tokens the step in flight gave it, which the
         runner knows and the request does not hold yet; they come before the drafts."""
-        params = tuple(s.request.sampling_params for s in sampled)
+        params = tuple([s.request.sampling_params for s in sampled])  # (a list first: no generator step per row)
         # (async scheduling: rows after a step in flight take its tokens from ``pending``)
         spec = spec and (bool(pending) or any(s.spec_token_ids for s in sampled))
         rows = tuple(len(s.spec_token_ids) + 1 for s in sampled) if spec else (1,) * len(sampled)
