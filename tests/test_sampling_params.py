@@ -96,3 +96,24 @@ def test_refusals_name_the_field():
         with pytest.raises(VLLMValidationError) as ei:
             SamplingParams(**kwargs)
         assert ei.value.parameter == field
+
+
+def test_unknown_attribute_set_later_is_refused():
+    # the constructor refuses unknown names; so does an assignment after it (slots): a typo
+    # such as ``temprature`` is an error, not an attribute the engine never reads
+    sp = SamplingParams(temperature=0.5, max_tokens=10)
+    with pytest.raises(AttributeError):
+        sp.temprature = 0.0  # type: ignore[attr-defined]
+    sp.temperature = 0.0  # a field may still be set
+    assert sp.temperature == 0.0
+
+
+def test_copies_keep_every_field():
+    import copy
+    import pickle
+
+    sp = SamplingParams(temperature=0.7, top_k=5, stop=["x"], stop_token_ids=[3], seed=9, bad_words=["no"])
+    sp.all_stop_token_ids |= {2}
+    for other in (pickle.loads(pickle.dumps(sp)), copy.copy(sp), copy.deepcopy(sp), sp.clone()):
+        assert other == sp and other.all_stop_token_ids == sp.all_stop_token_ids
+        assert other.max_tokens_is_default == sp.max_tokens_is_default
