@@ -26,7 +26,10 @@ wall time on CPU and holding the GIL, and the hottest frames.
 The workload (the issue's): ``--num-prompts`` prompts of ``--input-len`` random token ids,
 ``--output-len`` tokens each, greedy, ``ignore_eos``; concurrency 1 runs
 ``--c1-prompts`` of them. The C host submits text prompts (the same ids decoded), so its
-prompts are within a few tokens of the others'. Weights are random (bf16 on CUDA), written
+prompts are within a few tokens of the others'. Every front end gets the same engine
+arguments (``--max-model-len``, ``--max-num-seqs``, ``--device``, ...; the C host through
+``vllm_model_params``, and a run whose arguments the C ABI cannot carry, such as a dtype
+other than the checkpoint's, is refused for it). Weights are random (bf16 on CUDA), written
 once to the model directory so that every front end, the C ABI included, loads the same.
 
 Also a plain HTTP client for a running server (``--base-url``, in the manner of
@@ -544,6 +547,9 @@ def _level_prompts(spec: dict, c: int) -> int:
 
 
 def _engine_kwargs(spec: dict) -> dict:
+    """The engine arguments (``EngineArgs`` keywords) of every front end of a run: the
+    offline and asyncllm children pass them as they are, the server gets them as flags
+    (``_serve_cmd``), the C host as ``vllm_model_params`` fields (``capi_engine_params``)."""
     kw = {"model": spec["model"], "device": spec["device"], "dtype": spec["dtype"],
           "max_num_seqs": spec["max_num_seqs"], "seed": spec["seed"]}
     if spec.get("max_model_len"):
@@ -648,18 +654,31 @@ def child_asyncllm(spec: dict) -> dict:
     return {"levels": levels, "profile": prof}
 
 
-def _serve_cmd(spec: dict) -> list[str]:
-    args = [spec["model"], "--port", "0", "--device", spec["device"], "--dtype", spec["dtype"],
+def _engine_flags(kw: dict) -> list[str]:
+    """``vengine serve`` flags for the engine arguments ``kw`` (the model is positional):
+    one ``--field-name`` per field, ``--no-field-name`` for a False flag."""
+    args = [kw["model"]]
+    for name, value in kw.items():
+        flag = name.replace("_", "-")  # (pyengine.arg_utils.flag_name's rule; not imported: no torch here)
+        if name == "model":
+            continue
+        if isinstance(value, bool):
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            args += [f"--{flag}", str(value)]
+    return args
+
+
+def _serve_args(spec: dict) -> list[str]:
+    """``vengine serve``'s arguments for the run: the engine's, then the server's."""
+    return [*_engine_flags(_engine_kwargs(spec)), "--port", "0",
             *([] if spec.get("api_server_count") == "auto" else
               ["--api-server-count", str(spec.get("api_server_count", 1))]),
-            "--max-num-seqs", str(spec["max_num_seqs"]), "--seed", str(spec["seed"]),
             "--disable-access-log", "--log-level", "warning"]
-    if spec.get("max_model_len"):
-        args += ["--max-model-len", str(spec["max_model_len"])]
-    if spec.get("no_async_scheduling"):
-        args += ["--no-async-scheduling"]
-    if spec.get("stream_interval"):
-        args += ["--stream-interval", str(spec["stream_interval"])]
+
+
+def _serve_cmd(spec: dict) -> list[str]:
+    args = _serve_args(spec)
     pre = f"import sys; sys.setswitchinterval({spec['switch_interval'] / 1000.0!r}); " if spec.get(
         "switch_interval") else "import sys; "
     return [sys.executable, "-c", pre + f"sys.argv = ['vengine'] + {args!r}; from server.cli import main; "
@@ -751,7 +770,8 @@ C_DRIVER = r"""
 #include <time.h>
 #include "vllm.h"
 
-/* argv: model max_num_seqs max_tokens prompts_file times_prefix C:N [C:N ...]
+/* argv: model max_num_seqs max_model_len device max_tokens prompts_file times_prefix C:N [C:N ...]
+ * (max_num_seqs, max_model_len, device: vllm_model_params fields, 0 for the default)
  * prompts_file: NUL-separated prompts. One engine for every level: at each level C:N,
  * submits the first N prompts with at most C in flight and writes to times_prefix.C,
  * per request, the submit time then every callback's time (doubles, seconds), the list
@@ -797,15 +817,16 @@ static int run_level(vllm_engine* e, const vllm_sampling_params* sp, char** prom
 }
 
 int main(int argc, char** argv) {
-  if (argc < 7) { fprintf(stderr, "usage\n"); return 2; }
-  int max_tokens = atoi(argv[3]);
-  FILE* f = fopen(argv[4], "rb"); fseek(f, 0, SEEK_END); long sz = ftell(f); fseek(f, 0, SEEK_SET);
+  if (argc < 9) { fprintf(stderr, "usage\n"); return 2; }
+  int max_tokens = atoi(argv[5]);
+  FILE* f = fopen(argv[6], "rb"); fseek(f, 0, SEEK_END); long sz = ftell(f); fseek(f, 0, SEEK_SET);
   char* blob = malloc(sz + 1); if (fread(blob, 1, sz, f) != (size_t)sz) return 2; fclose(f); blob[sz] = 0;
   int n = 0; for (long i = 0; i < sz; i++) n += blob[i] == 0;
   char** prompts = malloc(sizeof(char*) * n);
   { long p = 0; for (int i = 0; i < n; i++) { prompts[i] = blob + p; p += strlen(blob + p) + 1; } }
   vllm_model_params mp = vllm_model_params_default();
-  mp.model_path = argv[1]; mp.max_num_seqs = atoi(argv[2]);
+  mp.model_path = argv[1]; mp.max_num_seqs = atoi(argv[2]); mp.max_model_len = atoi(argv[3]);
+  mp.device = atoi(argv[4]);
   vllm_engine* e = NULL;
   if (vllm_engine_load(&mp, &e) != VLLM_OK) { fprintf(stderr, "load: %s\n", vllm_last_error()); return 1; }
   vllm_sampling_params sp = vllm_sampling_params_default();
@@ -813,9 +834,9 @@ int main(int argc, char** argv) {
   { vllm_completion c; vllm_sampling_params w = sp; w.max_tokens = 8;
     for (int i = 0; i < 2; i++) { vllm_complete(e, prompts[i % n], &w, &c); vllm_completion_free(&c); } }
   int failed = 0;
-  for (int a = 6; a < argc; a++) {
+  for (int a = 8; a < argc; a++) {
     int conc = atoi(argv[a]), k = atoi(strchr(argv[a], ':') + 1);
-    char path[4096]; snprintf(path, sizeof path, "%s.%d", argv[5], conc);
+    char path[4096]; snprintf(path, sizeof path, "%s.%d", argv[7], conc);
     int r = run_level(e, &sp, prompts, k < n ? k : n, conc, max_tokens, path);
     if (r < 0) return 1;
     failed += r;
@@ -844,11 +865,53 @@ def _capi_results(path: Path, n: int, prompt_len: int, output_len: int) -> list[
     return out
 
 
+# vllm_model_params.device's codes (include/vllm.h)
+_CAPI_DEVICES = {"auto": 0, "cpu": 1, "cuda": 2}
+
+
+def capi_engine_params(spec: dict) -> tuple[list[str], dict[str, str], dict]:
+    """The C driver's share of ``_engine_kwargs(spec)``: its argv fields (model path,
+    max_num_seqs, max_model_len, device code; 0: the default), the environment that
+    carries what ``vllm_model_params`` has no field for (``async_scheduling=False``:
+    ``VENGINE_ASYNC_SCHED=0``), and the ``EngineArgs`` keywords the C ABI builds from
+    those (capi/_impl.py's ``_engine_args``). The other arguments (dtype, seed,
+    stream_interval) have no C field: ``check_capi_engine_config`` refuses a run where
+    the engine's own default for them differs from the spec's."""
+    kw = _engine_kwargs(spec)
+    fields = {"max_num_seqs": int(kw.get("max_num_seqs") or 0), "max_model_len": int(kw.get("max_model_len") or 0),
+              "device": _CAPI_DEVICES[kw.get("device", "auto")]}
+    capi_kw: dict = {"model": kw["model"], "device": kw.get("device", "auto")}
+    capi_kw.update({k: v for k, v in fields.items() if k != "device" and v > 0})
+    env = {}
+    if kw.get("async_scheduling") is False:
+        env["VENGINE_ASYNC_SCHED"] = "0"
+        capi_kw["async_scheduling"] = False
+    argv = [kw["model"], str(fields["max_num_seqs"]), str(fields["max_model_len"]), str(fields["device"])]
+    return argv, env, capi_kw
+
+
+def check_capi_engine_config(spec: dict) -> None:
+    """ValueError unless the C host's engine gets the same resolved engine config as the
+    other front ends of the run (every ``EngineConfig`` field; an argument the C ABI
+    cannot carry, such as a dtype other than the checkpoint's, is named)."""
+    from pyengine import EngineArgs
+
+    want = vars(EngineArgs(**_engine_kwargs(spec)).create_engine_config())
+    got = vars(EngineArgs(**capi_engine_params(spec)[2]).create_engine_config())
+    differ = sorted(k for k in want if got.get(k) != want[k])
+    if differ:
+        raise ValueError("the C ABI front end would run another engine config than the others: "
+                         + ", ".join(f"{k}={got.get(k)!r} (others: {want[k]!r})" for k in differ)
+                         + "; vllm_model_params has no field for these (give the run values it can match)")
+
+
 def child_capi(spec: dict) -> dict:
     from transformers import AutoTokenizer
 
     from capi.build import build
 
+    check_capi_engine_config(spec)
+    engine_argv, engine_env, _ = capi_engine_params(spec)
     tok = AutoTokenizer.from_pretrained(spec["model"])
     vocab = _vocab(spec["model"])
     n_max = max(_level_prompts(spec, c) for c in spec["levels"])
@@ -863,9 +926,9 @@ def child_capi(spec: dict) -> dict:
         subprocess.run(["gcc", "-O2", "-std=c11", "-pthread", f"-I{Path(_REPO) / 'include'}", str(tmp / "driver.c"),
                         "-o", str(exe), f"-L{lib.parent}", "-lvengine", f"-Wl,-rpath,{lib.parent}"], check=True)
         (tmp / "prompts").write_bytes(b"".join(t.encode() + b"\0" for t in texts))
-        env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **engine_env)
         plan = [f"{c}:{_level_prompts(spec, c)}" for c in spec["levels"]]
-        proc = subprocess.run([str(exe), spec["model"], str(spec["max_num_seqs"]), str(spec["output_len"]),
+        proc = subprocess.run([str(exe), *engine_argv, str(spec["output_len"]),
                                str(tmp / "prompts"), str(tmp / "times"), *plan], capture_output=True, text=True,
                               env=env)
         if proc.returncode != 0:
