@@ -23,8 +23,10 @@ Entry points, each ``x [M, K] (bf16/fp16/fp32) -> [M, N]`` in x.dtype:
 * ``int_linear(x, qweight, scales, zeros, bits, group_size, bias)``: ``int_gemv`` for one
   row, ``int_gemm`` (dequantize each tile in registers, then ``tl.dot``) for more.
 
-No host syncs and no allocations but the outputs (and the quantized activations): CUDA-graph
-safe. Accumulation is float32. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors
+No host syncs and no allocations but the outputs (and the quantized activations, and a
+split-K GEMV's float32 [split_k, N] partial sums): CUDA-graph safe. Split-K GEMVs (a launch
+config's ``split_k`` > 1) add their partials in a second pass in a fixed order, so they are
+deterministic, and round once, as the one-pass kernels do. Accumulation is float32. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors
 (tests), with ``tl.dot`` operands upcast to float32 (the interpreter's low-precision dot is
 unreliable).
 """
@@ -99,6 +101,49 @@ def quant_fp8(x: torch.Tensor, group_size: int | None = None,
     return (q.to(FP8_DTYPE) if _INTERPRET else q), s
 
 
+# ---- split-K GEMVs: the sum pass --------------------------------------------------------
+@triton.jit
+def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # y[n] = (p[0, n] + p[1, n] + ... + p[SPLIT - 1, n]) (+ bias[n]), in that order, float32
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rn < N
+    y = tl.load(p_ptr + rn, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        y += tl.load(p_ptr + s * N + rn, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_SPLIT_SUM_BLOCK = 256  # outputs a program of the split-K sum pass (16 programs at N = 4096)
+
+
+def _split_partials(split_k: int, n: int, device: torch.device) -> torch.Tensor:
+    """The float32 [split_k, n] partial sums of a split-K GEMV (each program's rows of its
+    split; every element written, so no zeroing)."""
+    return torch.empty((split_k, n), dtype=torch.float32, device=device)
+
+
+def _split_sum(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """y [1, N] = the sum of part [S, N] over its S splits in order (+ bias), rounded once."""
+    split, n = part.shape
+    _split_sum_kernel[(triton.cdiv(n, _SPLIT_SUM_BLOCK),)](part, bias if bias is not None else part, y, n, SPLIT=split,
+                                                           HAS_BIAS=bias is not None, BLOCK=_SPLIT_SUM_BLOCK,
+                                                           num_warps=2)
+
+
+def split_chunks(chunks: int, split_k: int, what: str) -> int:
+    """Chunks each of ``split_k`` splits takes of ``chunks`` (``ceil(chunks / split_k)``).
+    Raises ValueError when a split would have none (split_k too large for this K and chunk)."""
+    if split_k < 1:
+        raise ValueError(f"{what}: split_k must be >= 1, got {split_k}")
+    per = -(-chunks // split_k)
+    if (split_k - 1) * per >= chunks:
+        raise ValueError(f"{what}: split_k {split_k} leaves a split without work: K is {chunks} chunk(s) of this "
+                         f"config, {per} a split")
+    return per
+
+
 # ---- FP8 GEMV (one row) ---------------------------------------------------------------------
 @triton.jit
 def _round_fp8(v, EMULATE: tl.constexpr):
@@ -166,10 +211,10 @@ def _fp8_gemv_chunk(acc, w, x, x_ptr, s_ptr, k0, x_scale, rn_m, c_m, mask_m, rc,
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, stride_sn, K: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, stride_sn, K: tl.constexpr,
                      BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr,
-                     AMAX_BLOCK: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
+                     AMAX_BLOCK: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr, SPLIT_K: tl.constexpr):
     # ACT: 0 x unquantized (weight-only), 1 per token, 2 per S = BLOCK_K / 16 (= BK_SCALE)
     # columns, 3 static. One row on the tensor cores without a 16x broadcast of x: each chunk
     # of BLOCK_K columns is cut into 16 slices of S columns; the dot multiplies the
@@ -179,7 +224,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, stride_sn, K:
     # rows inside it). With BLOCK_N * 16 >= 64 the dot is a wgmma reading the weight straight
     # from the shared memory the software pipeline fills (num_stages), so the per-byte work
     # is a few instructions and the kernel is bound by HBM alone.
+    # SPLIT_K > 1: program (i, s) takes the s-th of SPLIT_K runs of whole chunks (KS columns)
+    # and writes its float32 rows (scaled, without the bias) to p_ptr [SPLIT_K, N]; the sum
+    # pass adds them in split order, adds the bias and rounds.
     S: tl.constexpr = BLOCK_K // 16
+    KS: tl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K  # columns a split
     M: tl.constexpr = BLOCK_N * 16
     pid = tl.program_id(0)
     rm = tl.arange(0, M)
@@ -190,14 +239,21 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, stride_sn, K:
     rc = tl.arange(0, 16)
     w_tile = w_ptr + (rn_m.to(tl.int64) * K + c_m * S)[:, None] + rs[None, :]  # chunk 0's [M, S] weight
     cols = c_m[:, None] * S + rs[None, :]  # and its columns
-    # K in at most two chunks: both are loaded first, so their bytes are in flight during the
-    # token's amax (a pipelined loop would issue them after it, and one chunk after the other)
-    PRELOAD: tl.constexpr = K <= 2 * BLOCK_K
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+    else:
+        k_lo = tl.program_id(1) * KS
+        k_hi = k_lo + KS
+    # K (a split's) in at most two chunks: both are loaded first, so their bytes are in flight
+    # during the token's amax (a pipelined loop would issue them after it, and one chunk
+    # after the other)
+    PRELOAD: tl.constexpr = KS <= 2 * BLOCK_K  # (KS >= K with SPLIT_K 1)
     if PRELOAD:
-        w0 = tl.load(w_tile, mask=mask_m[:, None] & (cols < K), other=0.0)
-        w1 = tl.load(w_tile + BLOCK_K, mask=mask_m[:, None] & (BLOCK_K + cols < K), other=0.0)
-        x0 = _fp8_gemv_x(x_ptr, 0, rs, rc, K, S)
-        x1 = _fp8_gemv_x(x_ptr, BLOCK_K, rs, rc, K, S)
+        w0 = tl.load(w_tile + k_lo, mask=mask_m[:, None] & (k_lo + cols < K), other=0.0)
+        w1 = tl.load(w_tile + k_lo + BLOCK_K, mask=mask_m[:, None] & (k_lo + BLOCK_K + cols < K), other=0.0)
+        x0 = _fp8_gemv_x(x_ptr, k_lo, rs, rc, K, S)
+        x1 = _fp8_gemv_x(x_ptr, k_lo + BLOCK_K, rs, rc, K, S)
     x_scale = 1.0
     if ACT == 1:  # the token's scale: every program reads the whole (small, cached) row, all loads at once
         ra = tl.arange(0, AMAX_BLOCK)
@@ -210,13 +266,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, stride_sn, K:
         x_scale = tl.load(xs_ptr).to(tl.float32)
     acc = tl.zeros([M, 16], dtype=tl.float32)
     if PRELOAD:
-        acc = _fp8_gemv_chunk(acc, w0, x0, x_ptr, s_ptr, 0, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K, S, M,
+        acc = _fp8_gemv_chunk(acc, w0, x0, x_ptr, s_ptr, k_lo, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K, S, M,
                               BN_SCALE, BK_SCALE, BLOCK_SCALED, ACT, MIN_SCALE, IEEE, EMULATE)
-        if BLOCK_K < K:
-            acc = _fp8_gemv_chunk(acc, w1, x1, x_ptr, s_ptr, BLOCK_K, x_scale, rn_m, c_m, mask_m, rc, stride_sn,
-                                  K, S, M, BN_SCALE, BK_SCALE, BLOCK_SCALED, ACT, MIN_SCALE, IEEE, EMULATE)
+        if BLOCK_K < KS:
+            acc = _fp8_gemv_chunk(acc, w1, x1, x_ptr, s_ptr, k_lo + BLOCK_K, x_scale, rn_m, c_m, mask_m, rc,
+                                  stride_sn, K, S, M, BN_SCALE, BK_SCALE, BLOCK_SCALED, ACT, MIN_SCALE, IEEE, EMULATE)
     else:
-        for k0 in range(0, K, BLOCK_K):  # software-pipelined by Triton (num_stages)
+        for k0 in range(k_lo, k_hi, BLOCK_K):  # software-pipelined by Triton (num_stages)
             w = tl.load(w_tile + k0, mask=mask_m[:, None] & (k0 + cols < K), other=0.0)
             x = _fp8_gemv_x(x_ptr, k0, rs, rc, K, S)
             acc = _fp8_gemv_chunk(acc, w, x, x_ptr, s_ptr, k0, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K, S, M,
@@ -229,9 +285,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, stride_sn, K:
         y = y * x_scale
     if not BLOCK_SCALED:
         y = y * tl.load(s_ptr + rn, mask=mask_n, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(p_ptr + tl.program_id(1) * N + rn, y, mask=mask_n)
 
 
 _ACT_CODES = {None: 0, "token": 1, "group": 2, "tensor": 3}
@@ -256,7 +315,7 @@ def fp8_gemv_smem_bytes(block_n: int, block_k: int, num_stages: int, act_bytes: 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None = None,
              bias: torch.Tensor | None = None, act: str | None = None, input_scale: torch.Tensor | None = None,
              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-             num_stages: int | None = None) -> torch.Tensor:
+             num_stages: int | None = None, split_k: int | None = None) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(weight [N, K] FP8).T -> [1, N] in x.dtype.
     The activation is quantized in the kernel as the GEMM path quantizes it (``act``), so a
     request's output does not depend on the size of its batch; its scale per token is
@@ -264,13 +323,18 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     the swept one of this shape and GPU (``gemv_configs``), else ``fp8_gemv_default``;
     ``block_k`` (a power of two) is cut to the scale block's columns x 16 for block scales
     (``act="group"`` needs its slice, ``block_k / 16``, to be exactly those columns).
-    Raises ValueError for a config the kernel cannot run."""
+    ``split_k`` (default 1) > 1 cuts K into that many runs of whole ``block_k`` chunks, one
+    program each (more programs for small N); their float32 partial rows go to a [split_k,
+    N] buffer that a second pass adds in split order (deterministic), adding the bias and
+    rounding once. Raises ValueError for a config the kernel cannot run (a split_k that
+    leaves a split without a chunk among them: ``split_chunks``)."""
     n, k = weight.shape
     cfg = _gemv_config("fp8", n, k, x.device, fp8_gemv_default)
     block_n = block_n or cfg["block_n"]
     block_k = block_k or cfg["block_k"]
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
+    split_k = split_k if split_k is not None else cfg.get("split_k", 1)
     bn, bk = block if block is not None else (1, 1)
     if block_k & (block_k - 1) or block_k < 256 or block_n & (block_n - 1):
         raise ValueError(f"block_k {block_k} must be a power of two >= 256 and block_n {block_n} a power of two")
@@ -284,14 +348,19 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     while limit is not None and num_stages > 1 and fp8_gemv_smem_bytes(block_n, block_k, num_stages,
                                                                         x.element_size()) > limit:
         num_stages -= 1  # (the H200's 227 KiB hold every config of the sweep at its stages)
+    split_chunks(triton.cdiv(k, block_k), split_k,
+                 f"FP8 GEMV {n}x{k} (block_n {block_n}, block_k {block_k}, split_k {split_k})")
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+    part = _split_partials(split_k, n, x.device) if split_k > 1 else y
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, weight_scale, bias if bias is not None else weight_scale,
-        input_scale if input_scale is not None else weight_scale, y, n,
+        input_scale if input_scale is not None else weight_scale, y, part, n,
         weight_scale.stride(0) if block is not None else 0, K=k, BN_SCALE=bn, BK_SCALE=bk, BLOCK_N=block_n,
         BLOCK_K=block_k, BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, ACT=_ACT_CODES[act],
         MIN_SCALE=_MIN_SCALE, AMAX_BLOCK=min(2048, triton.next_power_of_2(k)), IEEE=x.dtype == torch.float32,
-        EMULATE=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        EMULATE=_INTERPRET, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1:
+        _split_sum(part, bias, y)
     return y
 
 
@@ -438,9 +507,50 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 # ---- packed integer (W4A16 / W8A16) --------------------------------------------------------
 @triton.jit
-def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC, K: tl.constexpr, GROUP: tl.constexpr,
-                     BITS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr, NUM_WARPS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
+def _int_gemv_words(rows, kc, rw, mask_n, KW: tl.constexpr, EVEN: tl.constexpr):
+    """The [BLOCK_N, BKW] packed words of the chunk at word ``kc`` (masked past KW unless EVEN)."""
+    w_idx = kc + rw
+    if EVEN:
+        words = tl.load(rows + w_idx[None, :], mask=mask_n[:, None], other=0)
+    else:
+        words = tl.load(rows + w_idx[None, :], mask=mask_n[:, None] & (w_idx < KW)[None, :], other=0)
+    return words
+
+
+@triton.jit
+def _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW: tl.constexpr,
+                    GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
+                    CW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_N, C] += one chunk's products: words [BLOCK_N, BKW] (from word ``kc``)
+    unpacked, times the activation, less the zero points, times the scales (see the kernel)."""
+    words = tl.reshape(words, [BLOCK_N, C, CW])  # no data movement: CW is each thread's vector
+    hi = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+    t = tl.zeros([BLOCK_N, C, CW], dtype=tl.float32)
+    xs = tl.zeros([C, CW], dtype=tl.float32)
+    for j in tl.static_range(PER):
+        LOW = j * BITS + BITS <= 20
+        POS = j * BITS if LOW else j * BITS - 16
+        # loaded as [C, CW], not reshaped from [BKW]: the load then has the layout the
+        # products use (no shared-memory conversion and barrier a value)
+        xj = tl.load(x_ptr + (kc + rcw) * PER + j, mask=kc + rcw < KW, other=0.0).to(tl.float32)
+        xs += xj
+        src = words if LOW else hi
+        f = ((src & (((1 << BITS) - 1) << POS)) | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+        t += f * (xj * (1.0 / (1 << POS)))[None, :, :]
+    g = ((kc + rc * CW) * PER) // GROUP  # [C]: each thread's group
+    m2 = mask_n[:, None] & (g < G)[None, :]
+    off = g[None, :].to(tl.int64) * N + rn[:, None]
+    sc = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    zc = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    acc += sc * (tl.sum(t, axis=2) - zc * tl.sum(xs, axis=1)[None, :])
+    return acc
+
+
+@triton.jit
+def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC, K: tl.constexpr,
+                     GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr,
+                     NUM_WARPS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     # qweight [N, K / PER]: every thread owns CW consecutive words (a 16-byte load at CW = 4)
     # of all BLOCK_N rows, the threads side by side along K (a chunk of 32 * NUM_WARPS * CW
     # words a step), so each activation value is loaded, converted and scaled once per
@@ -450,11 +560,17 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC, K: tl.
     # q * 2**p by one exact FADD; x is pre-scaled by 2**-p, so the FFMA adds q * x exactly.
     # The values above bit 20 come from the word shifted right by 16. A thread's CW words lie
     # in one group: t = sum(q * x) - zero * sum(x) and acc += scale * t, per row and chunk.
+    # SPLIT_K > 1: program (i, s) takes the s-th of SPLIT_K runs of whole chunks (KSW words)
+    # and writes its float32 row sums to p_ptr [SPLIT_K, N] (bias and rounding: the sum pass).
+    # PREFETCH: the next chunk's words are loaded before this one's products (two chunks in
+    # flight a program; twice the word registers).
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = K // PER
     G: tl.constexpr = (K + GROUP - 1) // GROUP
     C: tl.constexpr = 32 * NUM_WARPS
     BKW: tl.constexpr = C * CW
+    KSW: tl.constexpr = ((KW + BKW - 1) // BKW + SPLIT_K - 1) // SPLIT_K * BKW  # words a split
+    EVEN: tl.constexpr = KSW * SPLIT_K == KW  # every chunk whole: no mask along K
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
@@ -463,37 +579,33 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC, K: tl.
     rcw = rc[:, None] * CW + tl.arange(0, CW)[None, :]  # [C, CW]: the chunk's words by thread
     rows = qw_ptr + rn[:, None].to(tl.int64) * KW
     acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
-    for kc in range(0, KW, BKW):  # a runtime loop: unrolled, the loads of every chunk would be hoisted and spill
-        w_idx = kc + rw
-        mw = w_idx < KW
-        if KW % BKW == 0:
-            words = tl.load(rows + w_idx[None, :], mask=mask_n[:, None], other=0)
-        else:
-            words = tl.load(rows + w_idx[None, :], mask=mask_n[:, None] & mw[None, :], other=0)
-        words = tl.reshape(words, [BLOCK_N, C, CW])  # no data movement: CW is each thread's vector
-        hi = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
-        t = tl.zeros([BLOCK_N, C, CW], dtype=tl.float32)
-        xs = tl.zeros([C, CW], dtype=tl.float32)
-        for j in tl.static_range(PER):
-            LOW = j * BITS + BITS <= 20
-            POS = j * BITS if LOW else j * BITS - 16
-            # loaded as [C, CW], not reshaped from [BKW]: the load then has the layout the
-            # products use (no shared-memory conversion and barrier a value)
-            xj = tl.load(x_ptr + (kc + rcw) * PER + j, mask=kc + rcw < KW, other=0.0).to(tl.float32)
-            xs += xj
-            src = words if LOW else hi
-            f = ((src & (((1 << BITS) - 1) << POS)) | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
-            t += f * (xj * (1.0 / (1 << POS)))[None, :, :]
-        g = ((kc + rc * CW) * PER) // GROUP  # [C]: each thread's group
-        m2 = mask_n[:, None] & (g < G)[None, :]
-        off = g[None, :].to(tl.int64) * N + rn[:, None]
-        sc = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        zc = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        acc += sc * (tl.sum(t, axis=2) - zc * tl.sum(xs, axis=1)[None, :])
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = KW
+    else:
+        k_lo = tl.program_id(1) * KSW
+        k_hi = k_lo + KSW
+    if PREFETCH and KSW > BKW:
+        words = _int_gemv_words(rows, k_lo, rw, mask_n, KW, EVEN)
+        for kc in range(k_lo, k_lo + KSW - BKW, BKW):  # every chunk but the last, the next one loaded first
+            nxt = _int_gemv_words(rows, kc + BKW, rw, mask_n, KW, EVEN)
+            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
+                                  BITS, PER, C, CW, BLOCK_N)
+            words = nxt
+        acc = _int_gemv_chunk(acc, words, k_lo + KSW - BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW,
+                              GROUP, G, BITS, PER, C, CW, BLOCK_N)
+    else:
+        for kc in range(k_lo, k_hi, BKW):  # a runtime loop: unrolled, the loads of every chunk would be hoisted and spill
+            words = _int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
+            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
+                                  BITS, PER, C, CW, BLOCK_N)
     y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(p_ptr + tl.program_id(1) * N + rn, y, mask=mask_n)
 
 
 _MAGIC = 0x4B000000  # the bits of float32 2**23: OR-ed below a value of < 23 bits, it is 2**23 + value
@@ -509,26 +621,41 @@ def int_gemv_default(n: int, k: int) -> dict[str, int]:
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
              group_size: int, bias: torch.Tensor | None = None, block_n: int | None = None,
-             num_warps: int | None = None) -> torch.Tensor:
+             num_warps: int | None = None, split_k: int | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(qweight [N, K * bits / 32]).T -> [1, N] in
-    x.dtype. Each program owns ``block_n`` output rows and all of K (see the kernel); the
-    launch config: the arguments, else the swept one of this shape and GPU
-    (``gemv_configs``), else ``int_gemv_default``. A thread's words must lie in one group:
-    4 of them where the group size allows, else 2 or 1; ValueError for a group size that
-    is not a multiple of the values a word holds."""
+    x.dtype. Each program owns ``block_n`` output rows and, with ``split_k`` 1, all of K
+    (see the kernel); ``split_k`` > 1 cuts K into that many runs of whole chunks (a chunk:
+    ``32 * num_warps * 4`` words where the group size allows), one program each, whose
+    float32 partial sums a second pass adds in split order (deterministic; the bias and the
+    rounding there); ``prefetch``: each program loads its next chunk before it multiplies
+    the current one. The launch config: the arguments, else the swept one of this shape
+    and GPU (``gemv_configs``), else ``int_gemv_default`` (split_k 1, no prefetch). A
+    thread's words must lie in one group: 4 of them where the group size allows, else 2 or
+    1. Raises ValueError for a group size that is not a multiple of the values a word
+    holds, or a ``split_k`` that leaves a split without a chunk (``split_chunks``)."""
     n, kw = qweight.shape
     per = 32 // bits
     k = kw * per
     cfg = _gemv_config(f"int{bits}", n, k, x.device, int_gemv_default)
     block_n = block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]
+    split_k = split_k if split_k is not None else cfg.get("split_k", 1)
+    prefetch = prefetch if prefetch is not None else bool(cfg.get("prefetch", False))
     if group_size % per:
         raise ValueError(f"group size {group_size} must be a multiple of the {per} values an int32 word holds")
     cw = next(c for c in (4, 2, 1) if group_size % (c * per) == 0 and kw % c == 0)
+    what = f"int{bits} GEMV {n}x{k} (block_n {block_n}, num_warps {num_warps}, split_k {split_k})"
+    if prefetch and split_chunks(triton.cdiv(kw, 32 * num_warps * cw), split_k, what) < 2:
+        raise ValueError(f"{what}: prefetch needs at least two chunks a split")
+    split_chunks(triton.cdiv(kw, 32 * num_warps * cw), split_k, what)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _int_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scales, zeros, bias if bias is not None else scales, y, n, _MAGIC, K=k, GROUP=group_size,
-        BITS=bits, BLOCK_N=block_n, CW=cw, NUM_WARPS=num_warps, HAS_BIAS=bias is not None, num_warps=num_warps)
+    part = _split_partials(split_k, n, x.device) if split_k > 1 else y
+    _int_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, y, part, n, _MAGIC, K=k, GROUP=group_size,
+        BITS=bits, BLOCK_N=block_n, CW=cw, NUM_WARPS=num_warps, HAS_BIAS=bias is not None, SPLIT_K=split_k,
+        PREFETCH=bool(prefetch), num_warps=num_warps)
+    if split_k > 1:
+        _split_sum(part, bias, y)
     return y
 
 
