@@ -26,9 +26,9 @@ Entry points, each ``x [M, K] (bf16/fp16/fp32) -> [M, N]`` in x.dtype:
 No host syncs and no allocations but the outputs (and the quantized activations, and a
 split-K GEMV's float32 [split_k, N] partial sums): CUDA-graph safe. Split-K GEMVs (a launch
 config's ``split_k`` > 1) add their partials in a second pass in a fixed order, so they are
-deterministic, and round once, as the one-pass kernels do. Accumulation is float32. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors
-(tests), with ``tl.dot`` operands upcast to float32 (the interpreter's low-precision dot is
-unreliable).
+deterministic, and round once, as the one-pass kernels do. Accumulation is float32. Under
+``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests), with ``tl.dot`` operands
+upcast to float32 (the interpreter's low-precision dot is unreliable).
 """
 from __future__ import annotations
 
@@ -364,7 +364,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     return y
 
 
-def _gemv_config(kind: str, n: int, k: int, device: torch.device, default) -> dict[str, int]:
+def _gemv_config(kind: str, n: int, k: int, device: torch.device, default) -> dict[str, int | bool]:
     """The swept launch config of this GEMV kind and shape (pyengine/ops/gemv_configs.py),
     else ``default(n, k)``."""
     from pyengine.ops import gemv_configs

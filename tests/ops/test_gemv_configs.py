@@ -12,8 +12,10 @@ from pyengine.ops import gemv_configs
 
 
 def test_table_round_trip(tmp_path):
-    table = {"fp8": {"6144x4096": {"block_n": 8, "block_k": 2048, "num_warps": 4, "num_stages": 3}},
-             "int4": {"4096x14336": {"block_n": 16, "num_warps": 2}}}
+    table = {"fp8": {"6144x4096": {"block_n": 8, "block_k": 2048, "num_warps": 4, "num_stages": 3},
+                     "4096x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 4, "split_k": 2}},
+             "int4": {"4096x14336": {"block_n": 16, "num_warps": 2},
+                      "4096x4096": {"block_n": 16, "num_warps": 1, "split_k": 2, "prefetch": True}}}
     name = gemv_configs.config_file_name("NVIDIA H200")
     assert name == "gemv,device_name=NVIDIA_H200.json"
     (tmp_path / name).write_text(json.dumps(table))
@@ -25,9 +27,21 @@ def test_table_round_trip(tmp_path):
     ([], "not a GEMV config table"),
     ({"fp4": {}}, "unknown kernel kind 'fp4'"),
     ({"fp8": {"6144": {}}}, "'6144' is not 'NxK'"),
-    ({"int4": {"8x8": {"block_n": 8}}}, "expected positive integers block_n, num_warps"),
-    ({"int4": {"8x8": {"block_n": 0, "num_warps": 2}}}, "expected positive integers"),
-    ({"int4": {"8x8": {"block_n": True, "num_warps": 2}}}, "expected positive integers"),
+    ({"int4": {"8x8": {"block_n": 8}}}, "int4 8x8: missing num_warps"),
+    ({"int4": {"8x8": {"block_n": 0, "num_warps": 2}}}, r"block_n must be a power of two in \[1, 64\], got 0"),
+    ({"int4": {"8x8": {"block_n": True, "num_warps": 2}}}, "block_n must be a power of two"),
+    ({"int4": {"8x8": {"block_n": 12, "num_warps": 2}}}, "block_n must be a power of two"),
+    ({"int4": {"8x8": 7}}, "expected a JSON object"),
+    ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "block_k": 1024}}}, r"unknown field\(s\) block_k"),
+    ({"fp8": {"8x8": {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 3, "prefetch": True}}},
+     r"unknown field\(s\) prefetch"),
+    ({"fp8": {"8x8": {"block_n": 8, "block_k": 128, "num_warps": 4, "num_stages": 3}}},
+     "block_k must be a power of two in \\[256"),
+    ({"fp8": {"8x8": {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 0}}}, "num_stages must be"),
+    ({"fp8": {"8x8": {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 3, "split_k": 0}}},
+     r"split_k must be an integer in \[1, 64\], got 0"),
+    ({"int8": {"8x8": {"block_n": 8, "num_warps": 2, "split_k": 2.0}}}, "split_k must be an integer"),
+    ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "prefetch": 1}}}, "prefetch must be true or false, got 1"),
 ])
 def test_bad_tables_are_refused(raw, word):
     with pytest.raises(ValueError, match=word):
@@ -47,3 +61,34 @@ def test_cpu_has_no_swept_config():
 def test_shipped_tables_parse():
     for path in sorted(gemv_configs.CONFIG_DIR.glob("gemv,*.json")):
         gemv_configs.parse_table(json.loads(path.read_text()), str(path))
+
+
+def test_swept_knobs_reach_the_kernels(tmp_path, monkeypatch):
+    """A table entry's optional knobs (split_k, prefetch) are what the GEMV launches with,
+    and an entry without them runs the one-pass kernel: the config a launch reads is the
+    entry, merged over nothing."""
+    from pyengine.ops import quant
+
+    seen = []
+    monkeypatch.setattr(gemv_configs, "lookup", lambda kind, n, k, device: seen.append(kind) or
+                        {"block_n": 4, "num_warps": 1, "split_k": 2, "prefetch": True})
+    monkeypatch.setattr(quant, "_split_sum", lambda part, bias, y: seen.append(tuple(part.shape)))
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((grid, kw))
+
+    monkeypatch.setattr(quant, "_int_gemv_kernel", Spy())
+    qw = torch.zeros(20, 4096 // 8, dtype=torch.int32)  # 4 chunks of 128 words at 1 warp
+    s = torch.ones(32, 20)
+    quant.int_gemv(torch.ones(1, 4096), qw, s, s, 4, 128)
+    (grid, kw), = launches
+    assert grid == (5, 2) and kw["SPLIT_K"] == 2 and kw["PREFETCH"] is True and kw["BLOCK_N"] == 4
+    assert seen == ["int4", (2, 20)]
+    monkeypatch.setattr(gemv_configs, "lookup", lambda kind, n, k, device: {"block_n": 8, "num_warps": 2})
+    launches.clear()
+    seen.clear()
+    quant.int_gemv(torch.ones(1, 4096), qw, s, s, 4, 128)
+    (grid, kw), = launches
+    assert grid == (3, 1) and kw["SPLIT_K"] == 1 and kw["PREFETCH"] is False and seen == []

@@ -228,6 +228,85 @@ def test_fp8_gemv_configs(kind, act, block_n, block_k):
         _check(y, xr @ dense.t() + bias, torch.float32, tol)
 
 
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("bits, group_size", [(4, 128), (8, 32), (4, 16)])
+@pytest.mark.parametrize("block_n, num_warps, split_k, prefetch",
+                         [(4, 1, 2, False), (8, 1, 1, True), (16, 1, 2, True), (8, 1, 3, False), (16, 2, 2, False)])
+def test_int_gemv_split_k_and_prefetch(kind, bits, group_size, block_n, num_warps, split_k, prefetch):
+    """The int GEMV's split-K (float32 partials, the sum pass) and prefetch variants against
+    the dequantized reference: K in several chunks (7168 at 4 bits, 1 warp: seven 128-word
+    chunks; 8 bits: 14; 16-value groups: 64-word chunks) split evenly and not (a shorter
+    last split), and in few (1792: two chunks at 4 bits, 3.5 at 8, a masked last one;
+    4096 and 14336 on the GPU: o_proj's and down_proj's K), N not a multiple of block_n,
+    with a bias; float32 (1e-5) and bf16 (1e-2) activations; the same bits on a second call
+    (the sum pass adds the splits in a fixed order). A K the config cannot split is refused."""
+    dev = _dev(kind)
+    checked = 0
+    for k in ((7168, 1792) if dev == "cpu" else (4096, 14336)):
+        n = 20 if dev == "cpu" else 4100
+        qw, s, z = _int_weight(n, k, bits, group_size, dev)
+        kw = k * bits // 32
+        cw = next(c for c in (4, 2, 1) if group_size % (c * 32 // bits) == 0)  # the words a thread takes
+        chunks = -(-kw // (32 * num_warps * cw))
+        per = -(-chunks // split_k)
+        if (split_k - 1) * per >= chunks or (prefetch and per < 2):  # not this K's config: refused
+            with pytest.raises(ValueError, match="split_k .* leaves a split without work|prefetch needs"):
+                quant.int_gemv(torch.ones(1, k, device=dev), qw, s, z, bits, group_size, block_n=block_n,
+                               num_warps=num_warps, split_k=split_k, prefetch=prefetch)
+            continue
+        for dtype in _dtypes(dev)[:1 if checked and dev == "cpu" else None]:  # CPU: bf16 at the first K only
+            x = (torch.randn(1, k, device=dev) * 3).to(dtype)
+            bias = torch.randn(n, device=dev).to(dtype)
+            sd, zd = s.to(dtype), z.to(dtype)
+            y = quant.int_gemv(x, qw, sd, zd, bits, group_size, bias, block_n=block_n, num_warps=num_warps,
+                               split_k=split_k, prefetch=prefetch)
+            assert y.shape == (1, n) and y.dtype == dtype
+            _check(y, x.float() @ quant.dequant_int_ref(qw, sd, zd, bits, group_size).t() + bias.float(), dtype)
+            again = quant.int_gemv(x, qw, sd, zd, bits, group_size, bias, block_n=block_n, num_warps=num_warps,
+                                   split_k=split_k, prefetch=prefetch)
+            assert torch.equal(y, again)
+            checked += 1
+    assert checked  # every parametrization runs on at least one K
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("act", ["token", "tensor", None, "group"])
+@pytest.mark.parametrize("block_n, block_k, split_k", [(2, 256, 2), (8, 256, 4), (4, 512, 3), (8, 1024, 2)])
+def test_fp8_gemv_split_k(kind, act, block_n, block_k, split_k):
+    """The FP8 GEMV's split-K variant: each split's chunks in the preloaded form (at most two
+    a split) and in the pipelined loop (more), splits of equal and unequal length (the last
+    one's chunks past K masked), per-row and block scales, every activation scheme, a bias
+    added once; against the dequantized reference and bitwise equal on a second call. A
+    split_k that leaves a split without a chunk is refused."""
+    dev = _dev(kind)
+    checked = 0
+    for k in (4096, 1088 if act == "group" else 1000):
+        n = 24 if dev == "cpu" else 4104
+        bk = max(32, block_k // 16)
+        block = (8, bk) if act == "group" else None
+        w, ws = _fp8_weight(-(-n // 8) * 8, -(-k // bk) * bk, dev, block)
+        w = w[:n, :k].contiguous()
+        if block is None:
+            ws = ws[:n]
+        x = torch.randn(1, k, device=dev) * 3
+        bias = torch.randn(n, device=dev)
+        static = x.abs().amax().reshape(1) / 448.0 * 1.5 if act == "tensor" else None
+        chunks = -(-k // (16 * bk if act == "group" else block_k))
+        per = -(-chunks // split_k)
+        if (split_k - 1) * per >= chunks:
+            with pytest.raises(ValueError, match="leaves a split without work"):
+                quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k, split_k=split_k)
+            continue
+        y = quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k, split_k=split_k)
+        xr = x if act is None else _ref_act(x, group=bk if act == "group" else None, static=static)
+        tol = FP8_MMA_TOL if act is not None and dev == "cuda" else None
+        _check(y, xr @ dequantize_fp8(w, ws, block).t() + bias, torch.float32, tol)
+        assert torch.equal(y, quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k,
+                                             split_k=split_k))
+        checked += 1
+    assert checked
+
+
 def test_dequant_int_ref_matches_unpack():
     """The reference's unpacking is pack_int32's inverse (so the kernel tests test something)."""
     from pyengine.layers.quantization.utils import dequantize_int, unpack_int32
@@ -256,3 +335,31 @@ def test_kernels_capture_in_cuda_graph():
         torch.cuda.synchronize()
         for a, b in zip(eager, out):
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+def test_split_k_gemvs_capture_in_cuda_graph():
+    """The split-K GEMVs (partials buffer, sum pass) and the prefetching int GEMV replay in a
+    CUDA graph to the bits of their eager calls, with x changed between capture and replay."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev, dtype = "cuda", torch.bfloat16
+    w, ws = _fp8_weight(4096, 4096, dev)
+    qw, s, z = _int_weight(4096, 4096, 4, 128, dev)
+    s, z = s.to(dtype), z.to(dtype)
+    bias = torch.randn(4096, device=dev, dtype=dtype)
+    x = torch.randn(1, 4096, device=dev, dtype=dtype)
+
+    def calls():
+        return (quant.fp8_gemv(x, w, ws, None, bias, "token", block_n=8, block_k=1024, num_stages=4, split_k=2),
+                quant.int_gemv(x, qw, s, z, 4, 128, bias, block_n=16, num_warps=2, split_k=2),
+                quant.int_gemv(x, qw, s, z, 4, 128, bias, block_n=16, num_warps=1, prefetch=True))
+    calls()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = calls()
+    x.copy_(torch.randn(1, 4096, device=dev, dtype=dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(calls(), out):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
