@@ -29,9 +29,10 @@ Parts (``--parts``, default all):
   step does), plus the single call after an L2 flush that earlier runs recorded
   (``*_single_us``); a layer's four GEMVs summed against bf16's; and the prefill GEMM
   (``--gemm-m`` rows; 0: none) of bf16, FP8 (scaled_mm and the Triton kernel) and INT4.
-  ``--sweep`` also times the GEMV launch configs (``FP8_SWEEP``, ``INT_SWEEP``; about 30-40
-  s of compiles and timings on one H200), reports the best per shape and writes them
-  to ``pyengine/ops/configs/gemv,device_name=<GPU>.json`` (merged with what is there;
+  ``--sweep`` also times the GEMV launch configs (``FP8_SWEEP``, ``INT_SWEEP``: block sizes,
+  warps, stages, split-K, prefetch; an estimated 30-40 s of compiles and timings on one
+  H200), reports the best per shape and writes them to
+  ``pyengine/ops/configs/gemv,device_name=<GPU>.json`` (merged with what is there;
   ``--config-dir``) and a copy into the output directory: the table the GEMVs read
   (pyengine/ops/gemv_configs.py);
 * ``attention``: paged decode attention over bf16 and FP8 caches (batch x context from
@@ -251,14 +252,24 @@ def _layer_shapes(hf) -> dict[str, tuple[int, int]]:
 
 
 # The launch configs the sweep times, per GEMV (see ops/quant.py): FP8 rows a program x
-# columns a chunk x pipeline stages (4 warps: one wgmma warp group), packed-int rows a
-# program x warps; the first of each is its CPU smoke run's. 15 configs, 30 compiles for
-# the 8B shapes' two K values (~0.5-1.5 s each).
+# columns a chunk x pipeline stages (4 warps: one wgmma warp group) x split_k (programs
+# along K, partials added by a sum pass), packed-int rows a program x warps x split_k x
+# prefetch (the next chunk's words loaded before this one's products); the first of each is
+# its CPU smoke run's. A config that cannot run a shape (a split without a chunk, prefetch
+# with one chunk a split) is refused before it compiles. 11 + 16 configs, about 50
+# compiles for the 8B shapes' two K values (~0.5 s each: the 15 configs of 12-02 swept in
+# 17 s on the H200).
 FP8_SWEEP = [{"block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": st}
              for bn, bk, st in ((8, 2048, 3), (4, 1024, 4), (4, 2048, 3), (8, 1024, 4), (8, 2048, 4), (16, 2048, 3),
                                 (16, 2048, 4))]
-INT_SWEEP = [{"block_n": bn, "num_warps": nw} for bn, nw in ((8, 2), (4, 1), (4, 2), (8, 1), (8, 4), (16, 1),
-                                                              (16, 2), (16, 4))]
+FP8_SWEEP += [{"block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": st, "split_k": sk}
+              for bn, bk, st, sk in ((8, 1024, 4, 2), (8, 2048, 3, 2), (4, 1024, 4, 2), (8, 1024, 4, 4))]
+INT_SWEEP: list[dict[str, int | bool]] = [
+    {"block_n": bn, "num_warps": nw} for bn, nw in ((8, 2), (4, 1), (4, 2), (8, 1), (8, 4), (16, 1), (16, 2), (16, 4))]
+INT_SWEEP += [{"block_n": bn, "num_warps": nw, **({"split_k": sk} if sk > 1 else {}),
+               **({"prefetch": True} if pf else {})}
+              for bn, nw, sk, pf in ((16, 2, 2, False), (16, 4, 2, False), (8, 1, 4, False), (16, 1, 1, True),
+                                     (16, 2, 1, True), (8, 2, 1, True), (16, 1, 2, True), (32, 4, 1, False))]
 
 
 def _copies(dev: str, nbytes: int) -> int:
