@@ -87,6 +87,17 @@ def load_tile_configs(num_experts: int, n: int, device_name: str | None = None,
         table = {int(m): dict(cfg) for m, cfg in raw.items()}
     except (ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a fused-MoE tile config table ({e})") from None
+    for m, cfg in table.items():
+        for which in ("", *PASSES):
+            fields = cfg if not which else cfg.get(which, {})
+            if not isinstance(fields, dict):
+                raise ValueError(f"{path}: M={m}: {which} must be a JSON object of overrides, got {fields!r}")
+            if "SPLIT_K" in fields:
+                if not cfg.get("small_batch"):
+                    raise ValueError(f"{path}: M={m}: SPLIT_K is a GEMV-path (small_batch) field")
+                if not _split_k_ok(fields["SPLIT_K"]):
+                    raise ValueError(f"{path}: M={m}: SPLIT_K must be an integer in [1, 64], got "
+                                     f"{fields['SPLIT_K']!r}")
     return table or None
 
 
@@ -373,41 +384,94 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_pt
     tl.store(c_ptrs, _round(acc, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty), mask=cmask)
 
 
-@triton.jit
-def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, stride_be, stride_bn, stride_cm,
-                 K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+@triton.jit(do_not_specialize=["P"])
+def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, stride_am, stride_be, stride_bn,
+                 stride_cm, K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                  CAST_W: tl.constexpr, HAS_EMAP: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     # One (pair, N-block): c[p, n] = a[row of p] . B[e][n, :], e the pair's expert.
+    # SPLIT_K > 1: program (p, j, s) takes the s-th of SPLIT_K runs of whole BLOCK_K chunks
+    # (KS columns) and writes its float32 sums (gate, then up when GATED) to part_ptr
+    # [SPLIT_K, P, (2 if GATED else 1) * N]; ``_gemv_split_finish_kernel`` does the rest.
     p = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
+    KS: tl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K  # columns a split
+    W: tl.constexpr = 2 if GATED else 1
+    if SPLIT_K == 1:
+        k_lo = 0
+    else:
+        k_lo = tl.program_id(2) * KS
+    part_ptrs = part_ptr + (tl.program_id(2) * P + p) * (W * N) + rn
     e = tl.load(ids_ptr + p).to(tl.int64)
     if HAS_EMAP:
         e = tl.load(emap_ptr + e).to(tl.int64)
     c_ptrs = c_ptr + p * stride_cm + rn
     if e < 0:  # another rank's expert
-        tl.store(c_ptrs, tl.zeros([BLOCK_N], dtype=c_ptr.dtype.element_ty), mask=nmask)
+        if SPLIT_K == 1:
+            tl.store(c_ptrs, tl.zeros([BLOCK_N], dtype=c_ptr.dtype.element_ty), mask=nmask)
+        else:  # zero sums: the finish pass makes them the zero output
+            tl.store(part_ptrs, tl.zeros([BLOCK_N], dtype=tl.float32), mask=nmask)
+            if GATED:
+                tl.store(part_ptrs + N, tl.zeros([BLOCK_N], dtype=tl.float32), mask=nmask)
         return
     a_row = a_ptr + (p // A_ROW_DIV) * stride_am
     b_rows = b_ptr + e * stride_be + rn[:, None] * stride_bn
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every chunk's loads issued early
-        kmask = k0 + rk < K
-        x = tl.load(a_row + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-        wg = tl.load(b_rows + k0 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    for k0 in tl.static_range(0, KS, BLOCK_K):  # unrolled: every chunk's loads issued early
+        kmask = k_lo + k0 + rk < K
+        x = tl.load(a_row + k_lo + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+        wg = tl.load(b_rows + k_lo + k0 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         acc += wg.to(tl.float32) * x[None, :]
         if GATED:
-            wu = tl.load(b_rows + N * stride_bn + k0 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            wu = tl.load(b_rows + N * stride_bn + k_lo + k0 + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                         other=0.0)
             acc_up += wu.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    if GATED:
-        y = _silu_and_mul(y, tl.sum(acc_up, axis=1), c_ptr.dtype.element_ty, EMULATE)
-    if MUL_WEIGHT:
-        y = _times_weight(y, tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
-    tl.store(c_ptrs, _round(y, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty), mask=nmask)
+    if SPLIT_K == 1:
+        if GATED:
+            y = _silu_and_mul(y, tl.sum(acc_up, axis=1), c_ptr.dtype.element_ty, EMULATE)
+        if MUL_WEIGHT:
+            y = _times_weight(y, tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
+        tl.store(c_ptrs, _round(y, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty), mask=nmask)
+    else:
+        tl.store(part_ptrs, y, mask=nmask)
+        if GATED:
+            tl.store(part_ptrs + N, tl.sum(acc_up, axis=1), mask=nmask)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _gemv_split_finish_kernel(part_ptr, a_ptr, c_ptr, w_ptr, N, P, stride_cm, ROWS: tl.constexpr,
+                              SPLIT_K: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                              CAST_W: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One (output row o, N-block) of a split-K GEMV pass: each of the ROWS pairs o * ROWS + r
+    # (ROWS = top_k: the down pass with the k-sum fused; else 1) gets its splits' partial
+    # sums added in split order, then what ``_gemv_kernel`` does after its sum (SiLU-and-mul,
+    # the routing weight, both in a_ptr's dtype, the activation's), and the rows' results
+    # are summed in row order and rounded once: the one-pass kernels' operations and
+    # roundings, the GEMM's float32 sum in another order.
+    o = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    W: tl.constexpr = 2 if GATED else 1
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r in tl.static_range(ROWS):
+        p = o * ROWS + r
+        y = tl.load(part_ptr + p * (W * N) + rn, mask=nmask, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            y += tl.load(part_ptr + (s * P + p) * (W * N) + rn, mask=nmask, other=0.0)
+        if GATED:
+            up = tl.load(part_ptr + p * (W * N) + N + rn, mask=nmask, other=0.0)
+            for s in tl.static_range(1, SPLIT_K):
+                up += tl.load(part_ptr + (s * P + p) * (W * N) + N + rn, mask=nmask, other=0.0)
+            y = _silu_and_mul(y, up, c_ptr.dtype.element_ty, EMULATE)
+        if MUL_WEIGHT:
+            y = _times_weight(y, tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
+        total += y
+    tl.store(c_ptr + o * stride_cm + rn, _round(total, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty),
+             mask=nmask)
 
 
 @triton.jit
@@ -489,30 +553,96 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
 
 # ---- launch ----------------------------------------------------------------------------
 
+_FINISH_BLOCK_N = 128  # outputs a program of the split-K finish pass
+
+
+def _split_k_ok(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 64
+
+
+def _gemv_block_k(cfg: dict, k: int) -> int:
+    # a GEMV pass's chunk: the tile's BLOCK_SIZE_K, at most K's next power of two
+    return min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k))
+
+
+def gemv_split_k(cfg: dict, k: int, block_k: int) -> int:
+    """A GEMV-path pass tile's ``SPLIT_K`` (default 1): programs along K (``k`` columns in
+    chunks of ``block_k``), each a run of whole chunks. Raises ValueError for one that is
+    not an integer in [1, 64] or that leaves a split without a chunk."""
+    split = cfg.get("SPLIT_K", 1)
+    if not _split_k_ok(split):
+        raise ValueError(f"fused-MoE GEMV tile: SPLIT_K must be an integer in [1, 64], got {split!r}")
+    chunks = triton.cdiv(k, block_k)
+    if (split - 1) * triton.cdiv(chunks, split) >= chunks:
+        raise ValueError(f"fused-MoE GEMV tile: SPLIT_K {split} leaves a split without work (K {k} is {chunks} "
+                         f"chunk(s) of BLOCK_SIZE_K {block_k})")
+    return split
+
+
+def _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, split, block_k):
+    """The split-K partial pass of the GEMV path: float32 [split, pairs, (2 if gated else 1)
+    * n_out] sums (every element written: no zeroing)."""
+    k = a.shape[1]
+    pairs = topk_ids.numel()
+    part = torch.empty((split, pairs, (2 if gated else 1) * n_out), dtype=torch.float32, device=a.device)
+    grid = (pairs, triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])), split)
+    _gemv_kernel[grid](a, b, part, part, topk_ids, expert_map if expert_map is not None else topk_ids, part,
+                       n_out, pairs, a.stride(0), b.stride(0), b.stride(1), 0,
+                       K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=False, CAST_W=False,
+                       HAS_EMAP=expert_map is not None, EMULATE=_INTERPRET,
+                       BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, SPLIT_K=split,
+                       num_warps=int(cfg.get("num_warps", 4)))
+    return part
+
+
+def _gemv_finish(part, a, c, topk_weights, rows, gated, mul_weight, cast_weights):
+    """c [P / rows, N] from the partials of ``_gemv_partials`` (``_gemv_split_finish_kernel``)."""
+    split, pairs, _ = part.shape
+    n_out = c.shape[1]
+    block = min(_FINISH_BLOCK_N, triton.next_power_of_2(n_out))
+    _gemv_split_finish_kernel[(c.shape[0], triton.cdiv(n_out, block))](
+        part, a, c, topk_weights, n_out, pairs, c.stride(0), ROWS=rows, SPLIT_K=split, GATED=gated,
+        MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights), EMULATE=_INTERPRET, BLOCK_N=block, num_warps=4)
+
+
 def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg, cast_weights=True):
     """One pass on the GEMV path: ``c[p] = f(a[p // a_row_div] . b[expert of p]^T)`` for
     every pair p; ``gated``: b holds gate then up rows and f is SiLU-and-mul;
     ``mul_weight``: times the pair's routing weight (rounded to a's dtype first with
-    ``cast_weights``). ``cfg``: that pass's tile."""
+    ``cast_weights``). ``cfg``: that pass's tile; its ``SPLIT_K`` > 1 (``gemv_split_k``)
+    splits K over that many programs a (pair, N-block), whose float32 sums a finish pass
+    adds in split order before the SiLU / weight / rounding (deterministic)."""
     n_out = c.shape[1]
     k = a.shape[1]
-    block_k = min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k))
+    block_k = _gemv_block_k(cfg, k)
+    split = gemv_split_k(cfg, k, block_k)
+    if split > 1:
+        part = _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, split, block_k)
+        _gemv_finish(part, a, c, topk_weights, 1, gated, mul_weight, cast_weights)
+        return
     pairs = topk_ids.numel()
     grid = (pairs, triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
-    _gemv_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids,
-                       n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+    _gemv_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids, c,
+                       n_out, pairs, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
                        K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights),
                        HAS_EMAP=expert_map is not None, EMULATE=_INTERPRET,
-                       BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)))
+                       BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, SPLIT_K=1,
+                       num_warps=int(cfg.get("num_warps", 4)))
 
 
 def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg, cast_weights=True):
     """The small-batch down pass with the k-sum fused: ``c[t] = sum_slot w * (a[t*k+slot]
     . b[expert]^T)``; c: [T, N]. ``cfg``: the w2 pass's tile; ``cast_weights`` as
-    ``gemv_pass``."""
+    ``gemv_pass``. ``SPLIT_K`` > 1: one program per (pair, N-block, split) writes float32
+    sums and the finish pass adds a token's splits and slots in order (as ``gemv_pass``)."""
     n_out = c.shape[1]
     k = a.shape[1]
-    block_k = min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k))
+    block_k = _gemv_block_k(cfg, k)
+    split = gemv_split_k(cfg, k, block_k)
+    if split > 1:
+        part = _gemv_partials(a, b, topk_ids, expert_map, False, 1, cfg, n_out, split, block_k)
+        _gemv_finish(part, a, c, topk_weights, topk_ids.shape[1], False, True, cast_weights)
+        return
     grid = (c.shape[0], triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
     _gemv_down_sum_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids,
                                 n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0), K=k,
@@ -572,6 +702,9 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     pair_dtype = hidden.dtype if cast_weights else torch.float32
     c13, c2 = pass_config(cfg, "w13"), pass_config(cfg, "w2")
     if cfg.get("small_batch"):
+        # both passes' SPLIT_K checked before anything runs
+        gemv_split_k(c13, h, _gemv_block_k(c13, h))
+        gemv_split_k(c2, inter, _gemv_block_k(c2, inter))
         gemv_pass(hidden, w13, mid, topk_weights, topk_ids, expert_map, True, False, top_k, c13)
         if c2.get("FUSE_SUM", True):  # default: no [T*k, H] buffer and no separate sum
             out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)

@@ -59,11 +59,20 @@ GEMV = {"small_batch": True, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps"
 # Overrides per pass; hidden 48 is not a multiple of BLOCK_SIZE_K 32 (masked tail).
 GEMV_SPLIT = {"small_batch": True, "BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 32, "w2": {"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16}}
 GEMV_UNFUSED = {**GEMV, "w2": {"FUSE_SUM": False}}  # per-pair down pass, then the separate k-sum
+# Split-K: gate/up's K 48 in three 16-column chunks over 3 programs, the down pass's K 24 in
+# two (one of them a masked 8-column tail) over 2; fused k-sum and not.
+GEMV_SPLIT_K = {"small_batch": True, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "num_warps": 4,
+                "w13": {"SPLIT_K": 3}, "w2": {"SPLIT_K": 2}}
+GEMV_SPLIT_K_UNFUSED = {**GEMV_SPLIT_K, "w2": {"SPLIT_K": 2, "FUSE_SUM": False}}
+# Unequal splits: K 48 in chunks of 16 over 2 programs (two chunks, then one).
+GEMV_SPLIT_K_UNEVEN = {**GEMV_SPLIT_K, "w13": {"SPLIT_K": 2}}
 
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cfg,t", [(GROUPED, 1), (GROUPED, 7), (GROUPED, 33), (GROUPED_TAILS, 5), (GEMV, 1),
-                                   (GEMV, 3), (GEMV_SPLIT, 2), (GEMV_UNFUSED, 3), (None, 2), (None, 40)])
+                                   (GEMV, 3), (GEMV_SPLIT, 2), (GEMV_UNFUSED, 3), (None, 2), (None, 40),
+                                   (GEMV_SPLIT_K, 1), (GEMV_SPLIT_K, 3), (GEMV_SPLIT_K_UNFUSED, 2),
+                                   (GEMV_SPLIT_K_UNEVEN, 2)])
 def test_matches_torch_path(kind, cfg, t):
     dev = _dev(kind)
     x, w13, w2, w, ids = _problem(t, 8, 48, 24, 2, torch.float32, dev)
@@ -72,7 +81,10 @@ def test_matches_torch_path(kind, cfg, t):
 
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("cfg", [GROUPED, GEMV, GEMV_UNFUSED])
+@pytest.mark.parametrize("cfg", [GROUPED, GEMV, GEMV_UNFUSED,
+                                 # split-K at hidden 32 / intermediate 16: 8-column chunks over 2 programs
+                                 {**GEMV, "BLOCK_SIZE_K": 8, "SPLIT_K": 2},
+                                 {**GEMV, "BLOCK_SIZE_K": 8, "SPLIT_K": 2, "w2": {"FUSE_SUM": False}}])
 def test_expert_map_leaves_other_ranks_experts_out(kind, cfg):
     """Rank 1 of 2 under expert parallelism: experts 4..7 local; the two ranks' partial sums
     add up to the whole."""
@@ -144,7 +156,8 @@ def test_topk_softmax_ties_pick_the_lower_index_first(kind):
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cast", [True, False])  # Qwen-MoE's bf16 routing weights, Mixtral's float32 ones
-@pytest.mark.parametrize("cfg,t", [(GROUPED, 7), (GROUPED_TAILS, 5), (GEMV, 3), (GEMV_UNFUSED, 3), (None, 40)])
+@pytest.mark.parametrize("cfg,t", [(GROUPED, 7), (GROUPED_TAILS, 5), (GEMV, 3), (GEMV_UNFUSED, 3), (None, 40),
+                                   (GEMV_SPLIT_K, 3), (GEMV_SPLIT_K_UNFUSED, 2)])
 def test_bf16_rounds_as_the_torch_path(kind, cast, cfg, t):
     """bf16: the kernels round where transformers (and the torch path) round: each GEMM
     output, the SiLU, gate*up, the routing weight and its product (``cast``), the sum. On CPU
@@ -160,6 +173,38 @@ def test_bf16_rounds_as_the_torch_path(kind, cast, cfg, t):
     else:
         assert float((got != ref).float().mean()) < 0.1
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2 ** -6)
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cfg", [GEMV_SPLIT_K, GEMV_SPLIT_K_UNFUSED])
+def test_split_k_is_deterministic(kind, cfg):
+    """The split-K GEMV passes add their splits in a fixed order: the same bits every call."""
+    dev = _dev(kind)
+    x, w13, w2, w, ids = _problem(2, 8, 48, 24, 2, torch.bfloat16, dev, seed=3)
+    first = fused_moe.fused_experts(x, w13, w2, w, ids, config=cfg)
+    assert torch.equal(first, fused_moe.fused_experts(x, w13, w2, w, ids, config=cfg))
+
+
+@pytest.mark.parametrize("over, word", [
+    ({"w13": {"SPLIT_K": 4}}, "SPLIT_K 4 leaves a split without work"),  # K 48: three chunks of 16
+    ({"w2": {"SPLIT_K": 0}}, r"SPLIT_K must be an integer in \[1, 64\], got 0"),
+    ({"w2": {"SPLIT_K": True}}, "SPLIT_K must be an integer"),
+])
+def test_bad_split_k_is_refused(over, word):
+    """Checked before any launch, so no device is needed."""
+    x, w13, w2, w, ids = _problem(1, 8, 48, 24, 2, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=word):
+        fused_moe.fused_experts(x, w13, w2, w, ids, config={**GEMV_SPLIT_K, **over})
+
+
+@pytest.mark.parametrize("entry, word", [
+    ({"small_batch": True, "BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 512, "w2": {"SPLIT_K": "2"}}, "SPLIT_K must be"),
+    ({"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "SPLIT_K": 2}, "SPLIT_K is a GEMV-path"),
+])
+def test_bad_split_k_in_a_table_is_refused(tmp_path, entry, word):
+    (tmp_path / fused_moe.get_config_file_name(8, 24, "GPU X")).write_text(json.dumps({"1": entry}))
+    with pytest.raises(ValueError, match=word):
+        fused_moe.load_tile_configs(8, 24, "GPU X", tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -280,8 +325,10 @@ def test_shipped_configs_are_tables():
         e, n = (int(part.split("=")[1]) for part in f.name.split(",")[:2])
         device = f.name.split("device_name=")[1][: -len(".json")]
         table = fused_moe.load_tile_configs(e, n, device)
-        assert table and all(("small_batch" in c) or {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"} <= set(c)
-                             for c in table.values())
+        # every pass's tile complete once its overrides are applied (shared fields may sit at the top)
+        assert table and all(
+            {"BLOCK_SIZE_N", "BLOCK_SIZE_K"} | (set() if c.get("small_batch") else {"BLOCK_SIZE_M"})
+            <= set(fused_moe.pass_config(c, which)) for c in table.values() for which in fused_moe.PASSES)
 
 
 # ---- GPU ---------------------------------------------------------------------------------
@@ -300,7 +347,25 @@ def test_gpu_bf16_qwen3_30b_a3b_shape(t):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [GEMV, GROUPED, None])
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("w13, w2", [(2, 3), (4, 1), (1, 3)])
+def test_gpu_split_k_qwen3_30b_a3b_shape(t, w13, w2):
+    """The GEMV path's split-K at the Qwen3-30B-A3B expert shape (gate/up K 2048 in 512-column
+    chunks, down K 768 in 256-column ones, fused k-sum and not), against the float32 torch
+    path, and bitwise equal to itself on a second call."""
+    dev = _dev("cuda")
+    x, w13s, w2s, w, ids = _problem(t, 128, 2048, 768, 8, torch.bfloat16, dev)
+    ref = fused_experts_torch(x.float(), w13s.float(), w2s.float(), w, ids)
+    for fuse in (True, False):
+        cfg = {"small_batch": True, "w13": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 512, "num_warps": 2, "SPLIT_K": w13},
+               "w2": {"BLOCK_SIZE_N": 4, "BLOCK_SIZE_K": 256, "num_warps": 2, "SPLIT_K": w2, "FUSE_SUM": fuse}}
+        got = fused_moe.fused_experts(x, w13s, w2s, w, ids, config=cfg)
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+        assert torch.equal(got, fused_moe.fused_experts(x, w13s, w2s, w, ids, config=cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [GEMV, GROUPED, None, {**GEMV, "SPLIT_K": 2}])
 def test_gpu_cuda_graph_replay(cfg):
     """Captured once, replayed with new routing: no host sync in the path, results follow
     the inputs."""
