@@ -272,16 +272,54 @@ def bench_kernels(args, cfg, device: str, dtype) -> dict:
 # ---- section: tile-config sweep -------------------------------------------------------------
 
 SWEEP_M = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192)
-QUICK_SWEEP_M = (16, 256, 4096)
+QUICK_SWEEP_M = (1, 16, 256, 4096)
 PASSES = ("w13", "w2")
 H200_SMEM = 232448  # a tile whose stages need more shared memory than this is not tried
 
 
-def _gemv_candidates(smoke: bool):
+def _gemv_candidates(base: dict, k: int, smoke: bool, quick: bool, which: str) -> list[dict]:
+    """One GEMV-path pass's tiles to time (K = ``k``), ``base`` (the tile in use) first: its
+    split-K variants (SPLIT_K 2, 3, 4: more programs a pair; with its K tile and with one
+    at most ``k / SPLIT_K``), its neighbours (N tile
+    halved or doubled, K tile halved or doubled, 2 <-> 4 warps) and their SPLIT_K 2; not
+    quick: then a grid of N tile x K tile x warps x SPLIT_K 1-2, and for the down pass each
+    tile with the k-sum fused and not (quick: as ``base``). Tiles whose SPLIT_K leaves a
+    split without a chunk of K are dropped."""
+    from pyengine.layers.fused_moe import fused_moe
+
+    keys = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "SPLIT_K", "FUSE_SUM")
+    base = {key: v for key, v in base.items() if key in keys}
     if smoke:
-        return [{"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps": 4}]
-    return [{"BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "num_warps": nw}
-            for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for nw in (2, 4, 8)]
+        out = [{"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps": 4},
+               {"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "num_warps": 4, "SPLIT_K": 2}]
+    else:
+        bn, bk, nw = base["BLOCK_SIZE_N"], base["BLOCK_SIZE_K"], base.get("num_warps", 4)
+        near = [{**base, "BLOCK_SIZE_N": max(1, bn // 2)}, {**base, "BLOCK_SIZE_N": bn * 2},
+                {**base, "BLOCK_SIZE_K": max(32, bk // 2)}, {**base, "BLOCK_SIZE_K": bk * 2},
+                {**base, "num_warps": 4 if nw == 2 else 2}]
+        # SPLIT_K sk with the base's K tile, and with one small enough to give every split a chunk
+        splits = [{**base, "BLOCK_SIZE_K": b, "SPLIT_K": sk} for sk in (2, 3, 4)
+                  for b in (bk, min(bk, max(32, 1 << ((k // sk).bit_length() - 1))))]
+        out = [base] + splits + near + [{**c, "SPLIT_K": 2} for c in near]
+        if not quick:
+            out += [{"BLOCK_SIZE_N": bn_, "BLOCK_SIZE_K": bk_, "num_warps": nw_, **({"SPLIT_K": sk} if sk > 1 else {})}
+                    for bn_ in (4, 8, 16, 32) for bk_ in (256, 512, 1024) for nw_ in (2, 4, 8) for sk in (1, 2)]
+    if which == "w2":
+        fuse = (True, False) if not quick or smoke else (base.get("FUSE_SUM", True),)
+        out = [{**c, "FUSE_SUM": f} for c in out for f in fuse]
+    else:
+        out = [{key: v for key, v in c.items() if key != "FUSE_SUM"} for c in out]
+    seen, kept = set(), []
+    for c in out:
+        key = tuple(sorted(c.items()))
+        try:
+            fused_moe.gemv_split_k(c, k, min(c["BLOCK_SIZE_K"], 1 << (k - 1).bit_length()))
+        except ValueError:
+            continue
+        if key not in seen:
+            seen.add(key)
+            kept.append(c)
+    return kept
 
 
 def _fits(c: dict, gated: bool) -> bool:
@@ -374,16 +412,23 @@ def sweep_shape(args, cfg, n_inter: int, device: str, dtype, deadline: float,
 
         best = {}  # path -> (total us, config)
         out_t = torch.empty(m, h, device=device, dtype=dtype)
-        if m <= 64 and not quick:
-            gemv_deadline = time.perf_counter() + (deadline_m - time.perf_counter()) / 2
-            per_pass = {}
-            for which in PASSES:
-                scores = []
-                fuse_options = (True, False) if which == "w2" else (None,)
-                for c in [{**c, "FUSE_SUM": f} if f is not None else c
-                          for c in _gemv_candidates(args.cpu_smoke) for f in fuse_options]:
-                    if time.perf_counter() > gemv_deadline and scores:
-                        break
+        default = fused_moe.get_default_config(m, e, n_inter, h, k)
+        in_use = fused_moe.pick_config(current, m, e, n_inter, h, k) if current else default
+        # the GEMV path: every M <= 64 (quick: only where it is the path in use), each pass's
+        # tiles alone, the two passes' candidates in turn; half the M's share (quick: all of it)
+        if m <= 64 and (not quick or in_use.get("small_batch")):
+            gemv_deadline = time.perf_counter() + (deadline_m - time.perf_counter()) * (1.0 if quick else 0.5)
+            base = in_use if in_use.get("small_batch") else fused_moe.get_default_config(1, e, n_inter, h, k)
+            gemv_cands = {which: _gemv_candidates(fused_moe.pass_config(base, which), h if which == "w13" else n_inter,
+                                                  args.cpu_smoke, quick, which) for which in PASSES}
+            gemv_scores: dict[str, list] = {which: [] for which in PASSES}
+            for j in range(max(len(c) for c in gemv_cands.values())):
+                if time.perf_counter() > gemv_deadline and all(gemv_scores.values()):
+                    break
+                for which in PASSES:
+                    if j >= len(gemv_cands[which]):
+                        continue
+                    c = gemv_cands[which][j]
 
                     def run(c=c, which=which):
                         for w13, w2 in sets:
@@ -395,17 +440,18 @@ def sweep_shape(args, cfg, n_inter: int, device: str, dtype, deadline: float,
                                 fused_moe.gemv_pass(mid, w2, out, w, ids, None, False, True, 1, c)
                                 out.view(m, k, h).sum(dim=1)
                     t = timed(run)
-                    scores.append((t, c))
+                    gemv_scores[which].append((t, c))
                     log.append({"m": m, "path": "gemv", "pass": which, "config": c, "us": t})
-                if scores:
-                    per_pass[which] = min(scores, key=lambda s: s[0])
-            if len(per_pass) == 2:
-                best["gemv"] = (per_pass["w13"][0] + per_pass["w2"][0],
-                                {"small_batch": True, "w13": per_pass["w13"][1], "w2": per_pass["w2"][1]})
-        default = fused_moe.get_default_config(m, e, n_inter, h, k)
+            if all(gemv_scores.values()):
+                (t13, c13), (t2, c2) = (min(gemv_scores[which], key=lambda sc: sc[0]) for which in PASSES)
+                best["gemv"] = (t13 + t2, {"small_batch": True, "w13": c13, "w2": c2})
         grouped_default = default if not default.get("small_batch") else fused_moe.get_default_config(
             max(m, 5), e, n_inter, h, k)
-        for bm in _block_m_candidates(grouped_default["BLOCK_SIZE_M"], m, k, e, args.cpu_smoke, quick):
+        # quick, where the GEMV path is in use and was searched: no grouped search (its default
+        # is still timed whole below)
+        bms = [] if quick and "gemv" in best else _block_m_candidates(grouped_default["BLOCK_SIZE_M"], m, k, e,
+                                                                        args.cpu_smoke, quick)
+        for bm in bms:
             if time.perf_counter() > deadline_m and "grouped" in best:
                 break
             aligned = fused_moe.moe_align_block_size(ids, bm, e)
@@ -741,13 +787,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-n", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="intermediate sizes to sweep (default: the shape's; 384 is TP=2's)")
     p.add_argument("--sweep-budget-s", type=float, default=None,
-                   help="seconds the sweep may take (default 330; 40 with --sweep-quick)")
+                   help="seconds the sweep may take (default 330; 48 with --sweep-quick)")
     p.add_argument("--sweep-m", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help=f"token counts to tune (the table's keys; default {','.join(map(str, SWEEP_M))}, "
                         f"{','.join(map(str, QUICK_SWEEP_M))} with --sweep-quick)")
     p.add_argument("--sweep-quick", action="store_true",
-                   help="the sweep in under a minute on the H200: M 16,256,4096, the default BLOCK_SIZE_M and four "
-                        "tiles a pass each")
+                   help="the sweep in about a minute on the H200: M 1,16,256,4096, the default BLOCK_SIZE_M and "
+                        "four tiles a pass each; M 1: the GEMV tile in use, its SPLIT_K variants and neighbours")
     p.add_argument("--iters", type=int, default=10, help="timed calls per repeat")
     p.add_argument("--repeats", type=int, default=3, help="repeats (median)")
     p.add_argument("--config-dir", default=None, help="where the sweep writes (default: pyengine/layers/fused_moe/configs)")
@@ -796,7 +842,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sweep_m is None:
         args.sweep_m = list(QUICK_SWEEP_M if args.sweep_quick else SWEEP_M)
     if args.sweep_budget_s is None:
-        args.sweep_budget_s = 40.0 if args.sweep_quick else 330.0
+        args.sweep_budget_s = 48.0 if args.sweep_quick else 330.0
     if args.cpu_smoke:
         _apply_smoke(args)
     device = "cpu" if args.cpu_smoke else "cuda"

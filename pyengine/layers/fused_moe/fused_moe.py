@@ -44,7 +44,12 @@ experts this rank holds, N its intermediate size), a map from M to a config:
 override a field for one pass. The entry of the M nearest in ratio is used when it is
 within a factor of 2, else ``get_default_config`` (also without a file): a table swept at a
 few Ms says nothing about the others. ``benchmarks/moe.py --sweep`` (``--sweep-quick``: M
-16, 256, 4096 in under a minute) writes the files, merged with the entries already there.
+1, 16, 256, 4096 in about a minute) writes the files, merged with the entries already there.
+A GEMV-path pass may also set ``"SPLIT_K"`` (default 1; 1-64): that many programs a
+(pair, N-block) along K, each a run of whole BLOCK_SIZE_K chunks, writing float32 sums
+that a finish pass (``_gemv_split_finish_kernel``) adds in split order before the SiLU,
+the routing weight and the k-sum, so the roundings stay transformers'; a value that
+leaves a split without a chunk is refused (ValueError) before anything runs.
 """
 from __future__ import annotations
 
