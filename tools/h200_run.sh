@@ -85,11 +85,11 @@ step 330 moe_bench python3 benchmarks/moe.py --out-dir "$OUT"
 # skip on one GPU), then the kernel parts of the two benchmarks only (needs .whl: compressed-tensors, loguru)
 step 170 gpufix_tests python3 -m pytest -q -m gpu tests/layers/fused_moe tests/models/test_moe.py tests/ops/test_quant_ops.py tests/ops/test_smem.py tests/quantization/test_kernel_path.py -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=150
 step 45 gpufix_quant_kernels python3 benchmarks/quant.py "$OUT" --parts kernels
-# issue 25's quick tile sweep (M 16, 256, 4096 against the defaults; about 50 s), its table merged into the
+# issue 25's quick tile sweep (M 1, 16, 256, 4096 against the defaults, M 1 with SPLIT_K; about 60 s), its table merged into the
 # shipped one and copied back; gpufix_moe_kernels then measures the layer on it
 step 90 moe_quick_sweep bash -c "python3 benchmarks/moe.py --sweep --sweep-quick --out-dir $OUT && tar -cf $OUT/moe_configs.tar -C pyengine/layers/fused_moe configs"
 # issue 26's batch-1 GEMVs: default configs checked against their dequantized references and
-# timed in CUDA graphs, then the launch-config sweep (~30 compiles); its table comes back in
+# timed in CUDA graphs, then the launch-config sweep (~50 compiles: split-K, prefetch too); its table comes back in
 # $OUT/gemv_configs.tar (the device tool drops file names with ',' or '=': commit it to pyengine/ops/configs/)
 step 110 gemv_sweep bash -c "python3 benchmarks/quant.py $OUT --parts kernels --sweep --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
 step 60 gpufix_moe_kernels python3 benchmarks/moe.py --out-dir "$OUT" --sections kernels --kernel-m 1,16,256,4096 --repeats 2
