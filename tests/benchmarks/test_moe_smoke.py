@@ -58,3 +58,6 @@ def test_moe_sweep_cpu_smoke_writes_a_loadable_table(tmp_path):
     assert not list(fused_moe.CONFIG_DIR.glob("*cpu-interpreter*"))  # the smoke run never writes the repository's
     sweep = json.loads((tmp_path / "moe_sweep_tiny.json").read_text())["results"]["sweep"]
     assert sweep["32"]["written"].endswith("E=8,N=32,device_name=cpu-interpreter.json")
+    # the GEMV path's split-K tiles are among the candidates, timed (they ran) for both passes
+    split = [e for e in sweep["32"]["log"] if e.get("path") == "gemv" and e.get("config", {}).get("SPLIT_K", 1) > 1]
+    assert {e["pass"] for e in split} == {"w13", "w2"} and all(e["us"] < float("inf") for e in split)
