@@ -543,7 +543,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._pending = not text
         if text:
             if self._unflushed:
-                self._unflushed = []
+                self._unflushed.clear()
         else:
             self._unflushed.append(ids)
         return text
