@@ -204,6 +204,20 @@ def gpu_intervals_from_trace(path: str) -> list[tuple[float, float, str]]:
     return out
 
 
+def kernel_table(ops: list[tuple[float, float, str]], steps: int, top: int = 25) -> list[dict]:
+    """The GPU ops of a profiled window by name, most time first: calls and microseconds per
+    step (what to compare between two checkouts when the busy time per step differs)."""
+    by: dict[str, list[float]] = {}
+    for a, b, name in ops:
+        if MARKER_KERNEL in name:
+            continue
+        e = by.setdefault(name[:120], [0, 0.0])
+        e[0] += 1
+        e[1] += b - a
+    rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": n, "calls_per_step": c / steps, "us_per_step": us / steps} for n, (c, us) in rows]
+
+
 def graph_replay_idle(llm, batch: int, replays: int, trace_dir: str) -> float | None:
     """Idle fraction of ``replays`` back-to-back replays of the decode graph that serves
     ``batch`` (its buffers still hold the last step's inputs, so it recomputes that step and
@@ -331,6 +345,7 @@ def run_mode(args, model_dir, async_on: bool) -> dict:
             "trace": path if args.trace_dir else None,
         })
         res["gpu_ops_per_step"] = len(iv) / args.profile_steps
+        res["kernels_per_step"] = kernel_table(ops, args.profile_steps)
         if args.structured:
             res["host_timeline"] = host_timeline(path, max(len(markers) - 1, 1), win)
             res["grammar"] = {k: v for k, v in sd.items() if "grammar" in k}

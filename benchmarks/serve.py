@@ -591,8 +591,16 @@ def child_offline(spec: dict) -> dict:
                                    _vocab(spec["model"]), spec["seed"])  # the streamed levels' requests
         levels[str(c)] = _offline_closed_loop(llm, level_reqs, sp, c)
         print(f"offline, at most {c} in flight: {levels[str(c)]['output_throughput']:,.0f} tok/s", flush=True)
+    prof = None
+    c = spec.get("profile")
+    if c:  # the closed loop once more under py-spy: this process and the engine core's
+        tok_s = levels.get(str(c), {}).get("output_throughput", 10000.0)
+        reqs = make_workload(_profile_prompts(spec, tok_s), spec["input_len"], spec["output_len"],
+                             _vocab(spec["model"]), spec["seed"] + 7)
+        p = _Profiler(os.getpid(), spec["py_spy"], spec["profile_seconds"])
+        prof = {"concurrency": c, "run": _offline_closed_loop(llm, reqs, sp, c), "py_spy": p.join()}
     llm.shutdown()
-    return {"levels": levels}
+    return {"levels": levels, "profile": prof}
 
 
 def _offline_closed_loop(llm, reqs: list[Req], sp, concurrency: int) -> dict:
@@ -1079,7 +1087,7 @@ def suite(a) -> dict:
     for core in a.cores.split(","):
         for fe in a.frontends.split(","):
             spec = _child_spec(a, fe, core, str(model_dir))
-            if fe not in ("asyncllm", "http"):  # the profiled front ends
+            if fe not in ("offline", "asyncllm", "http"):  # the profiled front ends
                 spec["profile"] = None
             print(f"=== {fe} / core={core}", flush=True)
             results.setdefault(core, {})[fe] = _run_child(spec, a.child_timeout)
@@ -1120,7 +1128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--http-clients", type=int, default=8, help="client processes for the HTTP front end")
     p.add_argument("--profile", type=int, default=None, metavar="C",
-                   help="also profile asyncllm and http at concurrency C with py-spy")
+                   help="also profile offline, asyncllm and http at concurrency C with py-spy")
     p.add_argument("--profile-seconds", type=float, default=4.0)
     p.add_argument("--py-spy", default=None, help="py-spy executable (default: on PATH or next to python)")
     p.add_argument("--switch-interval", type=float, default=None, help="ms; sys.setswitchinterval in the front end")

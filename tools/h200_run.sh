@@ -11,7 +11,7 @@
 # STEP: gpu_spec spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
-#       house_after house_before house_after2
+#       house_after house_before house_after2 diag_after diag_before idle_after idle_before
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
 # (default: all), and on a 2-GPU machine gpu_tp gpu_tp_spec tp tp_step_broadcast tp_profile (tools/tp_h200x2.sh).
@@ -69,6 +69,14 @@ SERVE_HOUSE="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 0 --core
 step 200 house_after python3 $SERVE_HOUSE --json "$OUT/house_after.json"
 step 200 house_before bash -c "cd .bench_before && python3 $SERVE_HOUSE --json $OUT/house_before.json"
 step 200 house_after2 python3 $SERVE_HOUSE --json "$OUT/house_after2.json"
+# where issue 24's c=256 gap goes, on this checkout and on .bench_before/: the offline closed loop and
+# AsyncLLM once more under py-spy (front end and engine core), then the decode steps at batch 256 under
+# torch's profiler (GPU idle between / inside steps, busy time and the kernels per step)
+SERVE_DIAG="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 256 --profile-seconds 3 --cores mp --frontends offline,asyncllm --concurrency 256"
+step 150 diag_after python3 $SERVE_DIAG --json "$OUT/diag_after.json"
+step 150 diag_before bash -c "cd .bench_before && python3 $SERVE_DIAG --json $OUT/diag_before.json"
+step 100 idle_after python3 benchmarks/gpu_idle.py --batch 256 --modes on --json "$OUT/idle_after.json"
+step 100 idle_before bash -c "cd .bench_before && python3 benchmarks/gpu_idle.py --batch 256 --modes on --json $OUT/idle_before.json"
 step 150 serve_final_inproc python3 $SERVE --cores inproc --frontends asyncllm,http --concurrency 64,256 --profile 0 --json "$OUT/serve_inproc.json"
 # the second session's final run: every front end against both ceilings (LLM.generate, and the
 # closed-loop offline rate at each concurrency), then structured outputs (issue 15)
