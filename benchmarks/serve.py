@@ -538,7 +538,7 @@ def _child_spec(a, frontend: str, core: str, model_dir: str) -> dict:
             "c1_prompts": a.c1_prompts, "input_len": a.input_len, "output_len": a.output_len,
             "seed": a.seed, "http_clients": a.http_clients, "profile": a.profile,
             "profile_seconds": a.profile_seconds, "py_spy": find_py_spy(a.py_spy),
-            "switch_interval": a.switch_interval, "stream_interval": a.stream_interval,
+            "switch_interval": a.switch_interval, "stream_interval": a.stream_interval, "repeats": a.repeats,
             "no_async_scheduling": a.no_async_scheduling}
 
 
@@ -580,16 +580,19 @@ def child_offline(spec: dict) -> dict:
                          spec["seed"])
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=spec["output_len"])
     llm.generate([r.prompt for r in reqs[:8]], sp, use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt for r in reqs], sp, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    levels = {"all": {"completed": len(outs), "failed": 0, "duration_s": dt, "output_tokens": toks,
-                      "output_throughput": toks / dt}}
+    runs = []
+    for _ in range(_repeats(spec)):
+        t0 = time.perf_counter()
+        outs = llm.generate([r.prompt for r in reqs], sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        toks = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append({"completed": len(outs), "failed": 0, "duration_s": dt, "output_tokens": toks,
+                     "output_throughput": toks / dt})
+    levels = {"all": median_run(runs)}
     for c in spec["levels"]:
         level_reqs = make_workload(_level_prompts(spec, c), spec["input_len"], spec["output_len"],
                                    _vocab(spec["model"]), spec["seed"])  # the streamed levels' requests
-        levels[str(c)] = _offline_closed_loop(llm, level_reqs, sp, c)
+        levels[str(c)] = median_run([_offline_closed_loop(llm, level_reqs, sp, c) for _ in range(_repeats(spec))])
         print(f"offline, at most {c} in flight: {levels[str(c)]['output_throughput']:,.0f} tok/s", flush=True)
     prof = None
     c = spec.get("profile")
@@ -626,14 +629,30 @@ def _offline_closed_loop(llm, reqs: list[Req], sp, concurrency: int) -> dict:
     return {"completed": n, "failed": 0, "duration_s": dt, "output_tokens": toks, "output_throughput": toks / dt}
 
 
+def _repeats(spec: dict) -> int:
+    return max(int(spec.get("repeats") or 1), 1)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median output throughput (the lower middle one of an even count), with
+    every run's throughput beside it (``runs_tok_s``, in run order): one engine, the same
+    requests each time, so the spread is the machine's noise, not a start-up's."""
+    mid = sorted(runs, key=lambda r: r["output_throughput"])[(len(runs) - 1) // 2]
+    return {**mid, "runs_tok_s": [round(r["output_throughput"], 1) for r in runs]}
+
+
 def _run_levels(spec: dict, vocab: int, title: str, pid: int, profile_delay: float, run) -> tuple[dict, dict]:
-    """``run(reqs, concurrency) -> (results, seconds)`` at every level, then (with
-    ``spec["profile"]``) once more under py-spy on ``pid``. Returns (levels, profile)."""
+    """``run(reqs, concurrency) -> (results, seconds)`` at every level (``spec["repeats"]``
+    times, the median kept: ``median_run``), then (with ``spec["profile"]``) once more under
+    py-spy on ``pid``. Returns (levels, profile)."""
     levels, prof = {}, None
     for c in spec["levels"]:
         reqs = make_workload(_level_prompts(spec, c), spec["input_len"], spec["output_len"], vocab, spec["seed"])
-        res, dur = run(reqs, c)
-        levels[str(c)] = summarize(res, dur)
+        runs = []
+        for _ in range(_repeats(spec)):
+            res, dur = run(reqs, c)
+            runs.append(summarize(res, dur))
+        levels[str(c)] = median_run(runs)
         print_summary(f"{title} c={c}", levels[str(c)])
     c = spec.get("profile")
     if c:
@@ -781,7 +800,7 @@ C_DRIVER = r"""
 /* argv: model max_num_seqs max_model_len device max_tokens prompts_file times_prefix C:N [C:N ...]
  * (max_num_seqs, max_model_len, device: vllm_model_params fields, 0 for the default)
  * prompts_file: NUL-separated prompts. One engine for every level: at each level C:N,
- * submits the first N prompts with at most C in flight and writes to times_prefix.C,
+ * submits the first N prompts with at most C in flight and writes to times_prefix.I (I: the entry's index),
  * per request, the submit time then every callback's time (doubles, seconds), the list
  * preceded by its length as a double; prints one JSON line per level. */
 typedef struct { double* t; int n, cap; } rec;
@@ -844,7 +863,7 @@ int main(int argc, char** argv) {
   int failed = 0;
   for (int a = 8; a < argc; a++) {
     int conc = atoi(argv[a]), k = atoi(strchr(argv[a], ':') + 1);
-    char path[4096]; snprintf(path, sizeof path, "%s.%d", argv[7], conc);
+    char path[4096]; snprintf(path, sizeof path, "%s.%d", argv[7], a - 8);
     int r = run_level(e, &sp, prompts, k < n ? k : n, conc, max_tokens, path);
     if (r < 0) return 1;
     failed += r;
@@ -935,20 +954,20 @@ def child_capi(spec: dict) -> dict:
                         "-o", str(exe), f"-L{lib.parent}", "-lvengine", f"-Wl,-rpath,{lib.parent}"], check=True)
         (tmp / "prompts").write_bytes(b"".join(t.encode() + b"\0" for t in texts))
         env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **engine_env)
-        plan = [f"{c}:{_level_prompts(spec, c)}" for c in spec["levels"]]
+        plan = [f"{c}:{_level_prompts(spec, c)}" for c in spec["levels"] for _ in range(_repeats(spec))]
         proc = subprocess.run([str(exe), *engine_argv, str(spec["output_len"]),
                                str(tmp / "prompts"), str(tmp / "times"), *plan], capture_output=True, text=True,
                               env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"C driver failed: {proc.stderr[-2000:]}")
-        for line in proc.stdout.splitlines():
-            if not line.startswith("{"):
-                continue
-            info = json.loads(line)
-            c = info["concurrency"]
-            res = _capi_results(tmp / f"times.{c}", info["requests"], spec["input_len"], spec["output_len"])
-            levels[str(c)] = summarize(res, info["seconds"])
-            print_summary(f"capi/{spec['core']} c={c}", levels[str(c)])
+        runs: dict[str, list[dict]] = {}
+        lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+        for i, info in enumerate(lines):  # one line per plan entry, in order: times.<entry>
+            res = _capi_results(tmp / f"times.{i}", info["requests"], spec["input_len"], spec["output_len"])
+            runs.setdefault(str(info["concurrency"]), []).append(summarize(res, info["seconds"]))
+        for c, rs in runs.items():
+            levels[c] = median_run(rs)
+            print_summary(f"capi/{spec['core']} c={c}", levels[c])
     return {"levels": levels}
 
 
@@ -1130,6 +1149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=None, metavar="C",
                    help="also profile offline, asyncllm and http at concurrency C with py-spy")
     p.add_argument("--profile-seconds", type=float, default=4.0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each level this many times on one engine and keep the median (every run's tok/s is kept too)")
     p.add_argument("--py-spy", default=None, help="py-spy executable (default: on PATH or next to python)")
     p.add_argument("--switch-interval", type=float, default=None, help="ms; sys.setswitchinterval in the front end")
     p.add_argument("--stream-interval", type=int, default=None, help="engine arg stream_interval")
