@@ -73,6 +73,8 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         need = (cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
                 - self.num_blocks(request.request_id) - len(new_computed_blocks))
+        if not new_computed_blocks:  # (every decode step: no generator per request)
+            return max(need, 0)
         return max(need, 0) + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,

@@ -8,9 +8,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
-from pyengine.worker.step_codec import SMALL_STEP_TOKENS, _pack_small, _pack_vectorised, pack_step
+from pyengine.worker.step_codec import SMALL_STEP_TOKENS, _fill_block_table, _pack_small, _pack_vectorised, pack_step
 
 BS = 4
 
@@ -107,3 +109,17 @@ def test_vectorised_block_table_rows(ragged):
     _check_layout(vec, so, {})
     small = _pack_small(so, BS, {})
     assert np.array_equal(small.buf32, vec.buf32) and np.array_equal(small.buf64, vec.buf64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=12), min_size=1, max_size=20)
+       .filter(lambda bl: any(bl)))
+def test_fill_block_table_matches_a_row_per_request(block_lists):
+    """Rows of unequal length (a decode batch) and of equal length (the fast path) alike."""
+    lens = [len(b) for b in block_lists]
+    got = np.zeros((len(lens), max(lens)), dtype=np.int32)
+    _fill_block_table(got, block_lists, lens)
+    want = np.zeros_like(got)
+    for i, b in enumerate(block_lists):
+        want[i, :len(b)] = b
+    np.testing.assert_array_equal(got, want)
