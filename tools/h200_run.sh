@@ -65,10 +65,12 @@ step 220 perfreg_after_256 python3 $SERVE_AB --concurrency 256 --json "$OUT/perf
 # issue 24's last check: every front end (one API server for HTTP, as on both codes) at c=256 on
 # this checkout, then on .bench_before/ (git archive 692c422, today's benchmarks/ laid over it), then
 # this checkout again: after / before with the drift between the two "after" passes beside it
-SERVE_HOUSE="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 0 --cores mp --frontends offline,asyncllm,http,capi --concurrency 256"
-step 200 house_after python3 $SERVE_HOUSE --json "$OUT/house_after.json"
-step 200 house_before bash -c "cd .bench_before && python3 $SERVE_HOUSE --json $OUT/house_before.json"
-step 200 house_after2 python3 $SERVE_HOUSE --json "$OUT/house_after2.json"
+# HOUSE_REPEATS=N: each level N times on one engine, the median kept (one pass of a front end moves by
+# 10-20% between runs on this machine: 12-02's diag_* against house_* of the same code)
+SERVE_HOUSE="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 0 --cores mp --frontends offline,asyncllm,http,capi --concurrency 256 --repeats ${HOUSE_REPEATS:-1}"
+step 300 house_after python3 $SERVE_HOUSE --json "$OUT/house_after.json"
+step 300 house_before bash -c "cd .bench_before && python3 $SERVE_HOUSE --json $OUT/house_before.json"
+step 300 house_after2 python3 $SERVE_HOUSE --json "$OUT/house_after2.json"
 # where issue 24's c=256 gap goes, on this checkout and on .bench_before/: the offline closed loop and
 # AsyncLLM once more under py-spy (front end and engine core), then the decode steps at batch 256 under
 # torch's profiler (GPU idle between / inside steps, busy time and the kernels per step)
