@@ -21,6 +21,14 @@ section, so a run cut short keeps what it measured), in about 4-5 minutes:
   the serving workload (512 x 128-in / 256-out) and on nano-vllm's (256 requests, prompt
   and output lengths uniform in [100, 1024], temperature 0.6, ignore_eos).
 
+``--sections profile`` (not in the default sections): the engine section's engine, one
+batch-1 request of ``--tpot-input-len`` tokens, ``--profile-steps`` (20) decode steps under
+``torch.profiler`` (CPU and CUDA activity, CUDA graphs as served): per kernel and class
+(attention, GEMV by layer role, norm, rope, MoE align / GEMM, top-k and router, sampling,
+copies), GPU busy against the step's wall time, kernels per step (benchmarks/decode_profile.py);
+``--trace-dir`` keeps the chrome trace. Run alone it writes ``moe_profile_<shape>.json``
+(about 45 s on the H200, most of it the engine's start-up).
+
 ``--sweep``: instead, search the fused kernel's tile configs per M for the shape (``--sweep-n``
 intermediate sizes: 768 at TP=1, 384 at TP=2) within ``--sweep-budget-s`` seconds and
 write ``pyengine/layers/fused_moe/configs/E=128,N=<n>,device_name=<GPU>.json`` (or into
@@ -28,6 +36,7 @@ write ``pyengine/layers/fused_moe/configs/E=128,N=<n>,device_name=<GPU>.json`` (
 
     python benchmarks/moe.py --out-dir benchmarks/results/DATE-h200-moe
     python benchmarks/moe.py --sweep --out-dir benchmarks/results/DATE-h200-moe
+    python benchmarks/moe.py --sections profile --out-dir benchmarks/results/DATE-h200-moe
     TRITON_INTERPRET=1 python benchmarks/moe.py --cpu-smoke --out-dir /tmp/moe   # the same code paths, tiny, CPU
 """
 from __future__ import annotations
@@ -62,6 +71,7 @@ from benchmarks.common import (  # noqa: E402
     stats_delta,
     write_json,
 )
+from benchmarks.decode_profile import add_profile_args  # noqa: E402
 
 SHAPES = ("qwen3-30b-a3b", "tiny")
 
@@ -704,6 +714,16 @@ def _throughput(llm, prompts, max_tokens, temperature: float, device: str) -> di
             "requests_short": sum(1 for o, m in zip(outs, max_tokens) if len(o.outputs[0].token_ids) != m)}
 
 
+def _engine_kwargs(args, device: str, dtype_name: str) -> dict:
+    """``LLM``'s arguments of the engine section (and of the profile part: the same engine)."""
+    kw = dict(load_format="dummy", dtype=dtype_name, device=device, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+              tensor_parallel_size=args.tensor_parallel_size)
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kw
+
+
 def bench_engine(args, model_dir: Path, device: str, dtype_name: str, save: Callable[[dict], None]) -> dict:
     import random
 
@@ -711,11 +731,7 @@ def bench_engine(args, model_dir: Path, device: str, dtype_name: str, save: Call
 
     from pyengine import LLM, SamplingParams
 
-    kw = dict(load_format="dummy", dtype=dtype_name, device=device, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
-              tensor_parallel_size=args.tensor_parallel_size)
-    if args.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    kw = _engine_kwargs(args, device, dtype_name)
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), **kw)
     _sync(device)
@@ -771,6 +787,42 @@ def bench_engine(args, model_dir: Path, device: str, dtype_name: str, save: Call
     return res
 
 
+# ---- section: profile ------------------------------------------------------------------------
+
+def bench_profile(args, model_dir: Path, device: str, dtype_name: str) -> dict:
+    """The engine section's engine (same arguments), one batch-1 request of the TPOT run's
+    prompt length: ``--profile-steps`` decode steps under torch.profiler, per kernel and
+    class (benchmarks/decode_profile.py), against the step's bandwidth floor."""
+    import torch
+
+    from benchmarks.decode_profile import profile_decode, report_md
+    from pyengine import LLM
+
+    kw = _engine_kwargs(args, device, dtype_name)
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), **kw)
+    _sync(device)
+    startup = time.perf_counter() - t0
+    try:
+        cfg = llm.llm_engine.config
+        res = profile_decode(llm, input_len=args.tpot_input_len, profile_steps=args.profile_steps,
+                             warmup_steps=args.profile_warmup_steps, timed_steps=args.profile_timed_steps,
+                             trace_dir=args.trace_dir, seed=2000)
+        itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+        floor = step_bytes(cfg.hf_config, itemsize, batch=1, context=args.tpot_input_len + args.profile_warmup_steps
+                           + args.profile_timed_steps + args.profile_steps // 2)
+        res.update(startup_s=startup, engine_args=kw, attention_backend=cfg.attention_backend,
+                   bytes_per_step=floor, bandwidth_tbs=args.bandwidth_tbs,
+                   floor_us=floor["total"] / (args.bandwidth_tbs * 1e6))
+        print(report_md(f"Batch-1 decode profile, {args.shape} ({dtype_name}); bandwidth floor "
+                        f"{res['floor_us']:.1f} us/step", res), flush=True)
+    finally:
+        shutdown_llm(llm)
+        del llm
+        free_cuda()
+    return res
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -782,7 +834,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b")
     p.add_argument("--model-dir", default=None, help="where to write the shape's config + tokenizer")
     p.add_argument("--tmp-dir", default=None, help="where the loading check writes its checkpoint (default: system temp)")
-    p.add_argument("--sections", default="kernels,loading,engine", help="comma-separated: kernels, loading, engine")
+    p.add_argument("--sections", default="kernels,loading,engine",
+                   help="comma-separated: kernels, loading, engine, profile (not by default: the engine's batch-1 "
+                        "decode steps under torch.profiler, per kernel; alone, it writes moe_profile_<shape>.json)")
     p.add_argument("--sweep", action="store_true", help="run the tile-config sweep instead of the sections")
     p.add_argument("--sweep-n", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="intermediate sizes to sweep (default: the shape's; 384 is TP=2's)")
@@ -816,6 +870,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nano-requests", type=int, default=256)
     p.add_argument("--nano-min-len", type=int, default=100)
     p.add_argument("--nano-max-len", type=int, default=1024)
+    add_profile_args(p)
     return p
 
 
@@ -827,6 +882,7 @@ def _apply_smoke(args) -> None:
     args.max_model_len = 256
     args.max_num_seqs = 8
     args.tpot_input_len, args.tpot_output_len, args.tpot_iters = 8, 6, 1
+    args.profile_steps, args.profile_warmup_steps, args.profile_timed_steps = 6, 2, 4
     args.serve_requests, args.serve_input_len, args.serve_output_len = 4, 8, 6
     args.nano_requests, args.nano_min_len, args.nano_max_len = 3, 4, 12
     args.sweep_m = [1, 40]  # one GEMV-path M, one grouped-GEMM M
@@ -856,7 +912,9 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = command_line() if argv is None else "benchmarks/moe.py " + " ".join(argv)
     payload = {"benchmark": "moe", "command": cmd, "hardware": hardware_info(device), "args": vars(args),
                "shape": args.shape, "dtype": dtype_name, "results": {}}
-    out = out_dir / (f"moe_sweep_{args.shape}.json" if args.sweep else f"moe_{args.shape}.json")
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    stem = "moe_sweep" if args.sweep else "moe_profile" if sections == ["profile"] else "moe"
+    out = out_dir / f"{stem}_{args.shape}.json"
     t_start = time.perf_counter()
 
     def save(section=None, value=None):
@@ -868,8 +926,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sweep:
         save("sweep", run_sweep(args, cfg, device, dtype))
         return payload
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    bad = [s for s in sections if s not in ("kernels", "loading", "engine")]
+    bad = [s for s in sections if s not in ("kernels", "loading", "engine", "profile")]
     if bad:
         sys.exit(f"error: unknown sections {bad}")
     for name in sections:
@@ -883,7 +940,10 @@ def main(argv: list[str] | None = None) -> dict:
                 model_dir = Path(args.model_dir) if args.model_dir else \
                     Path(tempfile.gettempdir()) / "vengine_bench_models" / f"moe-{args.shape}"
                 make_moe_model_dir(args.shape, model_dir)
-                value = bench_engine(args, model_dir, device, dtype_name, lambda partial: save("engine", partial))
+                if name == "profile":
+                    value = bench_profile(args, model_dir, device, dtype_name)
+                else:
+                    value = bench_engine(args, model_dir, device, dtype_name, lambda partial: save("engine", partial))
         except Exception as e:  # keep the other sections' numbers
             import traceback
             traceback.print_exc()

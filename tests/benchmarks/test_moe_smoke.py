@@ -61,3 +61,31 @@ def test_moe_sweep_cpu_smoke_writes_a_loadable_table(tmp_path):
     # the GEMV path's split-K tiles are among the candidates, timed (they ran) for both passes
     split = [e for e in sweep["32"]["log"] if e.get("path") == "gemv" and e.get("config", {}).get("SPLIT_K", 1) > 1]
     assert {e["pass"] for e in split} == {"w13", "w2"} and all(e["us"] < float("inf") for e in split)
+
+
+def _check_profile(prof: dict, steps: int) -> None:
+    """A CPU profile part's result: CPU ops (``aten::``) as its rows, per step."""
+    assert "error" not in prof, prof
+    assert prof["device"] == "cpu" and prof["steps"] == steps and prof["num_layers"] == 2
+    rows = prof["kernels"]
+    assert rows and all(r["name"].startswith("aten::") and r["calls_per_step"] > 0 for r in rows)
+    assert [r["us_per_step"] for r in rows] == sorted((r["us_per_step"] for r in rows), reverse=True)
+    assert {"gemm", "embedding"} <= set(prof["by_group"]) and prof["kernels_per_step"] > 0
+    assert prof["gpu_busy_us_per_step"] > 0 and prof["wall_us_per_step"] >= prof["gpu_busy_us_per_step"]
+    assert prof["unprofiled"]["wall_us_per_step"] > 0 and "forward" in prof["host_phases_us_per_step"]
+
+
+@pytest.mark.timeout(300)
+def test_moe_profile_cpu_smoke(tmp_path):
+    """``--sections profile`` on the CPU (no triton needed): the engine section's engine,
+    its batch-1 decode steps under torch.profiler; alone it writes moe_profile_tiny.json."""
+    from benchmarks import moe
+
+    moe.main(["--cpu-smoke", "--sections", "profile", "--out-dir", str(tmp_path), "--trace-dir",
+              str(tmp_path / "trace")])
+    res = json.loads((tmp_path / "moe_profile_tiny.json").read_text())["results"]
+    assert set(res) == {"profile"} and not (tmp_path / "moe_tiny.json").exists()
+    prof = res["profile"]
+    _check_profile(prof, 6)
+    assert prof["engine_args"]["max_num_seqs"] == 8 and prof["floor_us"] > 0
+    assert list((tmp_path / "trace").glob("*.trace.json.gz"))
