@@ -36,13 +36,21 @@ Parts (``--parts``, default all):
   ``--config-dir``) and a copy into the output directory: the table the GEMVs read
   (pyengine/ops/gemv_configs.py);
 * ``attention``: paged decode attention over bf16 and FP8 caches (batch x context from
-  ``--attn-cases``): time and KV bytes read per second.
+  ``--attn-cases``): time and KV bytes read per second;
+* ``profile`` (asked for by name only, not in the default): the ``tpot`` part's engines
+  (``--profile-variants``, default bf16, fp8, w4a16) on its prompt, ``--profile-steps``
+  (20) batch-1 decode steps each under ``torch.profiler`` (CPU and CUDA activity, CUDA
+  graphs as served): per kernel and class (attention, GEMV by layer role, norm, rope, quant,
+  sampling, copies), GPU busy against the step's wall time, kernels per step
+  (benchmarks/decode_profile.py); ``--trace-dir`` keeps the chrome traces. Alone it writes
+  ``quant_profile.json`` instead of ``quant.json`` (about 60 s on the H200).
 
 One JSON file, ``quant.json``, goes into the output directory given on the command line;
 a markdown summary is printed. On one H200 the whole run takes about 5-6 minutes.
 
     python benchmarks/quant.py results/2026-12-02-h200                 # everything
     python benchmarks/quant.py OUT --parts tpot,kv
+    python benchmarks/quant.py OUT --parts profile                      # batch-1 decode step per kernel
     python benchmarks/quant.py OUT --parts kernels --sweep --gemm-m 0   # GEMV configs per layer shape
     python benchmarks/quant.py OUT --device cpu --shape tiny --output-len 4 --num-requests 4 \\
         --max-len 24 --iters 1 --group-size 32                           # CPU smoke (engine parts)
@@ -75,8 +83,11 @@ from benchmarks.common import (  # noqa: E402
     start,
     write_json,
 )
+from benchmarks.decode_profile import add_profile_args, compare_md, profile_decode, report_md  # noqa: E402
 
 PARTS = ("tpot", "throughput", "kv", "kernels", "attention")
+EXTRA_PARTS = ("profile",)  # asked for by name only
+PROFILE_VARIANTS = ("bf16", "fp8", "w4a16")
 TARGETS = {"tpot_fp8_over_bf16": 0.60, "tpot_w4a16_over_bf16": 0.40, "throughput_fp8_over_bf16": 1.3,
            "kv_tokens_fp8_over_bf16": 2.0}
 
@@ -86,7 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, default_shape="llama-3.1-8b")
     p.add_argument("out_dir", help="directory for quant.json")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated, from {', '.join(PARTS + EXTRA_PARTS)} (default: all but profile)")
+    p.add_argument("--profile-variants", default=",".join(PROFILE_VARIANTS),
+                   help="engines of the profile part, from " + ", ".join(PROFILE_VARIANTS))
+    add_profile_args(p)
     p.add_argument("--output-len", type=int, default=128, help="tokens per request of the TPOT runs")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=256)
@@ -239,6 +254,47 @@ def run_engines(args, parts: set, results: dict) -> None:
         "kv_tokens_fp8_over_bf16": ratio(e.get("fp8_kv", {}).get("kv", {}).get("tokens"),
                                          e.get("bf16", {}).get("kv", {}).get("tokens")),
     }
+
+
+def run_profile(args, results: dict, save: Callable[[], None] | None = None) -> None:
+    """The TPOT part's engines (``--profile-variants``; max_num_seqs 1, as ``--parts tpot``
+    builds them) on its 32-token prompt: ``--profile-steps`` batch-1 decode steps under
+    torch.profiler each, per kernel and class (benchmarks/decode_profile.py)."""
+    base = prepare_model_dir(args)
+    variants = [v.strip() for v in args.profile_variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in PROFILE_VARIANTS]
+    if bad or not variants:
+        raise SystemExit(f"error: --profile-variants takes {', '.join(PROFILE_VARIANTS)}; got {args.profile_variants!r}")
+    out = results.setdefault("profile", {})
+    for v in variants:
+        model_dir = _w4a16_dir(base, args.group_size) if v == "w4a16" else base
+        print(f"[profile {v}] building the engine ...", flush=True)
+        llm, startup = _engine(args, model_dir, v, 1)
+        try:
+            r = profile_decode(llm, input_len=32, profile_steps=args.profile_steps,
+                               warmup_steps=args.profile_warmup_steps, timed_steps=args.profile_timed_steps,
+                               trace_dir=os.path.join(args.trace_dir, v) if args.trace_dir else None, seed=100)
+            r.update(startup_s=startup, quantization=llm.llm_engine.config.quantization)
+        except Exception as e:  # keep the other variants' profiles
+            import traceback
+            traceback.print_exc()
+            r = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            shutdown_llm(llm)
+            del llm
+            free_cuda()
+        out[v] = r
+        print(report_md(f"[profile {v}]", r, top=12), flush=True)
+        if save is not None:  # a run cut short keeps the variants done
+            save()
+    ok = {v: r for v, r in out.items() if "error" not in r}
+    if "bf16" in ok:
+        results["profile_ratios"] = {
+            f"{v}_over_bf16": {"wall": r["wall_us_per_step"] / ok["bf16"]["wall_us_per_step"],
+                               "busy": r["gpu_busy_us_per_step"] / ok["bf16"]["gpu_busy_us_per_step"],
+                               "gemm": (r["by_group"].get("gemm", {}).get("us_per_step", 0.0) /
+                                        (ok["bf16"]["by_group"].get("gemm", {}).get("us_per_step") or float("nan")))}
+            for v, r in ok.items() if v != "bf16"}
 
 
 # ---- kernels ------------------------------------------------------------------------------
@@ -546,6 +602,19 @@ def report(results: dict, hw: dict, cmd: str) -> None:
             print(f"\nBest configs, a layer: FP8 {best['fp8']:.3f}x bf16, W4A16 {best['w4a16']:.3f}x bf16; sweep "
                   f"{kern['sweep_s']:.0f} s; configs written: {', '.join(kern['config_files']) or 'none (CPU)'}")
             print()
+    if results.get("profile"):
+        prof = results["profile"]
+        print("Batch-1 decode step per kernel group (us per step; profile part)")
+        print(compare_md(prof))
+        print()
+        print(compare_md(prof, "by_class"))
+        print()
+        for v, r in prof.items():
+            print(report_md(f"profile {v}", r, top=15))
+            print()
+        for v, q in results.get("profile_ratios", {}).items():
+            print(f"{v}: wall {q['wall']:.3f}x, GPU busy {q['busy']:.3f}x, GEMV/GEMM {q['gemm']:.3f}x")
+        print()
     if "attention" in results:
         print(md_table(["batch x context", "splits", "bf16 us (KV GB/s)", "FP8 us (KV GB/s)", "FP8 speed-up"],
                        [[f"{r['batch']}x{r['context']}", r["splits"], f"{r['bf16_us']:.1f} ({r['bf16_kv_gb_s']:.0f})",
@@ -557,8 +626,8 @@ def report(results: dict, hw: dict, cmd: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     args, hw, cmd = start(build_parser(), argv, "quant.py")
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    if not parts or parts - set(PARTS):
-        raise SystemExit(f"error: --parts takes {', '.join(PARTS)}; got {args.parts!r}")
+    if not parts or parts - set(PARTS + EXTRA_PARTS):
+        raise SystemExit(f"error: --parts takes {', '.join(PARTS + EXTRA_PARTS)}; got {args.parts!r}")
     t0 = time.perf_counter()
     results: dict = {"benchmark": "quant", "command": cmd, "hardware": hw, "args": vars(args), "shape": args.shape,
                      "targets": TARGETS, "engines": {}}
@@ -568,9 +637,12 @@ def main(argv: list[str] | None = None) -> dict:
         run_attention(args, results)
     if parts & {"tpot", "throughput", "kv"}:
         run_engines(args, parts, results)
+    out = str(Path(args.out_dir) / ("quant_profile.json" if parts == {"profile"} else "quant.json"))
+    if "profile" in parts:
+        run_profile(args, results, lambda: write_json(out, results))
     results["elapsed_s"] = time.perf_counter() - t0
     report(results, hw, cmd)
-    write_json(str(Path(args.out_dir) / "quant.json"), results)
+    write_json(out, results)
     return results
 
 

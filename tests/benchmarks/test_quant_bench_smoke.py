@@ -42,3 +42,20 @@ def test_kernel_parts(tiny_dir, tmp_path):
     assert [r["layer"] for r in res["kernels"]["rows"]] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     assert all(r["sweep"]["fp8_gemv_best"] in r["sweep"]["fp8_gemv_us"] for r in res["kernels"]["rows"])
     assert res["attention"]["rows"][0]["fp8_us"] > 0
+
+
+def test_profile_part(tiny_dir, tmp_path):
+    """``--parts profile``: bf16, FP8 and W4A16 engines, batch-1 decode steps under
+    torch.profiler each (CPU ops as rows here); alone it writes quant_profile.json."""
+    res = quant.main(_args(tiny_dir, tmp_path, "--parts", "profile", "--profile-steps", "5", "--profile-warmup-steps",
+                           "2", "--profile-timed-steps", "3"))
+    prof = res["profile"]
+    assert set(prof) == {"bf16", "fp8", "w4a16"}
+    for r in prof.values():
+        assert "error" not in r and r["device"] == "cpu" and r["steps"] == 5, r
+        rows = r["kernels"]
+        assert rows and all(x["name"].startswith("aten::") and x["calls_per_step"] > 0 for x in rows)
+        assert "gemm" in r["by_group"] and r["gpu_busy_us_per_step"] > 0 and r["unprofiled"]["wall_us_per_step"] > 0
+    assert prof["fp8"]["quantization"] == "fp8" and prof["w4a16"]["quantization"] == "gptq"
+    assert set(res["profile_ratios"]) == {"fp8_over_bf16", "w4a16_over_bf16"}
+    assert (tmp_path / "quant_profile.json").is_file() and not (tmp_path / "quant.json").exists()
