@@ -8,7 +8,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_spec spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: moe_profile quant_profile gpu_spec spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before
@@ -103,6 +103,15 @@ step 90 moe_quick_sweep bash -c "python3 benchmarks/moe.py --sweep --sweep-quick
 # $OUT/gemv_configs.tar (the device tool drops file names with ',' or '=': commit it to pyengine/ops/configs/)
 step 110 gemv_sweep bash -c "python3 benchmarks/quant.py $OUT --parts kernels --sweep --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
 step 60 gpufix_moe_kernels python3 benchmarks/moe.py --out-dir "$OUT" --sections kernels --kernel-m 1,16,256,4096 --repeats 2
+# where a batch-1 decode step's time goes, kernel by kernel (issues 25 and 26; benchmarks/decode_profile.py): the
+# TPOT runs' engines (the real shapes, CUDA graphs as served), 20 decode steps under torch.profiler each; per kernel,
+# per class (GEMV by layer role, attention, norm, MoE, sampling, ...), GPU busy vs wall, kernels per step. The JSON
+# plus one tar of the chrome traces each (4 files). Both in one call: ~45 s (MoE: 30B-A3B engine start-up ~20 s) and
+# ~65 s (bf16, FP8, W4A16 8B engines; quant_profile.json is rewritten after each)
+# (PROF_TAR TAR DIR CMD...: runs CMD, then tars /tmp/vengine_prof/DIR into TAR unless over 15 MB: a file over 16 MiB would not come back)
+PROF_TAR='t=$1 d=$2; shift 2; "$@"; rc=$?; tar -cf "$t" -C /tmp/vengine_prof "$d" && [ $(stat -c%s "$t") -gt 15000000 ] && rm -f "$t"; exit $rc'
+step 90 moe_profile bash -c "$PROF_TAR" _ "$OUT/moe_profile_traces.tar" moe python3 benchmarks/moe.py --sections profile --out-dir "$OUT" --trace-dir /tmp/vengine_prof/moe
+step 120 quant_profile bash -c "$PROF_TAR" _ "$OUT/quant_profile_traces.tar" quant python3 benchmarks/quant.py "$OUT" --parts profile --trace-dir /tmp/vengine_prof/quant
 # quantization (issue 26): kernels vs their dequantized references, the quantized tiny models, then the 8B-shape benchmark
 step 200 gpu_quant python3 -m pytest -q -m gpu tests/quantization tests/ops/test_quant_ops.py -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=180
 step 360 quant_bench python3 benchmarks/quant.py "$OUT"
