@@ -11,7 +11,7 @@
 # STEP: moe_profile quant_profile gpu_spec spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
-#       house_after house_before house_after2 diag_after diag_before idle_after idle_before
+#       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
 # (default: all), and on a 2-GPU machine gpu_tp gpu_tp_spec tp tp_step_broadcast tp_profile (tools/tp_h200x2.sh).
@@ -40,6 +40,8 @@ step() {  # step SECONDS NAME CMD...
 }
 { nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"; } >> "$LOG" 2>&1
 # kernels first (fast, and a failure there explains any end-to-end failure), then token-exactness
+# every GPU test in one process (the 2-GPU ones skip on one GPU); about 400 s
+step 430 gpu_all python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short --durations=15 -o faulthandler_timeout=200 --continue-on-collection-errors
 step 120 gpu_ops python3 -m pytest -q -m gpu tests/ops tests/attention tests/worker -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=100
 step 270 gpu_e2e python3 -m pytest -q -m gpu tests/test_llm.py tests/engine -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=100
 step 150 gpu_mp python3 -m pytest -q -m gpu tests/engine/test_core_client.py -p no:cacheprovider --tb=short -o faulthandler_timeout=100
@@ -71,6 +73,10 @@ SERVE_HOUSE="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 0 --core
 step 300 house_after python3 $SERVE_HOUSE --json "$OUT/house_after.json"
 step 300 house_before bash -c "cd .bench_before && python3 $SERVE_HOUSE --json $OUT/house_before.json"
 step 300 house_after2 python3 $SERVE_HOUSE --json "$OUT/house_after2.json"
+# the C ABI alone, after then before, HOUSE_REPEATS runs on one engine each (its spread at c=256 is the widest)
+SERVE_CAPI="benchmarks/serve.py --suite --model-dir /tmp/q06 --profile 0 --cores mp --frontends capi --concurrency 256 --repeats ${HOUSE_REPEATS:-1}"
+step 120 capi_after python3 $SERVE_CAPI --json "$OUT/capi_after.json"
+step 120 capi_before bash -c "cd .bench_before && python3 $SERVE_CAPI --json $OUT/capi_before.json"
 # where issue 24's c=256 gap goes, on this checkout and on .bench_before/: the offline closed loop and
 # AsyncLLM once more under py-spy (front end and engine core), then the decode steps at batch 256 under
 # torch's profiler (GPU idle between / inside steps, busy time and the kernels per step)
