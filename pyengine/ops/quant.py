@@ -194,6 +194,8 @@ def _fp8_gemv_chunk(acc, w, x, x_ptr, s_ptr, k0, x_scale, rn_m, c_m, mask_m, rc,
             part = tl.dot(w.to(tl.float32), xq, input_precision="ieee")
         else:  # e4m3 values are exact in bf16/fp16: exact products, float32 sums
             part = tl.dot(w.to(x_ptr.dtype.element_ty), xq.to(x_ptr.dtype.element_ty))
+    elif S < 32:  # Hopper's FP8 MMA takes K >= 32: 16-column slices go through bf16, where e4m3 is exact
+        part = tl.dot(w.to(tl.bfloat16), xq.to(tl.float8e4nv).to(tl.bfloat16))
     else:
         part = tl.dot(w, xq.to(tl.float8e4nv))
     if ACT == 2 or BLOCK_SCALED:
