@@ -4,7 +4,8 @@
 # all.log (every command's tail) plus one JSON per benchmark — 8 files at most come back.
 #
 #   run this on the device with `.whl` carried (`bash ../shared/tools/device-wheels.sh flask-cors xgrammar
-#   apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs pyzmq anthropic docstring-parser`, and
+#   apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs pyzmq anthropic docstring-parser py-spy
+#   msgspec opentelemetry-api`, and
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
