@@ -2,6 +2,8 @@
 vllm/exceptions.py)."""
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -19,6 +21,25 @@ class VLLMValidationError(ValueError):
         super().__init__(message)
         self.parameter = parameter
         self.value = value
+
+    def renamed(self, names: Mapping[str, str]) -> VLLMValidationError:
+        """This refusal as a front end whose request calls fields otherwise reports it
+        (``names``: field -> the front end's name): ``parameter`` renamed (a dotted path by
+        its head), and in the message each of ``names`` that is an identifier (has an
+        ``_``, so no word of a sentence) as a whole word, not after a ``.``. One pass: a
+        new name is not renamed again. ``self`` when nothing changes."""
+        param = self.parameter
+        if param is not None:
+            head, dot, rest = param.partition(".")
+            param = names.get(head, head) + dot + rest
+        message = str(self)
+        idents = sorted((k for k, v in names.items() if "_" in k and k != v), key=len, reverse=True)
+        if idents:
+            pattern = r"(?<![\w.])(" + "|".join(map(re.escape, idents)) + r")(?!\w)"
+            message = re.sub(pattern, lambda m: names[m.group(1)], message)
+        if param == self.parameter and message == str(self):
+            return self
+        return VLLMValidationError(message, parameter=param, value=self.value)
 
 
 # Exception classes that keep their class across the engine-core boundary

@@ -225,3 +225,28 @@ def test_reset_prefix_cache_dev_endpoint(engine, server, monkeypatch):
         assert post(srv.port, "/reset_prefix_cache", b"")[0] == 200
     finally:
         srv.stop()
+
+
+
+
+R = "/v1/responses"
+
+
+# A refusal names the field the client sent, in its param and its message: chat's
+# max_completion_tokens, the Responses API's max_output_tokens (the engine's max_tokens).
+@pytest.mark.parametrize("path, body, param", [
+    (CH, ch(max_tokens=None, max_completion_tokens=-1), "max_completion_tokens"),
+    (CH, ch(max_tokens=None, max_completion_tokens=5000), "max_completion_tokens"),  # past max_model_len
+    (CH, ch(max_tokens=None, max_completion_tokens=2, min_tokens=3), "min_tokens"),
+    (R, {"model": MODEL_NAME, "input": "hi", "max_output_tokens": -1}, "max_output_tokens"),
+    (R, {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
+    (R, {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2, "min_tokens": 3}, "min_tokens"),
+], ids=["chat_neg", "chat_too_long", "chat_min_tokens", "responses_neg", "responses_too_long",
+        "responses_min_tokens"])
+def test_refusal_names_the_field_sent(server, path, body, param):
+    status, hdrs, data = post(server.port, path, body)
+    _check_envelope(status, hdrs, data, 400, param)
+    sent = "max_output_tokens" if path == R else "max_completion_tokens"
+    message = json.loads(data)["error"]["message"]
+    assert sent in message and "max_tokens" not in message, message
+

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from pyengine.entrypoints.anthropic.messages_utils import (
+    ANTHROPIC_PARAMS,
     MessagesStreamState,
-    anthropic_param,
     chat_to_message,
     messages_to_chat_request,
     random_id,
@@ -33,8 +33,7 @@ from pyengine.entrypoints.anthropic.protocol import (
 from pyengine.entrypoints.chat_job import ChatJob, prepare_chat
 from pyengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyengine.entrypoints.openai.serving_engine import Session, SSEStream, parse_request
-from pyengine.entrypoints.openai.serving_responses import chat_request_of, chunk_dict, renamed
-from pyengine.exceptions import VLLMValidationError
+from pyengine.entrypoints.openai.serving_responses import chat_request_of, chunk_dict
 
 __all__ = ["ServingMessages", "MessagesJob", "error_body"]
 
@@ -105,11 +104,8 @@ class ServingMessages:
         return req
 
     def _chat(self, req, model: str, message_id: str, run: Callable) -> ChatJob:
-        creq = chat_request_of(messages_to_chat_request(req), anthropic_param)
-        try:
-            return prepare_chat(self.chat, creq, model=model, response_id=message_id, run=run)
-        except VLLMValidationError as e:
-            raise renamed(e, anthropic_param) from None
+        creq = chat_request_of(messages_to_chat_request(req), ANTHROPIC_PARAMS)
+        return prepare_chat(self.chat, creq, model=model, response_id=message_id, run=run, names=ANTHROPIC_PARAMS)
 
     def prepare(self, req: MessagesRequest, *, model: str, run: Callable = lambda fn: fn()) -> MessagesJob:
         """The engine inputs of ``req`` by the chat endpoint's rules. Raises

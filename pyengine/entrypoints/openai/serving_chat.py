@@ -153,6 +153,9 @@ class ChatInputs:
     echo: str | None = None  # what each choice's message starts with (chat_echo)
     cache_salt: str | None = None  # the engine prompt's "cache_salt"
     reasoning: RequestReasoning | None = None  # --reasoning-parser: the split of each choice
+    # The request's names of the engine's fields where they differ (max_completion_tokens
+    # for max_tokens): the engine request's refusals name the field the client sent.
+    field_names: dict[str, str] | None = None
 
 
 def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | None = None,
@@ -168,7 +171,29 @@ def chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | N
     split into reasoning and content, a structured-output constraint (tool_choice
     required / named included) applies to the content only, and ``thinking_token_budget``
     (vLLM's field; refused without a parser) bounds the reasoning. Raises
-    VLLMValidationError."""
+    VLLMValidationError naming the field the client sent (``max_completion_tokens``, when
+    given, for the limit the engine calls ``max_tokens``)."""
+    names = chat_field_names(req)
+    try:
+        inputs = _chat_inputs(processor, req, chat_template=chat_template, tool_call_parser=tool_call_parser,
+                              enable_auto_tool_choice=enable_auto_tool_choice, output_kind=output_kind,
+                              stream=stream, run=run, reasoning_parser=reasoning_parser)
+    except VLLMValidationError as e:
+        if names is None:
+            raise
+        raise e.renamed(names) from None
+    inputs.field_names = names
+    return inputs
+
+
+def chat_field_names(req: ChatCompletionRequest) -> dict[str, str] | None:
+    """The request's names of the engine's fields where they differ (``ChatInputs.field_names``)."""
+    return {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else None
+
+
+def _chat_inputs(processor, req: ChatCompletionRequest, *, chat_template: str | None, tool_call_parser: str | None,
+                 enable_auto_tool_choice: bool, output_kind: RequestOutputKind, stream: bool | None,
+                 run: Callable, reasoning_parser: type | None) -> ChatInputs:
     check_stream_options(req, stream)
     refuse_unsupported(req)
     tools, mode = chat_tool_mode(req, tool_call_parser, enable_auto_tool_choice)
@@ -374,9 +399,15 @@ class OpenAIServingChat(OpenAIServing):
                            stream=stream, run=run, reasoning_parser=self.reasoning_parser)
 
     def engine_request(self, inputs: ChatInputs, request_id: str) -> ProcessedRequest:
-        """The engine request of checked inputs (``Processor.engine_request``)."""
-        return self.processor.engine_request(request_id, inputs.text, inputs.prompt_token_ids, inputs.sampling_params,
-                                             inputs.priority, inputs.cache_salt)
+        """The engine request of checked inputs (``Processor.engine_request``). Raises
+        VLLMValidationError naming the field the client sent (``inputs.field_names``)."""
+        try:
+            return self.processor.engine_request(request_id, inputs.text, inputs.prompt_token_ids,
+                                                 inputs.sampling_params, inputs.priority, inputs.cache_salt)
+        except VLLMValidationError as e:
+            if inputs.field_names is None:
+                raise
+            raise e.renamed(inputs.field_names) from None
 
     def driver(self, req: ChatCompletionRequest, inputs: ChatInputs, response_id: str, model: str, *,
                include_usage: bool | None = None, continuous_usage: bool | None = None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from pydantic import ValidationError
 
@@ -24,29 +24,23 @@ from pyengine.entrypoints.chat_job import ChatJob, prepare_chat
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
 from pyengine.entrypoints.openai.protocol_responses import ResponsesRequest, check_responses_request, error_event, random_id
 from pyengine.entrypoints.openai.responses_utils import (
+    RESPONSES_PARAMS,
     ResponsesStreamState,
     chat_to_response,
-    responses_param,
     responses_to_chat_request,
     sse,
 )
 from pyengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyengine.entrypoints.openai.serving_engine import Session, SSEStream, parse_request, validation_error
-from pyengine.exceptions import VLLMValidationError
 
 
-def chat_request_of(body: dict, rename: Callable[[str | None], str | None]) -> ChatCompletionRequest:
+def chat_request_of(body: dict, names: Mapping[str, str]) -> ChatCompletionRequest:
     """A converted body as a ``ChatCompletionRequest``; a refusal names the endpoint's
-    own field (``rename``)."""
+    own field (``names``: chat field -> the endpoint's, ``VLLMValidationError.renamed``)."""
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
-        err = validation_error(e)
-        raise VLLMValidationError(str(err), parameter=rename(err.parameter)) from None
-
-
-def renamed(e: VLLMValidationError, rename: Callable[[str | None], str | None]) -> VLLMValidationError:
-    return VLLMValidationError(str(e), parameter=rename(e.parameter), value=e.value)
+        raise validation_error(e).renamed(names) from None
 
 
 def chunk_dict(chunk) -> dict:
@@ -126,9 +120,6 @@ class ServingResponses:
         """The engine inputs of ``req`` by the chat endpoint's rules. Raises
         VLLMValidationError naming the Responses field."""
         response_id = "resp_" + (req.request_id or random_id("resp")[5:])
-        creq = chat_request_of(responses_to_chat_request(req), responses_param)
-        try:
-            chat = prepare_chat(self.chat, creq, model=model, response_id=response_id, run=run)
-        except VLLMValidationError as e:
-            raise renamed(e, responses_param) from None
+        creq = chat_request_of(responses_to_chat_request(req), RESPONSES_PARAMS)
+        chat = prepare_chat(self.chat, creq, model=model, response_id=response_id, run=run, names=RESPONSES_PARAMS)
         return ResponsesJob(req, chat, model, response_id)

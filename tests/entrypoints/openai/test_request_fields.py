@@ -4,6 +4,8 @@ refused with a 400 naming it (issue 23 item 2): the protocol layer
 serving_chat.py), through the engine's Processor, with no engine."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from pyengine import EngineArgs, VLLMValidationError
@@ -166,3 +168,35 @@ def test_documents_and_reasoning_effort_reach_the_template(processor, tokenizer)
 def test_chat_echo_text(body, echo):
     assert chat_echo(parse_request(ChatCompletionRequest, _json(dict(body, echo=True)))) == echo
     assert chat_echo(parse_request(ChatCompletionRequest, _json(body))) is None
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"max_completion_tokens": -1}, "max_completion_tokens must be"),
+    ({"max_completion_tokens": 3, "min_tokens": 5}, "max_completion_tokens=3"),  # min_tokens names it too
+    ({"max_completion_tokens": 500}, "or max_completion_tokens."),  # past max_model_len: the engine request's rule
+])
+def test_chat_refusal_names_max_completion_tokens(processor, body, words):
+    from pyengine.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    with pytest.raises(VLLMValidationError) as ei:
+        inputs = _chat(processor, **body)
+        OpenAIServingChat.engine_request(SimpleNamespace(processor=processor), inputs, "r")
+    assert words in str(ei.value) and "max_tokens" not in str(ei.value), str(ei.value)
+    assert ei.value.parameter == ("min_tokens" if "min_tokens" in body else "max_completion_tokens")
+    with pytest.raises(VLLMValidationError) as ei:  # max_tokens given: named as it is
+        _chat(processor, max_tokens=-1)
+    assert ei.value.parameter == "max_tokens" and str(ei.value).startswith("max_tokens must be")
+
+
+def test_renamed_validation_error():
+    names = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
+             "a_b": "c_d", "c_d": "e_f"}
+    e = VLLMValidationError("max_tokens must be at most 5 (max_tokens=9); the messages, x.max_tokens and "
+                            "max_tokens_2 are kept; a_b -> c_d, once.", parameter="max_tokens", value=-1)
+    r = e.renamed(names)
+    # identifiers only (no word of a sentence), whole words not after a ".", in one pass
+    assert (str(r), r.parameter, r.value) == (
+        "max_output_tokens must be at most 5 (max_output_tokens=9); the messages, x.max_tokens and "
+        "max_tokens_2 are kept; c_d -> e_f, once.", "max_output_tokens", -1)
+    assert VLLMValidationError("m", parameter="messages.0.content").renamed(names).parameter == "input.0.content"
+    assert e.renamed({}) is e and e.renamed({"temperature": "temp"}) is e
