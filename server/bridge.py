@@ -42,6 +42,15 @@ logger = logging.getLogger(__name__)
 _POLL_S = 1.0
 
 
+def _call_catching(fn, args: tuple, kwargs: dict) -> tuple[bool, object]:
+    """``(True, fn(*args, **kwargs))``, or ``(False, the Exception it raised)``
+    (``GeventBridge.run_blocking``, on a threadpool thread)."""
+    try:
+        return True, fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - raised again in the calling greenlet
+        return False, e
+
+
 def is_engine_dead(exc: BaseException, engine=None) -> bool:
     """True for pyengine's ``EngineDeadError``, or any error once the engine died."""
     if isinstance(exc, EngineDeadError):
@@ -79,8 +88,21 @@ class GeventBridge:
     def run_blocking(fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on a gevent threadpool thread (a call that may block on
         a native lock or wait for the engine core); the calling greenlet waits
-        cooperatively, the hub keeps serving."""
-        return gevent.get_hub().threadpool.apply(fn, args, kwargs)
+        cooperatively, the hub keeps serving.
+
+        An ``Exception`` that ``fn`` raises is raised here, in the calling greenlet, with
+        its traceback, and nothing is logged: most are a client's error (a request the
+        validation refused, answered 400), and the caller decides what to log. Raised on
+        the pool's thread, gevent's hub would print each one with its traceback.
+        Other ``BaseException`` kinds (``SystemExit``, ``KeyboardInterrupt``) are left to
+        gevent, which hands them to the hub as ever."""
+        ok, value = gevent.get_hub().threadpool.apply(_call_catching, (fn, args, kwargs))
+        if ok:
+            return value
+        try:
+            raise value
+        finally:
+            del value  # no frame keeps the exception (and its traceback's frames) alive
 
     def abort(self, request_ids: list) -> None:
         """Fire-and-forget ``engine.abort`` through one native thread (callable from the

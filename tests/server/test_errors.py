@@ -250,3 +250,37 @@ def test_refusal_names_the_field_sent(server, path, body, param):
     message = json.loads(data)["error"]["message"]
     assert sent in message and "max_tokens" not in message, message
 
+
+@pytest.fixture(scope="module")
+def default_model_server():
+    """The built-in default model served (what ``vengine serve`` serves with no model)."""
+    from pyengine.config import DEFAULT_MODEL_DIR
+    from tests.server.conftest import make_engine, serve_app
+
+    engine = make_engine(DEFAULT_MODEL_DIR, num_gpu_blocks_override=256)
+    yield from serve_app(engine, served_model_name=[MODEL_NAME])
+    engine.shutdown()
+
+
+# Refused in the serving object's preparation, which runs on gevent's threadpool: the error
+# is raised again in the handler's greenlet, so gevent prints no traceback for a client's
+# mistake (the server's stderr stays quiet).
+QUIET_400S = [
+    ("max_tokens_huge", C, c(max_tokens=10 ** 9), "max_tokens"),
+    ("max_completion_tokens_huge", CH, ch(max_tokens=None, max_completion_tokens=10 ** 9), "max_completion_tokens"),
+    ("empty_chat_content", CH, ch(messages=[{"role": "user", "content": ""}]), "messages"),
+    ("max_output_tokens_huge", "/v1/responses", {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 10 ** 9},
+     "max_output_tokens"),
+]
+
+
+@pytest.mark.parametrize("case", QUIET_400S, ids=[x[0] for x in QUIET_400S])
+def test_client_error_prints_no_traceback(default_model_server, capfd, case):
+    _, path, body, param = case
+    port = default_model_server.port
+    capfd.readouterr()
+    status, hdrs, data = post(port, path, body)
+    _check_envelope(status, hdrs, data, 400, param)
+    assert post(port, C, OK_C)[0] == 200  # still serving
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "failed with" not in err, err
