@@ -25,10 +25,11 @@ setup(
     description="A vLLM-v1-style LLM inference engine: Python API, OpenAI server, C ABI",
     python_requires=">=3.11",
     packages=find_packages(include=["pyengine", "pyengine.*", "server", "server.*", "capi", "capi.*"])
-    + ["pyengine.default_model", "server.static"],  # data folders: listed so setuptools ships them quietly
+    # data folders (the model, the page, the kernels' tile tables): listed so setuptools
+    # ships them quietly
+    + ["pyengine.default_model", "server.static", "pyengine.layers.fused_moe.configs", "pyengine.ops.configs"],
     package_data={"pyengine.default_model": ["*"], "capi": ["*.c", "*.h"], "server.static": ["*"],
-                  "pyengine.layers.fused_moe": ["configs/*.json"],
-                  "pyengine.ops": ["configs/*.json"]},
+                  "pyengine.layers.fused_moe.configs": ["*.json"], "pyengine.ops.configs": ["*.json"]},
     cmdclass={"build_py": BuildPy},
     include_package_data=True,
     install_requires=[
