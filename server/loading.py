@@ -13,8 +13,9 @@ native thread with its own gevent hub: the main thread is busy building the engi
 
 Every answer has ``Retry-After`` (but ``/version``'s) and ``Connection: close``: the server
 that answers once the engine is ready is another one on the same socket, so no
-connection is kept across the hand-over. In between, connections wait in the socket's
-backlog; none is refused.
+connection is kept across the hand-over. When it stops, the loading server accepts no
+more and answers the connections it had accepted (``HANDOVER_GRACE_S``); in between,
+new connections wait in the socket's backlog; none is refused or reset.
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ from .wsgi import BackgroundServer, ConnectionLimits
 
 LOADING_RETRY_AFTER_S = 5  # a model loads in seconds to minutes: a probe's period, not a tight loop
 LOADING_MESSAGE = "The server is loading the model and is not ready yet; retry later."
+# When it stops (the engine is ready), how long the connections it accepted get to send
+# their request and have it answered: none is reset in the hand-over. A connection that
+# sends nothing in that time is closed; those not yet accepted wait for the next server.
+HANDOVER_GRACE_S = 2.0
 
 
 def create_loading_app(args=None) -> Flask:
@@ -62,6 +67,7 @@ def answering_while_loading(args, listener: socket.socket, ssl_args: dict | None
     limits = ConnectionLimits.from_args(args)
     srv = BackgroundServer(create_loading_app(args), listener=listener.dup(), ssl_args=ssl_args,
                            access_log=not getattr(args, "disable_access_log", False),
+                           shutdown_timeout=HANDOVER_GRACE_S,
                            timeout_keep_alive=limits.timeout_keep_alive,
                            request_read_timeout=limits.request_read_timeout).start()
     try:

@@ -391,7 +391,11 @@ def graceful_shutdown(server: WSGIServer, app, timeout: float = DEFAULT_SHUTDOWN
     4. Those still running are cut: their engine requests are aborted, a stream ends with
        an error event (503) and ``[DONE]``, a plain request gets a 503.
     5. Idle keep-alive connections are closed. The engine itself is left running (the
-       caller shuts it down)."""
+       caller shuts it down).
+
+    An app without vengine's state (the loading app, ``server.loading``: every answer
+    closes its connection) has no requests to cut: its connections get up to ``timeout``
+    seconds to be answered and closed before those left are closed (step 5)."""
     state = app.extensions.get("vengine")
     server.close()
     if state is not None:
@@ -402,6 +406,8 @@ def graceful_shutdown(server: WSGIServer, app, timeout: float = DEFAULT_SHUTDOWN
                            state.active_requests, timeout)
         state.cut_jobs("The server is shutting down; the request was cut before it finished.")
         _wait_idle(state, _CUT_GRACE_S)
+    elif server.pool is not None:
+        server.pool.join(timeout=timeout)
     if server.pool is not None:
         server.pool.kill(block=True, timeout=1)
 

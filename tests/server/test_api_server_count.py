@@ -63,9 +63,17 @@ def _start(model_dir, *extra):
 
 
 def _probe_health(port: int, out: list, done: threading.Event) -> None:
-    """``GET /health`` on a fresh connection every 10 ms until ``done``: the statuses."""
+    """``GET /health`` on a fresh connection every 10 ms until ``done``: the statuses, or
+    what went wrong instead ("reset": the connection was reset, e.g. by a server that
+    stopped without answering; another error's class name), so that ``_start``'s check
+    sees it rather than a list cut short by a dead thread."""
     while not done.is_set():
-        out.append(get(port, "/health")[0])
+        try:
+            out.append(get(port, "/health")[0])
+        except ConnectionResetError:  # http.client.RemoteDisconnected too: closed unanswered
+            out.append("reset")
+        except Exception as e:  # noqa: BLE001 - recorded, and fails the check
+            out.append(type(e).__name__)
         time.sleep(0.01)
 
 

@@ -236,6 +236,35 @@ def test_loading_app_answers_and_the_socket_outlives_it(engine):
         assert data.startswith(b"HTTP/1.1 200"), data[:200]
 
 
+
+def test_loading_server_answers_what_it_accepted_before_it_stops():
+    # the hand-over: a request the loading server accepted (here, its headers half sent)
+    # when it is told to stop gets its 503 rather than a reset connection
+    from server.loading import answering_while_loading
+    from server.wsgi import bind_listener
+
+    args = SimpleNamespace(host="127.0.0.1")
+    listener = bind_listener("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    try:
+        with answering_while_loading(args, listener, None, "a model") as srv:
+            client = socket.create_connection(("127.0.0.1", port), timeout=30)
+            client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            time.sleep(0.5)  # accepted by now (an idle hub accepts at once)
+            stopper = threading.Thread(target=srv.stop)
+            stopper.start()
+            time.sleep(0.3)  # stopping: it accepts no more and waits for what it took
+            client.sendall(b"\r\n")
+            data = b""
+            while chunk := client.recv(65536):
+                data += chunk
+            client.close()
+            stopper.join(30)
+            assert not stopper.is_alive()
+        assert data.startswith(b"HTTP/1.1 503") and b'"loading"' in data, data[:300]
+    finally:
+        listener.close()
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_loading_answers_over_https(tmp_path):
     # --ssl-keyfile/--ssl-certfile: a probe over HTTPS gets the loading answer too
