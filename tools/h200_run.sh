@@ -12,7 +12,7 @@
 # STEP: moe_profile quant_profile gpu_spec spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
-#       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm
+#       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
 # serve_before runs the serving suite on the code of .bench_before/ (an ignored copy of an older
 # commit with today's benchmarks/ laid over it; carry it): the "before" of a serving change.
 # (default: all), and on a 2-GPU machine gpu_tp gpu_tp_spec tp tp_step_broadcast tp_profile (tools/tp_h200x2.sh).
@@ -45,8 +45,9 @@ step() {  # step SECONDS NAME CMD...
 # the same without the quantization and MoE kernel tests (their own steps: gpufix_tests, gpu_quant, gpu_moe): the engine,
 # runner, attention, fused ops, speculative decoding, front ends; about 450 s
 step 500 gpu_core python3 -m pytest -q -m gpu tests --ignore=tests/ops/test_quant_ops.py --ignore=tests/layers/fused_moe --ignore=tests/quantization --ignore=tests/models/test_moe.py -p no:cacheprovider --tb=short --durations=15 -o faulthandler_timeout=200 --continue-on-collection-errors
-# the rest of the GPU suite: the quantization and MoE kernels and models (12-02: 46% in 300 s, so ~650 s: one call alone)
-step 590 gpu_qm python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py tests/quantization tests/layers/fused_moe tests/models/test_moe.py -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
+# the rest of the GPU suite: the quantization and MoE kernels and models (12-02: test_quant_ops alone took the first 300 s: two steps, a call each)
+step 360 gpu_qm python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
+step 360 gpu_qm2 python3 -m pytest -q -m gpu tests/quantization tests/layers/fused_moe tests/models/test_moe.py -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
 step 430 gpu_all python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short --durations=15 -o faulthandler_timeout=200 --continue-on-collection-errors
 step 120 gpu_ops python3 -m pytest -q -m gpu tests/ops tests/attention tests/worker -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=100
 step 270 gpu_e2e python3 -m pytest -q -m gpu tests/test_llm.py tests/engine -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=100
