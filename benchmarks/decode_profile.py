@@ -57,8 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 
-MARKER_KERNEL = "bitwise_not"  # pyengine/worker/profiler.py's step marker
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+from benchmarks.gpu_idle import GPU_CATEGORIES
+from pyengine.worker.profiler import MARKER_KERNEL  # the step marker's kernel
 
 # groups by name, first match wins (our Triton kernels, torch/cuBLAS/CUTLASS names, aten ops on CPU)
 GROUPS = (

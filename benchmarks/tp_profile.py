@@ -68,8 +68,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.gpu_idle import GPU_CATEGORIES, busy_union, clip_to_markers, idle_gaps, split_idle  # noqa: E402
 from benchmarks.tp import _run  # noqa: E402
-
-MARKER_KERNEL = "bitwise_not"  # pyengine/worker/profiler.py's step marker
+from pyengine.worker.profiler import MARKER_KERNEL  # noqa: E402
 
 # Kernel classes, first match wins (names from NCCL, torch, cuBLAS/CUTLASS and our triton ops).
 KERNEL_CLASSES = (
