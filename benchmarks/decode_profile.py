@@ -291,10 +291,15 @@ def analyze_trace(path: str, cuda: bool, steps: int, layers: int) -> dict:
 # ---- the run -----------------------------------------------------------------------------
 
 def profile_decode(llm, *, input_len: int, profile_steps: int = 20, warmup_steps: int = 8, timed_steps: int = 32,
-                   trace_dir: str | None = None, seed: int = 7) -> dict:
+                   trace_dir: str | None = None, seed: int = 7,
+                   prompt_token_ids: list[int] | None = None, tokens_per_step: int = 1) -> dict:
     """Profile ``profile_steps`` batch-1 decode steps of ``llm`` (see the module doc). With
     ``trace_dir`` the chrome trace and the phase file stay there (else a temporary folder,
-    removed)."""
+    removed). ``prompt_token_ids``: the prompt (default: ``input_len`` random ids; a real
+    prompt lets a speculative engine's proposer find drafts); ``tokens_per_step``: the most
+    tokens a step may emit (k + 1 with k speculative tokens), so the request outlasts the steps.
+
+    Raises ValueError when the prompt and the steps do not fit ``max_model_len``."""
     import torch
 
     from benchmarks.common import random_prompts
@@ -306,10 +311,11 @@ def profile_decode(llm, *, input_len: int, profile_steps: int = 20, warmup_steps
     cuda = cfg.device.type == "cuda"
     hf = cfg.hf_config
     layers = int(getattr(hf, "num_hidden_layers", 0) or 0)
-    need = warmup_steps + timed_steps + profile_steps + 16
+    need = (warmup_steps + timed_steps + profile_steps + 16) * max(tokens_per_step, 1)
     if input_len + need >= cfg.max_model_len:
         raise ValueError(f"{input_len}-token prompt + {need} steps do not fit max_model_len {cfg.max_model_len}")
-    prompt = random_prompts(1, input_len, input_len, hf.vocab_size, seed=seed)[0]
+    prompt = (list(prompt_token_ids) if prompt_token_ids is not None
+              else random_prompts(1, input_len, input_len, hf.vocab_size, seed=seed)[0])
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=need, detokenize=False,
                         output_kind=RequestOutputKind.DELTA)
     rid = "decode-profile"

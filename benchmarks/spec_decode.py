@@ -22,6 +22,12 @@ Parts (``--parts``):
   step scheduled with draft placeholders before this one is verified). On CUDA the same again with the real model (``*_real`` rows):
   the difference is the device's share of a step. Runs on CPU too (``--host-clock thread``
   on a shared machine).
+- ``profile``: one batch-1 request on a code-editing prompt, speculation off and ngram on,
+  under the engine's profiler (benchmarks/decode_profile.py): kernels, GPU busy vs wall
+  time, CUDA graph launches and host phases per step (``--trace-dir`` keeps the traces).
+
+The ngram and draft parts also report ``divergence`` (prompts whose greedy tokens differ
+from the first plain run's) and, for those, the plain engine's top logprobs there.
 
 TPOT per request is (last token time - first token time) / (output tokens - 1) from the
 engine's RequestMetrics; the reported figure is the mean over requests. Each engine is
@@ -116,25 +122,98 @@ def _batch1(llm, prompts: list[str], max_tokens: int) -> dict:
 
 
 def _on_off(model: str, args, spec: dict, prompts: list[str]) -> dict:
-    """off, on, off again (a cold first engine must not flatter the speedup): each mode's
-    faster run counts; every run's TPOT is kept in ``tpot_runs_ms``."""
-    runs = {"off": [], "on": []}
-    for name, s in (("off", None), ("on", spec), ("off", None)):
+    """off, on, off, on (a cold first engine, or kernels compiled inside one mode's first
+    run, must not flatter either side): each mode's faster run counts; every run's TPOT is
+    kept in ``tpot_runs_ms``. ``divergence`` lists each prompt whose greedy tokens differ
+    from the first off run's (index, first differing position, both tokens) and
+    ``margins`` the off engine's top logprobs at those positions (a bf16 near-tie there
+    is numerics of the verify batch shape; a wide gap is a bug)."""
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for name, s in (("off", None), ("on", spec), ("off", None), ("on", spec)):
         llm = _llm(model, args, s)
         runs[name].append(_batch1(llm, prompts, args.output_len))
         common.shutdown_llm(llm)
         del llm
         common.free_cuda()
+    ref = runs["off"][0]["_tokens"]
+    divergence = []
+    for name, rs in runs.items():
+        for j, r in enumerate(rs):
+            for i, (a, b) in enumerate(zip(ref, r["_tokens"])):
+                if a != b:
+                    pos = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    divergence.append({"run": f"{name}{j}", "prompt": i, "position": pos,
+                                       "off_token": a[pos] if pos < len(a) else None,
+                                       "run_token": b[pos] if pos < len(b) else None,
+                                       "off_len": len(a), "run_len": len(b)})
+    margins = _margins(model, args, prompts, divergence) if divergence else []
     res = {}
     for name, rs in runs.items():
-        res[name] = min(rs, key=lambda r: r["tpot_ms"])
+        res[name] = dict(min(rs, key=lambda r: r["tpot_ms"]))
         res[name]["tpot_runs_ms"] = [r["tpot_ms"] for r in rs]
-    same = all(r["_tokens"] == runs["off"][0]["_tokens"] for rs in runs.values() for r in rs)
-    for rs in runs.values():
-        for r in rs:
-            r.pop("_tokens", None)
-    return {"spec_config": spec, "off": res["off"], "on": res["on"], "greedy_identical": same,
+        res[name].pop("_tokens", None)
+    return {"spec_config": spec, "off": res["off"], "on": res["on"], "greedy_identical": not divergence,
+            "divergence": divergence, "margins": margins,
             "speedup": res["off"]["tpot_ms"] / res["on"]["tpot_ms"] if res["on"]["tpot_ms"] else None}
+
+
+def _margins(model: str, args, prompts: list[str], divergence: list[dict], top: int = 5) -> list[dict]:
+    """For each diverging (prompt, position) (at most 8): the plain engine's top ``top``
+    logprobs at that position, the gap between its first two, and where the other run's
+    token ranks."""
+    from pyengine import SamplingParams
+
+    seen, rows = set(), []
+    llm = _llm(model, args, None)
+    try:
+        for d in divergence:
+            key = (d["prompt"], d["position"])
+            if key in seen or len(seen) >= 8 or d["off_token"] is None:
+                continue
+            seen.add(key)
+            sp = SamplingParams(temperature=0, max_tokens=d["position"] + 1, logprobs=top)
+            c = llm.generate([prompts[d["prompt"]]], sp, use_tqdm=False)[0].outputs[0]
+            lp = c.logprobs[d["position"]] if c.logprobs and len(c.logprobs) > d["position"] else {}
+            ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)
+            vals = [v.logprob for _, v in ranked]
+            rows.append({"prompt": d["prompt"], "position": d["position"],
+                         "top": [[t, round(v.logprob, 5)] for t, v in ranked],
+                         "gap_top2": vals[0] - vals[1] if len(vals) > 1 else None,
+                         "run_token_rank": next((r + 1 for r, (t, _) in enumerate(ranked) if t == d["run_token"]), None),
+                         "same_token_again": c.token_ids[d["position"]] == d["off_token"]
+                         if len(c.token_ids) > d["position"] else None})
+    finally:
+        common.shutdown_llm(llm)
+        del llm
+        common.free_cuda()
+    return rows
+
+
+def profile(model: str, args, prompts: list[str]) -> dict:
+    """Where a batch-1 step's time goes with speculation off and on (ngram), on a
+    code-editing prompt (benchmarks/decode_profile.py's ``profile_decode``: kernels, GPU
+    busy vs wall, CUDA graph launches and host phases per step; with speculation on a step
+    is a verification and emits up to k + 1 tokens)."""
+    from benchmarks.decode_profile import profile_decode
+
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max}
+    out = {}
+    for name, s in (("off", None), ("on", spec)):
+        llm = _llm(model, args, s)
+        try:
+            ids = llm.get_tokenizer().encode(prompts[0])
+            trace_dir = os.path.join(args.trace_dir, name) if args.trace_dir else None
+            out[name] = profile_decode(llm, input_len=len(ids), prompt_token_ids=ids, trace_dir=trace_dir,
+                                       tokens_per_step=args.k + 1 if s else 1,
+                                       profile_steps=args.profile_steps, warmup_steps=8, timed_steps=24)
+        finally:
+            common.shutdown_llm(llm)
+            del llm
+            common.free_cuda()
+        for k in ("kernels",):
+            out[name][k] = out[name][k][:25]
+    return out
 
 
 def train_target(args) -> str:
@@ -442,6 +521,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--profile-steps", type=int, default=12, help="profile part: steps recorded")
+    p.add_argument("--trace-dir", default=None, help="profile part: keep the chrome traces here")
     p.add_argument("--json", dest="json_out", default=None)
     args, hw, cmd = common.start(p, argv, "spec_decode.py")
     from pyengine.config import DEFAULT_MODEL_DIR
@@ -464,6 +545,10 @@ def main(argv: list[str] | None = None) -> dict:
         print("draft:", {k: v for k, v in fields["draft"].items() if k != "spec_config"}, flush=True)
     if "host" in parts:
         fields["host"] = host_phases(model, args, prompts)
+    if "profile" in parts:
+        fields["profile"] = profile(model, args, prompts)
+        print("profile:", {m: {k: v for k, v in r.items() if k not in ("kernels", "by_class", "by_group")}
+                           for m, r in fields["profile"].items()}, flush=True)
     if "throughput" in parts:
         fields["throughput"] = throughput(model, args, prompts)
         print("throughput:", fields["throughput"], flush=True)
