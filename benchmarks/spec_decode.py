@@ -121,20 +121,24 @@ def _batch1(llm, prompts: list[str], max_tokens: int) -> dict:
             "draft_acceptance_rate": acc / dt if dt else None, "_tokens": outs}
 
 
-def _on_off(model: str, args, spec: dict, prompts: list[str]) -> dict:
-    """off, on, off, on (a cold first engine, or kernels compiled inside one mode's first
-    run, must not flatter either side): each mode's faster run counts; every run's TPOT is
-    kept in ``tpot_runs_ms``. ``divergence`` lists each prompt whose greedy tokens differ
-    from the first off run's (index, first differing position, both tokens) and
-    ``margins`` the off engine's top logprobs at those positions (a bf16 near-tie there
-    is numerics of the verify batch shape; a wide gap is a bug)."""
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
-    for name, s in (("off", None), ("on", spec), ("off", None), ("on", spec)):
-        llm = _llm(model, args, s)
-        runs[name].append(_batch1(llm, prompts, args.output_len))
-        common.shutdown_llm(llm)
-        del llm
-        common.free_cuda()
+def _on_off(model: str, args, spec: dict, prompts: list[str], more: dict[str, dict] | None = None) -> dict:
+    """off, on (and each of ``more``'s speculative configs), then all of them again (a cold
+    first engine, or kernels compiled inside one mode's first run, must not flatter either
+    side): each mode's faster run counts; every run's TPOT is kept in ``tpot_runs_ms``;
+    ``sweep`` has ``more``'s modes with their speedups over the same off figure.
+    ``divergence`` lists each prompt whose greedy tokens differ from the first off run's
+    (the run, index, first differing position, both tokens) and ``margins`` the off
+    engine's top logprobs at those positions (a bf16 near-tie there is numerics of the
+    verify batch shape; a wide gap is a bug)."""
+    modes = {"off": None, "on": spec, **(more or {})}
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
+    for _ in range(2):
+        for name, s in modes.items():
+            llm = _llm(model, args, s)
+            runs[name].append(_batch1(llm, prompts, args.output_len))
+            common.shutdown_llm(llm)
+            del llm
+            common.free_cuda()
     ref = runs["off"][0]["_tokens"]
     divergence = []
     for name, rs in runs.items():
@@ -152,9 +156,12 @@ def _on_off(model: str, args, spec: dict, prompts: list[str]) -> dict:
         res[name] = dict(min(rs, key=lambda r: r["tpot_ms"]))
         res[name]["tpot_runs_ms"] = [r["tpot_ms"] for r in rs]
         res[name].pop("_tokens", None)
+    def speedup(name: str) -> float | None:
+        return res["off"]["tpot_ms"] / res[name]["tpot_ms"] if res[name]["tpot_ms"] else None
+
+    sweep = {name: {"spec_config": modes[name], **res[name], "speedup": speedup(name)} for name in more or {}}
     return {"spec_config": spec, "off": res["off"], "on": res["on"], "greedy_identical": not divergence,
-            "divergence": divergence, "margins": margins,
-            "speedup": res["off"]["tpot_ms"] / res["on"]["tpot_ms"] if res["on"]["tpot_ms"] else None}
+            "divergence": divergence, "margins": margins, "speedup": speedup("on"), "sweep": sweep}
 
 
 def _margins(model: str, args, prompts: list[str], divergence: list[dict], top: int = 5) -> list[dict]:
@@ -502,6 +509,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target-out", default="/tmp/spec_target", help="where the trained target goes")
     p.add_argument("--train-minutes", type=float, default=3.0)
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens (ngram)")
+    p.add_argument("--k-sweep", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
+                   help="ngram part: more num_speculative_tokens values, comma-separated, measured in the same run")
     p.add_argument("--draft-k", type=int, default=4, help="num_speculative_tokens (draft model)")
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--lookup-max", type=int, default=5)
@@ -534,7 +543,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "ngram" in parts:
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
                 "prompt_lookup_max": args.lookup_max}
-        fields["ngram"] = _on_off(model, args, spec, prompts)
+        more = {f"on_k{k}": {**spec, "num_speculative_tokens": k} for k in args.k_sweep if k != args.k}
+        fields["ngram"] = _on_off(model, args, spec, prompts, more)
         print("ngram:", {k: v for k, v in fields["ngram"].items() if k != "spec_config"}, flush=True)
     if "draft" in parts:
         target = args.target or train_target(args)
