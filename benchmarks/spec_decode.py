@@ -203,23 +203,25 @@ def profile(model: str, args, prompts: list[str]) -> dict:
     is a verification and emits up to k + 1 tokens)."""
     from benchmarks.decode_profile import profile_decode
 
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-            "prompt_lookup_max": args.lookup_max}
-    out = {}
+    if args.profile_method == "draft_model":  # the built-in model drafting for itself: a draft step's costs
+        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": args.draft_k}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+                "prompt_lookup_max": args.lookup_max}
+    out: dict = {"spec_config": spec}
     for name, s in (("off", None), ("on", spec)):
         llm = _llm(model, args, s)
         try:
             ids = llm.get_tokenizer().encode(prompts[0])
             trace_dir = os.path.join(args.trace_dir, name) if args.trace_dir else None
             out[name] = profile_decode(llm, input_len=len(ids), prompt_token_ids=ids, trace_dir=trace_dir,
-                                       tokens_per_step=args.k + 1 if s else 1,
+                                       tokens_per_step=spec["num_speculative_tokens"] + 1 if s else 1,
                                        profile_steps=args.profile_steps, warmup_steps=8, timed_steps=24)
         finally:
             common.shutdown_llm(llm)
             del llm
             common.free_cuda()
-        for k in ("kernels",):
-            out[name][k] = out[name][k][:25]
+        out[name]["kernels"] = out[name]["kernels"][:25]
     return out
 
 
@@ -532,6 +534,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--profile-steps", type=int, default=12, help="profile part: steps recorded")
     p.add_argument("--trace-dir", default=None, help="profile part: keep the chrome traces here")
+    p.add_argument("--profile-method", choices=("ngram", "draft_model"), default="ngram",
+                   help="profile part: the proposer (draft_model: the built-in model drafting for itself)")
     p.add_argument("--json", dest="json_out", default=None)
     args, hw, cmd = common.start(p, argv, "spec_decode.py")
     from pyengine.config import DEFAULT_MODEL_DIR
@@ -558,7 +562,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "profile" in parts:
         fields["profile"] = profile(model, args, prompts)
         print("profile:", {m: {k: v for k, v in r.items() if k not in ("kernels", "by_class", "by_group")}
-                           for m, r in fields["profile"].items()}, flush=True)
+                           for m, r in fields["profile"].items() if m != "spec_config"}, flush=True)
     if "throughput" in parts:
         fields["throughput"] = throughput(model, args, prompts)
         print("throughput:", fields["throughput"], flush=True)

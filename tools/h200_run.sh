@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: moe_profile quant_profile gpu_spec spec_diag spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: moe_profile quant_profile gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -135,6 +135,7 @@ step 200 gpu_spec python3 -m pytest -q -m gpu tests/spec_decode -p no:cacheprovi
 # batch-1 diagnosis: speculation off vs on under the profiler (kernels, graph launches, host phases per step), then
 # ngram on/off with the diverging prompts' logprob margins (~60 s)
 step 150 spec_diag bash -c "$PROF_TAR" _ "$OUT/spec_profile_traces.tar" spec python3 benchmarks/spec_decode.py --parts profile,ngram --trace-dir /tmp/vengine_prof/spec --json "$OUT/spec_diag.json"
+step 150 spec_diag_draft bash -c "$PROF_TAR" _ "$OUT/spec_draft_profile_traces.tar" specd python3 benchmarks/spec_decode.py --parts profile --profile-method draft_model --trace-dir /tmp/vengine_prof/specd --json "$OUT/spec_diag_draft.json"
 step 300 spec_bench python3 benchmarks/spec_decode.py --parts ngram,throughput --k-sweep 10,12,16 --json "$OUT/spec_decode.json"
 # where a batch-1 step's time goes (plain async / sync decode vs ngram verify and draftless steps), with a
 # teacher-forced stub for the model (host time only) and with the real model (the difference: the device's share)

@@ -646,6 +646,8 @@ class ModelRunner:
         padded to k for a CUDA-graph verification (fewer than k drafts: the last one
         repeated, so that the next verification is uniform and replays a graph; a padded
         draft is verified like any other)."""
+        if self.profiler is not None:  # the proposer's share of a step (the last thing a step does)
+            self.profiler.phase("propose")
         drafts = self.drafter.propose(ver.so, ver.sampled, generated, ver.hidden)
         vg = self.verify_graph_runner
         if vg is not None:
