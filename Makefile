@@ -38,7 +38,8 @@ test: setup
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/ops tests/attention tests/layers/fused_moe
 	TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -p no:cacheprovider \
-		tests/test_llm_triton_interpret.py tests/models/test_moe_triton_interpret.py tests/quantization/test_kernel_path.py
+		tests/test_llm_triton_interpret.py tests/models/test_moe_triton_interpret.py tests/quantization/test_kernel_path.py \
+		tests/spec_decode/test_draft_chain.py::test_chain_on_the_triton_kernels
 
 # ruff with the repository's ruff.toml, mypy with its mypy.ini (tests/test_code_shape.py runs both too)
 lint: $(VENV)/.installed

@@ -514,6 +514,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--k-sweep", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
                    help="ngram part: more num_speculative_tokens values, comma-separated, measured in the same run")
     p.add_argument("--draft-k", type=int, default=4, help="num_speculative_tokens (draft model)")
+    p.add_argument("--draft-k-sweep", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
+                   help="more draft-model k values, run in the same pass against the same plain figure")
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--lookup-max", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=16)
@@ -553,7 +555,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "draft" in parts:
         target = args.target or train_target(args)
         spec = {"method": "draft_model", "model": model, "num_speculative_tokens": args.draft_k}
-        fields["draft"] = _on_off(target, args, spec, prompts)
+        more = {f"on_k{k}": {**spec, "num_speculative_tokens": k} for k in args.draft_k_sweep if k != args.draft_k}
+        fields["draft"] = _on_off(target, args, spec, prompts, more)
         fields["draft"]["target_params"] = _params(target)
         fields["draft"]["draft_params"] = _params(model)
         print("draft:", {k: v for k, v in fields["draft"].items() if k != "spec_config"}, flush=True)

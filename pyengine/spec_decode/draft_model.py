@@ -9,7 +9,10 @@ yet written (``_valid``: how many leading positions of the request hold valid dr
 this step's accepted tokens and its new token, and those of steps without speculation
 it missed), whose last row gives the first draft;
 then ``k - 1`` one-token forwards, each feeding the previous draft. A rejected draft's
-KV is overwritten when a real token takes its position.
+KV is overwritten when a real token takes its position. On CUDA with one rank, a step
+where every request drafts all ``k`` after a short first forward (the steady state of
+batch-1 and small-batch decoding) replays one CUDA graph of all those forwards
+(``DraftChain``); the rest runs forward by forward (the one-token ones as graphs).
 
 Tensor parallelism: the draft model is sharded on the target's group; rank 0 decides each
 step's forwards (a ``DraftPlan``), sends them, and every rank runs them."""
@@ -41,6 +44,8 @@ class DraftModelProposer(Proposer):
         self.kv_caches: list[torch.Tensor] = []
         self._valid: dict[str, tuple[int, int]] = {}  # request id -> (epoch, positions with valid draft KV)
         self._graphs = None  # CUDAGraphRunner of the one-token draft steps (CUDA)
+        self._chain = None  # DraftChain: a step's whole proposal in one replay (one rank, CUDA)
+        self._tp_world = runner.tp.world_size if runner.tp is not None else 1
 
     def capture_cuda_graphs(self, capture_error_mode: str) -> float:
         from pyengine.core.kv_cache_manager import cdiv
@@ -49,7 +54,27 @@ class DraftModelProposer(Proposer):
         c = self.config
         self._graphs = CUDAGraphRunner(self.model, self.attn, c.max_num_seqs, cdiv(c.max_model_len, c.block_size),
                                        c.max_model_len, self.device, capture_error_mode=capture_error_mode)
-        return self._graphs.capture()
+        dt = self._graphs.capture()
+        if self._tp_world == 1:  # (ranks > 1 keep the depth-by-depth path: its collectives are per forward)
+            dt += self.enable_draft_chain(capture_error_mode)
+        return dt
+
+    def enable_draft_chain(self, capture_error_mode: str | None = None) -> float:
+        """Take the steps a ``DraftChain`` fits through it: batches up to 32 requests (and
+        below ``disable_by_batch_size``), each drafting ``num_speculative_tokens``. With a
+        ``capture_error_mode`` (CUDA) its graphs are captured; without, it runs eagerly (the
+        same computation: how the CPU tests check it). Returns the capture's seconds."""
+        from pyengine.core.kv_cache_manager import cdiv
+        from pyengine.spec_decode.draft_chain import DraftChain
+        from pyengine.worker.cuda_graph import capture_sizes
+
+        c = self.config
+        top = min(c.max_num_seqs, 32, (self.spec.disable_by_batch_size or 33) - 1)
+        if top < 1:
+            return 0.0
+        self._chain = DraftChain(self.model, self.attn, self.spec.num_speculative_tokens, capture_sizes(top),
+                                 cdiv(c.max_model_len, c.block_size), c.max_model_len, c.block_size, self.device)
+        return self._chain.capture(capture_error_mode) if capture_error_mode is not None else 0.0
 
     def _forward(self, ids, pos, meta):
         g = self._graphs
@@ -116,6 +141,10 @@ class DraftModelProposer(Proposer):
     def _run(self, plan: DraftPlan) -> tuple[list[torch.Tensor], list[list[tuple[int, int]]]]:
         """The forwards of ``plan`` (every rank): (each depth's draft tokens int64 on the
         device, the ``plan.active`` entries they belong to); ([], []) without drafts."""
+        chain = self._chain
+        if chain is not None and chain.fits(plan):
+            toks = chain.run(plan)  # [n, k]
+            return list(toks.t()), [plan.active] * chain.k
         ids, pos, meta = draft_attn_metadata(plan.seqs, self.block_size, self.device)
         h = self._forward(ids, pos, meta)
         active = plan.active

@@ -1,0 +1,197 @@
+"""A draft model's whole proposal of one step as one function of persistent buffers,
+replayed as one CUDA graph per padded batch size (the role of the CUDA graphs vLLM's
+draft-model / EAGLE proposers capture in vllm/v1/spec_decode/eagle.py's ``propose``).
+
+It takes a step (a ``DraftPlan``) where every request drafts exactly ``k`` tokens after a
+first forward of at most ``k + 2`` tokens: batch-1 and small-batch decoding once each
+request's prompt is in the draft KV (its first forward holds that step's accepted tokens,
+its new one, and the one before them: ``DraftModelProposer`` counts draft KV as valid only
+up to the target's computed tokens). The first forward runs every request padded to
+``Q = k + 2`` query rows
+(padding rows: slot -1, written nowhere, the last real position for RoPE; the extend
+kernel's causal offset ``seq_len - Q`` keeps real rows from seeing them); its last real row
+gives the first draft, then ``k - 1`` one-token forwards at the following positions, each
+fed the previous depth's tokens, their slots and sequence lengths computed on the device
+from the block table. Between the host and the device per step: two copies in, one replay
+(CUDA; eager elsewhere), the [n, k] drafts out. Everything else takes the depth-by-depth
+path (``DraftModelProposer._run``)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pyengine.attention.backend import AttentionMetadata
+
+__all__ = ["DraftChain"]
+
+logger = logging.getLogger(__name__)
+
+
+class DraftChain:
+    """``DraftChain(model, attn, k, sizes, max_blocks_per_req, max_model_len, block_size, device)``:
+    ``model(ids, positions, meta)`` -> hidden [T, H] and ``model.compute_greedy(hidden)`` ->
+    int64 [N]; ``sizes``: the padded batch sizes (ascending; CUDA graphs of each once
+    ``capture`` ran). Raises ValueError for ``k`` < 1 or no sizes."""
+
+    def __init__(self, model, attn, k: int, sizes: list[int], max_blocks_per_req: int, max_model_len: int,
+                 block_size: int, device: torch.device):
+        if k < 1 or not sizes:
+            raise ValueError(f"a draft chain needs k >= 1 and batch sizes, got k={k}, sizes={sizes}")
+        self.model, self.attn, self.k, self.sizes = model, attn, k, sorted(sizes)
+        self.Q = Q = k + 2
+        self.W, self.max_model_len, self.block_size = max_blocks_per_req, max_model_len, block_size
+        self.device = torch.device(device)
+        B = self.sizes[-1]
+        # one int64 and one int32 buffer, each a host staging copy (pinned on CUDA) and its
+        # device twin, so a step's inputs cross in two copies; the fields are views of both
+        self._i64_fields = {"ids": B * Q, "pos": B * Q, "slots": B * Q, "last": B, "plast": B, "cap": B}
+        self._i32_fields = {"seq0": B, "bt": B * max_blocks_per_req}
+        pin = self.device.type == "cuda"
+        self._h64 = torch.zeros(sum(self._i64_fields.values()), dtype=torch.int64, pin_memory=pin)
+        self._h32 = torch.zeros(sum(self._i32_fields.values()), dtype=torch.int32, pin_memory=pin)
+        self._d64 = self._h64.to(self.device) if pin else self._h64
+        self._d32 = self._h32.to(self.device) if pin else self._h32
+        self._host = {**self._views(self._h64, self._i64_fields), **self._views(self._h32, self._i32_fields)}
+        self._dev = {**self._views(self._d64, self._i64_fields), **self._views(self._d32, self._i32_fields)}
+        self._qsl0 = torch.arange(B + 1, dtype=torch.int32, device=self.device) * Q
+        self._qsl1 = torch.arange(B + 1, dtype=torch.int32, device=self.device)
+        self._qsl_host = {Q: torch.arange(B + 1, dtype=torch.int32) * Q, 1: torch.arange(B + 1, dtype=torch.int32)}
+        self._seq_host = torch.full((B,), Q, dtype=torch.int32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def _views(flat: torch.Tensor, fields: dict[str, int]) -> dict[str, torch.Tensor]:
+        out, o = {}, 0
+        for name, n in fields.items():
+            out[name] = flat[o:o + n]
+            o += n
+        return out
+
+    def fits(self, plan) -> bool:
+        """Whether ``run`` takes ``plan``: every request active with ``k`` drafts, at most
+        ``k + 2`` first-forward tokens, at most the largest size of requests, and its
+        padded first forward and block list inside the block-table width."""
+        seqs, act = plan.seqs, plan.active
+        if not seqs or len(act) != len(seqs) or len(seqs) > self.sizes[-1]:
+            return False
+        cap = self.W * self.block_size
+        return (all(k == self.k for _, k in act) and [i for i, _ in act] == list(range(len(seqs)))
+                and all(len(t) <= self.Q and len(b) <= self.W and s + self.Q <= cap for s, t, b in seqs))
+
+    def _fill(self, plan, bs: int) -> None:
+        """The staging rows of ``plan``'s requests and of ``bs - n`` padding requests."""
+        h, Q, W, blk = self._host, self.Q, self.W, self.block_size
+        n = len(plan.seqs)
+        ids, pos, slots = h["ids"], h["pos"], h["slots"]
+        ids[:bs * Q].zero_()
+        slots[:bs * Q].fill_(-1)
+        h["bt"][:bs * W].zero_()
+        ids_l, pos_l, slot_l, last_l, plast_l, cap_l, seq_l, bt_rows = [], [], [], [], [], [], [], []
+        for r, (start, toks, blocks) in enumerate(plan.seqs):
+            q = len(toks)
+            p_last = start + q - 1
+            ids_l += toks
+            ids_l += [0] * (Q - q)
+            pos_l += range(start, p_last + 1)
+            pos_l += [p_last] * (Q - q)
+            slot_l += [int(blocks[p // blk]) * blk + p % blk for p in range(start, p_last + 1)]
+            slot_l += [-1] * (Q - q)
+            last_l.append(r * Q + q - 1)
+            plast_l.append(p_last)
+            cap_l.append(len(blocks) * blk)
+            seq_l.append(start + Q)
+            bt_rows.append(blocks)
+        for r in range(n, bs):  # padding requests: read the null block, write nothing
+            pos_l += [Q - 1] * Q
+            last_l.append(r * Q + Q - 1)
+            plast_l.append(Q - 1)
+            cap_l.append(0)
+            seq_l.append(Q)
+        ids[:n * Q] = torch.tensor(ids_l, dtype=torch.int64)
+        slots[:n * Q] = torch.tensor(slot_l, dtype=torch.int64)
+        pos[:bs * Q] = torch.tensor(pos_l, dtype=torch.int64)
+        h["last"][:bs] = torch.tensor(last_l, dtype=torch.int64)
+        h["plast"][:bs] = torch.tensor(plast_l, dtype=torch.int64)
+        h["cap"][:bs] = torch.tensor(cap_l, dtype=torch.int64)
+        h["seq0"][:bs] = torch.tensor(seq_l, dtype=torch.int32)
+        bt = h["bt"].view(-1, W)
+        for r, blocks in enumerate(bt_rows):
+            bt[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+
+    def _meta(self, T: int, bs: int, q: int, qsl, seq, bt, slots) -> AttentionMetadata:
+        # off CUDA the "device" tensors are host tensors: the torch backend reads them as its
+        # host copies. On CUDA the triton backend reads no host copy (a graph cannot sync
+        # for one): the padded layout stands in
+        if self.device.type == "cuda":
+            qsl_h, seq_h = self._qsl_host[q][:bs + 1], self._seq_host[:bs]
+        else:
+            qsl_h, seq_h = qsl, seq
+        return AttentionMetadata(T, bs, q, self.max_model_len, qsl, seq, bt, slots, qsl_h, seq_h)
+
+    def _body(self, bs: int) -> torch.Tensor:
+        """The chain at padded batch ``bs`` over the device buffers: int64 [bs, k]."""
+        d, Q, blk = self._dev, self.Q, self.block_size
+        bt = d["bt"][:bs * self.W].view(bs, self.W)
+        seq0 = d["seq0"][:bs]
+        meta = self._meta(bs * Q, bs, Q, self._qsl0[:bs + 1], seq0, bt, d["slots"][:bs * Q])
+        h = self.model(d["ids"][:bs * Q], d["pos"][:bs * Q], meta)
+        tok = self.model.compute_greedy(h.index_select(0, d["last"][:bs]))
+        outs = [tok]
+        plast, cap = d["plast"][:bs], d["cap"][:bs]
+        for j in range(1, self.k):
+            p = plast + j
+            col = torch.div(p, blk, rounding_mode="floor").clamp(max=self.W - 1).unsqueeze(1)
+            b = bt.gather(1, col).squeeze(1).to(torch.int64)
+            inside = p < cap
+            slots = torch.where(inside, b * blk + p % blk, torch.full_like(p, -1))
+            seq = torch.where(inside, p + 1, torch.zeros_like(p)).to(torch.int32)
+            meta = self._meta(bs, bs, 1, self._qsl1[:bs + 1], seq, bt, slots)
+            tok = self.model.compute_greedy(self.model(tok, p, meta))
+            outs.append(tok)
+        return torch.stack(outs, dim=1)
+
+    def _size(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    @torch.inference_mode()
+    def capture(self, capture_error_mode: str = "global") -> float:
+        """Capture a graph of every size, largest first (one memory pool). CUDA only;
+        returns seconds."""
+        t0 = time.perf_counter()
+        if hasattr(self.attn, "reserve"):
+            self.attn.reserve(self.sizes[-1])
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):
+            self._host["seq0"][:bs].fill_(self.Q)
+            self._host["slots"].fill_(-1)
+            self._d64.copy_(self._h64)
+            self._d32.copy_(self._h32)
+            self._body(bs)  # warm-up (triton compile / autotune)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, capture_error_mode=capture_error_mode):
+                self.outputs[bs] = self._body(bs)
+            self.graphs[bs] = g
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        logger.info("Captured %d draft-chain CUDA graphs (k=%d, batch sizes %s..%s) in %.2f s", len(self.sizes),
+                    self.k, self.sizes[0], self.sizes[-1], dt)
+        return dt
+
+    def run(self, plan) -> torch.Tensor:
+        """The drafts of a ``plan`` that ``fits``: int64 [n, k] on the device, request by
+        request (``plan.seqs`` order). Without captured graphs the chain runs eagerly at
+        the exact batch size."""
+        n = len(plan.seqs)
+        bs = self._size(n) if self.graphs else n
+        self._fill(plan, bs)
+        if self._d64 is not self._h64:
+            self._d64.copy_(self._h64, non_blocking=True)
+            self._d32.copy_(self._h32, non_blocking=True)
+        if self.graphs:
+            self.graphs[bs].replay()
+            return self.outputs[bs][:n]
+        return self._body(bs)

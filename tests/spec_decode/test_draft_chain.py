@@ -1,0 +1,134 @@
+"""The draft model's one-replay chain (pyengine/spec_decode/draft_chain.py), run eagerly on
+the CPU: the steps it takes get the same drafts as the depth-by-depth path, it takes the
+steady-state steps (and leaves prompts and short-room steps to that path), and greedy
+output stays the target's own."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pyengine import LLM, SamplingParams
+from tests.helpers import build_tiny_model, prompt_token_ids
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, tokenizer_dir):
+    return build_tiny_model(tmp_path_factory.mktemp("draft"), "qwen3", tokenizer_dir, seed=7, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    base = prompt_token_ids(tokenizer, 3, min_len=4, max_len=20, seed=4)
+    return [base[0] * 3, base[1], base[2] + base[2]]
+
+
+def _run(llama_dir, draft_dir, prompts, chain: bool, max_tokens: int = 16, **kw):
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": K}
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=spec, **kw)
+    drafter = llm.llm_engine.engine_core.model_runner.drafter
+    if chain:
+        drafter.enable_draft_chain()
+    calls = {"chain": 0, "steps": 0}
+    drafts = []
+    run, chain_obj = drafter._run, drafter._chain
+    if chain_obj is not None:
+        chain_run = chain_obj.run
+
+        def counted(plan):
+            calls["chain"] += 1
+            return chain_run(plan)
+        chain_obj.run = counted
+
+    def recording(plan):
+        calls["steps"] += 1
+        cols, rows = run(plan)
+        drafts.append([[int(t) for t in c] for c in cols])
+        return cols, rows
+    drafter._run = recording
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], drafts, calls
+
+
+@pytest.mark.parametrize("draft,mode", [("other", {}), ("other", {"max_num_batched_tokens": 16}), ("self", {})])
+def test_chain_drafts_equal_the_stepwise_ones(llama_dir, draft_dir, prompts, draft, mode):
+    # the target as its own draft accepts every draft: first forwards of k + 2 tokens
+    draft_dir = llama_dir if draft == "self" else draft_dir
+    toks_a, drafts_a, calls_a = _run(llama_dir, draft_dir, prompts, chain=False, **mode)
+    toks_b, drafts_b, calls_b = _run(llama_dir, draft_dir, prompts, chain=True, **mode)
+    assert toks_a == toks_b
+    assert drafts_a == drafts_b
+    assert calls_a["chain"] == 0
+    # the steady state goes through the chain; the prompts' first forwards do not
+    assert 0 < calls_b["chain"] < calls_b["steps"]
+
+
+def test_greedy_with_the_chain_is_the_targets(llama_dir, draft_dir, prompts):
+    off = LLM(str(llama_dir), device="cpu")
+    ref = [o.outputs[0].token_ids for o in off.generate(prompts, SamplingParams(temperature=0, max_tokens=16),
+                                                          use_tqdm=False)]
+    off.shutdown()
+    got, _, calls = _run(llama_dir, draft_dir, prompts, chain=True, async_scheduling=True)
+    assert got == ref and calls["chain"] > 0
+
+
+def test_fits_only_uniform_full_drafts(llama_dir, draft_dir):
+    from pyengine.spec_decode.base import DraftPlan
+    from pyengine.spec_decode.draft_chain import DraftChain
+
+    with pytest.raises(ValueError):
+        DraftChain(None, None, 0, [1], 4, 64, 16, "cpu")
+    c = DraftChain(None, None, K, [1, 2], 4, 64, 16, "cpu")
+    seq = (20, [5] * (K + 2), [1, 2])
+    assert c.fits(DraftPlan([seq], [(0, K)]))
+    assert c.fits(DraftPlan([seq, (3, [4], [3])], [(0, K), (1, K)]))
+    assert not c.fits(DraftPlan([seq], [(0, K - 1)]))  # fewer drafts (the end of its room)
+    assert not c.fits(DraftPlan([seq], []))  # a prefill chunk's KV only
+    assert not c.fits(DraftPlan([(20, [5] * (K + 3), [1, 2])], [(0, K)]))  # a longer first forward
+    assert not c.fits(DraftPlan([seq] * 3, [(0, K), (1, K), (2, K)]))  # more requests than the largest size
+    assert not c.fits(DraftPlan([(60, [5], [1, 2, 3, 4])], [(0, K)]))  # its padded forward past the table
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("VENGINE_TRITON_OPS_ON_CPU") != "1",
+                    reason="set TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1")
+def test_chain_on_the_triton_kernels(llama_dir, draft_dir, prompts):
+    """The GPU path's kernels (the extend kernel over padded first forwards, the decode
+    kernel at each depth) through triton's interpreter: the same drafts as step by step."""
+    kw = {"attention_backend": "triton"}
+    toks_a, drafts_a, _ = _run(llama_dir, draft_dir, prompts[:2], chain=False, max_tokens=8, **kw)
+    toks_b, drafts_b, calls = _run(llama_dir, draft_dir, prompts[:2], chain=True, max_tokens=8, **kw)
+    assert toks_a == toks_b and drafts_a == drafts_b and calls["chain"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sched", ["sync", "async"])
+def test_chain_graphs_on_cuda(llama_dir, draft_dir, prompts, sched):
+    """CUDA: the chain's graphs are captured at start-up and replayed in the steady state;
+    greedy output is the target's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    off = LLM(str(llama_dir), device="cuda", dtype="float32")
+    ref = [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)]
+    off.shutdown()
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": K}
+    llm = LLM(str(llama_dir), device="cuda", dtype="float32", speculative_config=spec,
+              async_scheduling=sched == "async")
+    try:
+        chain = llm.llm_engine.engine_core.model_runner.drafter._chain
+        assert chain is not None and set(chain.graphs) == set(chain.sizes)
+        calls = []
+        run = chain.run
+        chain.run = lambda plan: calls.append(len(plan.seqs)) or run(plan)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert got == ref
+        assert calls and max(calls) == len(prompts)
+        one = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], sp, use_tqdm=False)]
+        assert one == ref[:1] and calls[-1] == 1
+    finally:
+        llm.shutdown()
