@@ -583,11 +583,12 @@ def _batch_host_run(model: str, args, spec: dict | None, reqs: list[tuple[list[i
                            (runner, "sampler", "sampler"), (runner, "_sample", "sample_total"),
                            (eng.output_processor, "process_outputs", "output_processor")):
         _timed(obj, name, acc, key, clock)
-    spec_steps = [0]
+    spec_steps = [0, 0]  # speculative launches, all launches
     inner = runner.execute_model
 
     def count(so, *a, **k):
         spec_steps[0] += bool(so.speculative)
+        spec_steps[1] += 1
         return inner(so, *a, **k)
     runner.execute_model = count
     prof = None
@@ -604,7 +605,7 @@ def _batch_host_run(model: str, args, spec: dict | None, reqs: list[tuple[list[i
         while eng.has_unfinished_requests():
             is_steady = (not len(sched.waiting) and len(sched.running) >= args.cutoff
                          and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running))
-            snap, t0 = dict(acc), clock()
+            snap, t0, launched = dict(acc), clock(), spec_steps[1]
             if prof is not None and is_steady:
                 prof.enable()
             ros = eng.step()
@@ -612,6 +613,7 @@ def _batch_host_run(model: str, args, spec: dict | None, reqs: list[tuple[list[i
                 prof.disable()
             dt = clock() - t0
             steps += 1
+            totals["no_launch"] += launched == spec_steps[1]  # (a step that only waited for the batch in flight)
             totals["wall_all"] += dt
             if is_steady:
                 steady += 1
@@ -636,7 +638,7 @@ def _batch_host_run(model: str, args, spec: dict | None, reqs: list[tuple[list[i
     wall = 1e3 * best["wall"] / max(steady, 1)
     ms["other"] = max(wall - sum(ms.values()), 0.0)
     return {"spec": spec is not None, "steady_steps": steady, "steps": steps, "ms_per_steady_step": wall,
-            "ms_total": 1e3 * best["wall_all"],
+            "ms_total": 1e3 * best["wall_all"], "steps_without_launch": int(runs[0][2]["no_launch"]),
             "ms_per_step_all": 1e3 * best["wall_all"] / max(steps, 1), "phases_ms_per_step": ms,
             "steady_step_counts": sorted({s for s, _, _ in runs}), "clock": args.host_clock, "runs": len(runs),
             "spec_num_drafts": stats.spec_num_drafts, "speculative_steps": spec_steps[0], "_outputs": outputs}
@@ -703,7 +705,9 @@ def host_batch(model: str, args, prompts: list[str]) -> dict:
              + [r3(r["phases_ms_per_step"][k]) for k in (*BATCH_HOST_PHASES, "other")] for name, r in rows.items()]
     print(common.md_table(heads, table), flush=True)
     print("tokens identical:", identical, "| speculative steps, drafts (all passes of a run):",
-          {m: (r["speculative_steps"], r["spec_num_drafts"]) for m, r in rows.items()}, "| steady ms/step runs:",
+          {m: (r["speculative_steps"], r["spec_num_drafts"]) for m, r in rows.items()},
+          "| engine steps that launched nothing (a pass):", {m: r["steps_without_launch"] for m, r in rows.items()},
+          "| steady ms/step runs:",
           {m: [r3(x) for x in r["ms_per_steady_step_runs"]] for m, r in rows.items()}, flush=True)
     return {"spec_config": spec, "tokens_identical": identical, **rows}
 
