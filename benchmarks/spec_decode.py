@@ -22,6 +22,11 @@ Parts (``--parts``):
   step scheduled with draft placeholders before this one is verified). On CUDA the same again with the real model (``*_real`` rows):
   the difference is the device's share of a step. Runs on CPU too (``--host-clock thread``
   on a shared machine).
+- ``host_batch``: the host time of a step at ``--streams`` requests (async scheduling,
+  the model stubbed), speculation off against ngram configured and cut off
+  (``disable_by_batch_size=--cutoff``), phase by phase over the steps with nothing
+  waiting, no prefill and at least ``--cutoff`` running; ``--host-profile`` writes a
+  cProfile of those steps per mode.
 - ``profile``: one batch-1 request on a code-editing prompt, speculation off and ngram on,
   under the engine's profiler (benchmarks/decode_profile.py): kernels, GPU busy vs wall
   time, CUDA graph launches and host phases per step (``--trace-dir`` keeps the traces).
@@ -36,6 +41,7 @@ built, measured and released before the next one.
     python3 benchmarks/spec_decode.py --json out/spec_decode.json             # H200
     python3 benchmarks/spec_decode.py --device cpu --tiny --parts ngram,draft,throughput   # smoke
     python3 benchmarks/spec_decode.py --device cpu --parts host --num-prompts 4          # host time, CPU
+    python3 benchmarks/spec_decode.py --device cpu --parts host_batch --threads 1 --host-clock thread   # 256 streams
 """
 from __future__ import annotations
 
@@ -465,6 +471,247 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
             "mean_acceptance_length": 1 + stats.spec_num_accepted_tokens / drafts if drafts else None}
 
 
+class PositionForcedModel:
+    """Stands in for the model's forward and logits at any batch size: the logits of a row
+    are one-hot at ``table[position + 1]`` (``table``: fixed pseudo-random tokens, one per
+    position), so greedy decoding gives every request the same deterministic tokens
+    whatever the batch, the scheduling mode or speculation, for a few kernels a step.
+    ``install(runner)`` swaps it in as ``TeacherForcedModel.install`` does."""
+
+    def __init__(self, vocab_size: int, max_len: int, device, seed: int = 0):
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        # token 0 is EOS in the built-in model; ignore_eos makes that moot, still keep it out
+        self.table = torch.randint(1, vocab_size, (max_len + 2,), generator=g).to(device)
+        self.vocab_size = vocab_size
+
+    def forward(self, ids, pos, meta):
+        import torch
+
+        return pos.to(dtype=torch.float32).unsqueeze(1)
+
+    def compute_logits(self, hidden):
+        import torch
+
+        p = (hidden[:, 0].long() + 1).clamp_(max=self.table.shape[0] - 1)
+        logits = torch.zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32, device=hidden.device)
+        return logits.scatter_(1, self.table[p].unsqueeze(1), 1.0)
+
+    def install(self, runner) -> None:
+        runner.forward = self.forward
+        runner.model.compute_logits = self.compute_logits
+
+
+class BatchTeacherForcedModel:
+    """``TeacherForcedModel`` for a batch: request ``rid`` replays the reference
+    ``refs[ref_of(rid)]`` (its prompt and the real model's greedy output), each row's
+    logits one-hot at the reference's token after that row's position. The runner's
+    ``_prepare_inputs`` is wrapped to note the step's requests (nothing more), and the
+    stub's forward gives each token row (position, reference index)."""
+
+    def __init__(self, refs: list[list[int]], vocab_size: int, device, ref_of):
+        import torch
+
+        width = max(len(r) for r in refs)
+        self.table = torch.tensor([r + [r[-1]] * (width - len(r)) for r in refs], dtype=torch.int64, device=device)
+        self.vocab_size, self.device, self.ref_of = vocab_size, device, ref_of
+        self._so = None
+
+    def forward(self, ids, pos, meta):
+        import torch
+
+        rows = []
+        for s in self._so.scheduled:
+            rows += [self.ref_of(s.request.request_id)] * s.num_new_tokens
+        r = torch.tensor(rows, dtype=torch.float32, device=pos.device)
+        return torch.stack((pos.to(dtype=torch.float32), r), 1)
+
+    def compute_logits(self, hidden):
+        import torch
+
+        p = (hidden[:, 0].long() + 1).clamp_(max=self.table.shape[1] - 1)
+        tok = self.table[hidden[:, 1].long(), p]
+        logits = torch.zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32, device=hidden.device)
+        return logits.scatter_(1, tok.unsqueeze(1), 1.0)
+
+    def install(self, runner) -> None:
+        prepare = runner._prepare_inputs
+
+        def noting(so):
+            self._so = so
+            return prepare(so)
+        runner._prepare_inputs = noting
+        runner.forward = self.forward
+        runner.model.compute_logits = self.compute_logits
+
+
+BATCH_HOST_PHASES = ("schedule", "prepare_inputs", "sampling_metadata", "forward", "sampler", "sample_rest",
+                     "scheduler_update", "output_processor")
+
+
+def _batch_host_run(model: str, args, spec: dict | None, reqs: list[tuple[list[int], int]], profile_to=None,
+                    refs: list[list[int]] | None = None) -> dict:
+    """One engine (async scheduling) with the position-forced stub running every request
+    of ``reqs`` ((prompt ids, max_tokens), all added at once, greedy, ignore_eos) for
+    ``--host-repeats`` passes: ms per engine step of each phase (``BATCH_HOST_PHASES``;
+    ``other``: the rest of ``LLMEngine.step``) over the *steady* steps only — nothing
+    waiting, no request in prefill and at least ``--cutoff`` running, so with speculation
+    configured every one of them is cut off — on ``--host-clock``; each figure the smallest
+    over the passes. Also the whole pass's ms/step and the tokens (identical across modes).
+    ``profile_to``: a path for a cProfile of the steady steps of the last pass."""
+    from collections import defaultdict
+
+    from pyengine import SamplingParams
+
+    llm = _llm(model, args, spec, async_scheduling=True, max_num_seqs=max(len(reqs), 1),
+               num_gpu_blocks_override=args.host_kv_blocks)
+    eng = llm.llm_engine
+    core = eng.engine_core
+    runner, sched = core.model_runner, core.scheduler
+    if refs is None:
+        PositionForcedModel(runner.dims.vocab_size, args.max_model_len, runner.device).install(runner)
+    else:  # request "b<pass>-<i>" replays refs[i % len(refs)]
+        BatchTeacherForcedModel(refs, runner.dims.vocab_size, runner.device,
+                                lambda rid: int(rid.rsplit("-", 1)[1]) % len(refs)).install(runner)
+    acc: dict = defaultdict(float)
+    clock = HOST_CLOCKS[args.host_clock]
+    for obj, name, key in ((sched, "schedule", "schedule"), (sched, "update_from_output", "scheduler_update"),
+                           (runner, "_prepare_inputs", "prepare_inputs"),
+                           (runner.sampling_state, "metadata", "sampling_metadata"),
+                           (runner, "forward", "forward"), (runner.model, "compute_logits", "forward"),
+                           (runner, "sampler", "sampler"), (runner, "_sample", "sample_total"),
+                           (eng.output_processor, "process_outputs", "output_processor")):
+        _timed(obj, name, acc, key, clock)
+    spec_steps = [0, 0]  # speculative launches, all launches
+    inner = runner.execute_model
+
+    def count(so, *a, **k):
+        spec_steps[0] += bool(so.speculative)
+        spec_steps[1] += 1
+        return inner(so, *a, **k)
+    runner.execute_model = count
+    prof = None
+    runs, outputs = [], None
+    for rep in range(max(args.host_repeats, 1) + 1):  # (the first pass warms up)
+        totals: dict = defaultdict(float)
+        steady = steps = 0
+        got: dict[str, list[int]] = {}
+        for i, (prompt, n) in enumerate(reqs):
+            eng.add_request(f"b{rep}-{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        if profile_to and rep == args.host_repeats:
+            import cProfile
+            prof = cProfile.Profile()
+        while eng.has_unfinished_requests():
+            is_steady = (not len(sched.waiting) and len(sched.running) >= args.cutoff
+                         and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running))
+            snap, t0, launched = dict(acc), clock(), spec_steps[1]
+            if prof is not None and is_steady:
+                prof.enable()
+            ros = eng.step()
+            if prof is not None and is_steady:
+                prof.disable()
+            dt = clock() - t0
+            steps += 1
+            totals["no_launch"] += launched == spec_steps[1]  # (a step that only waited for the batch in flight)
+            totals["wall_all"] += dt
+            if is_steady:
+                steady += 1
+                totals["wall"] += dt
+                for k, v in acc.items():
+                    totals[k] += v - snap.get(k, 0.0)
+            for ro in ros:
+                got[ro.request_id.split("-", 1)[1]] = list(ro.outputs[0].token_ids)
+        totals["sample_rest"] = totals.pop("sample_total", 0.0) - totals.get("sampler", 0.0)
+        if rep:
+            runs.append((steady, steps, totals))
+        outputs = got
+    stats = eng.get_stats()
+    if prof is not None:
+        prof.dump_stats(profile_to)
+    common.shutdown_llm(llm)
+    del llm
+    common.free_cuda()
+    steady, steps = runs[0][0], runs[0][1]
+    best = {k: min(t.get(k, 0.0) for _, _, t in runs) for k in (*BATCH_HOST_PHASES, "wall", "wall_all")}
+    ms = {k: 1e3 * best[k] / max(steady, 1) for k in BATCH_HOST_PHASES}
+    wall = 1e3 * best["wall"] / max(steady, 1)
+    ms["other"] = max(wall - sum(ms.values()), 0.0)
+    return {"spec": spec is not None, "steady_steps": steady, "steps": steps, "ms_per_steady_step": wall,
+            "ms_total": 1e3 * best["wall_all"], "steps_without_launch": int(runs[0][2]["no_launch"]),
+            "ms_per_step_all": 1e3 * best["wall_all"] / max(steps, 1), "phases_ms_per_step": ms,
+            "steady_step_counts": sorted({s for s, _, _ in runs}), "clock": args.host_clock, "runs": len(runs),
+            "spec_num_drafts": stats.spec_num_drafts, "speculative_steps": spec_steps[0], "_outputs": outputs}
+
+
+def host_batch(model: str, args, prompts: list[str]) -> dict:
+    """The ``host_batch`` part: ``--streams`` requests, greedy, ignore_eos, async
+    scheduling, all added at once, with the model stubbed: speculation off against ngram
+    configured with ``disable_by_batch_size=--cutoff`` (so cut off in every steady step),
+    engines built in turn ``--host-alternations`` times (off, cut off, cut off, off, ...);
+    each mode's figures are the smallest over its runs. ``--host-batch-prompts code``
+    (default): the throughput part's requests (the code-editing prompts repeated,
+    ``--output-len`` tokens), each replaying the real model's greedy output, recorded
+    first (``BatchTeacherForcedModel``); ``random``: ``--host-prompt-len`` random prompt
+    tokens and 64..``--output-len`` output tokens spread evenly (``PositionForcedModel``).
+    Checks that both modes give the same tokens."""
+    import random
+
+    n = max(args.streams, 1)
+    refs = None
+    if args.host_batch_prompts == "code":  # the throughput part's requests, replayed
+        from pyengine import SamplingParams
+
+        llm = _llm(model, args, None)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True),
+                            use_tqdm=False)
+        refs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+        common.shutdown_llm(llm)
+        del llm
+        common.free_cuda()
+        reqs = [(list(outs[i % len(outs)].prompt_token_ids), args.output_len) for i in range(n)]
+    else:
+        rng = random.Random(0)
+        lo = min(64, args.output_len)
+        reqs = [([rng.randrange(1, 8192) for _ in range(args.host_prompt_len)],
+                 lo + (i * (args.output_len - lo)) // max(n - 1, 1)) for i in range(n)]
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max, "disable_by_batch_size": args.cutoff}
+    modes = {"off": None, "cutoff": spec}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for a in range(max(args.host_alternations, 1)):
+        for name, s in (modes.items() if a % 2 == 0 else reversed(modes.items())):  # (ABBA: no order bias)
+            prof = (f"{args.host_profile}.{name}.prof" if args.host_profile and a == 0 else None)
+            runs[name].append(_batch_host_run(model, args, s, reqs, prof, refs))
+    ref = runs["off"][0]["_outputs"]
+    identical = all(r["_outputs"] == ref for rs in runs.values() for r in rs)
+    rows = {}
+    for name, rs in runs.items():
+        r = dict(rs[0])
+        r.pop("_outputs")
+        r["ms_per_steady_step"] = min(x["ms_per_steady_step"] for x in rs)
+        r["ms_per_step_all"] = min(x["ms_per_step_all"] for x in rs)
+        r["ms_total"] = min(x["ms_total"] for x in rs)
+        r["phases_ms_per_step"] = {k: min(x["phases_ms_per_step"][k] for x in rs) for k in (*BATCH_HOST_PHASES, "other")}
+        r["ms_per_steady_step_runs"] = [x["ms_per_steady_step"] for x in rs]
+        rows[name] = r
+
+    def r3(x):
+        return round(x, 3)
+    heads = (["mode", "steps", "steady steps", "ms (all steps)", "ms/step (all)", "ms/step (steady)"]
+             + list(BATCH_HOST_PHASES) + ["other"])
+    table = [[name, r["steps"], r["steady_steps"], round(r["ms_total"], 1), r3(r["ms_per_step_all"]),
+              r3(r["ms_per_steady_step"])]
+             + [r3(r["phases_ms_per_step"][k]) for k in (*BATCH_HOST_PHASES, "other")] for name, r in rows.items()]
+    print(common.md_table(heads, table), flush=True)
+    print("tokens identical:", identical, "| speculative steps, drafts (all passes of a run):",
+          {m: (r["speculative_steps"], r["spec_num_drafts"]) for m, r in rows.items()},
+          "| engine steps that launched nothing (a pass):", {m: r["steps_without_launch"] for m, r in rows.items()},
+          "| steady ms/step runs:",
+          {m: [r3(x) for x in r["ms_per_steady_step_runs"]] for m, r in rows.items()}, flush=True)
+    return {"spec_config": spec, "tokens_identical": identical, **rows}
+
+
 def host_phases(model: str, args, prompts: list[str]) -> dict:
     """The ``host`` part: record the real model's greedy outputs, then time plain decode
     (async and sync scheduling) and ngram speculation on them with the teacher-forced stub,
@@ -529,6 +776,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--host-real", action="store_true", help="host part: also with the real model (on CUDA always)")
     p.add_argument("--host-repeats", type=int, default=1,
                    help="host part: runs per mode; each phase's figure is its smallest over the runs")
+    p.add_argument("--host-prompt-len", type=int, default=128, help="host_batch part: prompt tokens per request")
+    p.add_argument("--host-batch-prompts", choices=("code", "random"), default="code",
+                   help="host_batch part: the code-editing prompts (as the throughput part, each replaying the "
+                        "real model's greedy output) or random prompts of --host-prompt-len tokens, 64..--output-len out")
+    p.add_argument("--host-kv-blocks", type=int, default=16384, help="host_batch part: KV blocks (no preemption)")
+    p.add_argument("--host-alternations", type=int, default=2,
+                   help="host_batch part: off / cut-off engines built in turn this many times")
+    p.add_argument("--host-profile", default=None,
+                   help="host_batch part: write cProfile stats of the first run's steady steps to PREFIX.MODE.prof")
     p.add_argument("--tiny", action="store_true", help="a CPU smoke run: a tiny target, few tokens")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dtype", default=None)
@@ -562,6 +818,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("draft:", {k: v for k, v in fields["draft"].items() if k != "spec_config"}, flush=True)
     if "host" in parts:
         fields["host"] = host_phases(model, args, prompts)
+    if "host_batch" in parts:
+        fields["host_batch"] = host_batch(model, args, prompts)
     if "profile" in parts:
         fields["profile"] = profile(model, args, prompts)
         print("profile:", {m: {k: v for k, v in r.items() if k not in ("kernels", "by_class", "by_group")}

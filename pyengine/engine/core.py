@@ -115,10 +115,16 @@ class EngineCore:
         # Speculative decoding pipelines too: the runner fills the next step's draft
         # placeholders itself (pyengine/worker/model_runner.py). Only where the step would
         # change between speculative and not (disable_by_batch_size crossed) does it wait for
-        # the batch in flight, so that no placeholder spans the two kinds of step.
+        # the batch in flight, so that no placeholder spans the two kinds of step. A
+        # speculative step in flight with no draft placeholders (e.g. the prefill-only first
+        # step of a burst of requests: none ran at its start) needs no wait before a plain
+        # one: its rows' newest tokens are its sampled ones, nothing to take back.
         sched = self.scheduler
-        spec_wait = (sched.spec_enabled and bool(self.batch_queue)
-                     and self.batch_queue[-1][0].speculative != sched.wants_speculative_step())
+        spec_wait = False
+        if sched.spec_enabled and self.batch_queue:
+            last = self.batch_queue[-1][0]
+            if last.speculative != sched.wants_speculative_step():
+                spec_wait = not last.speculative or any(s.spec_token_ids for s in last.scheduled)
         if (len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests()
                 and not spec_wait):
             so = self.scheduler.schedule()

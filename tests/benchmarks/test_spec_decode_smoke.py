@@ -32,3 +32,18 @@ def test_smoke(tmp_path):
     assert res["draft"]["target_params"] > res["draft"]["draft_params"] > 0
     assert res["throughput"]["on"]["output_tokens"] == res["throughput"]["off"]["output_tokens"] == 10
     assert json.loads(out.read_text())["benchmark"] == "spec_decode"
+
+
+def test_host_batch_smoke(tmp_path):
+    """The host_batch part (model stubbed, both prompt kinds): off and cut off give the
+    same tokens, and with at least --cutoff requests running the steady steps draft nothing."""
+    model = build_tiny_model(tmp_path / "model", "qwen3", DEFAULT_MODEL_DIR, seed=2, num_hidden_layers=1)
+    for prompts in ("code", "random"):
+        res = spec_decode.main(["--device", "cpu", "--parts", "host_batch", "--model", str(model), "--threads", "1",
+                                "--num-prompts", "2", "--output-len", "6", "--streams", "6", "--cutoff", "3",
+                                "--host-prompt-len", "8", "--host-repeats", "1", "--host-alternations", "1",
+                                "--host-kv-blocks", "256", "--host-batch-prompts", prompts, "--max-model-len", "512"])
+        r = res["host_batch"]
+        assert r["tokens_identical"], prompts
+        assert r["off"]["steady_steps"] > 0 and r["cutoff"]["steady_steps"] > 0
+        assert r["off"]["spec_num_drafts"] == 0

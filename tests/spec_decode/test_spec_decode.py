@@ -255,6 +255,38 @@ def test_async_scheduling_across_the_cutoff(method, llama_dir, draft_dir, eagle_
     llm.shutdown()
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "eagle3"])
+def test_async_burst_start_pipelines_past_the_cutoff(method, llama_dir, draft_dir, eagle_dir, prompts, reference):
+    """A burst of at least disable_by_batch_size requests into an idle engine: its first
+    step (prefill only) is speculative, since none ran at its start, but carries no draft
+    placeholders, so the next step (plain: the cutoff is reached) is scheduled while it is
+    in flight, as without speculation; the same tokens as without speculation."""
+    spec = {**_spec(method, draft_dir, eagle_dir, llama_dir), "disable_by_batch_size": 3}
+    llm = LLM(str(llama_dir), device="cpu", async_scheduling=True, speculative_config=spec)
+    sched = llm.llm_engine.engine_core.scheduler
+    in_flight: list = []
+    plain_after_spec = []  # per plain step: whether a speculative step was in flight
+    schedule, update = sched.schedule, sched.update_from_output
+
+    def traced_schedule():
+        so = schedule()
+        if not so.is_empty:
+            if not so.speculative:
+                plain_after_spec.append(any(s.speculative for s in in_flight))
+            in_flight.append(so)
+        return so
+
+    def traced_update(so, out):
+        in_flight.remove(so)
+        return update(so, out)
+    sched.schedule, sched.update_from_output = traced_schedule, traced_update
+    got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
+    assert got == reference
+    assert plain_after_spec and plain_after_spec[0]  # the second step did not wait for the first
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("sched", SCHED)
 def test_seeded_random_is_reproducible(sched, llama_dir, prompts):
     llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}, sched)
