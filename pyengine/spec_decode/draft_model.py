@@ -9,7 +9,7 @@ yet written (``_valid``: how many leading positions of the request hold valid dr
 this step's accepted tokens and its new token, and those of steps without speculation
 it missed), whose last row gives the first draft;
 then ``k - 1`` one-token forwards, each feeding the previous draft. A rejected draft's
-KV is overwritten when a real token takes its position. On CUDA with one rank, a step
+KV is overwritten when a real token takes its position. On CUDA with one rank and ``VENGINE_DRAFT_CHAIN=1``, a step
 where every request drafts all ``k`` after a short first forward (the steady state of
 batch-1 and small-batch decoding) replays one CUDA graph of all those forwards
 (``DraftChain``); the rest runs forward by forward (the one-token ones as graphs).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from pyengine import envs
 from pyengine.spec_decode.base import (
     DraftPlan,
     Proposer,
@@ -55,7 +56,8 @@ class DraftModelProposer(Proposer):
         self._graphs = CUDAGraphRunner(self.model, self.attn, c.max_num_seqs, cdiv(c.max_model_len, c.block_size),
                                        c.max_model_len, self.device, capture_error_mode=capture_error_mode)
         dt = self._graphs.capture()
-        if self._tp_world == 1:  # (ranks > 1 keep the depth-by-depth path: its collectives are per forward)
+        # (ranks > 1 keep the depth-by-depth path: its collectives are per forward)
+        if self._tp_world == 1 and envs.draft_chain():
             dt += self.enable_draft_chain(capture_error_mode)
         return dt
 

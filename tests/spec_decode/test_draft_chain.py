@@ -105,13 +105,15 @@ def test_chain_on_the_triton_kernels(llama_dir, draft_dir, prompts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sched", ["sync", "async"])
-def test_chain_graphs_on_cuda(llama_dir, draft_dir, prompts, sched):
-    """CUDA: the chain's graphs are captured at start-up and replayed in the steady state;
+def test_chain_graphs_on_cuda(llama_dir, draft_dir, prompts, sched, monkeypatch):
+    """CUDA (``VENGINE_DRAFT_CHAIN=1``, after an engine without speculation in the same
+    process): the chain's graphs are captured at start-up and replayed in the steady state;
     greedy output is the target's."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setenv("VENGINE_DRAFT_CHAIN", "1")
     sp = SamplingParams(temperature=0, max_tokens=24)
     off = LLM(str(llama_dir), device="cuda", dtype="float32")
     ref = [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)]
