@@ -263,23 +263,12 @@ def test_async_burst_start_pipelines_past_the_cutoff(method, llama_dir, draft_di
     in flight, as without speculation; the same tokens as without speculation."""
     spec = {**_spec(method, draft_dir, eagle_dir, llama_dir), "disable_by_batch_size": 3}
     llm = LLM(str(llama_dir), device="cpu", async_scheduling=True, speculative_config=spec)
-    sched = llm.llm_engine.engine_core.scheduler
-    in_flight: list = []
     plain_after_spec = []  # per plain step: whether a speculative step was in flight
-    schedule, update = sched.schedule, sched.update_from_output
 
-    def traced_schedule():
-        so = schedule()
-        if not so.is_empty:
-            if not so.speculative:
-                plain_after_spec.append(any(s.speculative for s in in_flight))
-            in_flight.append(so)
-        return so
-
-    def traced_update(so, out):
-        in_flight.remove(so)
-        return update(so, out)
-    sched.schedule, sched.update_from_output = traced_schedule, traced_update
+    def seen(so, in_flight):
+        if not so.speculative:
+            plain_after_spec.append(any(s.speculative for s in in_flight))
+    trace_steps(llm, seen)
     got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
     assert got == reference
     assert plain_after_spec and plain_after_spec[0]  # the second step did not wait for the first
@@ -299,23 +288,17 @@ def test_seeded_random_is_reproducible(sched, llama_dir, prompts):
     llm.shutdown()
 
 
-
-def trace_overlap(llm) -> dict:
-    """Count, from now on, the speculative steps with drafts that were scheduled while
-    the step before was in flight with each drafted row's drafts still placeholders
-    (``overlapped``), and those that were not (``sync_like``)."""
+def trace_steps(llm, seen) -> None:
+    """From now on call ``seen(so, in_flight)`` for each non-empty step the scheduler
+    schedules, ``in_flight`` being the steps scheduled and not yet updated before it."""
     sched = llm.llm_engine.engine_core.scheduler
     in_flight: list = []
-    counts = {"overlapped": 0, "sync_like": 0}
     schedule, update = sched.schedule, sched.update_from_output
 
     def traced_schedule():
         so = schedule()
-        rows = [s for s in so.scheduled if s.spec_token_ids]
-        if so.speculative and rows:
-            ok = in_flight and all(s.placeholder_input and set(s.spec_token_ids) == {-1} for s in rows)
-            counts["overlapped" if ok else "sync_like"] += 1
         if not so.is_empty:
+            seen(so, in_flight)
             in_flight.append(so)
         return so
 
@@ -323,6 +306,20 @@ def trace_overlap(llm) -> dict:
         in_flight.remove(so)
         return update(so, out)
     sched.schedule, sched.update_from_output = traced_schedule, traced_update
+
+
+def trace_overlap(llm) -> dict:
+    """Count, from now on, the speculative steps with drafts that were scheduled while
+    the step before was in flight with each drafted row's drafts still placeholders
+    (``overlapped``), and those that were not (``sync_like``)."""
+    counts = {"overlapped": 0, "sync_like": 0}
+
+    def seen(so, in_flight):
+        rows = [s for s in so.scheduled if s.spec_token_ids]
+        if so.speculative and rows:
+            ok = in_flight and all(s.placeholder_input and set(s.spec_token_ids) == {-1} for s in rows)
+            counts["overlapped" if ok else "sync_like"] += 1
+    trace_steps(llm, seen)
     return counts
 
 
