@@ -17,7 +17,7 @@ Read from Python (the accessors below; each reads the environment when called):
 | ``VENGINE_TORCH_PROFILER_DIR`` | — | where ``EngineCore.profile`` windows write each rank's phase timings and torch.profiler trace when no directory is passed; vLLM's ``VLLM_TORCH_PROFILER_DIR`` |
 | ``VENGINE_TP_SHM_BROADCAST`` | 1 | tensor parallelism: rank 0 hands each step to the other ranks of its host through a shared-memory queue (0: two gloo broadcasts over TCP) |
 | ``VENGINE_FP8_SCALED_MM`` | 1 | FP8 W8A8 GEMMs with per-row scales (more than one token) through ``torch.nn.functional.scaled_mm`` on GPUs that have it (0: the Triton kernel of pyengine/ops/quant.py) |
-| ``VENGINE_DRAFT_CHAIN`` | 0 | 1: a draft model's steady-state proposal replays one CUDA graph (``pyengine/spec_decode/draft_chain.py``); off until its H200 check after an earlier engine in the same process passes (docs/benchmarks.md) |
+| ``VENGINE_DRAFT_CHAIN`` | 1 | 0: a draft model's steady-state proposal runs forward by forward instead of replaying one CUDA graph (``pyengine/spec_decode/draft_chain.py``) |
 | ``VENGINE_TRITON_OPS_ON_CPU`` | 0 | 1 (with ``TRITON_INTERPRET=1``): run the triton ops through triton's CPU interpreter (tests) |
 | ``VENGINE_API_KEY`` (alias ``VLLM_API_KEY``) | — | ``vengine serve``'s ``--api-key`` when the flag is absent |
 | ``VENGINE_SERVER_DEV_MODE`` (alias ``VLLM_SERVER_DEV_MODE``) | 0 | 1 enables development endpoints (``POST /reset_prefix_cache``) |
@@ -124,7 +124,7 @@ def fp8_scaled_mm() -> bool:
 
 
 def draft_chain() -> bool:
-    return _flag("VENGINE_DRAFT_CHAIN", False)
+    return _flag("VENGINE_DRAFT_CHAIN", True)
 
 
 def triton_ops_on_cpu() -> bool:

@@ -28,6 +28,11 @@ from pyengine.ops.fused import rope_and_cache
 from pyengine.ops.paged_attention import default_num_splits, paged_decode, paged_extend, reshape_and_cache, varlen_attention
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` (the current device) and ``cuda:0`` name one device here; ``==`` says no."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 @register_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
     """Triton backend. Extra knobs (attributes, set before first use / capture):
@@ -52,6 +57,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_splits_override: int | None = None
         self._part_out: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
+        self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown scratch (see _ensure_scratch)
 
     # -- split-KV scratch --------------------------------------------------------------
     def num_splits(self, batch: int) -> int:
@@ -71,11 +77,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _ensure_scratch(self, units: int, device: torch.device) -> None:
         if (self._part_lse is not None and self._part_lse.numel() >= units * self.num_heads
-                and self._part_lse.device == device):
+                and _same_device(self._part_lse.device, device)):
             return
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("TritonAttentionBackend: decode scratch too small during CUDA graph "
                                "capture; call backend.reserve(max_num_seqs) before capturing")
+        if self._part_lse is not None:
+            # graphs captured earlier write into the old buffers: they stay allocated (freed,
+            # the allocator would hand them to other tensors that those replays overwrite)
+            self._retired.append((self._part_lse, self._part_out))
         self._part_lse = torch.empty(units * self.num_heads, dtype=torch.float32, device=device)
         self._part_out = torch.empty(units * self.num_heads * self.head_dim, dtype=torch.float32,
                                      device=device)

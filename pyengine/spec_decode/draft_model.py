@@ -9,7 +9,7 @@ yet written (``_valid``: how many leading positions of the request hold valid dr
 this step's accepted tokens and its new token, and those of steps without speculation
 it missed), whose last row gives the first draft;
 then ``k - 1`` one-token forwards, each feeding the previous draft. A rejected draft's
-KV is overwritten when a real token takes its position. On CUDA with one rank and ``VENGINE_DRAFT_CHAIN=1``, a step
+KV is overwritten when a real token takes its position. On CUDA with one rank (unless ``VENGINE_DRAFT_CHAIN=0``), a step
 where every request drafts all ``k`` after a short first forward (the steady state of
 batch-1 and small-batch decoding) replays one CUDA graph of all those forwards
 (``DraftChain``); the rest runs forward by forward (the one-token ones as graphs).

@@ -190,6 +190,32 @@ def test_decode_cuda_graph_gpu():
     torch.testing.assert_close(out.float(), ref2.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_reserve_again_keeps_the_scratch_gpu():
+    # the engine's device is torch.device("cuda") (no index) while tensors say cuda:0: a
+    # second reserve (the verify graphs', the draft chain's) must not swap the scratch that
+    # graphs captured before it write into
+    _gpu_or_skip()
+    tri = get_backend_cls("triton")(16, 8, 128, 128 ** -0.5, 16, torch.bfloat16, torch.device("cuda"))
+    tri.reserve(256)
+    ptrs = tri._part_lse.data_ptr(), tri._part_out.data_ptr()
+    tri.reserve(32)
+    tri.reserve(256, torch.device("cuda:0"))
+    assert (tri._part_lse.data_ptr(), tri._part_out.data_ptr()) == ptrs
+
+
+def test_outgrown_scratch_stays_allocated():
+    # a CUDA graph captured with the smaller scratch keeps writing into it: freed, its
+    # memory would go to other tensors
+    import weakref
+
+    tri = get_backend_cls("triton")(4, 2, 16, 0.25, 16, torch.float32, torch.device("cpu"))
+    tri.reserve(1)
+    old = weakref.ref(tri._part_lse), weakref.ref(tri._part_out)
+    tri.reserve(512)
+    assert tri._part_lse.numel() > 0 and all(r() is not None for r in old)
+    assert old[0]() is not tri._part_lse
+
+
 def _gpu_or_skip():
     if not HAS_CUDA or INTERPRET:
         pytest.skip("needs CUDA")

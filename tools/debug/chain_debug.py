@@ -13,6 +13,21 @@ from pyengine import LLM, SamplingParams
 from tests.helpers import build_tiny_model, build_tokenizer, prompt_token_ids
 
 variant = sys.argv[1]
+if "fill" in variant:  # torch.empty filled with NaN / the dtype's max: uninitialized reads show
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+if "check" in variant:  # stop at the first forward fed an id outside the vocabulary
+    from pyengine.worker.model_runner import ModelRunner as _R
+    _fwd = _R.forward
+    def checked(self, ids, pos, meta):
+        v = self.model.model.embed_tokens.num_embeddings
+        bad = ((ids < 0) | (ids >= v)).nonzero().flatten().tolist()
+        if bad:
+            print(variant, "BAD ids at", bad[:20], "ids", ids.tolist()[:64], "pos", pos.tolist()[:64],
+                  "qsl", meta.query_start_loc.tolist(), "seq", meta.seq_lens.tolist(), flush=True)
+            raise RuntimeError("bad ids")
+        return _fwd(self, ids, pos, meta)
+    _R.forward = checked
 d = Path(tempfile.mkdtemp())
 tk = build_tokenizer(d / "tok")
 tok = AutoTokenizer.from_pretrained(str(tk))
@@ -21,6 +36,7 @@ dr = build_tiny_model(d / "dr", "qwen3", tk, seed=7, num_hidden_layers=2)
 base = prompt_token_ids(tok, 3, min_len=4, max_len=20, seed=4)
 prompts = [base[0] * 3, base[1], base[2] + base[2]]
 sp = SamplingParams(temperature=0, max_tokens=24)
+dtype = "bfloat16" if "bf16" in variant else "float32"
 if "nocapture" in variant:
     from pyengine.spec_decode.draft_model import DraftModelProposer
     DraftModelProposer.enable_draft_chain = lambda self, mode=None: 0.0
@@ -31,17 +47,28 @@ if "shared" in variant:
         init(self, *a, **kw)
         self.own_stream = False
     draft_chain.DraftChain.__init__ = shared_init
-if "off" in variant:
-    off = LLM(str(ll), device="cuda", dtype="float32")
+def run_off():
+    off = LLM(str(ll), device="cuda", dtype=dtype, enforce_eager="eagerold" in variant)
     ref = [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)]
     off.shutdown()
+    print(variant, "after shutdown: allocated %.2f GiB" % (torch.cuda.memory_allocated() / 2**30), flush=True)
+    return off, ref
+
+
+if "off" in variant and "late" not in variant:
+    off, ref = run_off()
+    if "collect" in variant:  # the shut-down engine stays referenced; its cyclic garbage goes
+        import gc
+        gc.collect()
     if "gc" in variant:
         import gc
         del off
         gc.collect()
         torch.cuda.empty_cache()
 spec = {"method": "draft_model", "model": str(dr), "num_speculative_tokens": 3}
-llm = LLM(str(ll), device="cuda", dtype="float32", speculative_config=spec, async_scheduling="async" in variant)
+kv = {"num_gpu_blocks_override": int(variant.split("kv")[1].split("_")[0])} if "kv" in variant else {}
+llm = LLM(str(ll), device="cuda", dtype=dtype, speculative_config=spec, async_scheduling="async" in variant, **kv)
+print(variant, "blocks", llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool.num_blocks, flush=True)
 drafter = llm.llm_engine.engine_core.model_runner.drafter
 chain = drafter._chain
 if chain is None:
@@ -70,6 +97,13 @@ if "syncafter" in variant or "clone" in variant:
             torch.cuda.synchronize()
         return out
     chain.run = wrapped
+if "late" in variant:  # the spec engine first, then an engine without speculation, then it again
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    off, ref = run_off()
+    del off
+    import gc
+    gc.collect()
+    print(variant, "first OK", first == ref, flush=True)
 try:
     outs = llm.generate(prompts, sp, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
