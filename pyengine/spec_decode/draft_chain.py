@@ -61,7 +61,6 @@ class DraftChain:
         self._seq_host = torch.full((B,), Q, dtype=torch.int32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.own_stream = True
 
     @staticmethod
     def _views(flat: torch.Tensor, fields: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -165,10 +164,6 @@ class DraftChain:
         if hasattr(self.attn, "reserve"):
             self.attn.reserve(self.sizes[-1])
         pool = torch.cuda.graph_pool_handle()
-        # a capture stream of its own: torch keys cuBLAS workspaces by capture stream and
-        # drops a stream's workspaces when any graph captured on it is destroyed (e.g. an
-        # earlier engine's in this process), which must not reach these graphs
-        stream = torch.cuda.Stream(device=self.device) if self.own_stream else None
         for bs in reversed(self.sizes):
             self._host["seq0"][:bs].fill_(self.Q)
             self._host["slots"].fill_(-1)
@@ -177,7 +172,7 @@ class DraftChain:
             self._body(bs)  # warm-up (triton compile / autotune)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+            with torch.cuda.graph(g, pool=pool, capture_error_mode=capture_error_mode):
                 self.outputs[bs] = self._body(bs)
             self.graphs[bs] = g
         torch.cuda.synchronize()

@@ -4,7 +4,7 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH VENGINE_DRAFT_CHAIN=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-for v in off shared_off; do timeout 60 python3 tools/debug/chain_debug.py $v 2>&1 | grep "OK\|FAILED" | head -2; done | tee "$OUT/debug.txt"
+for v in off check_off; do timeout 60 python3 tools/debug/chain_debug.py $v 2>&1 | grep "OK\|FAILED" | head -2; done | tee "$OUT/debug.txt"
 if grep -q "^off OK True" "$OUT/debug.txt"; then
   bash tools/h200_run.sh "$@"
   cp "$OUT/all.log" "$OUT/steps_all.log"

@@ -40,13 +40,6 @@ dtype = "bfloat16" if "bf16" in variant else "float32"
 if "nocapture" in variant:
     from pyengine.spec_decode.draft_model import DraftModelProposer
     DraftModelProposer.enable_draft_chain = lambda self, mode=None: 0.0
-if "shared" in variant:
-    from pyengine.spec_decode import draft_chain
-    init = draft_chain.DraftChain.__init__
-    def shared_init(self, *a, **kw):
-        init(self, *a, **kw)
-        self.own_stream = False
-    draft_chain.DraftChain.__init__ = shared_init
 def run_off():
     off = LLM(str(ll), device="cuda", dtype=dtype, enforce_eager="eagerold" in variant)
     ref = [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)]
