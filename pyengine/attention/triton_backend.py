@@ -82,7 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("TritonAttentionBackend: decode scratch too small during CUDA graph "
                                "capture; call backend.reserve(max_num_seqs) before capturing")
-        if self._part_lse is not None:
+        if self._part_lse is not None and self._part_out is not None:
             # graphs captured earlier write into the old buffers: they stay allocated (freed,
             # the allocator would hand them to other tensors that those replays overwrite)
             self._retired.append((self._part_lse, self._part_out))

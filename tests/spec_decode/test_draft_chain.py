@@ -106,9 +106,10 @@ def test_chain_on_the_triton_kernels(llama_dir, draft_dir, prompts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("sched", ["sync", "async"])
 def test_chain_graphs_on_cuda(llama_dir, draft_dir, prompts, sched, monkeypatch):
-    """CUDA (after an engine without speculation in the same process: its freed memory
-    is what a graph writing into a swapped-out attention scratch corrupted): the chain's graphs are captured at start-up and replayed in the steady state;
-    greedy output is the target's."""
+    """CUDA, after an engine without speculation in the same process (where a graph
+    writing into a swapped-out attention scratch once corrupted other tensors): the
+    chain's graphs are captured at start-up and replayed in the steady state; greedy
+    output is the target's."""
     import torch
 
     if not torch.cuda.is_available():
