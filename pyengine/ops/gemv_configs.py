@@ -21,7 +21,13 @@ means; what the kernels do with them: pyengine/ops/quant.py):
 * ``num_stages`` (fp8): software-pipeline stages, 1-8;
 * ``split_k`` (optional, 1): programs along K, 1-64 (> 1: float32 partials and a sum pass);
 * ``prefetch`` (optional, int kinds, false): the next chunk's words loaded before this
-  one's products (JSON true/false).
+  one's products (JSON true/false);
+* ``fma`` (optional, fp8, false): per-row weight scales run the CUDA-core kernel (float32
+  FMAs of the upcast weight, the bf16 GEMV's shape; ``num_stages`` unused) instead of the
+  tensor-core one; block scales keep the tensor-core kernel;
+* ``narrow_acc`` (optional, int kinds, false): each nibble's products are summed over a
+  thread's words at once (a [block_n] accumulator a thread instead of [block_n, 4]: fewer
+  registers, so more programs an SM or larger ``block_n``).
 
 Whether a split_k fits a shape (every split gets a chunk) depends on the chunk size and K,
 so the kernels check it at launch (ValueError); a sweep writes only configs that ran.
@@ -36,8 +42,10 @@ from pathlib import Path
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 REQUIRED = {"fp8": ("block_n", "block_k", "num_warps", "num_stages"), "int4": ("block_n", "num_warps"),
             "int8": ("block_n", "num_warps")}
-OPTIONAL: dict[str, dict[str, int | bool]] = {"fp8": {"split_k": 1}, "int4": {"split_k": 1, "prefetch": False},
-                                              "int8": {"split_k": 1, "prefetch": False}}
+OPTIONAL: dict[str, dict[str, int | bool]] = {
+    "fp8": {"split_k": 1, "fma": False},
+    "int4": {"split_k": 1, "prefetch": False, "narrow_acc": False},
+    "int8": {"split_k": 1, "prefetch": False, "narrow_acc": False}}
 FIELDS = {kind: REQUIRED[kind] + tuple(OPTIONAL[kind]) for kind in REQUIRED}
 
 
@@ -55,7 +63,9 @@ def _is_int(v: object) -> bool:
 _CHECKS = {"block_n": _pow2(1, 64), "num_warps": _pow2(1, 16), "block_k": _pow2(256, 1 << 16),
            "num_stages": (lambda v: _is_int(v) and 1 <= v <= 8, "an integer in [1, 8]"),
            "split_k": (lambda v: _is_int(v) and 1 <= v <= 64, "an integer in [1, 64]"),
-           "prefetch": (lambda v: isinstance(v, bool), "true or false")}
+           "prefetch": (lambda v: isinstance(v, bool), "true or false"),
+           "fma": (lambda v: isinstance(v, bool), "true or false"),
+           "narrow_acc": (lambda v: isinstance(v, bool), "true or false")}
 
 
 def check_config(kind: str, cfg: object, where: str) -> dict[str, int | bool]:
