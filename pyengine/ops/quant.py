@@ -332,8 +332,12 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K:
     # be issued early). ACT as _fp8_gemv_kernel's, per-row weight scales only (0, 1, 3): an
     # e4m3 value times an e4m3 value is exact in float32, so with a quantized activation the
     # sums are those of the reference (quant_fp8's values times the weight), in float32.
-    # The first two chunks' weights are loaded before the token's amax (which ends in a
-    # barrier the later loads cannot be moved above). SPLIT_K > 1: as _fp8_gemv_kernel's.
+    # The first four chunks' weights are loaded before the token's amax and before the first
+    # chunk's products: both end in a barrier (the amax's cross-warp maximum; each chunk's
+    # activation converted through shared memory from the layout it is loaded in to the
+    # weight tile's, which Triton does not rematerialize) that later loads are not moved
+    # above, so an unrolled chunk's loads would otherwise wait for the previous chunk's
+    # products (offline sm_90 SASS, Triton 3.9). SPLIT_K > 1: as _fp8_gemv_kernel's.
     KS: tl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K  # columns a split
     EVEN: tl.constexpr = KS * SPLIT_K == K  # every chunk whole
     pid = tl.program_id(0)
@@ -348,9 +352,15 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K:
     # chunk i is whole when the split's chunks all are, or (one split) it ends inside K
     F0: tl.constexpr = EVEN or (SPLIT_K == 1 and BLOCK_K <= K)
     F1: tl.constexpr = EVEN or (SPLIT_K == 1 and 2 * BLOCK_K <= K)
+    F2: tl.constexpr = EVEN or (SPLIT_K == 1 and 3 * BLOCK_K <= K)
+    F3: tl.constexpr = EVEN or (SPLIT_K == 1 and 4 * BLOCK_K <= K)
     w0 = _fp8_fma_load(w_rows, k_lo, rk, mask_n, K, F0)
     if KS > BLOCK_K:
         w1 = _fp8_fma_load(w_rows, k_lo + BLOCK_K, rk, mask_n, K, F1)
+    if KS > 2 * BLOCK_K:
+        w2 = _fp8_fma_load(w_rows, k_lo + 2 * BLOCK_K, rk, mask_n, K, F2)
+    if KS > 3 * BLOCK_K:
+        w3 = _fp8_fma_load(w_rows, k_lo + 3 * BLOCK_K, rk, mask_n, K, F3)
     x_scale = 1.0
     if ACT == 1:  # the token's scale from the whole (small, cached) row
         ra = tl.arange(0, AMAX_BLOCK)
@@ -365,7 +375,11 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K:
     acc = _fp8_fma_chunk(acc, w0, x_ptr, k_lo, rk, x_scale, K, F0, ACT, EMULATE)
     if KS > BLOCK_K:
         acc = _fp8_fma_chunk(acc, w1, x_ptr, k_lo + BLOCK_K, rk, x_scale, K, F1, ACT, EMULATE)
-    for kk in tl.static_range(2 * BLOCK_K, KS, BLOCK_K):  # unrolled: every chunk's loads issued early
+    if KS > 2 * BLOCK_K:
+        acc = _fp8_fma_chunk(acc, w2, x_ptr, k_lo + 2 * BLOCK_K, rk, x_scale, K, F2, ACT, EMULATE)
+    if KS > 3 * BLOCK_K:
+        acc = _fp8_fma_chunk(acc, w3, x_ptr, k_lo + 3 * BLOCK_K, rk, x_scale, K, F3, ACT, EMULATE)
+    for kk in tl.static_range(4 * BLOCK_K, KS, BLOCK_K):  # unrolled
         w = _fp8_fma_load(w_rows, k_lo + kk, rk, mask_n, K, EVEN or (SPLIT_K == 1 and kk + BLOCK_K <= K))
         acc = _fp8_fma_chunk(acc, w, x_ptr, k_lo + kk, rk, x_scale, K, EVEN or (SPLIT_K == 1 and kk + BLOCK_K <= K),
                              ACT, EMULATE)
