@@ -309,20 +309,31 @@ def _layer_shapes(hf) -> dict[str, tuple[int, int]]:
 
 # The launch configs the sweep times, per GEMV (see ops/quant.py): FP8 rows a program x
 # columns a chunk x pipeline stages (4 warps: one wgmma warp group) x split_k (programs
-# along K, partials added by a sum pass), packed-int rows a program x warps x split_k x
-# prefetch (the next chunk's words loaded before this one's products); the first of each is
-# its CPU smoke run's. A config that cannot run a shape (a split without a chunk, prefetch
-# with one chunk a split) is refused before it compiles. 11 + 17 configs, about 54
-# compiles for the 8B shapes' two K values (~0.5 s each: the 15 configs of 12-02 swept in
-# 17 s on the H200). Not tried: block_n 32 (offline sm_90 compile, Triton 3.9: 255
-# registers and a 224-byte spill at K = 14336).
-FP8_SWEEP = [{"block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": st}
-             for bn, bk, st in ((8, 2048, 3), (4, 1024, 4), (4, 2048, 3), (8, 1024, 4), (8, 2048, 4), (16, 2048, 3),
-                                (16, 2048, 4))]
+# along K, partials added by a sum pass), then the CUDA-core FP8 kernel's (``fma``: rows x
+# chunk x warps, stages unused; offline sm_90 builds, Triton 3.9: 72-250 registers and no
+# spill at K = 4096 and 14336, 3.3-5.2 SASS instructions a weight byte against the bf16
+# GEMV's ~2), packed-int rows a program x warps x split_k x prefetch (the next chunk's words
+# loaded before this one's products; block_n 32: 255 registers, no spill at 4 warps and
+# K = 4096 or 8 warps and K = 14336, 7% fewer instructions a value than 16 rows); the first
+# of each is its CPU smoke run's. A config that cannot run a shape (a split without a chunk,
+# prefetch with one chunk a split) is refused before it compiles. 20 + 19 configs, about 78
+# compiles for the 8B shapes' two K values (~0.5 s each; the unrolled FMA kernel at
+# K = 14336 longer: the 15 configs of 12-02 swept in 17 s on the H200).
+FP8_SWEEP: list[dict[str, int | bool]] = [
+    {"block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": st}
+    for bn, bk, st in ((8, 2048, 3), (4, 1024, 4), (4, 2048, 3), (8, 1024, 4), (8, 2048, 4), (16, 2048, 3),
+                       (16, 2048, 4))]
 FP8_SWEEP += [{"block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": st, "split_k": sk}
               for bn, bk, st, sk in ((8, 1024, 4, 2), (8, 2048, 3, 2), (4, 1024, 4, 2), (8, 1024, 4, 4))]
+FP8_FMA_SWEEP: list[dict[str, int | bool]] = [
+    {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": 1, **({"split_k": sk} if sk > 1 else {}),
+     "fma": True}
+    for bn, bk, nw, sk in ((16, 512, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (32, 512, 4, 1), (16, 512, 2, 1),
+                           (4, 2048, 4, 1), (8, 2048, 8, 1), (8, 512, 4, 2), (16, 512, 4, 2))]
+FP8_SWEEP += FP8_FMA_SWEEP
 INT_SWEEP: list[dict[str, int | bool]] = [
-    {"block_n": bn, "num_warps": nw} for bn, nw in ((8, 2), (4, 1), (4, 2), (8, 1), (8, 4), (16, 1), (16, 2), (16, 4))]
+    {"block_n": bn, "num_warps": nw} for bn, nw in ((8, 2), (4, 1), (4, 2), (8, 1), (8, 4), (16, 1), (16, 2), (16, 4),
+                                                    (32, 4), (32, 8))]
 INT_SWEEP += [{"block_n": bn, "num_warps": nw, **({"split_k": sk} if sk > 1 else {}),
                **({"prefetch": True} if pf else {})}
               for bn, nw, sk, pf in ((16, 2, 2, False), (16, 4, 2, False), (8, 1, 4, False), (16, 1, 1, True),
@@ -456,7 +467,7 @@ def _sweep_gemv(dev, x1, fp8, ints, gs, fp8_bytes, int_bytes) -> dict:
     from the default's by more than bf16 rounding are refused), and the fastest."""
     from pyengine.ops import quant
 
-    grids = {"fp8_gemv": FP8_SWEEP if dev == "cuda" else FP8_SWEEP[:2],
+    grids = {"fp8_gemv": FP8_SWEEP if dev == "cuda" else FP8_SWEEP[:2] + FP8_FMA_SWEEP[:1],
              "w4a16_gemv": INT_SWEEP if dev == "cuda" else INT_SWEEP[:2]}
     calls = {"fp8_gemv": lambda cfg, q: quant.fp8_gemv(x1, q[0], q[1], act="token", **cfg),
              "w4a16_gemv": lambda cfg, q: quant.int_gemv(x1, q[0], q[1], q[2], 4, gs, **cfg)}

@@ -112,9 +112,10 @@ step 45 gpufix_quant_kernels python3 benchmarks/quant.py "$OUT" --parts kernels
 # shipped one and copied back; gpufix_moe_kernels then measures the layer on it
 step 90 moe_quick_sweep bash -c "python3 benchmarks/moe.py --sweep --sweep-quick --out-dir $OUT && tar -cf $OUT/moe_configs.tar -C pyengine/layers/fused_moe configs"
 # issue 26's batch-1 GEMVs: default configs checked against their dequantized references and
-# timed in CUDA graphs, then the launch-config sweep (~50 compiles: split-K, prefetch too); its table comes back in
+# timed in CUDA graphs, then the launch-config sweep (~78 compiles: split-K, prefetch, the CUDA-core FP8 kernel (fma) too;
+# its unrolled K = 14336 builds take longer); its table comes back in
 # $OUT/gemv_configs.tar (the device tool drops file names with ',' or '=': commit it to pyengine/ops/configs/)
-step 110 gemv_sweep bash -c "python3 benchmarks/quant.py $OUT --parts kernels --sweep --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
+step 240 gemv_sweep bash -c "python3 benchmarks/quant.py $OUT --parts kernels --sweep --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
 step 60 gpufix_moe_kernels python3 benchmarks/moe.py --out-dir "$OUT" --sections kernels --kernel-m 1,16,256,4096 --repeats 2
 # where a batch-1 decode step's time goes, kernel by kernel (issues 25 and 26; benchmarks/decode_profile.py): the
 # TPOT runs' engines (the real shapes, CUDA graphs as served), 20 decode steps under torch.profiler each; per kernel,

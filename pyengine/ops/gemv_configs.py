@@ -4,7 +4,8 @@ pyengine/ops/quant.py), per weight shape and GPU, as the fused-MoE tile configs 
 A file ``configs/gemv,device_name=<GPU>.json`` (spaces in the name as ``_``), written by
 ``benchmarks/quant.py OUT --parts kernels --sweep``, maps a kernel kind to its shapes:
 
-    {"fp8": {"6144x4096": {"block_n": 8, "block_k": 2048, "num_warps": 4, "num_stages": 3}, ...},
+    {"fp8": {"6144x4096": {"block_n": 8, "block_k": 2048, "num_warps": 4, "num_stages": 3}, ...,
+             "4096x14336": {"block_n": 32, "block_k": 512, "num_warps": 4, "num_stages": 1, "fma": true}},
      "int4": {"6144x4096": {"block_n": 8, "num_warps": 2}, ...}}
 
 ``"<N>x<K>"`` is the weight's output x input size. ``lookup`` returns the entry of the
@@ -21,7 +22,10 @@ means; what the kernels do with them: pyengine/ops/quant.py):
 * ``num_stages`` (fp8): software-pipeline stages, 1-8;
 * ``split_k`` (optional, 1): programs along K, 1-64 (> 1: float32 partials and a sum pass);
 * ``prefetch`` (optional, int kinds, false): the next chunk's words loaded before this
-  one's products (JSON true/false).
+  one's products (JSON true/false);
+* ``fma`` (optional, fp8, false): per-row weight scales run the CUDA-core kernel (float32
+  FMAs of the upcast weight, the bf16 GEMV's shape; ``num_stages`` unused) instead of the
+  tensor-core one; block scales keep the tensor-core kernel.
 
 Whether a split_k fits a shape (every split gets a chunk) depends on the chunk size and K,
 so the kernels check it at launch (ValueError); a sweep writes only configs that ran.
@@ -36,8 +40,9 @@ from pathlib import Path
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 REQUIRED = {"fp8": ("block_n", "block_k", "num_warps", "num_stages"), "int4": ("block_n", "num_warps"),
             "int8": ("block_n", "num_warps")}
-OPTIONAL: dict[str, dict[str, int | bool]] = {"fp8": {"split_k": 1}, "int4": {"split_k": 1, "prefetch": False},
-                                              "int8": {"split_k": 1, "prefetch": False}}
+OPTIONAL: dict[str, dict[str, int | bool]] = {
+    "fp8": {"split_k": 1, "fma": False},
+    "int4": {"split_k": 1, "prefetch": False}, "int8": {"split_k": 1, "prefetch": False}}
 FIELDS = {kind: REQUIRED[kind] + tuple(OPTIONAL[kind]) for kind in REQUIRED}
 
 
@@ -55,7 +60,8 @@ def _is_int(v: object) -> bool:
 _CHECKS = {"block_n": _pow2(1, 64), "num_warps": _pow2(1, 16), "block_k": _pow2(256, 1 << 16),
            "num_stages": (lambda v: _is_int(v) and 1 <= v <= 8, "an integer in [1, 8]"),
            "split_k": (lambda v: _is_int(v) and 1 <= v <= 64, "an integer in [1, 64]"),
-           "prefetch": (lambda v: isinstance(v, bool), "true or false")}
+           "prefetch": (lambda v: isinstance(v, bool), "true or false"),
+           "fma": (lambda v: isinstance(v, bool), "true or false")}
 
 
 def check_config(kind: str, cfg: object, where: str) -> dict[str, int | bool]:

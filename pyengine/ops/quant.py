@@ -295,6 +295,106 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, stride
         tl.store(p_ptr + tl.program_id(1) * N + rn, y, mask=mask_n)
 
 
+# ---- FP8 GEMV on the CUDA cores (a config's ``fma``) ----------------------------------------
+@triton.jit
+def _fp8_fma_chunk(acc, w, x_ptr, k0, rk, x_scale, K: tl.constexpr, FULL: tl.constexpr, ACT: tl.constexpr,
+                   EMULATE: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] += the chunk at column k0: its FP8 weight w upcast to float32,
+    times the chunk's activation quantized exactly as ``quant_fp8`` quantizes it (ACT != 0)
+    or as it is (ACT 0)."""
+    if FULL:
+        x = tl.load(x_ptr + k0 + rk).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+    if ACT != 0:
+        x = _round_fp8(tl.clamp(x / x_scale, -448.0, 448.0), EMULATE)
+    return acc + w.to(tl.float32) * x[None, :]
+
+
+@triton.jit
+def _fp8_fma_load(w_rows, k0, rk, mask_n, K: tl.constexpr, FULL: tl.constexpr):
+    """The chunk at column k0's FP8 weight [BLOCK_N, BLOCK_K] (masked past K unless FULL)."""
+    if FULL:
+        w = tl.load(w_rows + k0 + rk[None, :], mask=mask_n[:, None], other=0.0)
+    else:
+        w = tl.load(w_rows + k0 + rk[None, :], mask=mask_n[:, None] & (k0 + rk < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr,
+                         AMAX_BLOCK: tl.constexpr, EMULATE: tl.constexpr, SPLIT_K: tl.constexpr):
+    # The batch-1 bf16 GEMV's shape (pyengine/ops/gemv.py) on FP8 bytes: each program owns
+    # BLOCK_N rows and walks its K in BLOCK_K chunks, fully unrolled, with float32 FMAs of
+    # the upcast e4m3 weight and the activation (no tensor cores, no shared-memory staging:
+    # a thread's 16 contiguous weight bytes are one 16-byte load, and every chunk's loads can
+    # be issued early). ACT as _fp8_gemv_kernel's, per-row weight scales only (0, 1, 3): an
+    # e4m3 value times an e4m3 value is exact in float32, so with a quantized activation the
+    # sums are those of the reference (quant_fp8's values times the weight), in float32.
+    # The first four chunks' weights are loaded before the token's amax and before the first
+    # chunk's products: both end in a barrier (the amax's cross-warp maximum; each chunk's
+    # activation converted through shared memory from the layout it is loaded in to the
+    # weight tile's, which Triton does not rematerialize) that later loads are not moved
+    # above, so an unrolled chunk's loads would otherwise wait for the previous chunk's
+    # products (offline sm_90 SASS, Triton 3.9). SPLIT_K > 1: as _fp8_gemv_kernel's.
+    KS: tl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K  # columns a split
+    EVEN: tl.constexpr = KS * SPLIT_K == K  # every chunk whole
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * K
+    if SPLIT_K == 1:
+        k_lo = 0
+    else:
+        k_lo = tl.program_id(1) * KS
+    # chunk i is whole when the split's chunks all are, or (one split) it ends inside K
+    F0: tl.constexpr = EVEN or (SPLIT_K == 1 and BLOCK_K <= K)
+    F1: tl.constexpr = EVEN or (SPLIT_K == 1 and 2 * BLOCK_K <= K)
+    F2: tl.constexpr = EVEN or (SPLIT_K == 1 and 3 * BLOCK_K <= K)
+    F3: tl.constexpr = EVEN or (SPLIT_K == 1 and 4 * BLOCK_K <= K)
+    w0 = _fp8_fma_load(w_rows, k_lo, rk, mask_n, K, F0)
+    if KS > BLOCK_K:
+        w1 = _fp8_fma_load(w_rows, k_lo + BLOCK_K, rk, mask_n, K, F1)
+    if KS > 2 * BLOCK_K:
+        w2 = _fp8_fma_load(w_rows, k_lo + 2 * BLOCK_K, rk, mask_n, K, F2)
+    if KS > 3 * BLOCK_K:
+        w3 = _fp8_fma_load(w_rows, k_lo + 3 * BLOCK_K, rk, mask_n, K, F3)
+    x_scale = 1.0
+    if ACT == 1:  # the token's scale from the whole (small, cached) row
+        ra = tl.arange(0, AMAX_BLOCK)
+        amax = tl.zeros([AMAX_BLOCK], tl.float32)
+        for a0 in tl.static_range(0, K, AMAX_BLOCK):
+            offs = a0 + ra
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)))
+        x_scale = tl.maximum(tl.max(amax, 0) / 448.0, MIN_SCALE)
+    if ACT == 3:
+        x_scale = tl.load(xs_ptr).to(tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = _fp8_fma_chunk(acc, w0, x_ptr, k_lo, rk, x_scale, K, F0, ACT, EMULATE)
+    if KS > BLOCK_K:
+        acc = _fp8_fma_chunk(acc, w1, x_ptr, k_lo + BLOCK_K, rk, x_scale, K, F1, ACT, EMULATE)
+    if KS > 2 * BLOCK_K:
+        acc = _fp8_fma_chunk(acc, w2, x_ptr, k_lo + 2 * BLOCK_K, rk, x_scale, K, F2, ACT, EMULATE)
+    if KS > 3 * BLOCK_K:
+        acc = _fp8_fma_chunk(acc, w3, x_ptr, k_lo + 3 * BLOCK_K, rk, x_scale, K, F3, ACT, EMULATE)
+    for kk in tl.static_range(4 * BLOCK_K, KS, BLOCK_K):  # unrolled
+        w = _fp8_fma_load(w_rows, k_lo + kk, rk, mask_n, K, EVEN or (SPLIT_K == 1 and kk + BLOCK_K <= K))
+        acc = _fp8_fma_chunk(acc, w, x_ptr, k_lo + kk, rk, x_scale, K, EVEN or (SPLIT_K == 1 and kk + BLOCK_K <= K),
+                             ACT, EMULATE)
+    y = tl.sum(acc, axis=1)
+    if ACT == 1 or ACT == 3:
+        y = y * x_scale
+    y = y * tl.load(s_ptr + rn, mask=mask_n, other=0.0)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(p_ptr + tl.program_id(1) * N + rn, y, mask=mask_n)
+
+
 _ACT_CODES = {None: 0, "token": 1, "group": 2, "tensor": 3}
 
 
@@ -317,7 +417,7 @@ def fp8_gemv_smem_bytes(block_n: int, block_k: int, num_stages: int, act_bytes: 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None = None,
              bias: torch.Tensor | None = None, act: str | None = None, input_scale: torch.Tensor | None = None,
              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-             num_stages: int | None = None, split_k: int | None = None) -> torch.Tensor:
+             num_stages: int | None = None, split_k: int | None = None, fma: bool | None = None) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(weight [N, K] FP8).T -> [1, N] in x.dtype.
     The activation is quantized in the kernel as the GEMM path quantizes it (``act``), so a
     request's output does not depend on the size of its batch; its scale per token is
@@ -328,8 +428,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     ``split_k`` (default 1) > 1 cuts K into that many runs of whole ``block_k`` chunks, one
     program each (more programs for small N); their float32 partial rows go to a [split_k,
     N] buffer that a second pass adds in split order (deterministic), adding the bias and
-    rounding once. Raises ValueError for a config the kernel cannot run (a split_k that
-    leaves a split without a chunk among them: ``split_chunks``)."""
+    rounding once. ``fma`` (default False): per-row weight scales run
+    ``_fp8_gemv_fma_kernel`` instead, the bf16 GEMV's shape on the CUDA cores (float32 FMAs
+    of the upcast weight and the in-register quantized activation: the same values and
+    products as the reference, float32 sums; ``block_k`` columns a chunk, ``num_stages``
+    unused); block scales keep the tensor-core kernel. Raises ValueError for a config the
+    kernel cannot run (a split_k that leaves a split without a chunk among them:
+    ``split_chunks``)."""
     n, k = weight.shape
     cfg = _gemv_config("fp8", n, k, x.device, fp8_gemv_default)
     block_n = block_n or cfg["block_n"]
@@ -337,9 +442,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     split_k = split_k if split_k is not None else cfg.get("split_k", 1)
+    fma = fma if fma is not None else bool(cfg.get("fma", False))
     bn, bk = block if block is not None else (1, 1)
     if block_k & (block_k - 1) or block_k < 256 or block_n & (block_n - 1):
         raise ValueError(f"block_k {block_k} must be a power of two >= 256 and block_n {block_n} a power of two")
+    if fma and block is None:
+        return _fp8_gemv_fma(x, weight, weight_scale, bias, act, input_scale, block_n, block_k, num_warps, split_k)
     if block is not None:  # a slice (block_k / 16 columns) must lie in one scale block
         s = bk & -bk  # the largest power of two dividing bk
         if act == "group" and s != bk or s < 16:
@@ -361,6 +469,27 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         BLOCK_K=block_k, BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, ACT=_ACT_CODES[act],
         MIN_SCALE=_MIN_SCALE, AMAX_BLOCK=min(2048, triton.next_power_of_2(k)), IEEE=x.dtype == torch.float32,
         EMULATE=_INTERPRET, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1:
+        _split_sum(part, bias, y)
+    return y
+
+
+def _fp8_gemv_fma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                  act: str | None, input_scale: torch.Tensor | None, block_n: int, block_k: int, num_warps: int,
+                  split_k: int) -> torch.Tensor:
+    """``fp8_gemv`` with ``fma`` and per-row weight scales (its arguments, checked there)."""
+    n, k = weight.shape
+    if act == "group":
+        raise ValueError("per-group activations need block scales")
+    split_chunks(triton.cdiv(k, block_k), split_k,
+                 f"FP8 GEMV {n}x{k} (fma, block_n {block_n}, block_k {block_k}, split_k {split_k})")
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    part = _split_partials(split_k, n, x.device) if split_k > 1 else y
+    _fp8_gemv_fma_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, weight, weight_scale, bias if bias is not None else weight_scale,
+        input_scale if input_scale is not None else weight_scale, y, part, n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, ACT=_ACT_CODES[act], MIN_SCALE=_MIN_SCALE,
+        AMAX_BLOCK=min(2048, triton.next_power_of_2(k)), EMULATE=_INTERPRET, SPLIT_K=split_k, num_warps=num_warps)
     if split_k > 1:
         _split_sum(part, bias, y)
     return y

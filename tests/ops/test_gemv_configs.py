@@ -13,7 +13,8 @@ from pyengine.ops import gemv_configs
 
 def test_table_round_trip(tmp_path):
     table = {"fp8": {"6144x4096": {"block_n": 8, "block_k": 2048, "num_warps": 4, "num_stages": 3},
-                     "4096x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 4, "split_k": 2}},
+                     "4096x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 4, "split_k": 2},
+                     "4096x14336": {"block_n": 32, "block_k": 512, "num_warps": 4, "num_stages": 1, "fma": True}},
              "int4": {"4096x14336": {"block_n": 16, "num_warps": 2},
                       "4096x4096": {"block_n": 16, "num_warps": 1, "split_k": 2, "prefetch": True}}}
     name = gemv_configs.config_file_name("NVIDIA H200")
@@ -42,6 +43,9 @@ def test_table_round_trip(tmp_path):
      r"split_k must be an integer in \[1, 64\], got 0"),
     ({"int8": {"8x8": {"block_n": 8, "num_warps": 2, "split_k": 2.0}}}, "split_k must be an integer"),
     ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "prefetch": 1}}}, "prefetch must be true or false, got 1"),
+    ({"fp8": {"8x8": {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 1, "fma": 1}}},
+     "fma must be true or false, got 1"),
+    ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "fma": True}}}, r"unknown field\(s\) fma"),
 ])
 def test_bad_tables_are_refused(raw, word):
     with pytest.raises(ValueError, match=word):
@@ -92,3 +96,40 @@ def test_swept_knobs_reach_the_kernels(tmp_path, monkeypatch):
     quant.int_gemv(torch.ones(1, 4096), qw, s, s, 4, 128)
     (grid, kw), = launches
     assert grid == (3, 1) and kw["SPLIT_K"] == 1 and kw["PREFETCH"] is False and seen == []
+
+
+def test_fma_knob_picks_the_cuda_core_kernel(monkeypatch):
+    """An FP8 entry with ``fma`` launches the CUDA-core kernel with its tile (one pass, or
+    split-K and the sum pass); without it, or with block scales, the tensor-core kernel."""
+    from pyengine.ops import quant
+
+    entry = {"block_n": 16, "block_k": 512, "num_warps": 2, "num_stages": 1, "fma": True}
+    monkeypatch.setattr(gemv_configs, "lookup", lambda kind, n, k, device: dict(entry))
+    monkeypatch.setattr(quant, "_split_sum", lambda part, bias, y: launches.append(("sum", tuple(part.shape))))
+    launches = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((self.name, grid, kw))
+
+    monkeypatch.setattr(quant, "_fp8_gemv_fma_kernel", Spy("fma"))
+    monkeypatch.setattr(quant, "_fp8_gemv_kernel", Spy("mma"))
+    w = torch.zeros(40, 2048, dtype=quant.FP8_DTYPE)
+    ws = torch.ones(40)
+    quant.fp8_gemv(torch.ones(1, 2048), w, ws, act="token")
+    (name, grid, kw), = launches
+    assert (name, grid, kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["SPLIT_K"]) == ("fma", (3, 1), 16, 512, 2, 1)
+    launches.clear()
+    entry["split_k"] = 2
+    quant.fp8_gemv(torch.ones(1, 2048), w, ws, act="token")
+    assert [x[:2] for x in launches] == [("fma", (3, 2)), ("sum", (2, 40))]
+    launches.clear()
+    quant.fp8_gemv(torch.ones(1, 2048), w, torch.ones(5, 32), block=(8, 64), act="group")  # block scales
+    assert [x[0] for x in launches] == ["mma", "sum"]
+    launches.clear()
+    del entry["fma"], entry["split_k"]
+    quant.fp8_gemv(torch.ones(1, 2048), w, ws, act="token")
+    assert [x[0] for x in launches] == ["mma"]

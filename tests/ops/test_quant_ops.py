@@ -200,13 +200,18 @@ def test_int_gemv_configs(kind, bits, group_size, block_n, num_warps):
 
 @pytest.mark.parametrize("kind", DEVICES)
 @pytest.mark.parametrize("act", ["token", "tensor", None, "group"])
-@pytest.mark.parametrize("block_n, block_k", [(2, 256), (4, 512), (8, 1024)])
-def test_fp8_gemv_configs(kind, act, block_n, block_k):
+@pytest.mark.parametrize("block_n, block_k, fma", [(2, 256, False), (4, 512, False), (8, 1024, False), (2, 256, True),
+                                                   (8, 512, True), (32, 512, True)])
+def test_fp8_gemv_configs(kind, act, block_n, block_k, fma):
     """The FP8 GEMV at the launch configs the sweep tries: K over several chunks, evenly
     and not (1000: a masked last chunk and slices), N not a multiple of block_n; block
     scales (their columns, 32 or 64: the slice for per-group activations; K = 1088, a whole
     number of groups) and per-row ones; K in at most two chunks (loaded before the amax)
-    and in more (the pipelined loop)."""
+    and in more (the pipelined loop; the CUDA-core kernel's unrolled chunks). ``fma``: the
+    CUDA-core kernel (per-row scales; block scales keep the tensor-core one), whose sums are
+    float32 ones of exact products: the float32 bound on the GPU too."""
+    if fma and act == "group" and kind == "cpu":
+        pytest.skip("block scales keep the tensor-core kernel: its own parametrizations run it")
     dev = _dev(kind)
     for k in (2048, 1088 if act == "group" else 1000):
         n = 24 if dev == "cpu" else 4104
@@ -219,12 +224,12 @@ def test_fp8_gemv_configs(kind, act, block_n, block_k):
         x = torch.randn(1, k, device=dev) * 3
         bias = torch.randn(n, device=dev)
         static = x.abs().amax().reshape(1) / 448.0 * 1.5 if act == "tensor" else None
-        y = quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k)
+        y = quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k, fma=fma)
         xr = x if act is None else _ref_act(x, group=bk if act == "group" else None, static=static)
         dense = dequantize_fp8(w, ws, block)
         # float32 x with act None stays float32 through the dot (no TF32): 1e-5; quantized
         # activations take the FP8 MMA, whose accumulator is narrower on the GPU
-        tol = FP8_MMA_TOL if act is not None and dev == "cuda" else None
+        tol = FP8_MMA_TOL if act is not None and dev == "cuda" and (block is not None or not fma) else None
         _check(y, xr @ dense.t() + bias, torch.float32, tol)
 
 
@@ -271,13 +276,17 @@ def test_int_gemv_split_k_and_prefetch(kind, bits, group_size, block_n, num_warp
 
 @pytest.mark.parametrize("kind", DEVICES)
 @pytest.mark.parametrize("act", ["token", "tensor", None, "group"])
-@pytest.mark.parametrize("block_n, block_k, split_k", [(2, 256, 2), (8, 256, 4), (4, 512, 3), (8, 1024, 2)])
-def test_fp8_gemv_split_k(kind, act, block_n, block_k, split_k):
+@pytest.mark.parametrize("block_n, block_k, split_k, fma", [(2, 256, 2, False), (8, 256, 4, False), (4, 512, 3, False),
+                                                            (8, 1024, 2, False), (4, 256, 3, True), (8, 512, 2, True)])
+def test_fp8_gemv_split_k(kind, act, block_n, block_k, split_k, fma):
     """The FP8 GEMV's split-K variant: each split's chunks in the preloaded form (at most two
-    a split) and in the pipelined loop (more), splits of equal and unequal length (the last
-    one's chunks past K masked), per-row and block scales, every activation scheme, a bias
-    added once; against the dequantized reference and bitwise equal on a second call. A
-    split_k that leaves a split without a chunk is refused."""
+    a split) and in the pipelined loop (more; the CUDA-core kernel's unrolled chunks with
+    ``fma``), splits of equal and unequal length (the last one's chunks past K masked),
+    per-row and block scales, every activation scheme, a bias added once; against the
+    dequantized reference and bitwise equal on a second call. A split_k that leaves a split
+    without a chunk is refused."""
+    if fma and act == "group":
+        pytest.skip("block scales keep the tensor-core kernel: its own parametrizations run it")
     dev = _dev(kind)
     checked = 0
     for k in (4096, 1088 if act == "group" else 1000):
@@ -295,14 +304,16 @@ def test_fp8_gemv_split_k(kind, act, block_n, block_k, split_k):
         per = -(-chunks // split_k)
         if (split_k - 1) * per >= chunks:
             with pytest.raises(ValueError, match="leaves a split without work"):
-                quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k, split_k=split_k)
+                quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k, split_k=split_k,
+                               fma=fma)
             continue
-        y = quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k, split_k=split_k)
+        y = quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k, split_k=split_k,
+                           fma=fma)
         xr = x if act is None else _ref_act(x, group=bk if act == "group" else None, static=static)
-        tol = FP8_MMA_TOL if act is not None and dev == "cuda" else None
+        tol = FP8_MMA_TOL if act is not None and dev == "cuda" and not fma else None
         _check(y, xr @ dequantize_fp8(w, ws, block).t() + bias, torch.float32, tol)
         assert torch.equal(y, quant.fp8_gemv(x, w, ws, block, bias, act, static, block_n=block_n, block_k=block_k,
-                                             split_k=split_k))
+                                             split_k=split_k, fma=fma))
         checked += 1
     assert checked
 
@@ -339,8 +350,9 @@ def test_kernels_capture_in_cuda_graph():
 
 @pytest.mark.gpu
 def test_split_k_gemvs_capture_in_cuda_graph():
-    """The split-K GEMVs (partials buffer, sum pass) and the prefetching int GEMV replay in a
-    CUDA graph to the bits of their eager calls, with x changed between capture and replay."""
+    """The split-K GEMVs (partials buffer, sum pass), the CUDA-core FP8 GEMV and the
+    prefetching int GEMV replay in a CUDA graph to the bits of their eager calls, with x
+    changed between capture and replay."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     dev, dtype = "cuda", torch.bfloat16
@@ -352,6 +364,8 @@ def test_split_k_gemvs_capture_in_cuda_graph():
 
     def calls():
         return (quant.fp8_gemv(x, w, ws, None, bias, "token", block_n=8, block_k=1024, num_stages=4, split_k=2),
+                quant.fp8_gemv(x, w, ws, None, bias, "token", block_n=16, block_k=512, fma=True),
+                quant.fp8_gemv(x, w, ws, None, bias, "token", block_n=8, block_k=512, split_k=2, fma=True),
                 quant.int_gemv(x, qw, s, z, 4, 128, bias, block_n=16, num_warps=2, split_k=2),
                 quant.int_gemv(x, qw, s, z, 4, 128, bias, block_n=16, num_warps=1, prefetch=True))
     calls()  # compile outside the capture
