@@ -243,8 +243,9 @@ def train_target(args) -> str:
     if args.tiny:
         cmd += ["--tiny"]
     else:
-        cmd += ["--hidden", "512", "--layers", "16", "--heads", "8", "--kv-heads", "4", "--head-dim", "64",
-                "--intermediate", "1536", "--batch", "32"]
+        cmd += ["--hidden", str(args.target_hidden), "--layers", str(args.target_layers), "--heads",
+                str(args.target_hidden // 64), "--kv-heads", str(max(1, args.target_hidden // 128)), "--head-dim", "64",
+                "--intermediate", str(args.target_intermediate), "--batch", "32"]
     t0 = time.time()
     print("training the target:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -763,6 +764,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", default=None, help="the draft pair's target (default: trained here)")
     p.add_argument("--target-out", default="/tmp/spec_target", help="where the trained target goes")
     p.add_argument("--train-minutes", type=float, default=3.0)
+    # At batch 1 on an H200 both models are launch-bound: a forward costs about its layer
+    # count, whatever its width, so the target's depth sets the pair's cost ratio
+    p.add_argument("--target-layers", type=int, default=16, help="the trained target's layers")
+    p.add_argument("--target-hidden", type=int, default=512, help="its hidden size (heads of 64; kv heads: half)")
+    p.add_argument("--target-intermediate", type=int, default=1536, help="its MLP width")
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens (ngram)")
     p.add_argument("--k-sweep", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
                    help="ngram part: more num_speculative_tokens values, comma-separated, measured in the same run")

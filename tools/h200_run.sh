@@ -141,7 +141,9 @@ step 300 spec_bench python3 benchmarks/spec_decode.py --parts ngram,throughput -
 # where a batch-1 step's time goes (plain async / sync decode vs ngram verify and draftless steps), with a
 # teacher-forced stub for the model (host time only) and with the real model (the difference: the device's share)
 step 300 spec_host python3 benchmarks/spec_decode.py --parts host --host-repeats 2 --json "$OUT/spec_host.json"
-step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 3.5 --json "$OUT/spec_decode_draft.json"
+# (the target 48 layers deep, 81M parameters: six times the draft's depth, as a 70B target is of a 1B draft; both are
+# launch-bound at batch 1, so depth, not width, sets what a forward costs)
+step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 4.5 --target-layers 48 --target-hidden 384 --target-intermediate 1024 --draft-k-sweep 6 --json "$OUT/spec_decode_draft.json"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"

@@ -8,7 +8,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Proposer", "TokenProposer", "DraftPlan", "num_drafts_wanted", "drafts_by_depth"]
+__all__ = ["Proposer", "TokenProposer", "DraftPlan", "DeviceDrafts", "DraftRow", "num_drafts_wanted",
+           "drafts_by_depth"]
 
 
 def num_drafts_wanted(spec, so, s, num_new_tokens: int, max_model_len: int) -> int:
@@ -79,6 +80,70 @@ class DraftPlan(NamedTuple):
         return [(seqs[i][0] + len(seqs[i][1]) - 1 + j, (0,), seqs[i][2]) for i, _ in active]
 
 
+class DeviceDrafts:
+    """A model proposer's drafts of one step left on the device: ``tokens`` int64 [n, k]
+    (row r: the r-th drafting request's k drafts). Their copy to the host is queued at
+    once (pinned, with an event, on CUDA), so ``host()`` later costs no sync of its own;
+    the next step's input ids take the drafts on the device (the runner gathers them with
+    its placeholder rows, ``base``: where row 0's first draft sits in that gather's
+    source). The role of the GPU-side drafts vLLM's EAGLE / draft-model proposers keep
+    under async scheduling (vllm/v1/spec_decode/eagle.py)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.k = int(tokens.shape[1])
+        self.tokens = tokens
+        self.base = -1  # set by the runner once the gather source holds them
+        self._event = None
+        self._rows: list[list[int]] | None = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens.clone()  # (the chain's output buffer is reused next step)
+
+    def host(self) -> list[list[int]]:
+        """The drafts as host lists (waits for the copy the first time)."""
+        if self._rows is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows
+
+
+class DraftRow(Sequence):
+    """One request's drafts in a ``DeviceDrafts`` (row ``row``): a sequence of k ints whose
+    length is known at once and whose values are read from the host copy only when asked
+    for (a verification checks them there after its own copy back)."""
+
+    __slots__ = ("drafts", "row")
+
+    def __init__(self, drafts: DeviceDrafts, row: int):
+        self.drafts, self.row = drafts, row
+
+    def __len__(self) -> int:
+        return self.drafts.k
+
+    def __getitem__(self, i):
+        if isinstance(i, slice) and i.indices(self.drafts.k) == (0, self.drafts.k, 1):
+            return self
+        return self.drafts.host()[self.row][i]
+
+    def __iter__(self):
+        return iter(self.drafts.host()[self.row])
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def sources(self) -> range:
+        """The rows of the runner's gather source that hold these drafts, in order."""
+        if self.drafts.base < 0:
+            raise RuntimeError("device drafts fed before the runner placed them")
+        o = self.drafts.base + self.row * self.drafts.k
+        return range(o, o + self.drafts.k)
+
+
 class Proposer:
     """Drafts the next step's tokens. ``propose`` runs once per step after verification
     (also for steps that sample nothing: a model-based proposer writes its KV of prefill
@@ -90,6 +155,9 @@ class Proposer:
 
     allows_cuda_graphs = True  # the target's decode steps may replay CUDA graphs
     plan_sink: Callable[[DraftPlan], None] | None = None
+    # set by the runner (async scheduling, one rank): a model proposer may return
+    # ``DraftRow``s (its drafts on the device) instead of host lists
+    device_drafts = False
 
     def follow(self, plan: DraftPlan) -> None:
         """Ranks > 0: run rank 0's ``plan`` (the same forwards and collectives, drafts
@@ -116,7 +184,7 @@ class Proposer:
         """Drafts per sampled row (``sampled[i]``, a ``ScheduledRequest``, got the tokens
         ``generated[i]`` this step, not yet in its ``all_token_ids``). ``so``: the step's
         ``SchedulerOutput``; ``hidden``: the target's hidden states of the step's tokens
-        [T, H] (device)."""
+        [T, H] (device). With ``device_drafts`` a row's drafts may be a ``DraftRow``."""
         raise NotImplementedError
 
 

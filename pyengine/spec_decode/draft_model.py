@@ -22,7 +22,9 @@ import torch
 
 from pyengine import envs
 from pyengine.spec_decode.base import (
+    DeviceDrafts,
     DraftPlan,
+    DraftRow,
     Proposer,
     draft_attn_metadata,
     drafts_by_depth,
@@ -46,6 +48,7 @@ class DraftModelProposer(Proposer):
         self._valid: dict[str, tuple[int, int]] = {}  # request id -> (epoch, positions with valid draft KV)
         self._graphs = None  # CUDAGraphRunner of the one-token draft steps (CUDA)
         self._chain = None  # DraftChain: a step's whole proposal in one replay (one rank, CUDA)
+        self._chain_out: torch.Tensor | None = None  # the last _run's drafts [n, k] when the chain ran
         self._tp_world = runner.tp.world_size if runner.tp is not None else 1
 
     def capture_cuda_graphs(self, capture_error_mode: str) -> float:
@@ -130,7 +133,14 @@ class DraftModelProposer(Proposer):
             plan = DraftPlan(seqs, active)
             if self.plan_sink is not None:
                 self.plan_sink(plan)
+            self._chain_out = None
             cols, rows = self._run(plan)
+            if self.device_drafts and self._chain_out is not None:
+                # (the chain: every entry of seqs drafts k) the drafts stay on the device
+                dd = DeviceDrafts(self._chain_out)
+                self._chain_out = None
+                row_of = {id(w): j for j, w in enumerate(want)}
+                return [DraftRow(dd, row_of[id(s)]) if id(s) in row_of else [] for s in sampled]
             if cols:
                 for (i, _), t in drafts_by_depth(cols, rows):
                     drafts.setdefault(id(want[i]), []).append(t)
@@ -146,6 +156,7 @@ class DraftModelProposer(Proposer):
         chain = self._chain
         if chain is not None and chain.fits(plan):
             toks = chain.run(plan)  # [n, k]
+            self._chain_out = toks
             return list(toks.t()), [plan.active] * chain.k
         ids, pos, meta = draft_attn_metadata(plan.seqs, self.block_size, self.device)
         h = self._forward(ids, pos, meta)

@@ -33,6 +33,7 @@ from pyengine.core.sched.output import ScheduledRequest, SchedulerOutput
 from pyengine.messages import LogprobsEntry
 from pyengine.models.loader import load_model
 from pyengine.models.registry import model_dims
+from pyengine.spec_decode.base import DeviceDrafts, DraftRow
 from pyengine.worker.profiler import RankProfiler
 from pyengine.worker.rejection_sampler import RejectionSampler
 from pyengine.worker.sampler import Sampler
@@ -86,6 +87,16 @@ class AsyncModelRunnerOutput:
         return out
 
 
+def _draft_rows(sampled) -> list[int]:
+    """Per logits row of a verification the draft it checks: each sampled row's drafts,
+    then -1 on its last row."""
+    out: list[int] = []
+    for s in sampled:
+        out.extend(s.spec_token_ids)
+        out.append(-1)
+    return out
+
+
 class _SpecVerification:
     """One speculative step's verification, its results on their way to the host.
 
@@ -126,7 +137,8 @@ class _SpecVerification:
             return self._out
         if self._event is not None:
             self._event.synchronize()
-        host, draft_ids, sampled, starts = self._host, self.draft_ids, self.sampled, self.starts
+        host, sampled, starts = self._host, self.sampled, self.starts
+        draft_ids = self.draft_ids if self.draft_ids is not None else _draft_rows(sampled)
         if self.greedy:  # a greedy row accepts its draft when it is the argmax
             cand = host[0].tolist()
             acc = [c == d for c, d in zip(cand, draft_ids)]
@@ -216,6 +228,11 @@ class ModelRunner:
         if self.drafter is not None and tp_group is not None and tp_group.rank == 0:
             # a model-based proposer's forwards run on every rank (sharded): rank 0 sends them
             self.drafter.plan_sink = self._sender.send_draft_plan
+        if self.drafter is not None and self._async_spec and tp_group is None:
+            # a draft model's chain leaves its drafts on the device: the next step's inputs
+            # gather them there (ranks > 1 get their inputs from rank 0's host bytes)
+            self.drafter.device_drafts = True
+        self._device_drafts: DeviceDrafts | None = None  # the drafts prev_sampled holds after its newest tokens
         # Async scheduling: the previous launch's sampled ids (device) and row per request.
         self.prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
@@ -603,18 +620,20 @@ class ModelRunner:
         keep the verification pending; the next step (or the engine consuming this one)
         resolves it (``_resolve_spec``). Constrained requests carry no drafts (one row
         each), so the grammar bitmask applies to their single row."""
-        starts, draft_ids = [], []
+        starts, n_rows = [], 0
         for s in sampled:
-            starts.append(len(draft_ids))
-            draft_ids.extend(s.spec_token_ids)
-            draft_ids.append(-1)
+            starts.append(n_rows)
+            n_rows += len(s.spec_token_ids) + 1
+        greedy = meta_s.all_greedy
+        # (greedy: the drafts' values are read on the host with the verification's result,
+        # so device drafts are not waited for here)
+        draft_ids = None if greedy and not meta_s.generators else _draft_rows(sampled)
         if grammar_output is not None:
             from pyengine.structured_output.backend_xgrammar import apply_token_bitmask
             rows = [starts[r] for r in grammar_output.rows]
-            full = torch.zeros(len(draft_ids), grammar_output.bitmask.shape[1], dtype=grammar_output.bitmask.dtype)
+            full = torch.zeros(n_rows, grammar_output.bitmask.shape[1], dtype=grammar_output.bitmask.dtype)
             full[rows] = grammar_output.bitmask[grammar_output.rows]
             apply_token_bitmask(logits, full.to(self.device, non_blocking=True), rows)
-        greedy = meta_s.all_greedy
         if greedy:  # the drafts stay on the host: a greedy row accepts its draft when it is the argmax
             d_dev = None
         elif self._draft_ids_host is not None:
@@ -683,7 +702,12 @@ class ModelRunner:
         newest = [g[-1] for g in gen]
         if self._sender is not None:  # the other ranks' placeholders take them too
             self._sender.send_tokens(newest)
-        self.prev_sampled = torch.tensor(newest, dtype=torch.int64).to(self.device, non_blocking=True)
+        newest_t = torch.tensor(newest, dtype=torch.int64).to(self.device, non_blocking=True)
+        dd = next((d.drafts for d in drafts if isinstance(d, DraftRow)), None)
+        if dd is not None:  # the gather source: the newest tokens, then the device drafts row by row
+            dd.base = len(newest)
+            newest_t = torch.cat((newest_t, dd.tokens.reshape(-1)))
+        self.prev_sampled, self._device_drafts = newest_t, dd
         self._prev_rows = rows
 
     def _fill_drafts(self, so: SchedulerOutput) -> tuple[SchedulerOutput, dict]:
@@ -713,7 +737,10 @@ class ModelRunner:
                 if k:
                     e = store.get(rid)
                     if e is not None and e[0] == s.epoch and e[1] == start + 1:
-                        d = e[2][:k]
+                        d = e[2]
+                        if isinstance(d, DraftRow) and d.drafts is not self._device_drafts:
+                            d = list(d)  # (an older step's device drafts: no longer in the gather source)
+                        d = d[:k]
                 s = ScheduledRequest(s.request, s.num_new_tokens - k + len(d), start, s.block_ids, s.sample,
                                      s.placeholder_input, s.epoch, d)
             out.append(s)

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pyengine.core.sched.output import SchedulerOutput
+from pyengine.spec_decode.base import DraftRow
 
 __all__ = ["StepShape", "PackedStep", "pack_step", "payload_bytes", "control_header", "int64_header",
            "HEADER_LEN", "KIND_STOP", "KIND_STEP", "KIND_CONTROL", "KIND_VERIFY", "KIND_DRAFT", "KIND_TOKENS"]
@@ -159,7 +160,12 @@ def _step_tokens(s, toks: list[int], ph_rows: list[int], ph_src: list[int], prev
         ph_rows.append(len(toks))
         ph_src.append(prev_rows[s.request.request_id])
         toks.append(0)
-        if d:
+        if isinstance(d, DraftRow):  # drafts on the device: gathered like the newest token
+            for src in d.sources():
+                ph_rows.append(len(toks))
+                ph_src.append(src)
+                toks.append(0)
+        elif d:
             toks.extend(d)
     elif n == 1:
         toks.append(all_ids[start])

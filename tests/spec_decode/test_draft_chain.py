@@ -135,3 +135,58 @@ def test_chain_graphs_on_cuda(llama_dir, draft_dir, prompts, sched, monkeypatch)
         assert one == ref[:1] and calls[-1] == 1
     finally:
         llm.shutdown()
+
+
+def _chain_llm(llama_dir, draft_dir, sched: str):
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": K}
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=spec, async_scheduling=sched == "async")
+    drafter = llm.llm_engine.engine_core.model_runner.drafter
+    drafter.enable_draft_chain()
+    rows = {"device": 0, "host": 0}
+    propose = drafter.propose
+
+    def counted(*a):
+        from pyengine.spec_decode.base import DraftRow
+
+        out = propose(*a)
+        for d in out:
+            if d:
+                rows["device" if isinstance(d, DraftRow) else "host"] += 1
+        return out
+    drafter.propose = counted
+    return llm, rows
+
+
+@pytest.mark.parametrize("kind", ["greedy", "penalties"])
+def test_async_chain_drafts_stay_on_the_device(llama_dir, draft_dir, prompts, kind):
+    """Async scheduling, one rank: the chain's drafts stay on the device (``DraftRow``s),
+    the next step's inputs gather them there and the verification reads their values
+    after its own copy back; greedy output is still the target's. With penalties the
+    sampling metadata reads the drafts' values on the host (the same drafts)."""
+    extra = {} if kind == "greedy" else {"frequency_penalty": 0.7, "repetition_penalty": 1.3, "min_tokens": 4}
+    sp = SamplingParams(temperature=0, max_tokens=16, **extra)
+    off = LLM(str(llama_dir), device="cpu")
+    ref = [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)]
+    off.shutdown()
+    llm, rows = _chain_llm(llama_dir, draft_dir, "async")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert llm.llm_engine.get_stats().spec_num_accepted_tokens > 0
+    llm.shutdown()
+    assert got == ref
+    assert rows["device"] > 0
+
+
+def test_async_device_drafts_with_seeded_random_rows_match_host_drafts(llama_dir, draft_dir, prompts):
+    """A batch with a seeded random row (its verification takes the drafts as device ids,
+    built from their host copy) gives what the same async engine gives with the drafts
+    copied to the host at once (``device_drafts`` off)."""
+    sps = [SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=16)] + \
+        [SamplingParams(temperature=0, max_tokens=16)] * (len(prompts) - 1)
+    outs = {}
+    for device in (False, True):
+        llm, rows = _chain_llm(llama_dir, draft_dir, "async")
+        llm.llm_engine.engine_core.model_runner.drafter.device_drafts = device
+        outs[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+        llm.shutdown()
+        assert (rows["device"] > 0) == device and rows["host"] > 0
+    assert outs[False] == outs[True]
