@@ -7,6 +7,11 @@ mapping (padding rows, slot -1, skipped); then
   ``(num_reqs, num_kv_heads, num_splits)`` where ``num_splits`` depends only on
   ``num_reqs`` and the device, plus a reduction kernel. No host syncs, no allocations
   except the output tensor, scratch owned by the backend: capturable in a CUDA graph.
+* uniform short queries (every request ``Q = meta.max_query_len`` <= 16 rows, at most
+  64 rows: speculative verification, a draft chain's first forward): the same decode
+  kernel, each row a causal decode query of its own (``paged_decode(query_len=Q)``) with
+  the split count of ``num_reqs`` requests, so a verification row attends as the plain
+  decode step would; the extend kernel costs several times more at these sizes.
 * anything else (prefill, chunked prefill, mixed decode + prefill): the varlen extend
   kernel over each request's whole context read through the block table.
 
@@ -26,6 +31,10 @@ import torch
 from pyengine.attention.backend import AttentionBackend, AttentionMetadata, register_backend
 from pyengine.ops.fused import rope_and_cache
 from pyengine.ops.paged_attention import default_num_splits, paged_decode, paged_extend, reshape_and_cache, varlen_attention
+
+
+# the uniform short-query path's limits (query rows per request, rows in all)
+SHORT_QUERY_LEN, SHORT_QUERY_ROWS = 16, 64
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -69,10 +78,15 @@ class TritonAttentionBackend(AttentionBackend):
         # max over b <= max_batch of b * num_splits(b): (request, split) pairs
         return max(b * self.num_splits(b) for b in range(1, max_batch + 1))
 
+    def _short_query_units(self, max_batch: int) -> int:
+        # the uniform short-query path: b requests of q rows, b * q <= SHORT_QUERY_ROWS
+        return max((b * q * self.num_splits(b) for b in range(1, max_batch + 1)
+                    for q in range(2, SHORT_QUERY_LEN + 1) if b * q <= SHORT_QUERY_ROWS), default=0)
+
     def reserve(self, max_num_seqs: int, device: torch.device | None = None) -> None:
         """Allocate the decode scratch for batches up to ``max_num_seqs`` (call before CUDA
-        graph capture)."""
-        units = self._scratch_units(max_num_seqs)
+        graph capture), the uniform short-query path's included."""
+        units = max(self._scratch_units(max_num_seqs), self._short_query_units(max_num_seqs))
         self._ensure_scratch(units, device or torch.device(self.device))
 
     def _ensure_scratch(self, units: int, device: torch.device) -> None:
@@ -142,6 +156,18 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode(q[:num_reqs], key_cache, value_cache, meta.block_table, meta.seq_lens,
                          out[:num_reqs], self.scale, splits, self._part_out, self._part_lse,
                          k_scale=k_scale, v_scale=v_scale)
+            return out
+        Q = meta.max_query_len
+        if Q <= SHORT_QUERY_LEN and num_reqs * Q <= SHORT_QUERY_ROWS and meta.num_actual_tokens == num_reqs * Q:
+            rows = num_reqs * Q  # (T == R * max Q: every request has Q rows)
+            splits = self.num_splits(num_reqs)
+            if splits > 1:
+                if self._part_lse is None:
+                    self._ensure_scratch(max(self._scratch_units(256), self._short_query_units(256)), q.device)
+                self._ensure_scratch(rows * splits, q.device)
+            paged_decode(q[:rows], key_cache, value_cache, meta.block_table, meta.seq_lens,
+                         out[:rows], self.scale, splits, self._part_out, self._part_lse,
+                         k_scale=k_scale, v_scale=v_scale, query_len=Q)
             return out
         return paged_extend(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                             meta.block_table, out, self.scale, meta.max_query_len, num_reqs,

@@ -130,12 +130,14 @@ def _decode_split_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0)  # the query row; its request: b // QUERY_LEN
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
+    req = b // QUERY_LEN
+    # row i of a request's QUERY_LEN rows sees its context up to its own position (causal)
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + req) - (QUERY_LEN - 1 - b % QUERY_LEN), 0)
     # Tokens per split, a multiple of BLOCK_N; trailing splits may be empty.
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -151,7 +153,7 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_off = kvh * stride_ch
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -208,14 +210,19 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                  scale: float, num_splits: int, part_out: torch.Tensor | None = None,
                  part_lse: torch.Tensor | None = None, block_n: int | None = None,
                  num_warps: int = 4, num_stages: int = 3, k_scale: float = 1.0,
-                 v_scale: float = 1.0) -> torch.Tensor:
+                 v_scale: float = 1.0, query_len: int = 1) -> torch.Tensor:
     """Paged decode attention, one query token per request (an FP8 cache is read with its
-    ``k_scale`` / ``v_scale``).
+    ``k_scale`` / ``v_scale``); with ``query_len`` Q > 1, Q consecutive query rows per
+    request (a speculative verification's 1 + k rows, a draft chain's padded first
+    forward): row i of request r attends causally over ``seq_lens[r] - (Q - 1 - i)``
+    positions, each row a decode query of its own (the role of the decode path vLLM's
+    Triton backend gives uniform short queries).
 
-    q: [B, num_heads, head_dim] (row b = request b; row/head strides free, last dim
+    q: [B, num_heads, head_dim] (row b = request b // Q; row/head strides free, last dim
     contiguous); key_cache/value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
-    block_table: int32 [>= B, max_blocks]; seq_lens: int32 [>= B] (context length incl. the
-    query token; 0 = padding request, output zeros); out: [B, num_heads, head_dim].
+    block_table: int32 [>= B / Q, max_blocks]; seq_lens: int32 [>= B / Q] (context length
+    incl. the request's last query token; 0 = padding request, output zeros); out: [B,
+    num_heads, head_dim].
     part_out: float32 [>= B * num_heads * num_splits * head_dim], part_lse: float32
     [>= B * num_heads * num_splits] scratch (needed when num_splits > 1).
     Grid ``(B, num_kv_heads, num_splits)``: static for a given B. Returns ``out``.
@@ -246,7 +253,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=_INTERPRET,
-        num_warps=num_warps, num_stages=num_stages,
+        QUERY_LEN=query_len, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, num_heads)](

@@ -123,6 +123,46 @@ def test_extend_bf16_interpret():
 
 
 @cpu_only
+@pytest.mark.parametrize("q_len,group,splits", [(2, 1, 1), (5, 2, 4), (6, 3, 2), (16, 2, 3)])
+def test_uniform_short_queries_take_the_decode_kernel_interpret(q_len, group, splits, monkeypatch):
+    # every request q_len rows (a verification, a draft chain's first forward): the decode
+    # kernel row by row, causal within the request; the extend kernel is not called
+    import pyengine.attention.triton_backend as tb
+
+    def no_extend(*a, **k):
+        raise AssertionError("the extend kernel ran")
+    monkeypatch.setattr(tb, "paged_extend", no_extend)
+    lens = [q_len, q_len + 3, 2 * q_len + 9, 40][:max(1, 64 // q_len // 2)]
+    run_compare([(q_len, s) for s in lens], 2 * group, 2, 16, 4, torch.float32, "cpu", splits=splits,
+                atol=1e-4, rtol=1e-4)
+
+
+@cpu_only
+def test_short_queries_outside_the_limits_take_the_extend_kernel_interpret(monkeypatch):
+    import pyengine.attention.triton_backend as tb
+
+    calls = []
+    extend = tb.paged_extend
+    monkeypatch.setattr(tb, "paged_extend", lambda *a, **k: calls.append(1) or extend(*a, **k))
+    run_compare([(3, 9), (2, 5)], 4, 2, 16, 4, torch.float32, "cpu", atol=1e-4, rtol=1e-4)  # not uniform
+    run_compare([(17, 20)], 4, 2, 16, 4, torch.float32, "cpu", atol=1e-4, rtol=1e-4)  # Q > 16
+    run_compare([(4, s) for s in range(4, 21)], 4, 2, 16, 4, torch.float32, "cpu", atol=1e-4, rtol=1e-4)  # 68 rows
+    assert len(calls) == 3
+
+
+@cpu_only
+def test_uniform_short_queries_padding_request_interpret():
+    # a verification graph's padding request (seq_len 0 here): zeros, not NaN
+    q, k, v, cache, meta = make_batch([(4, 9), (4, 4)], 4, 2, 16, 4, torch.float32, "cpu")
+    meta.seq_lens[1] = 0
+    meta.slot_mapping[4:] = -1
+    tri = get_backend_cls("triton")(4, 2, 16, 0.25, 4, torch.float32, "cpu")
+    tri.num_splits_override = 2
+    out = tri.forward(q, k, v, cache, meta)
+    assert torch.isfinite(out).all() and (out[4:8] == 0).all()
+
+
+@cpu_only
 def test_no_cache_profile_run_interpret():
     q, k, v, cache, meta = make_batch([(5, 5), (3, 3)], 4, 2, 16, 4, torch.float32, "cpu")
     tri = get_backend_cls("triton")(4, 2, 16, 0.25, 4, torch.float32, "cpu")
@@ -151,6 +191,14 @@ def test_extend_gpu(dtype, heads):
     reqs = [(300, 300), (1, 77), (64, 1000), (1, 1), (129, 129 + 48), (17, 17), (1, 2048)]
     cfg = dict(QWEN, num_heads=heads[0], num_kv_heads=heads[1])
     run_compare(reqs, **cfg, dtype=dtype, device="cuda", pad_rows=5)
+
+
+@pytest.mark.parametrize("q_len,bs", [(5, 1), (5, 8), (6, 4), (16, 4)])
+def test_uniform_short_queries_gpu(q_len, bs):
+    _gpu_or_skip()
+    g = torch.Generator().manual_seed(q_len * bs)
+    lens = [q_len + int(x) for x in torch.randint(0, 3000, (bs,), generator=g)]
+    run_compare([(q_len, s) for s in lens], **QWEN, dtype=torch.bfloat16, device="cuda")
 
 
 def test_decode_batch_sizes_gpu():
