@@ -32,7 +32,6 @@ from pyengine.attention.backend import AttentionBackend, AttentionMetadata, regi
 from pyengine.ops.fused import rope_and_cache
 from pyengine.ops.paged_attention import default_num_splits, paged_decode, paged_extend, reshape_and_cache, varlen_attention
 
-
 # the uniform short-query path's limits (query rows per request, rows in all)
 SHORT_QUERY_LEN, SHORT_QUERY_ROWS = 16, 64
 
