@@ -120,24 +120,26 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
 # --------------------------------------------------------------------------------------
 # Decode (split-KV + reduction)
 # --------------------------------------------------------------------------------------
-@triton.jit
+# query_len at run time, one variant for every Q: a verification's Q varies (fewer drafts at
+# the end of a request) and a new constexpr would JIT-compile inside a serving step
+@triton.jit(do_not_specialize=["query_len"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
-    v_scale,
+    v_scale, query_len,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    b = tl.program_id(0)  # the query row; its request: b // QUERY_LEN
+    b = tl.program_id(0)  # the query row; its request: b // query_len
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    req = b // QUERY_LEN
-    # row i of a request's QUERY_LEN rows sees its context up to its own position (causal)
-    seq_len = tl.maximum(tl.load(seq_lens_ptr + req) - (QUERY_LEN - 1 - b % QUERY_LEN), 0)
+    req = b // query_len
+    # row i of a request's query_len rows sees its context up to its own position (causal)
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + req) - (query_len - 1 - b % query_len), 0)
     # Tokens per split, a multiple of BLOCK_N; trailing splits may be empty.
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -248,12 +250,12 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
         q, key_cache, value_cache, block_table, seq_lens,
         out, part_out, part_lse,
-        scale * _LOG2E * k_scale, v_scale,
+        scale * _LOG2E * k_scale, v_scale, query_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=_INTERPRET,
-        QUERY_LEN=query_len, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, num_heads)](
