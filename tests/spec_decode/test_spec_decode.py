@@ -109,6 +109,54 @@ def test_greedy_on_equals_off(method, mode, sched, llama_dir, draft_dir, eagle_d
     llm.shutdown()
 
 
+@pytest.mark.parametrize("method,mode", [("draft_model", m) for m in MODES] + [("draft_self", "preemption")])
+def test_greedy_on_equals_off_with_device_drafts(method, mode, llama_dir, draft_dir, eagle_dir, prompts, reference):
+    """Async scheduling with the draft chain (run eagerly here; CUDA graphs on a GPU): its
+    drafts stay on the device (``DraftRow``) and the next step gathers them there, in
+    every mode."""
+    from pyengine.spec_decode.base import DraftRow
+
+    llm = _llm(llama_dir, _spec(method, draft_dir, eagle_dir, llama_dir), "async", **MODES[mode])
+    drafter = llm.llm_engine.engine_core.model_runner.drafter
+    drafter.enable_draft_chain()
+    device_rows = []
+    propose = drafter.propose
+
+    def counted(*a):
+        out = propose(*a)
+        device_rows.extend(d for d in out if isinstance(d, DraftRow))
+        return out
+    drafter.propose = counted
+    prio = list(range(len(prompts), 0, -1)) if mode == "priority" else None
+    got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False, priority=prio))
+    assert got == reference
+    assert device_rows
+    st = llm.llm_engine.get_stats()
+    if method == "draft_self":
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+    if mode == "preemption":
+        assert st.num_preemptions > 0
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
+def test_logprobs_and_n_with_device_drafts(llama_dir, draft_dir, off, prompts):
+    """n > 1 with logprobs (random rows: their verification takes the drafts from the host
+    copy) next to greedy rows (device drafts), async scheduling with the draft chain."""
+    llm = _llm(llama_dir, _spec("draft_self", draft_dir, None, llama_dir), "async")
+    llm.llm_engine.engine_core.model_runner.drafter.enable_draft_chain()
+    sps = [SamplingParams(temperature=0.7, top_k=1, max_tokens=MAX_TOKENS, logprobs=2, n=2)] + \
+        [_greedy(logprobs=1)] * (len(prompts) - 1)
+    want, got = off.generate(prompts, sps, use_tqdm=False), llm.generate(prompts, sps, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    for w, g in zip(want, got):
+        for cw, cg in zip(w.outputs, g.outputs):
+            assert [list(d) for d in cg.logprobs] == [list(d) for d in cw.logprobs]
+    assert llm.llm_engine.get_stats().spec_num_accepted_tokens > 0
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
 class Scripted(TokenProposer):
     """Drafts the reference continuation (``right``) or a token that is never it."""
 
