@@ -128,17 +128,20 @@ def _batch1(llm, prompts: list[str], max_tokens: int) -> dict:
 
 
 def _on_off(model: str, args, spec: dict, prompts: list[str], more: dict[str, dict] | None = None) -> dict:
-    """off, on (and each of ``more``'s speculative configs), then all of them again (a cold
-    first engine, or kernels compiled inside one mode's first run, must not flatter either
-    side): each mode's faster run counts; every run's TPOT is kept in ``tpot_runs_ms``;
-    ``sweep`` has ``more``'s modes with their speedups over the same off figure.
+    """off, on (and each of ``more``'s speculative configs), then all of them again,
+    ``--rounds`` times (a cold first engine, or kernels compiled inside one mode's first
+    run, must not flatter either side): each mode's fastest run counts (``speedup``);
+    ``speedup_median`` is the median over rounds of that round's off / on (runs minutes
+    apart on a host whose speed drifts compare badly); every run's TPOT is kept in
+    ``tpot_runs_ms``; ``sweep`` has ``more``'s modes with their speedups over the same off
+    figure.
     ``divergence`` lists each prompt whose greedy tokens differ from the first off run's
     (the run, index, first differing position, both tokens) and ``margins`` the off
     engine's top logprobs at those positions (a bf16 near-tie there is numerics of the
     verify batch shape; a wide gap is a bug)."""
     modes = {"off": None, "on": spec, **(more or {})}
     runs: dict[str, list[dict]] = {name: [] for name in modes}
-    for _ in range(2):
+    for _ in range(args.rounds):
         for name, s in modes.items():
             llm = _llm(model, args, s)
             runs[name].append(_batch1(llm, prompts, args.output_len))
@@ -165,9 +168,15 @@ def _on_off(model: str, args, spec: dict, prompts: list[str], more: dict[str, di
     def speedup(name: str) -> float | None:
         return res["off"]["tpot_ms"] / res[name]["tpot_ms"] if res[name]["tpot_ms"] else None
 
-    sweep = {name: {"spec_config": modes[name], **res[name], "speedup": speedup(name)} for name in more or {}}
+    def paired(name: str) -> float | None:
+        r = [a["tpot_ms"] / b["tpot_ms"] for a, b in zip(runs["off"], runs[name]) if b["tpot_ms"]]
+        return statistics.median(r) if r else None
+
+    sweep = {name: {"spec_config": modes[name], **res[name], "speedup": speedup(name),
+                    "speedup_median": paired(name)} for name in more or {}}
     return {"spec_config": spec, "off": res["off"], "on": res["on"], "greedy_identical": not divergence,
-            "divergence": divergence, "margins": margins, "speedup": speedup("on"), "sweep": sweep}
+            "divergence": divergence, "margins": margins, "speedup": speedup("on"),
+            "speedup_median": paired("on"), "sweep": sweep}
 
 
 def _margins(model: str, args, prompts: list[str], divergence: list[dict], top: int = 5) -> list[dict]:
@@ -775,6 +784,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--draft-k", type=int, default=4, help="num_speculative_tokens (draft model)")
     p.add_argument("--draft-k-sweep", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
                    help="more draft-model k values, run in the same pass against the same plain figure")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="ngram / draft parts: rounds of every mode's run, each on a fresh engine")
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--lookup-max", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=16)

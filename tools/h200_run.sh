@@ -137,7 +137,7 @@ step 200 gpu_spec python3 -m pytest -q -m gpu tests/spec_decode -p no:cacheprovi
 # ngram on/off with the diverging prompts' logprob margins (~60 s)
 step 150 spec_diag bash -c "$PROF_TAR" _ "$OUT/spec_profile_traces.tar" spec python3 benchmarks/spec_decode.py --parts profile,ngram --trace-dir /tmp/vengine_prof/spec --json "$OUT/spec_diag.json"
 step 150 spec_diag_draft bash -c "$PROF_TAR" _ "$OUT/spec_draft_profile_traces.tar" specd python3 benchmarks/spec_decode.py --parts profile --profile-method draft_model --trace-dir /tmp/vengine_prof/specd --json "$OUT/spec_diag_draft.json"
-step 300 spec_bench python3 benchmarks/spec_decode.py --parts ngram,throughput --k-sweep 10,12,16 --json "$OUT/spec_decode.json"
+step 300 spec_bench python3 benchmarks/spec_decode.py --parts ngram,throughput --k-sweep 10,12 --repeats 5 --json "$OUT/spec_decode.json"
 # where a batch-1 step's time goes (plain async / sync decode vs ngram verify and draftless steps), with a
 # teacher-forced stub for the model (host time only) and with the real model (the difference: the device's share)
 step 300 spec_host python3 benchmarks/spec_decode.py --parts host --host-repeats 2 --json "$OUT/spec_host.json"

@@ -22,12 +22,13 @@ def test_smoke(tmp_path):
     out = tmp_path / "spec.json"
     res = spec_decode.main(["--device", "cpu", "--parts", "ngram,draft,throughput", "--target", str(target),
                             "--model", str(model), "--lookup-min", "1", "--threads", "1",
-                            "--num-prompts", "1", "--output-len", "5", "--streams", "2", "--cutoff", "2", "--repeats", "1",
+                            "--num-prompts", "1", "--output-len", "5", "--streams", "2", "--cutoff", "2", "--repeats", "1", "--rounds", "2",
                             "--k", "3", "--draft-k", "2", "--max-model-len", "512", "--json", str(out)])
     for part in ("ngram", "draft"):
         r = res[part]
         assert r["greedy_identical"], part
-        assert r["off"]["drafts"] == 0 and r["speedup"] > 0
+        assert r["off"]["drafts"] == 0 and r["speedup"] > 0 and r["speedup_median"] > 0
+        assert len(r["off"]["tpot_runs_ms"]) == len(r["on"]["tpot_runs_ms"]) == 2
     assert res["draft"]["on"]["drafts"] > 0  # (a random model's output rarely repeats its prompt: no ngram check)
     assert res["draft"]["target_params"] > res["draft"]["draft_params"] > 0
     assert res["throughput"]["on"]["output_tokens"] == res["throughput"]["off"]["output_tokens"] == 10
