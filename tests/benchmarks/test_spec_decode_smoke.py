@@ -22,8 +22,8 @@ def test_smoke(tmp_path):
     out = tmp_path / "spec.json"
     res = spec_decode.main(["--device", "cpu", "--parts", "ngram,draft,throughput", "--target", str(target),
                             "--model", str(model), "--lookup-min", "1", "--threads", "1",
-                            "--num-prompts", "1", "--output-len", "5", "--streams", "2", "--cutoff", "2", "--repeats", "1", "--rounds", "2",
-                            "--k", "3", "--draft-k", "2", "--max-model-len", "512", "--json", str(out)])
+                            "--num-prompts", "1", "--output-len", "5", "--streams", "2", "--cutoff", "2", "--repeats", "1",
+                            "--rounds", "2", "--k", "3", "--draft-k", "2", "--max-model-len", "512", "--json", str(out)])
     for part in ("ngram", "draft"):
         r = res[part]
         assert r["greedy_identical"], part
