@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from pyengine.attention.backend import AttentionMetadata
@@ -54,6 +55,8 @@ class DraftChain:
         self._d64 = self._h64.to(self.device) if pin else self._h64
         self._d32 = self._h32.to(self.device) if pin else self._h32
         self._host = {**self._views(self._h64, self._i64_fields), **self._views(self._h32, self._i32_fields)}
+        self._np = {name: t.numpy() for name, t in self._host.items()}  # (the same memory)
+        self._arange = np.arange(Q, dtype=np.int64)
         self._dev = {**self._views(self._d64, self._i64_fields), **self._views(self._d32, self._i32_fields)}
         self._qsl0 = torch.arange(B + 1, dtype=torch.int32, device=self.device) * Q
         self._qsl1 = torch.arange(B + 1, dtype=torch.int32, device=self.device)
@@ -82,44 +85,35 @@ class DraftChain:
                 and all(len(t) <= self.Q and len(b) <= self.W and s + self.Q <= cap for s, t, b in seqs))
 
     def _fill(self, plan, bs: int) -> None:
-        """The staging rows of ``plan``'s requests and of ``bs - n`` padding requests."""
-        h, Q, W, blk = self._host, self.Q, self.W, self.block_size
+        """The staging rows of ``plan``'s requests and of ``bs - n`` padding requests
+        (numpy views of the staging buffers: on the step's critical path, between the
+        verification's result and the replay)."""
+        h, Q, W, blk = self._np, self.Q, self.W, self.block_size
         n = len(plan.seqs)
-        ids, pos, slots = h["ids"], h["pos"], h["slots"]
-        ids[:bs * Q].zero_()
-        slots[:bs * Q].fill_(-1)
-        h["bt"][:bs * W].zero_()
-        ids_l, pos_l, slot_l, last_l, plast_l, cap_l, seq_l, bt_rows = [], [], [], [], [], [], [], []
+        ids, pos, slots = h["ids"][:bs * Q].reshape(bs, Q), h["pos"][:bs * Q].reshape(bs, Q), h["slots"][:bs * Q]
+        ids[:] = 0
+        slots[:] = -1
+        slots = slots.reshape(bs, Q)
+        bt = h["bt"][:bs * W].reshape(bs, W)
+        bt[:] = 0
+        last, plast, cap, seq0 = h["last"], h["plast"], h["cap"], h["seq0"]
+        ar = self._arange
         for r, (start, toks, blocks) in enumerate(plan.seqs):
             q = len(toks)
             p_last = start + q - 1
-            ids_l += toks
-            ids_l += [0] * (Q - q)
-            pos_l += range(start, p_last + 1)
-            pos_l += [p_last] * (Q - q)
-            slot_l += [int(blocks[p // blk]) * blk + p % blk for p in range(start, p_last + 1)]
-            slot_l += [-1] * (Q - q)
-            last_l.append(r * Q + q - 1)
-            plast_l.append(p_last)
-            cap_l.append(len(blocks) * blk)
-            seq_l.append(start + Q)
-            bt_rows.append(blocks)
-        for r in range(n, bs):  # padding requests: read the null block, write nothing
-            pos_l += [Q - 1] * Q
-            last_l.append(r * Q + Q - 1)
-            plast_l.append(Q - 1)
-            cap_l.append(0)
-            seq_l.append(Q)
-        ids[:n * Q] = torch.tensor(ids_l, dtype=torch.int64)
-        slots[:n * Q] = torch.tensor(slot_l, dtype=torch.int64)
-        pos[:bs * Q] = torch.tensor(pos_l, dtype=torch.int64)
-        h["last"][:bs] = torch.tensor(last_l, dtype=torch.int64)
-        h["plast"][:bs] = torch.tensor(plast_l, dtype=torch.int64)
-        h["cap"][:bs] = torch.tensor(cap_l, dtype=torch.int64)
-        h["seq0"][:bs] = torch.tensor(seq_l, dtype=torch.int32)
-        bt = h["bt"].view(-1, W)
-        for r, blocks in enumerate(bt_rows):
-            bt[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            ids[r, :q] = toks
+            p = np.minimum(ar + start, p_last)  # padding rows: the last real position (RoPE)
+            pos[r] = p
+            nb = len(blocks)
+            bt[r, :nb] = blocks
+            slots[r, :q] = bt[r, p[:q] // blk].astype(np.int64) * blk + p[:q] % blk
+            last[r], plast[r], cap[r], seq0[r] = r * Q + q - 1, p_last, nb * blk, start + Q
+        if bs > n:  # padding requests: read the null block, write nothing
+            pos[n:bs] = Q - 1
+            last[n:bs] = np.arange(n, bs) * Q + Q - 1
+            plast[n:bs] = Q - 1
+            cap[n:bs] = 0
+            seq0[n:bs] = Q
 
     def _meta(self, T: int, bs: int, q: int, qsl, seq, bt, slots) -> AttentionMetadata:
         # off CUDA the "device" tensors are host tensors: the torch backend reads them as its

@@ -190,3 +190,47 @@ def test_async_device_drafts_with_seeded_random_rows_match_host_drafts(llama_dir
         llm.shutdown()
         assert (rows["device"] > 0) == device and rows["host"] > 0
     assert outs[False] == outs[True]
+
+
+def _reference_fill(plan, bs, Q, W, blk):
+    """The staging rows a step's plan gets, stated plainly: per request its tokens, then
+    padding rows at its last position with slot -1; padding requests read the null block."""
+    ids, pos, slots, last, plast, cap, seq0 = [], [], [], [], [], [], []
+    bt = [[0] * W for _ in range(bs)]
+    for r, (start, toks, blocks) in enumerate(plan.seqs):
+        q, p_last = len(toks), start + len(toks) - 1
+        ids += list(toks) + [0] * (Q - q)
+        pos += list(range(start, p_last + 1)) + [p_last] * (Q - q)
+        slots += [blocks[p // blk] * blk + p % blk for p in range(start, p_last + 1)] + [-1] * (Q - q)
+        last.append(r * Q + q - 1)
+        plast.append(p_last)
+        cap.append(len(blocks) * blk)
+        seq0.append(start + Q)
+        bt[r][:len(blocks)] = blocks
+    for r in range(len(plan.seqs), bs):
+        ids += [0] * Q
+        pos += [Q - 1] * Q
+        slots += [-1] * Q
+        last.append(r * Q + Q - 1)
+        plast.append(Q - 1)
+        cap.append(0)
+        seq0.append(Q)
+    return {"ids": ids, "pos": pos, "slots": slots, "last": last, "plast": plast, "cap": cap, "seq0": seq0,
+            "bt": [b for row in bt for b in row]}
+
+
+def test_fill_stages_what_the_rule_says():
+    from pyengine.spec_decode.base import DraftPlan
+    from pyengine.spec_decode.draft_chain import DraftChain
+
+    W, blk = 4, 16
+    c = DraftChain(None, None, K, [1, 2, 4], W, 64, blk, "cpu")
+    plans = [DraftPlan([(20, [5] * (K + 2), [3, 9])], [(0, K)]),
+             DraftPlan([(33, [7, 8], [2, 6, 1]), (0, [1] * (K + 2), [4])], [(0, K), (1, K)]),
+             DraftPlan([(15, [9], [5, 2])], [(0, K)])]
+    for plan, bs in zip(plans, (1, 4, 2)):
+        c._fill(plan, 4)  # dirty every row first: a smaller step must overwrite what it reads
+        c._fill(plan, bs)
+        want = _reference_fill(plan, bs, K + 2, W, blk)
+        for name, values in want.items():
+            assert c._host[name][:len(values)].tolist() == values, name
