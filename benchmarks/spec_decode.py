@@ -19,7 +19,10 @@ Parts (``--parts``):
   what it accepts with the real model while the forward costs ~nothing: plain decode (async
   and sync scheduling) against ngram with sync scheduling, whose steps are split into those
   that verified drafts and those that had none, and ngram with async scheduling (the next
-  step scheduled with draft placeholders before this one is verified). On CUDA the same again with the real model (``*_real`` rows):
+  step scheduled with draft placeholders before this one is verified), and the draft model
+  (``--draft-k``) with async scheduling, its model stubbed too (``TeacherForcedDraft``: every
+  draft accepted) and its drafting through the draft chain (``draft_async``). On CUDA the
+  same again with the real model (``*_real`` rows; not the draft model's):
   the difference is the device's share of a step. Runs on CPU too (``--host-clock thread``
   on a shared machine).
 - ``host_batch``: the host time of a step at ``--streams`` requests (async scheduling,
@@ -352,6 +355,32 @@ class TeacherForcedModel:
         runner.model.compute_logits = self.compute_logits
 
 
+class TeacherForcedDraft:
+    """A draft model's stand-in beside ``TeacherForcedModel``: its hidden state of a row is
+    the row's position and its greedy token the reference's next one there, so every draft
+    is accepted and the proposer's own host work (the draft chain's staging, its replay or
+    eager forwards, the drafts' way into the next step) is what a step costs. ``install``
+    swaps it in for the drafter's model (the chain's too; its one-token graphs dropped)."""
+
+    def __init__(self, forcing: TeacherForcedModel):
+        self.forcing = forcing
+
+    def __call__(self, ids, pos, meta):
+        return self.forcing.forward(ids, pos, meta)
+
+    def compute_greedy(self, hidden):
+        ref = self.forcing.ref
+        return ref[(hidden[:, 0].long() + 1).clamp_(max=ref.shape[0] - 1)]
+
+    def install(self, drafter) -> None:
+        drafter.model = self
+        drafter._graphs = None
+        if drafter._chain is None:
+            drafter.enable_draft_chain()  # (eager off CUDA: the same staging and forwards)
+        drafter._chain.model = self
+        drafter._chain.graphs.clear()
+
+
 def _timed(obj, name: str, acc: dict, key: str, clock) -> None:
     """Wrap obj.name so its time on ``clock`` accumulates in acc[key] (seconds)."""
     fn = getattr(obj, name)
@@ -396,6 +425,8 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
     forcing = TeacherForcedModel(runner.dims.vocab_size, runner.device) if stub else None
     if forcing is not None:
         forcing.install(runner)
+        if spec is not None and spec["method"] == "draft_model":
+            TeacherForcedDraft(forcing).install(runner.drafter)
     acc: dict = defaultdict(float)
     sched = core.scheduler
     clock = HOST_CLOCKS[args.host_clock]
@@ -484,7 +515,9 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
             "wall_ms_per_token": wall_ms * steps / max(tokens, 1), **kinds,
             "host_ms_per_step": wall_ms - ms["forward"] if stub else None,
             "phases_ms_per_step": ms, "tokens_identical": same, "runs": len(runs), "clock": args.host_clock,
-            "mean_acceptance_length": 1 + stats.spec_num_accepted_tokens / drafts if drafts else None}
+            "mean_acceptance_length": 1 + stats.spec_num_accepted_tokens / drafts if drafts else None,
+            "draft_acceptance_rate": (stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+                                      if stats.spec_num_draft_tokens else None)}
 
 
 class PositionForcedModel:
@@ -749,6 +782,9 @@ def host_phases(model: str, args, prompts: list[str]) -> dict:
         rows["plain_sync" + tag] = _host_run(model, args, None, False, refs, stub)
         rows["ngram" + tag] = _host_run(model, args, spec, False, refs, stub)
         rows["ngram_async" + tag] = _host_run(model, args, spec, True, refs, stub)
+        if stub:
+            draft = {"method": "draft_model", "model": model, "num_speculative_tokens": args.draft_k}
+            rows["draft_async"] = _host_run(model, args, draft, True, refs, stub)
 
     def r3(x):
         return None if x is None else round(x, 3)

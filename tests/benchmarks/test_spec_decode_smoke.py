@@ -48,3 +48,16 @@ def test_host_batch_smoke(tmp_path):
         assert r["tokens_identical"], prompts
         assert r["off"]["steady_steps"] > 0 and r["cutoff"]["steady_steps"] > 0
         assert r["off"]["spec_num_drafts"] == 0
+
+
+def test_host_smoke(tmp_path):
+    """The host part (model stubbed): every mode replays the recorded tokens; the stubbed
+    draft model, through the draft chain, has every draft accepted."""
+    model = build_tiny_model(tmp_path / "model", "qwen3", DEFAULT_MODEL_DIR, seed=2, num_hidden_layers=1)
+    res = spec_decode.main(["--device", "cpu", "--parts", "host", "--model", str(model), "--threads", "1",
+                            "--num-prompts", "1", "--output-len", "12", "--host-repeats", "1", "--draft-k", "3",
+                            "--max-model-len", "512"])
+    rows = res["host"]
+    assert {"plain_async", "plain_sync", "ngram", "ngram_async", "draft_async"} <= set(rows)
+    assert all(r["tokens_identical"] for name, r in rows.items() if name != "spec_config")
+    assert rows["draft_async"]["draft_acceptance_rate"] == 1.0
