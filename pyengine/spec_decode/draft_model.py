@@ -115,17 +115,18 @@ class DraftModelProposer(Proposer):
             v = min(v, s.num_computed_tokens)
             if g is not None:
                 end = r.num_tokens + len(g)
-                ctx = r.all_token_ids + list(g)
                 k = num_drafts_wanted(self.spec, so, s, len(g), self.config.max_model_len)
                 k = max(0, min(k, len(s.block_ids) * self.block_size - end + 1))
             else:
                 end = s.num_computed_tokens + s.num_new_tokens
-                ctx, k = r.all_token_ids, 0
+                k = 0
             if v >= end:
                 continue
             if k:
                 active.append((len(seqs), k))
-            seqs.append((v, ctx[v:end], s.block_ids))
+            # (only the tail past the valid draft KV is copied, not the whole context)
+            toks = r.all_token_ids[v:end] if g is None else r.all_token_ids[v:] + list(g)
+            seqs.append((v, toks, s.block_ids))
             want.append(s)
             self._valid[r.request_id] = (s.epoch, end)
         drafts: dict[int, list[int]] = {}
