@@ -234,3 +234,19 @@ def test_fill_stages_what_the_rule_says():
         want = _reference_fill(plan, bs, K + 2, W, blk)
         for name, values in want.items():
             assert c._host[name][:len(values)].tolist() == values, name
+
+
+def test_trusted_prefix_hit_is_the_leading_blocks_the_draft_wrote():
+    from types import SimpleNamespace as NS
+
+    from pyengine.spec_decode.draft_model import DraftModelProposer
+
+    p = DraftModelProposer.__new__(DraftModelProposer)  # (only its block bookkeeping)
+    p.block_size, p._draft_blocks = 4, {7, 8, 9}
+    req = NS(request=NS(num_cached_tokens=12), block_ids=[7, 8, 9, 3])
+    assert p._trusted_hit(req) == 12
+    # a step without speculation recomputes positions 5..9 (blocks 8 and 9): no longer trusted
+    p.skipped(NS(scheduled=[NS(num_computed_tokens=5, num_new_tokens=5, block_ids=[7, 8, 9, 3])]))
+    assert p._draft_blocks == {7}
+    assert p._trusted_hit(req) == 4
+    assert p._trusted_hit(NS(request=NS(num_cached_tokens=-1), block_ids=[7])) == 0  # not yet admitted

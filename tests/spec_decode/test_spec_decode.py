@@ -157,6 +157,29 @@ def test_logprobs_and_n_with_device_drafts(llama_dir, draft_dir, off, prompts):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("sched", SCHED)
+def test_prefix_hit_on_blocks_computed_without_speculation(sched, llama_dir, off, tokenizer):
+    """Two requests decode without speculation (disable_by_batch_size=2), so the draft
+    writes no KV for their outputs; a prompt extending one of them then hits those cached
+    blocks. The draft must not trust KV it never wrote: the target drafting for itself has
+    every draft accepted (trusting it left 5 of 32 accepted; the output held either way)."""
+    spec = {**_spec("draft_self", None, None, llama_dir), "disable_by_batch_size": 2}
+    llm = _llm(llama_dir, spec, sched)
+    ps = prompt_token_ids(tokenizer, 2, min_len=20, max_len=20, seed=3)
+    outs = llm.generate(ps, _greedy(max_tokens=40, ignore_eos=True), use_tqdm=False)
+    longer = [ps[0] + outs[0].outputs[0].token_ids]
+    sp = _greedy(max_tokens=20, ignore_eos=True)
+    a = llm.llm_engine.get_stats()
+    got = llm.generate(longer, sp, use_tqdm=False)
+    b = llm.llm_engine.get_stats()
+    assert _tokens(got) == _tokens(off.generate(longer, sp, use_tqdm=False))
+    assert b.prefix_cache_hits > a.prefix_cache_hits
+    drafted = b.spec_num_draft_tokens - a.spec_num_draft_tokens
+    assert drafted > 0 and b.spec_num_accepted_tokens - a.spec_num_accepted_tokens == drafted
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
 class Scripted(TokenProposer):
     """Drafts the reference continuation (``right``) or a token that is never it."""
 
