@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: moe_profile quant_profile gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: moe_profile quant_profile gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -141,9 +141,11 @@ step 300 spec_bench python3 benchmarks/spec_decode.py --parts ngram,throughput -
 # where a batch-1 step's time goes (plain async / sync decode vs ngram verify and draftless steps), with a
 # teacher-forced stub for the model (host time only) and with the real model (the difference: the device's share)
 step 300 spec_host python3 benchmarks/spec_decode.py --parts host --host-repeats 2 --json "$OUT/spec_host.json"
-# (the target 48 layers deep, 81M parameters: six times the draft's depth, as a 70B target is of a 1B draft; both are
-# launch-bound at batch 1, so depth, not width, sets what a forward costs)
-step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 4.5 --target-layers 48 --target-hidden 384 --target-intermediate 1024 --draft-k-sweep 6 --json "$OUT/spec_decode_draft.json"
+# the 16-layer 54.5M target (0.77x, then 0.86x with the device drafts and the short-query attention, 2026-12-03); the
+# deep one: 48 layers, 81M parameters, six times the draft's depth as a 70B target is of a 1B draft (both are
+# launch-bound at batch 1, so depth, not width, sets what a forward costs; 1.03x but AL 2.98 after 4.5 min of training)
+step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 3.5 --draft-k-sweep 3 --json "$OUT/spec_decode_draft.json"
+step 560 spec_bench_draft_deep python3 benchmarks/spec_decode.py --parts draft --train-minutes 4.5 --target-layers 48 --target-hidden 384 --target-intermediate 1024 --draft-k-sweep 6 --json "$OUT/spec_decode_draft_deep.json"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"
