@@ -144,8 +144,8 @@ step 300 spec_host python3 benchmarks/spec_decode.py --parts host --host-repeats
 # the 16-layer 54.5M target (0.77x, then 0.86x with the device drafts and the short-query attention, 2026-12-03); the
 # deep one: 48 layers, 81M parameters, six times the draft's depth as a 70B target is of a 1B draft (both are
 # launch-bound at batch 1, so depth, not width, sets what a forward costs; 1.03x but AL 2.98 after 4.5 min of training)
-step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 3.5 --draft-k-sweep 3 --json "$OUT/spec_decode_draft.json"
-step 560 spec_bench_draft_deep python3 benchmarks/spec_decode.py --parts draft --train-minutes 4.5 --target-layers 48 --target-hidden 384 --target-intermediate 1024 --draft-k-sweep 6 --json "$OUT/spec_decode_draft_deep.json"
+step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 3.5 --draft-k-sweep 3 --rounds 2 --json "$OUT/spec_decode_draft.json"
+step 560 spec_bench_draft_deep python3 benchmarks/spec_decode.py --parts draft --train-minutes 4.5 --target-layers 48 --target-hidden 384 --target-intermediate 1024 --draft-k-sweep 6 --rounds 2 --json "$OUT/spec_decode_draft_deep.json"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"
