@@ -173,11 +173,6 @@ class Proposer:
 
     def forget(self, request_ids) -> None:
         """These requests finished."""
-
-    def skipped(self, so) -> None:
-        """A step without speculation (``so``: its ``SchedulerOutput``) ran without the
-        proposer: the positions it computed have no proposer KV behind them."""
-
     def capture_cuda_graphs(self, capture_error_mode: str) -> float:
         """Capture the proposer's own CUDA graphs (CUDA, after ``initialize_kv_cache``);
         returns seconds (0: none)."""

@@ -45,11 +45,12 @@ class DraftModelProposer(Proposer):
         self.model, self.attn, self.dims = load_draft(config, self.spec.draft_hf_config, self.spec.model,
                                                       config.block_size, runner.tp)
         self.kv_caches: list[torch.Tensor] = []
-        self._valid: dict[str, tuple[int, int]] = {}  # request id -> (epoch, positions with valid draft KV)
-        # blocks whose draft KV is written for every position (what a prefix-cache hit may
-        # trust): added as the draft fills them, dropped when a step without speculation
-        # (re)computes one, whose draft KV then belongs to other tokens or to none
-        self._draft_blocks: set[int] = set()
+        # request id -> (epoch, positions with valid draft KV, its blocks marked in _draft_blocks)
+        self._valid: dict[str, tuple[int, int, int]] = {}
+        # block id -> the prefix-cache hash of the content the draft filled it with: a hit
+        # trusts a block's draft KV only while the block still holds that content (a block
+        # computed in a step without speculation, or reused, has another hash or no mark)
+        self._draft_blocks: dict[int, int] = {}
         self._graphs = None  # CUDAGraphRunner of the one-token draft steps (CUDA)
         self._chain = None  # DraftChain: a step's whole proposal in one replay (one rank, CUDA)
         self._chain_out: torch.Tensor | None = None  # the last _run's drafts [n, k] when the chain ran
@@ -104,20 +105,15 @@ class DraftModelProposer(Proposer):
         for rid in request_ids:
             self._valid.pop(rid, None)
 
-    def skipped(self, so) -> None:
-        blk = self.block_size
-        drop = self._draft_blocks.difference_update
-        for s in so.scheduled:
-            n0 = s.num_computed_tokens
-            drop(s.block_ids[n0 // blk:-(-(n0 + s.num_new_tokens) // blk)])
-
     def _trusted_hit(self, s) -> int:
         """Positions of ``s``'s prefix-cache hit whose draft KV was written: its leading hit
-        blocks the draft filled (all of the hit when every block is one)."""
-        hit = max(s.request.num_cached_tokens, 0)
-        blocks, marked, blk = s.block_ids, self._draft_blocks, self.block_size
+        blocks the draft filled with the content they hold (all of the hit when every block
+        is one)."""
+        r = s.request
+        hit = max(r.num_cached_tokens, 0)
+        blocks, hashes, marked, blk = s.block_ids, r.block_hashes, self._draft_blocks, self.block_size
         n = 0
-        while n * blk < hit and n < len(blocks) and blocks[n] in marked:
+        while n * blk < hit and n < min(len(blocks), len(hashes)) and marked.get(blocks[n]) == hashes[n]:
             n += 1
         return min(hit, n * blk)
 
@@ -128,11 +124,12 @@ class DraftModelProposer(Proposer):
         for s in so.scheduled:
             r = s.request
             g = gen.get(id(s))
-            epoch, v = self._valid.get(r.request_id, (-1, 0))
+            epoch, v, m = self._valid.get(r.request_id, (-1, 0, 0))
             if epoch != s.epoch:
                 # first sight: trust the draft KV of its prefix-cache hit where the draft wrote
                 # it (the leading hit blocks it filled); after a preemption start over
                 v = self._trusted_hit(s) if s.epoch == 0 else 0
+                m = v // self.block_size
             v = min(v, s.num_computed_tokens)
             if g is not None:
                 end = r.num_tokens + len(g)
@@ -148,10 +145,13 @@ class DraftModelProposer(Proposer):
             # (only the tail past the valid draft KV is copied, not the whole context)
             toks = r.all_token_ids[v:end] if g is None else r.all_token_ids[v:] + list(g)
             seqs.append((v, toks, s.block_ids))
-            blk = self.block_size
-            self._draft_blocks.update(s.block_ids[v // blk:end // blk])  # (full after this step's forward)
             want.append(s)
-            self._valid[r.request_id] = (s.epoch, end)
+            # blocks full of valid draft KV after this step's forward, marked once their hash is known
+            hashes, blocks = r.block_hashes, s.block_ids
+            hi = min(end // self.block_size, len(hashes), len(blocks))
+            for i in range(m, hi):
+                self._draft_blocks[blocks[i]] = hashes[i]
+            self._valid[r.request_id] = (s.epoch, end, max(m, hi))
         drafts: dict[int, list[int]] = {}
         if seqs:
             plan = DraftPlan(seqs, active)

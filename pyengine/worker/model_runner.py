@@ -510,8 +510,6 @@ class ModelRunner:
         sampled = [s for s in so.scheduled if s.sample]
         ph_flags = [s.placeholder_input for s in sampled]
         spec = self.drafter is not None and so.speculative
-        if self.drafter is not None and not spec:
-            self.drafter.skipped(so)  # the target's KV of this step has no draft KV behind it
         meta_s = self.sampling_state.metadata(sampled, ph_flags, spec, pending) if sampled else None
         self._sched_drafts = sched_drafts
         prof = self.profiler

@@ -242,11 +242,12 @@ def test_trusted_prefix_hit_is_the_leading_blocks_the_draft_wrote():
     from pyengine.spec_decode.draft_model import DraftModelProposer
 
     p = DraftModelProposer.__new__(DraftModelProposer)  # (only its block bookkeeping)
-    p.block_size, p._draft_blocks = 4, {7, 8, 9}
-    req = NS(request=NS(num_cached_tokens=12), block_ids=[7, 8, 9, 3])
+    p.block_size, p._draft_blocks = 4, {7: 70, 8: 80, 9: 90}
+    req = NS(request=NS(num_cached_tokens=12, block_hashes=[70, 80, 90]), block_ids=[7, 8, 9, 3])
     assert p._trusted_hit(req) == 12
-    # a step without speculation recomputes positions 5..9 (blocks 8 and 9): no longer trusted
-    p.skipped(NS(scheduled=[NS(num_computed_tokens=5, num_new_tokens=5, block_ids=[7, 8, 9, 3])]))
-    assert p._draft_blocks == {7}
+    # block 8 now holds other content (computed without the draft, or reused): hash 81
+    req.request.block_hashes = [70, 81, 90]
     assert p._trusted_hit(req) == 4
-    assert p._trusted_hit(NS(request=NS(num_cached_tokens=-1), block_ids=[7])) == 0  # not yet admitted
+    del p._draft_blocks[7]  # never filled by the draft
+    assert p._trusted_hit(req) == 0
+    assert p._trusted_hit(NS(request=NS(num_cached_tokens=-1, block_hashes=[]), block_ids=[7])) == 0
