@@ -145,24 +145,16 @@ class TritonAttentionBackend(AttentionBackend):
         return self._attend(q, key_cache, value_cache, meta, torch.empty_like(q))
 
     def _attend(self, q, key_cache, value_cache, meta, out, k_scale=1.0, v_scale=1.0):
-        num_reqs = meta.num_reqs
-        if meta.max_query_len == 1:
+        num_reqs, Q = meta.num_reqs, meta.max_query_len
+        # decode (Q = 1), or uniform short queries (T == R * max Q: every request has Q rows)
+        if Q == 1 or (Q <= SHORT_QUERY_LEN and num_reqs * Q <= SHORT_QUERY_ROWS
+                      and meta.num_actual_tokens == num_reqs * Q):
+            rows = num_reqs * Q
             splits = self.num_splits(num_reqs)
             if splits > 1:
                 if self._part_lse is None:  # first use: size for a typical max batch
-                    self._ensure_scratch(self._scratch_units(max(num_reqs, 256)), q.device)
-                self._ensure_scratch(num_reqs * splits, q.device)
-            paged_decode(q[:num_reqs], key_cache, value_cache, meta.block_table, meta.seq_lens,
-                         out[:num_reqs], self.scale, splits, self._part_out, self._part_lse,
-                         k_scale=k_scale, v_scale=v_scale)
-            return out
-        Q = meta.max_query_len
-        if Q <= SHORT_QUERY_LEN and num_reqs * Q <= SHORT_QUERY_ROWS and meta.num_actual_tokens == num_reqs * Q:
-            rows = num_reqs * Q  # (T == R * max Q: every request has Q rows)
-            splits = self.num_splits(num_reqs)
-            if splits > 1:
-                if self._part_lse is None:
-                    self._ensure_scratch(max(self._scratch_units(256), self._short_query_units(256)), q.device)
+                    b = max(num_reqs, 256)
+                    self._ensure_scratch(max(self._scratch_units(b), self._short_query_units(b)), q.device)
                 self._ensure_scratch(rows * splits, q.device)
             paged_decode(q[:rows], key_cache, value_cache, meta.block_table, meta.seq_lens,
                          out[:rows], self.scale, splits, self._part_out, self._part_lse,
