@@ -22,9 +22,10 @@ Parts (``--parts``):
   step scheduled with draft placeholders before this one is verified), and the draft model
   (``--draft-k``) with async scheduling, its model stubbed too (``TeacherForcedDraft``: every
   draft accepted) and its drafting through the draft chain (``draft_async``). On CUDA the
-  same again with the real model (``*_real`` rows; not the draft model's):
-  the difference is the device's share of a step. Runs on CPU too (``--host-clock thread``
-  on a shared machine).
+  same again with the real model (``*_real`` rows; ``draft_async_real``: the built-in model
+  drafting for itself, its chain a CUDA graph): the difference is the device's share of a
+  step. ``--host-profile PREFIX`` writes a cProfile of each mode's first run to
+  ``PREFIX.MODE.prof``. Runs on CPU too (``--host-clock thread`` on a shared machine).
 - ``host_batch``: the host time of a step at ``--streams`` requests (async scheduling,
   the model stubbed), speculation off against ngram configured and cut off
   (``disable_by_batch_size=--cutoff``), phase by phase over the steps with nothing
@@ -404,7 +405,7 @@ HOST_PHASES = ("schedule", "prepare_inputs", "sampling_metadata", "forward", "sa
 
 
 def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs: list[tuple[list[int], list[int]]],
-              stub: bool = True) -> dict:
+              stub: bool = True, profile_to: str | None = None) -> dict:
     """Batch-1 decode of each reference (prompt ids, output ids), with the teacher-forced
     stub (``stub``) or the real model: ms per model step of each phase (HOST_PHASES;
     ``forward``: the model's forward and logits, the stub's with ``stub``; ``sample_rest``:
@@ -413,7 +414,9 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
     counted from each request's first token on, on ``--host-clock``. With sync scheduling
     each engine step is one model step, timed whole: ``verify_step_ms`` for those that
     verified drafts, ``plain_step_ms`` for the others. With ``--host-repeats`` N the
-    references run N times and each figure is its smallest run."""
+    references run N times and each figure is its smallest run. ``profile_to``: a path for
+    a cProfile of the first run's steps (the waits for the device show as the time of the
+    calls that wait: an event's ``synchronize``, ``tolist``)."""
     from collections import defaultdict
 
     from pyengine import SamplingParams
@@ -449,9 +452,13 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
     runner.execute_model = count
     warm, runs = refs[:1], []
     same = True
+    prof = None
     for rep in range(max(args.host_repeats, 1)):
         totals: dict = defaultdict(float)
         steps = tokens = 0
+        if profile_to and rep == 0:
+            import cProfile
+            prof = cProfile.Profile()
         for i, (prompt, out) in enumerate(warm + refs):
             if forcing is not None:
                 forcing.set_reference(prompt + out)
@@ -462,6 +469,8 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
                 for ro in eng.step():
                     got = list(ro.outputs[0].token_ids)
             snap, m0, n0 = dict(acc), last["n"], len(got)
+            if prof is not None and i >= len(warm):
+                prof.enable()
             while eng.has_unfinished_requests():
                 step_snap = dict(acc) if not async_scheduling else None
                 m, t0 = last["n"], clock()
@@ -476,6 +485,8 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
                 totals["wall"] += dt
                 for ro in ros:
                     got = list(ro.outputs[0].token_ids)
+            if prof is not None:
+                prof.disable()
             same &= got == out
             if i < len(warm):
                 for k in [k for k in totals]:
@@ -491,6 +502,9 @@ def _host_run(model: str, args, spec: dict | None, async_scheduling: bool, refs:
                                            - (0.0 if async_scheduling else totals.get(pre + "proposer", 0.0)))
         runs.append((steps, tokens, totals))
         warm = []
+        if prof is not None:
+            prof.dump_stats(profile_to)
+            prof = None
     stats = eng.get_stats()
     common.shutdown_llm(llm)
     del llm
@@ -776,15 +790,18 @@ def host_phases(model: str, args, prompts: list[str]) -> dict:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max}
     rows = {}
+    draft = {"method": "draft_model", "model": model, "num_speculative_tokens": args.draft_k}
     for stub in (True, False) if args.device == "cuda" or args.host_real else (True,):
         tag = "" if stub else "_real"
-        rows["plain_async" + tag] = _host_run(model, args, None, True, refs, stub)
-        rows["plain_sync" + tag] = _host_run(model, args, None, False, refs, stub)
-        rows["ngram" + tag] = _host_run(model, args, spec, False, refs, stub)
-        rows["ngram_async" + tag] = _host_run(model, args, spec, True, refs, stub)
-        if stub:
-            draft = {"method": "draft_model", "model": model, "num_speculative_tokens": args.draft_k}
-            rows["draft_async"] = _host_run(model, args, draft, True, refs, stub)
+
+        def prof(name: str) -> str | None:
+            return f"{args.host_profile}.{name}.prof" if args.host_profile else None
+        rows["plain_async" + tag] = _host_run(model, args, None, True, refs, stub, prof("plain_async" + tag))
+        rows["plain_sync" + tag] = _host_run(model, args, None, False, refs, stub, prof("plain_sync" + tag))
+        rows["ngram" + tag] = _host_run(model, args, spec, False, refs, stub, prof("ngram" + tag))
+        rows["ngram_async" + tag] = _host_run(model, args, spec, True, refs, stub, prof("ngram_async" + tag))
+        # (the real row: the built-in model drafting for itself, its chain replayed as a CUDA graph)
+        rows["draft_async" + tag] = _host_run(model, args, draft, True, refs, stub, prof("draft_async" + tag))
 
     def r3(x):
         return None if x is None else round(x, 3)
@@ -843,7 +860,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--host-alternations", type=int, default=2,
                    help="host_batch part: off / cut-off engines built in turn this many times")
     p.add_argument("--host-profile", default=None,
-                   help="host_batch part: write cProfile stats of the first run's steady steps to PREFIX.MODE.prof")
+                   help="host / host_batch parts: write cProfile stats of the first run's steps to PREFIX.MODE.prof")
     p.add_argument("--tiny", action="store_true", help="a CPU smoke run: a tiny target, few tokens")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dtype", default=None)

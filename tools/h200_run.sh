@@ -140,7 +140,7 @@ step 150 spec_diag_draft bash -c "$PROF_TAR" _ "$OUT/spec_draft_profile_traces.t
 step 300 spec_bench python3 benchmarks/spec_decode.py --parts ngram,throughput --k-sweep 10,12 --repeats 5 --json "$OUT/spec_decode.json"
 # where a batch-1 step's time goes (plain async / sync decode vs ngram verify and draftless steps), with a
 # teacher-forced stub for the model (host time only) and with the real model (the difference: the device's share)
-step 300 spec_host python3 benchmarks/spec_decode.py --parts host --host-repeats 2 --json "$OUT/spec_host.json"
+step 300 spec_host python3 benchmarks/spec_decode.py --parts host --host-repeats 2 --host-profile "$OUT/spec_host" --json "$OUT/spec_host.json"
 # the 16-layer 54.5M target (0.77x, then 0.86x with the device drafts and the short-query attention, 2026-12-03); the
 # deep one: 48 layers, 81M parameters, six times the draft's depth as a 70B target is of a 1B draft (both are
 # launch-bound at batch 1, so depth, not width, sets what a forward costs; 1.03x but AL 2.98 after 4.5 min of training)
