@@ -113,25 +113,31 @@ class DeviceDrafts:
 
 
 class DraftRow(Sequence):
-    """One request's drafts in a ``DeviceDrafts`` (row ``row``): a sequence of k ints whose
-    length is known at once and whose values are read from the host copy only when asked
-    for (a verification checks them there after its own copy back)."""
+    """One request's drafts in a ``DeviceDrafts`` (row ``row``): a sequence of its first
+    ``n`` drafts (default all k; fewer for a request whose room, max_tokens or
+    max_model_len, takes fewer) whose length is known at once and whose values are read
+    from the host copy only when asked for (a verification checks them there after its
+    own copy back)."""
 
-    __slots__ = ("drafts", "row")
+    __slots__ = ("drafts", "row", "n")
 
-    def __init__(self, drafts: DeviceDrafts, row: int):
+    def __init__(self, drafts: DeviceDrafts, row: int, n: int | None = None):
         self.drafts, self.row = drafts, row
+        self.n = drafts.k if n is None else n
 
     def __len__(self) -> int:
-        return self.drafts.k
+        return self.n
 
     def __getitem__(self, i):
-        if isinstance(i, slice) and i.indices(self.drafts.k) == (0, self.drafts.k, 1):
-            return self
-        return self.drafts.host()[self.row][i]
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self.n)
+            if start == 0 and step == 1:
+                return self if stop == self.n else DraftRow(self.drafts, self.row, stop)
+            return self.drafts.host()[self.row][:self.n][i]
+        return self.drafts.host()[self.row][:self.n][i]
 
     def __iter__(self):
-        return iter(self.drafts.host()[self.row])
+        return iter(self.drafts.host()[self.row][:self.n])
 
     def __eq__(self, other) -> bool:
         return list(self) == list(other)
@@ -141,7 +147,7 @@ class DraftRow(Sequence):
         if self.drafts.base < 0:
             raise RuntimeError("device drafts fed before the runner placed them")
         o = self.drafts.base + self.row * self.drafts.k
-        return range(o, o + self.drafts.k)
+        return range(o, o + self.n)
 
 
 class Proposer:

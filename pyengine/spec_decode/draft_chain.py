@@ -2,8 +2,9 @@
 replayed as one CUDA graph per padded batch size (the role of the CUDA graphs vLLM's
 draft-model / EAGLE proposers capture in vllm/v1/spec_decode/eagle.py's ``propose``).
 
-It takes a step (a ``DraftPlan``) where every request drafts exactly ``k`` tokens after a
-first forward of at most ``k + 2`` tokens: batch-1 and small-batch decoding once each
+It takes a step (a ``DraftPlan``) where every request drafts 1..``k`` tokens (the chain
+drafts ``k`` for each; one with less room keeps its first ones) after a first forward of
+at most ``k + 2`` tokens: batch-1 and small-batch decoding once each
 request's prompt is in the draft KV (its first forward holds that step's accepted tokens,
 its new one, and the one before them: ``DraftModelProposer`` counts draft KV as valid only
 up to the target's computed tokens). The first forward runs every request padded to
@@ -74,14 +75,15 @@ class DraftChain:
         return out
 
     def fits(self, plan) -> bool:
-        """Whether ``run`` takes ``plan``: every request active with ``k`` drafts, at most
+        """Whether ``run`` takes ``plan``: every request active with 1..``k`` drafts (the
+        chain drafts ``k`` for each; a request with less room keeps its first ones), at most
         ``k + 2`` first-forward tokens, at most the largest size of requests, and its
         padded first forward and block list inside the block-table width."""
         seqs, act = plan.seqs, plan.active
         if not seqs or len(act) != len(seqs) or len(seqs) > self.sizes[-1]:
             return False
         cap = self.W * self.block_size
-        return (all(k == self.k for _, k in act) and [i for i, _ in act] == list(range(len(seqs)))
+        return (all(1 <= k <= self.k for _, k in act) and [i for i, _ in act] == list(range(len(seqs)))
                 and all(len(t) <= self.Q and len(b) <= self.W and s + self.Q <= cap for s, t, b in seqs))
 
     def _fill(self, plan, bs: int) -> None:
@@ -143,7 +145,9 @@ class DraftChain:
             slots = torch.where(inside, b * blk + p % blk, torch.full_like(p, -1))
             seq = torch.where(inside, p + 1, torch.zeros_like(p)).to(torch.int32)
             meta = self._meta(bs, bs, 1, self._qsl1[:bs + 1], seq, bt, slots)
-            tok = self.model.compute_greedy(self.model(tok, p, meta))
+            # (a request with less room than k drafts past max_model_len: RoPE's table ends
+            # there; those drafts are dropped, their KV written nowhere)
+            tok = self.model.compute_greedy(self.model(tok, p.clamp(max=self.max_model_len - 1), meta))
             outs.append(tok)
         return torch.stack(outs, dim=1)
 

@@ -160,14 +160,17 @@ class DraftModelProposer(Proposer):
             self._chain_out = None
             cols, rows = self._run(plan)
             if self.device_drafts and self._chain_out is not None:
-                # (the chain: every entry of seqs drafts k) the drafts stay on the device
+                # (the chain: every entry of seqs drafts k, of which it keeps its own count)
+                # the drafts stay on the device
                 dd = DeviceDrafts(self._chain_out)
                 self._chain_out = None
-                row_of = {id(w): j for j, w in enumerate(want)}
-                return [DraftRow(dd, row_of[id(s)]) if id(s) in row_of else [] for s in sampled]
+                row_of = {id(w): (j, k) for j, (w, (_, k)) in enumerate(zip(want, active))}
+                return [DraftRow(dd, *row_of[id(s)]) if id(s) in row_of else [] for s in sampled]
             if cols:
-                for (i, _), t in drafts_by_depth(cols, rows):
-                    drafts.setdefault(id(want[i]), []).append(t)
+                for (i, k), t in drafts_by_depth(cols, rows):
+                    d = drafts.setdefault(id(want[i]), [])
+                    if len(d) < k:  # (the chain drafts k for every request)
+                        d.append(t)
         return [drafts.get(id(s), []) for s in sampled]
 
     def follow(self, plan: DraftPlan) -> None:

@@ -242,6 +242,9 @@ class ModelRunner:
         self._is_cuda = self.device.type == "cuda"
         self.graph_runner = None  # CUDAGraphRunner once captured (CUDA, triton backend, not enforce_eager)
         self.verify_graph_runner = None  # the same for uniform speculative verification steps
+        # speculative steps of few decode rows are padded to this query length (the verify
+        # graph's; 0: not padded), so that one with fewer drafts replays that graph too
+        self.verify_pad_q = 0
         self.graph_capture_time_s = 0.0
         self._draft_ids_host: torch.Tensor | None = None  # (CUDA, speculation) a verification's draft ids
         if self._is_cuda:
@@ -377,6 +380,8 @@ class ModelRunner:
                         self.model, self.attn_backend, top, self.max_blocks_per_req, self.config.max_model_len,
                         self.device, capture_error_mode=mode, query_len=1 + spec.num_speculative_tokens)
                     self.graph_capture_time_s += self.verify_graph_runner.capture()
+                    # (EAGLE-3 reads the step's hidden states row by row: it captures no graphs)
+                    self.verify_pad_q = self.verify_graph_runner.query_len
             if self.drafter is not None:
                 self.graph_capture_time_s += self.drafter.capture_cuda_graphs(mode)
         return n
@@ -389,7 +394,8 @@ class ModelRunner:
         prof = self.profiler
         if prof is not None:
             prof.phase("pack")
-        step = pack_step(so, self.block_size, self._prev_rows)
+        pad = self.verify_pad_q if so.speculative else 0
+        step = pack_step(so, self.block_size, self._prev_rows, pad, self.max_blocks_per_req * self.block_size)
         if self._sender is not None:
             if prof is not None:
                 prof.phase("send")
@@ -671,7 +677,10 @@ class ModelRunner:
         vg = self.verify_graph_runner
         if vg is not None:
             k = vg.query_len - 1
-            drafts = [d + [d[-1]] * (k - len(d)) if 0 < len(d) < k else d for d in drafts]
+            # (device drafts cut short by their room are not padded: nothing would verify
+            # them, the scheduler cuts drafts to the room; the step's rows are padded instead)
+            drafts = [d + [d[-1]] * (k - len(d)) if 0 < len(d) < k and not isinstance(d, DraftRow) else d
+                      for d in drafts]
         return drafts
 
     def _resolve_spec(self) -> None:

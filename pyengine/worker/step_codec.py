@@ -138,14 +138,40 @@ def int64_header(kind: int, n: int) -> np.ndarray:
 SMALL_STEP_TOKENS = 32
 
 
-def pack_step(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -> PackedStep:
+def pack_step(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int], pad_query_to: int = 0,
+              pad_cap: int = 0) -> PackedStep:
     """All integer inputs of the step, host side (the layout above). ``prev_rows``: the
     row of each request in the previous step's sampled ids, for its placeholder input.
     A request with draft tokens (``spec_token_ids``, k of them) feeds them after its
-    known tokens and has its last 1 + k rows sampled (verification)."""
+    known tokens and has its last 1 + k rows sampled (verification).
+
+    ``pad_query_to`` Q > 1 (the verification CUDA graph's query length): a step where
+    every request samples and feeds at most Q tokens, one of them more than one, and whose
+    R * Q rows are at most ``SMALL_STEP_TOKENS``, is packed with every request padded to
+    Q rows, so that it replays that graph instead of running eagerly (a request with fewer
+    drafts: the end of its max_tokens, an n-gram that found fewer). A padding row feeds
+    token 0 at the request's last position into slot -1 (written nowhere); the request's
+    sequence length counts its padding rows (causal attention keeps the real rows from
+    them), which must stay within ``pad_cap`` positions (the block table's width); the
+    sampled rows are the real ones."""
+    if pad_query_to > 1 and _paddable(so, pad_query_to, pad_cap):
+        return _pack_small(so, block_size, prev_rows, pad_query_to)
     if so.total_num_scheduled_tokens <= SMALL_STEP_TOKENS:
         return _pack_small(so, block_size, prev_rows)
     return _pack_vectorised(so, block_size, prev_rows)
+
+
+def _paddable(so: SchedulerOutput, q: int, cap: int) -> bool:
+    sched = so.scheduled
+    if not sched or len(sched) * q > SMALL_STEP_TOKENS:
+        return False
+    longer = False
+    for s in sched:
+        n = s.num_new_tokens
+        if not s.sample or n > q or s.num_computed_tokens + q > cap:
+            return False
+        longer |= n > 1
+    return longer and so.total_num_scheduled_tokens < len(sched) * q
 
 
 def _step_tokens(s, toks: list[int], ph_rows: list[int], ph_src: list[int], prev_rows: dict[str, int]) -> None:
@@ -176,10 +202,12 @@ def _step_tokens(s, toks: list[int], ph_rows: list[int], ph_src: list[int], prev
         toks.extend(all_ids[start:start + n])
 
 
-def _pack_small(so: SchedulerOutput, bs: int, prev_rows: dict[str, int]) -> PackedStep:
-    """``pack_step`` of a step of few tokens: the same buffers, built in Python."""
+def _pack_small(so: SchedulerOutput, bs: int, prev_rows: dict[str, int], pad_q: int = 0) -> PackedStep:
+    """``pack_step`` of a step of few tokens: the same buffers, built in Python; with
+    ``pad_q`` every request padded to that many rows (``pack_step``)."""
     sched = so.scheduled
-    T, R = so.total_num_scheduled_tokens, len(sched)
+    R = len(sched)
+    T = R * pad_q if pad_q else so.total_num_scheduled_tokens
     toks: list[int] = []
     ph_rows: list[int] = []
     ph_src: list[int] = []
@@ -197,13 +225,21 @@ def _pack_small(so: SchedulerOutput, bs: int, prev_rows: dict[str, int]) -> Pack
             positions.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
         end = qsl[-1] + n
-        qsl.append(end)
-        seq_lens.append(start + n)
         if s.sample:
             rows.extend(range(end - 1 - len(s.spec_token_ids), end))
-        max_blocks = max(max_blocks, len(blocks))
-        max_q = max(max_q, n)
-        max_seq = max(max_seq, start + n)
+        q = n
+        nb = len(blocks)
+        if pad_q:
+            q, pad = pad_q, pad_q - n
+            toks.extend([0] * pad)
+            positions.extend([start + n - 1] * pad)
+            slots.extend([-1] * pad)
+            nb = max(nb, -(-(start + q) // bs))  # (the padding rows' reads: the null block past its blocks)
+        qsl.append(qsl[-1] + q)
+        seq_lens.append(start + q)
+        max_blocks = max(max_blocks, nb)
+        max_q = max(max_q, q)
+        max_seq = max(max_seq, start + q)
     shape = StepShape(T, R, len(ph_rows), len(rows), max_blocks, max_q, max_seq)
     tp, pp = shape.tokens_padded - T, shape.placeholders_padded - len(ph_rows)
     z = [0] * max(tp, pp)

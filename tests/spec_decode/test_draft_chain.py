@@ -45,7 +45,13 @@ def _run(llama_dir, draft_dir, prompts, chain: bool, max_tokens: int = 16, **kw)
     def recording(plan):
         calls["steps"] += 1
         cols, rows = run(plan)
-        drafts.append([[int(t) for t in c] for c in cols])
+        # each request's drafts it keeps (the chain drafts k for a request with less room)
+        kept: dict[int, list[int]] = {}
+        for c, r in zip(cols, rows):
+            for t, (i, k) in zip(c.tolist(), r):
+                if len(kept.setdefault(i, [])) < k:
+                    kept[i].append(t)
+        drafts.append(kept)
         return cols, rows
     drafter._run = recording
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
@@ -75,7 +81,7 @@ def test_greedy_with_the_chain_is_the_targets(llama_dir, draft_dir, prompts):
     assert got == ref and calls["chain"] > 0
 
 
-def test_fits_only_uniform_full_drafts(llama_dir, draft_dir):
+def test_fits_requests_of_up_to_k_drafts(llama_dir, draft_dir):
     from pyengine.spec_decode.base import DraftPlan
     from pyengine.spec_decode.draft_chain import DraftChain
 
@@ -85,7 +91,8 @@ def test_fits_only_uniform_full_drafts(llama_dir, draft_dir):
     seq = (20, [5] * (K + 2), [1, 2])
     assert c.fits(DraftPlan([seq], [(0, K)]))
     assert c.fits(DraftPlan([seq, (3, [4], [3])], [(0, K), (1, K)]))
-    assert not c.fits(DraftPlan([seq], [(0, K - 1)]))  # fewer drafts (the end of its room)
+    assert c.fits(DraftPlan([seq, (3, [4], [3])], [(0, K), (1, 1)]))  # fewer drafts (the end of its room)
+    assert not c.fits(DraftPlan([seq], [(0, K + 1)]))  # more drafts than the chain's depth
     assert not c.fits(DraftPlan([seq], []))  # a prefill chunk's KV only
     assert not c.fits(DraftPlan([(20, [5] * (K + 3), [1, 2])], [(0, K)]))  # a longer first forward
     assert not c.fits(DraftPlan([seq] * 3, [(0, K), (1, K), (2, K)]))  # more requests than the largest size

@@ -140,6 +140,48 @@ def test_greedy_on_equals_off_with_device_drafts(method, mode, llama_dir, draft_
     llm.shutdown()
 
 
+@pytest.mark.parametrize("method,sched", [("ngram", "sync"), ("ngram", "async"), ("draft_model", "sync"),
+                                          ("draft_self", "async"), ("draft_model", "async")])
+def test_verification_padded_to_the_graph_query_length(method, sched, llama_dir, draft_dir, eagle_dir, prompts,
+                                                        reference):
+    """A speculative step whose requests carry fewer than k drafts (the end of max_tokens,
+    an n-gram that found fewer) is packed with every request padded to 1 + k rows (what
+    the verify CUDA graph replays; forced here on the CPU), and the draft chain drafts
+    for requests with fewer than k drafts' room: the same greedy tokens, every draft of
+    the target drafting for itself accepted."""
+    llm = _llm(llama_dir, _spec(method, draft_dir, eagle_dir, llama_dir), sched)
+    runner = llm.llm_engine.engine_core.model_runner
+    runner.verify_pad_q = K + 1
+    padded, short_chain = [], []
+    prepare = runner._prepare_inputs
+
+    def counted(so):
+        out = prepare(so)
+        if out[2].num_actual_tokens > so.total_num_scheduled_tokens:
+            padded.append(out[2].num_actual_tokens)
+        return out
+    runner._prepare_inputs = counted
+    if method != "ngram" and sched == "async":
+        drafter = runner.drafter
+        drafter.enable_draft_chain()
+        run = drafter._chain.run
+
+        def chain_run(plan):
+            if any(k < K for _, k in plan.active):
+                short_chain.append(plan)
+            return run(plan)
+        drafter._chain.run = chain_run
+    got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
+    assert got == reference
+    assert padded and all(n % (K + 1) == 0 for n in padded)
+    st = llm.llm_engine.get_stats()
+    if method == "draft_self":
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+        assert short_chain
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
 def test_logprobs_and_n_with_device_drafts(llama_dir, draft_dir, off, prompts):
     """n > 1 with logprobs (random rows: their verification takes the drafts from the host
     copy) next to greedy rows (device drafts), async scheduling with the draft chain."""

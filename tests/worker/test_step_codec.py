@@ -123,3 +123,70 @@ def test_fill_block_table_matches_a_row_per_request(block_lists):
     for i, b in enumerate(block_lists):
         want[i, :len(b)] = b
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_padded_verification_rows(seed):
+    """``pad_query_to``: every request of a few-row decode / verification step padded to Q
+    rows (token 0 at its last position, slot -1, its sequence length counting them), the
+    real rows as unpadded and the sampled rows the real ones; a step it cannot pad (a
+    prefill chunk that samples nothing, a request past the cap, nothing longer than one
+    row) is packed as without it."""
+    rng = random.Random(seed)
+    Q = 5
+    sched, prev_rows = [], {}
+    for i in range(rng.randint(1, 4)):
+        drafts = [rng.randrange(100) for _ in range(rng.randint(0, Q - 1))]
+        start = rng.randint(0, 30)
+        n = 1 + len(drafts)
+        ph = rng.random() < 0.5
+        req = SimpleNamespace(request_id=f"r{i}", all_token_ids=[rng.randrange(100) for _ in range(start + n)])
+        if ph:
+            prev_rows[req.request_id] = rng.randrange(8)
+        blocks = rng.sample(range(1, 200), -(-(start + n) // BS))
+        sched.append(ScheduledRequest(req, n, start, blocks, True, ph, 0, drafts))
+    sched[0] = ScheduledRequest(sched[0].request, 2, sched[0].num_computed_tokens, sched[0].block_ids, True,
+                                sched[0].placeholder_input, 0, [7])  # (one row longer than one)
+    so = SchedulerOutput(sched, sum(s.num_new_tokens for s in sched))
+    plain = pack_step(so, BS, prev_rows)
+    step = pack_step(so, BS, prev_rows, Q, 64)
+    sh, b64, b32 = step.shape, step.buf64, step.buf32
+    R = len(sched)
+    assert sh.num_tokens == R * Q and sh.max_query_len == Q
+    qsl = b32[:R + 1].tolist()
+    assert qsl == [Q * i for i in range(R + 1)]
+    seq = b32[sh.seq_lens_offset:sh.seq_lens_offset + R].tolist()
+    psh = plain.shape
+    p_qsl = plain.buf32[:R + 1].tolist()
+    p_rows = plain.buf64[psh.sample_rows_offset:psh.sample_rows_offset + psh.num_sampled].tolist()
+    rows = b64[sh.sample_rows_offset:sh.sample_rows_offset + sh.num_sampled].tolist()
+    want_rows = []
+    for i, s in enumerate(sched):
+        n, a, pa = s.num_new_tokens, Q * i, p_qsl[i]
+        assert seq[i] == s.num_computed_tokens + Q
+        # ids, positions, slots of the real rows: as unpadded
+        for off, po in ((0, 0), (sh.positions_offset, psh.positions_offset),
+                        (sh.slot_mapping_offset, psh.slot_mapping_offset)):
+            assert b64[off + a:off + a + n].tolist() == plain.buf64[po + pa:po + pa + n].tolist()
+        assert b64[a + n:a + Q].tolist() == [0] * (Q - n)
+        assert b64[sh.positions_offset + a + n:sh.positions_offset + a + Q].tolist() == \
+            [s.num_computed_tokens + n - 1] * (Q - n)
+        assert b64[sh.slot_mapping_offset + a + n:sh.slot_mapping_offset + a + Q].tolist() == [-1] * (Q - n)
+        bt = b32[sh.block_table_offset + i * sh.max_blocks:sh.block_table_offset + (i + 1) * sh.max_blocks]
+        assert sh.max_blocks * BS >= s.num_computed_tokens + Q
+        assert bt[:len(s.block_ids)].tolist() == s.block_ids and not bt[len(s.block_ids):].any()
+        want_rows += [r - pa + a for r in p_rows if pa <= r < pa + n]
+    assert rows == want_rows
+    o, P = sh.placeholder_offset, sh.num_placeholders
+    assert b64[o + sh.placeholders_padded:o + sh.placeholders_padded + P].tolist() == \
+        [prev_rows[s.request.request_id] for s in sched if s.placeholder_input]
+    # not padded: a prefill chunk, a request whose padding passes the cap, all rows one long
+    chunk = ScheduledRequest(sched[0].request, 2, 0, sched[0].block_ids, False, False, 0)
+    bad = SchedulerOutput(sched + [chunk], so.total_num_scheduled_tokens + 2)
+    assert pack_step(bad, BS, prev_rows, Q, 64).shape.num_tokens == bad.total_num_scheduled_tokens
+    cap = max(s.num_computed_tokens for s in sched) + Q - 1
+    assert pack_step(so, BS, prev_rows, Q, cap).shape == plain.shape
+    ones = [ScheduledRequest(s.request, 1, s.num_computed_tokens, s.block_ids, True, s.placeholder_input, 0)
+            for s in sched]
+    one_so = SchedulerOutput(ones, R)
+    assert pack_step(one_so, BS, prev_rows, Q, 64).shape.num_tokens == R
