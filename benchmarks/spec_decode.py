@@ -106,52 +106,80 @@ def _llm(model: str, args, spec: dict | None = None, **kw):
                max_model_len=args.max_model_len, enable_prefix_caching=False, **kw)
 
 
-def _batch1(llm, prompts: list[str], max_tokens: int) -> dict:
-    """Each prompt alone (batch 1): mean TPOT (ms), tokens, and the engine's draft counters."""
-    from pyengine import SamplingParams
+def _kv_bytes(args, n_tokens: int) -> dict:
+    """Engines that share one GPU at once need a KV size each (the memory profile would
+    give the first most of the GPU): room for ``n_tokens`` tokens of the 8-layer built-in
+    shape, four times over (the draft model's KV and a larger target)."""
+    if args.device != "cuda":
+        return {}
+    return {"kv_cache_memory_bytes": max(1 << 30, 4 * n_tokens * 8 * 2 * 2 * 64 * 2 * 4)}
 
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up
-    before = llm.llm_engine.get_stats()
-    tpots, toks, outs = [], 0, []
-    for p in prompts:
-        o = llm.generate([p], sp, use_tqdm=False)[0]
-        c, m = o.outputs[0], o.metrics
-        outs.append(c.token_ids)
-        toks += len(c.token_ids)
-        if len(c.token_ids) > 1:
-            tpots.append((m.last_token_time - m.first_token_time) / (len(c.token_ids) - 1) * 1e3)
-    after = llm.llm_engine.get_stats()
-    drafts = after.spec_num_drafts - before.spec_num_drafts
-    acc = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-    dt = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-    return {"tpot_ms": statistics.mean(tpots) if tpots else 0.0, "output_tokens": toks, "requests": len(prompts),
-            "drafts": drafts, "draft_tokens": dt, "accepted_tokens": acc,
+
+def _batch1_one(llm, prompt: str, sp) -> tuple[float | None, list[int]]:
+    """One prompt alone (batch 1): (TPOT ms or None for one token, its tokens)."""
+    o = llm.generate([prompt], sp, use_tqdm=False)[0]
+    c, m = o.outputs[0], o.metrics
+    n = len(c.token_ids)
+    return ((m.last_token_time - m.first_token_time) / (n - 1) * 1e3 if n > 1 else None), list(c.token_ids)
+
+
+def _counters(llm) -> tuple[int, int, int]:
+    st = llm.llm_engine.get_stats()
+    return st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens
+
+
+def _round_stats(tpots: list[float], toks: list[list[int]], before, after) -> dict:
+    drafts, dt, acc = (b - a for a, b in zip(before, after))
+    return {"tpot_ms": statistics.mean(tpots) if tpots else 0.0, "output_tokens": sum(len(t) for t in toks),
+            "requests": len(toks), "drafts": drafts, "draft_tokens": dt, "accepted_tokens": acc,
             "mean_acceptance_length": 1 + acc / drafts if drafts else None,
-            "draft_acceptance_rate": acc / dt if dt else None, "_tokens": outs}
+            "draft_acceptance_rate": acc / dt if dt else None, "_tokens": toks}
 
 
 def _on_off(model: str, args, spec: dict, prompts: list[str], more: dict[str, dict] | None = None) -> dict:
-    """off, on (and each of ``more``'s speculative configs), then all of them again,
-    ``--rounds`` times (a cold first engine, or kernels compiled inside one mode's first
-    run, must not flatter either side): each mode's fastest run counts (``speedup``);
-    ``speedup_median`` is the median over rounds of that round's off / on (runs minutes
-    apart on a host whose speed drifts compare badly); every run's TPOT is kept in
-    ``tpot_runs_ms``; ``sweep`` has ``more``'s modes with their speedups over the same off
-    figure.
-    ``divergence`` lists each prompt whose greedy tokens differ from the first off run's
+    """Batch-1 TPOT of speculation off, on (and each of ``more``'s speculative configs):
+    every mode's engine is built first and kept, then ``--rounds`` rounds each run every
+    prompt on every mode in turn (the order rotating per prompt), so that the modes'
+    runs of a round are interleaved prompt by prompt: the host's speed drifts by tens of
+    percent over seconds on the H200 machines (12-03: the plain engine at 0.33 and 0.53
+    ms/token on the same code minutes apart), which engines built and run one after
+    another compared badly. A warm-up pass over every prompt on every engine comes first
+    (kernels compiled there, not inside a timed run). Per mode: its best round
+    (``tpot_ms``) and every round's (``tpot_runs_ms``); ``speedup`` = best off / best on;
+    ``speedup_median``: the median over rounds of that round's off / on; ``sweep`` has
+    ``more``'s modes with their speedups over the same off figures.
+    ``divergence`` lists each prompt whose greedy tokens differ from the first off round's
     (the run, index, first differing position, both tokens) and ``margins`` the off
     engine's top logprobs at those positions (a bf16 near-tie there is numerics of the
     verify batch shape; a wide gap is a bug)."""
+    from pyengine import SamplingParams
+
     modes = {"off": None, "on": spec, **(more or {})}
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len)
+    engines = {name: _llm(model, args, s, **_kv_bytes(args, 4 * args.max_model_len)) for name, s in modes.items()}
     runs: dict[str, list[dict]] = {name: [] for name in modes}
-    for _ in range(args.rounds):
-        for name, s in modes.items():
-            llm = _llm(model, args, s)
-            runs[name].append(_batch1(llm, prompts, args.output_len))
+    try:
+        for llm in engines.values():
+            for p in prompts:
+                llm.generate([p], sp, use_tqdm=False)
+        names = list(modes)
+        for _ in range(args.rounds):
+            tp = {n: [] for n in names}
+            tk = {n: [] for n in names}
+            before = {n: _counters(engines[n]) for n in names}
+            for i, p in enumerate(prompts):
+                for n in names[i % len(names):] + names[:i % len(names)]:
+                    t, toks = _batch1_one(engines[n], p, sp)
+                    if t is not None:
+                        tp[n].append(t)
+                    tk[n].append(toks)
+            for n in names:
+                runs[n].append(_round_stats(tp[n], tk[n], before[n], _counters(engines[n])))
+    finally:
+        for llm in engines.values():
             common.shutdown_llm(llm)
-            del llm
-            common.free_cuda()
+        engines.clear()
+        common.free_cuda()
     ref = runs["off"][0]["_tokens"]
     divergence = []
     for name, rs in runs.items():
@@ -169,6 +197,7 @@ def _on_off(model: str, args, spec: dict, prompts: list[str], more: dict[str, di
         res[name] = dict(min(rs, key=lambda r: r["tpot_ms"]))
         res[name]["tpot_runs_ms"] = [r["tpot_ms"] for r in rs]
         res[name].pop("_tokens", None)
+
     def speedup(name: str) -> float | None:
         return res["off"]["tpot_ms"] / res[name]["tpot_ms"] if res[name]["tpot_ms"] else None
 
@@ -180,7 +209,7 @@ def _on_off(model: str, args, spec: dict, prompts: list[str], more: dict[str, di
                     "speedup_median": paired(name)} for name in more or {}}
     return {"spec_config": spec, "off": res["off"], "on": res["on"], "greedy_identical": not divergence,
             "divergence": divergence, "margins": margins, "speedup": speedup("on"),
-            "speedup_median": paired("on"), "sweep": sweep}
+            "speedup_median": paired("on"), "rounds": args.rounds, "sweep": sweep}
 
 
 def _margins(model: str, args, prompts: list[str], divergence: list[dict], top: int = 5) -> list[dict]:
@@ -286,9 +315,12 @@ def _prod(shape) -> int:
 
 def throughput(model: str, args, prompts: list[str]) -> dict:
     """Offline throughput at ``args.streams`` requests, speculation off vs ngram with the
-    ``disable_by_batch_size`` cutoff: engines built off, on, on, off (the first engine of a
-    process, and the machine's drift, weigh on both sides alike), ``args.repeats`` runs each;
-    each mode's best run counts and every run's tok/s is kept (``runs``)."""
+    ``disable_by_batch_size`` cutoff: both engines built first and kept, then
+    ``args.repeats`` pairs of runs, off then on and on then off in turn (a pair's two runs
+    seconds apart: the host's drift, tens of percent over a call, weighs on both alike).
+    ``ratio_on_off_paired``: the median over pairs of on / off (the figure the cutoff's
+    cost is judged by); ``ratio_on_off``: best on / best off; ``ratio_on_off_median``:
+    median on / median off; every run's tok/s is kept (``runs``)."""
     from pyengine import SamplingParams
 
     reqs = (prompts * (args.streams // max(len(prompts), 1) + 1))[:args.streams]
@@ -297,24 +329,32 @@ def throughput(model: str, args, prompts: list[str]) -> dict:
             "prompt_lookup_max": args.lookup_max, "disable_by_batch_size": args.cutoff}
     res: dict = {}
     runs: dict[str, list[float]] = {"off": [], "on": []}
-    for name in ("off", "on", "on", "off"):
-        llm = _llm(model, args, spec if name == "on" else None, max_num_seqs=max(args.streams, 1))
-        llm.generate(reqs[:8], sp, use_tqdm=False)
-        for _ in range(args.repeats):  # (one run is well under a second on the H200)
-            t0 = time.perf_counter()
-            outs = llm.generate(reqs, sp, use_tqdm=False)
-            dt = time.perf_counter() - t0
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            runs[name].append(n / dt)
-            if name not in res or n / dt > res[name]["tokens_per_s"]:
-                res[name] = {"output_tokens": n, "seconds": dt, "tokens_per_s": n / dt}
-        common.shutdown_llm(llm)
-        del llm
+    kv = _kv_bytes(args, args.streams * args.max_model_len)
+    engines = {name: _llm(model, args, spec if name == "on" else None, max_num_seqs=max(args.streams, 1), **kv)
+               for name in ("off", "on")}
+    try:
+        for llm in engines.values():
+            llm.generate(reqs, sp, use_tqdm=False)  # warm-up: every batch shape of the run
+        for r in range(args.repeats):
+            for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                t0 = time.perf_counter()
+                outs = engines[name].generate(reqs, sp, use_tqdm=False)
+                dt = time.perf_counter() - t0
+                n = sum(len(o.outputs[0].token_ids) for o in outs)
+                runs[name].append(n / dt)
+                if name not in res or n / dt > res[name]["tokens_per_s"]:
+                    res[name] = {"output_tokens": n, "seconds": dt, "tokens_per_s": n / dt}
+    finally:
+        for llm in engines.values():
+            common.shutdown_llm(llm)
+        engines.clear()
         common.free_cuda()
     res["runs"] = runs
     res["spec_config"] = spec
     res["ratio_on_off"] = res["on"]["tokens_per_s"] / res["off"]["tokens_per_s"]
     res["ratio_on_off_median"] = statistics.median(runs["on"]) / statistics.median(runs["off"])
+    res["ratio_on_off_paired"] = statistics.median(a / b for a, b in zip(runs["on"], runs["off"]))
+    res["pair_ratios"] = [a / b for a, b in zip(runs["on"], runs["off"])]
     return res
 
 
@@ -838,7 +878,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--draft-k-sweep", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
                    help="more draft-model k values, run in the same pass against the same plain figure")
     p.add_argument("--rounds", type=int, default=3,
-                   help="ngram / draft parts: rounds of every mode's run, each on a fresh engine")
+                   help="ngram / draft parts: rounds over the prompts, the modes' engines kept and interleaved")
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--lookup-max", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=16)
@@ -846,7 +886,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--cutoff", type=int, default=32, help="disable_by_batch_size of the throughput part")
-    p.add_argument("--repeats", type=int, default=3, help="throughput runs per engine (the best counts)")
+    p.add_argument("--repeats", type=int, default=8,
+                   help="throughput part: pairs of runs, off and on, on the two engines kept alive")
     p.add_argument("--host-clock", choices=sorted(HOST_CLOCKS), default="wall",
                    help="the host part's clock: wall time, or the engine thread's CPU time")
     p.add_argument("--host-real", action="store_true", help="host part: also with the real model (on CUDA always)")

@@ -137,14 +137,14 @@ step 200 gpu_spec python3 -m pytest -q -m gpu tests/spec_decode -p no:cacheprovi
 # ngram on/off with the diverging prompts' logprob margins (~60 s)
 step 150 spec_diag bash -c "$PROF_TAR" _ "$OUT/spec_profile_traces.tar" spec python3 benchmarks/spec_decode.py --parts profile,ngram --trace-dir /tmp/vengine_prof/spec --json "$OUT/spec_diag.json"
 step 150 spec_diag_draft bash -c "$PROF_TAR" _ "$OUT/spec_draft_profile_traces.tar" specd python3 benchmarks/spec_decode.py --parts profile --profile-method draft_model --trace-dir /tmp/vengine_prof/specd --json "$OUT/spec_diag_draft.json"
-step 300 spec_bench python3 benchmarks/spec_decode.py --parts ngram,throughput --k-sweep 10,12 --repeats 5 --json "$OUT/spec_decode.json"
+step 300 spec_bench python3 benchmarks/spec_decode.py --parts ngram,throughput --k-sweep 10,12 --rounds 5 --repeats 12 --json "$OUT/spec_decode.json"
 # where a batch-1 step's time goes (plain async / sync decode vs ngram verify and draftless steps), with a
 # teacher-forced stub for the model (host time only) and with the real model (the difference: the device's share)
 step 300 spec_host python3 benchmarks/spec_decode.py --parts host --host-repeats 2 --host-profile "$OUT/spec_host" --json "$OUT/spec_host.json"
 # the 16-layer 54.5M target (0.77x, then 0.86x with the device drafts and the short-query attention, 2026-12-03); the
 # deep one: 48 layers, 81M parameters, six times the draft's depth as a 70B target is of a 1B draft (both are
 # launch-bound at batch 1, so depth, not width, sets what a forward costs; 1.03x but AL 2.98 after 4.5 min of training)
-step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 3.5 --draft-k-sweep 3 --rounds 2 --json "$OUT/spec_decode_draft.json"
+step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 3.5 --draft-k-sweep 3 --rounds 4 --json "$OUT/spec_decode_draft.json"
 step 560 spec_bench_draft_deep python3 benchmarks/spec_decode.py --parts draft --train-minutes 4.5 --target-layers 48 --target-hidden 384 --target-intermediate 1024 --draft-k-sweep 6 --rounds 2 --json "$OUT/spec_decode_draft_deep.json"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"

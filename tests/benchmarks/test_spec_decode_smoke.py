@@ -32,6 +32,7 @@ def test_smoke(tmp_path):
     assert res["draft"]["on"]["drafts"] > 0  # (a random model's output rarely repeats its prompt: no ngram check)
     assert res["draft"]["target_params"] > res["draft"]["draft_params"] > 0
     assert res["throughput"]["on"]["output_tokens"] == res["throughput"]["off"]["output_tokens"] == 10
+    assert res["throughput"]["ratio_on_off_paired"] > 0 and len(res["throughput"]["pair_ratios"]) == 1
     assert json.loads(out.read_text())["benchmark"] == "spec_decode"
 
 
