@@ -395,7 +395,7 @@ class ModelRunner:
         if prof is not None:
             prof.phase("pack")
         pad = self.verify_pad_q if so.speculative else 0
-        step = pack_step(so, self.block_size, self._prev_rows, pad, self.max_blocks_per_req * self.block_size)
+        step = pack_step(so, self.block_size, self._prev_rows, pad, self.config.max_model_len)
         if self._sender is not None:
             if prof is not None:
                 prof.phase("send")

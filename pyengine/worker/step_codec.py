@@ -152,8 +152,8 @@ def pack_step(so: SchedulerOutput, block_size: int, prev_rows: dict[str, int], p
     drafts: the end of its max_tokens, an n-gram that found fewer). A padding row feeds
     token 0 at the request's last position into slot -1 (written nowhere); the request's
     sequence length counts its padding rows (causal attention keeps the real rows from
-    them), which must stay within ``pad_cap`` positions (the block table's width); the
-    sampled rows are the real ones."""
+    them), which must stay within ``pad_cap`` positions (max_model_len: no kernel sees a
+    longer sequence than the engine's); the sampled rows are the real ones."""
     if pad_query_to > 1 and _paddable(so, pad_query_to, pad_cap):
         return _pack_small(so, block_size, prev_rows, pad_query_to)
     if so.total_num_scheduled_tokens <= SMALL_STEP_TOKENS:

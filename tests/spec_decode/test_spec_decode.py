@@ -182,6 +182,45 @@ def test_verification_padded_to_the_graph_query_length(method, sched, llama_dir,
     llm.shutdown()
 
 
+@pytest.mark.parametrize("method,sched", [("ngram", "sync"), ("draft_self", "async"), ("draft_model", "async")])
+def test_padded_verification_and_chain_at_max_model_len(method, sched, llama_dir, draft_dir, eagle_dir, prompts):
+    """Requests that run into max_model_len (their room for drafts shrinking to 0) with the
+    padding forced and (draft models) the chain: the target's tokens, up to the same end;
+    the chain's positions past max_model_len are clamped, nothing written there."""
+    max_len = max(len(p) for p in prompts) + 6
+    sp = [_greedy(max_tokens=max_len - len(p)) for p in prompts]  # (each prompt's whole room: vLLM refuses more)
+    off = _llm(llama_dir, None, sched, max_model_len=max_len)
+    want = _tokens(off.generate(prompts, sp, use_tqdm=False))
+    off.shutdown()
+    k = 5  # (past K: a chain's depths reach past max_model_len - 1 before its room ends)
+    spec = {**_spec(method, draft_dir, eagle_dir, llama_dir), "num_speculative_tokens": k}
+    llm = _llm(llama_dir, spec, sched, max_model_len=max_len)
+    runner = llm.llm_engine.engine_core.model_runner
+    runner.verify_pad_q = k + 1
+    seen: list[int] = []
+    if method != "ngram":
+        runner.drafter.enable_draft_chain()
+        chain = runner.drafter._chain
+        model = chain.model
+
+        class Recording:  # the positions the chain's forwards feed (RoPE's table ends at max_model_len)
+            def __call__(self, ids, pos, meta):
+                seen.append(int(pos.max()))
+                return model(ids, pos, meta)
+
+            def compute_greedy(self, h):
+                return model.compute_greedy(h)
+        chain.model = Recording()
+    # one request at a time (the chain takes a step only when every request in it drafts)
+    got = [_tokens(llm.generate([p], s, use_tqdm=False))[0] for p, s in zip(prompts, sp)]
+    assert got == want
+    assert all(len(p) + len(t[0]) == max_len for p, t in zip(prompts, want))
+    if method != "ngram":
+        assert seen and max(seen) == max_len - 1
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
 def test_logprobs_and_n_with_device_drafts(llama_dir, draft_dir, off, prompts):
     """n > 1 with logprobs (random rows: their verification takes the drafts from the host
     copy) next to greedy rows (device drafts), async scheduling with the draft chain."""
