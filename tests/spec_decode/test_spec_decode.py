@@ -140,8 +140,7 @@ def test_greedy_on_equals_off_with_device_drafts(method, mode, llama_dir, draft_
     llm.shutdown()
 
 
-@pytest.mark.parametrize("method,sched", [("ngram", "sync"), ("ngram", "async"), ("draft_model", "sync"),
-                                          ("draft_self", "async"), ("draft_model", "async")])
+@pytest.mark.parametrize("method,sched", [("ngram", "async"), ("draft_model", "sync"), ("draft_self", "async")])
 def test_verification_padded_to_the_graph_query_length(method, sched, llama_dir, draft_dir, eagle_dir, prompts,
                                                         reference):
     """A speculative step whose requests carry fewer than k drafts (the end of max_tokens,
@@ -182,7 +181,7 @@ def test_verification_padded_to_the_graph_query_length(method, sched, llama_dir,
     llm.shutdown()
 
 
-@pytest.mark.parametrize("method,sched", [("ngram", "sync"), ("draft_self", "async"), ("draft_model", "async")])
+@pytest.mark.parametrize("method,sched", [("ngram", "sync"), ("draft_model", "async")])
 def test_padded_verification_and_chain_at_max_model_len(method, sched, llama_dir, draft_dir, eagle_dir, prompts):
     """Requests that run into max_model_len (their room for drafts shrinking to 0) with the
     padding forced and (draft models) the chain: the target's tokens, up to the same end;
