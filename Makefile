@@ -36,8 +36,9 @@ PYTEST_WORKERS ?= 2
 # triton's CPU interpreter, so kernel/runner integration is checked without a GPU.
 test: setup
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/ops tests/attention tests/layers/fused_moe
-	TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -p no:cacheprovider \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider \
+		tests/ops tests/attention tests/layers/fused_moe
+	TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider \
 		tests/test_llm_triton_interpret.py tests/models/test_moe_triton_interpret.py tests/quantization/test_kernel_path.py \
 		tests/spec_decode/test_draft_chain.py::test_chain_on_the_triton_kernels
 
