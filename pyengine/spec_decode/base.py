@@ -131,9 +131,8 @@ class DraftRow(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             start, stop, step = i.indices(self.n)
-            if start == 0 and step == 1:
+            if start == 0 and step == 1:  # a prefix stays on the device
                 return self if stop == self.n else DraftRow(self.drafts, self.row, stop)
-            return self.drafts.host()[self.row][:self.n][i]
         return self.drafts.host()[self.row][:self.n][i]
 
     def __iter__(self):
