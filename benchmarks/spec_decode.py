@@ -136,7 +136,8 @@ def _round_stats(tpots: list[float], toks: list[list[int]], before, after) -> di
             "draft_acceptance_rate": acc / dt if dt else None, "_tokens": toks}
 
 
-def _on_off(model: str, args, spec: dict, prompts: list[str], more: dict[str, dict] | None = None) -> dict:
+def _on_off(model: str, args, spec: dict, prompts: list[str], more: dict[str, dict] | None = None,
+            late: tuple[str, ...] = ()) -> dict:
     """Batch-1 TPOT of speculation off, on (and each of ``more``'s speculative configs):
     every mode's engine is built first and kept, then ``--rounds`` rounds each run every
     prompt on every mode in turn (the order rotating per prompt), so that the modes'
@@ -151,12 +152,16 @@ def _on_off(model: str, args, spec: dict, prompts: list[str], more: dict[str, di
     ``divergence`` lists each prompt whose greedy tokens differ from the first off round's
     (the run, index, first differing position, both tokens) and ``margins`` the off
     engine's top logprobs at those positions (a bf16 near-tie there is numerics of the
-    verify batch shape; a wide gap is a bug)."""
+    verify batch shape; a wide gap is a bug). ``late``: modes whose draft model launches
+    its chain only after the verification's result is on the host (``early_chain`` off:
+    the code before 2026-12-04)."""
     from pyengine import SamplingParams
 
     modes = {"off": None, "on": spec, **(more or {})}
     sp = SamplingParams(temperature=0, max_tokens=args.output_len)
     engines = {name: _llm(model, args, s, **_kv_bytes(args, 4 * args.max_model_len)) for name, s in modes.items()}
+    for name in late:
+        engines[name].llm_engine.engine_core.model_runner.drafter.early_chain = False
     runs: dict[str, list[dict]] = {name: [] for name in modes}
     try:
         for llm in engines.values():
@@ -875,6 +880,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--k-sweep", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
                    help="ngram part: more num_speculative_tokens values, comma-separated, measured in the same run")
     p.add_argument("--draft-k", type=int, default=4, help="num_speculative_tokens (draft model)")
+    p.add_argument("--late-chain", action="store_true",
+                   help="draft part: also the draft-k engine with its chain launched only after the "
+                        "verification's result is on the host (on_late)")
     p.add_argument("--draft-k-sweep", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
                    help="more draft-model k values, run in the same pass against the same plain figure")
     p.add_argument("--rounds", type=int, default=3,
@@ -929,7 +937,11 @@ def main(argv: list[str] | None = None) -> dict:
         target = args.target or train_target(args)
         spec = {"method": "draft_model", "model": model, "num_speculative_tokens": args.draft_k}
         more = {f"on_k{k}": {**spec, "num_speculative_tokens": k} for k in args.draft_k_sweep if k != args.draft_k}
-        fields["draft"] = _on_off(target, args, spec, prompts, more)
+        late = ()
+        if args.late_chain:
+            more["on_late"] = spec
+            late = ("on_late",)
+        fields["draft"] = _on_off(target, args, spec, prompts, more, late)
         fields["draft"]["target_params"] = _params(target)
         fields["draft"]["draft_params"] = _params(model)
         print("draft:", {k: v for k, v in fields["draft"].items() if k != "spec_config"}, flush=True)

@@ -145,7 +145,7 @@ step 300 spec_host python3 benchmarks/spec_decode.py --parts host --host-repeats
 # deep one: 48 layers, 81M parameters, six times the draft's depth as a 70B target is of a 1B draft (both are
 # launch-bound at batch 1, so depth, not width, sets what a forward costs; 1.03x but AL 2.98 after 4.5 min of training)
 step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 3.5 --draft-k-sweep 3 --rounds 4 --json "$OUT/spec_decode_draft.json"
-step 560 spec_bench_draft_deep python3 benchmarks/spec_decode.py --parts draft --train-minutes 4.5 --target-layers 48 --target-hidden 384 --target-intermediate 1024 --draft-k-sweep 6 --rounds 2 --json "$OUT/spec_decode_draft_deep.json"
+step 560 spec_bench_draft_deep python3 benchmarks/spec_decode.py --parts draft --train-minutes 4.5 --target-layers 48 --target-hidden 384 --target-intermediate 1024 --draft-k-sweep 5,6,8 --late-chain --rounds 3 --json "$OUT/spec_decode_draft_deep.json"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"

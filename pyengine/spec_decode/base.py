@@ -183,6 +183,14 @@ class Proposer:
         returns seconds (0: none)."""
         return 0.0
 
+    def propose_early(self, so, sampled: Sequence, starts: Sequence[int], input_ids: torch.Tensor,
+                      candidate: torch.Tensor, accepted: torch.Tensor | None) -> bool:
+        """Async scheduling: start this verified step's proposal on the device before its
+        result reaches the host (``sampled[i]``'s logits rows start at ``starts[i]``; the
+        tensors as ``DraftChain.run_verified`` takes them). ``propose`` then uses it where
+        the result agrees. Returns whether anything was launched (default: never)."""
+        return False
+
     def propose(self, so, sampled: Sequence, generated: Sequence[Sequence[int]],
                 hidden: torch.Tensor | None) -> list[list[int]]:
         """Drafts per sampled row (``sampled[i]``, a ``ScheduledRequest``, got the tokens

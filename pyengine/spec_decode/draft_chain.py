@@ -15,7 +15,14 @@ gives the first draft, then ``k - 1`` one-token forwards at the following positi
 fed the previous depth's tokens, their slots and sequence lengths computed on the device
 from the block table. Between the host and the device per step: two copies in, one replay
 (CUDA; eager elsewhere), the [n, k] drafts out. Everything else takes the depth-by-depth
-path (``DraftModelProposer._run``)."""
+path (``DraftModelProposer._run``).
+
+``run_verified`` launches the same chain straight after a verification, before its result
+reaches the host (async scheduling): the first forward's tokens (the verified step's first
+token, then its candidates up to the first rejected row) and its length come from the
+verification's device tensors, so the device goes from the verification to the chain
+without waiting for the host (the role of the GPU-side ``prepare_inputs`` of vLLM's EAGLE
+proposer, vllm/v1/spec_decode/eagle.py)."""
 from __future__ import annotations
 
 import logging
@@ -48,7 +55,10 @@ class DraftChain:
         B = self.sizes[-1]
         # one int64 and one int32 buffer, each a host staging copy (pinned on CUDA) and its
         # device twin, so a step's inputs cross in two copies; the fields are views of both
-        self._i64_fields = {"ids": B * Q, "pos": B * Q, "slots": B * Q, "last": B, "plast": B, "cap": B}
+        self._i64_fields = {"ids": B * Q, "pos": B * Q, "slots": B * Q, "last": B, "plast": B, "cap": B,
+                            # run_verified's staging: the device computes ids .. plast from them
+                            "start": B, "slot_all": B * Q, "gidx": B * Q, "aidx": B * k, "didx": B * k,
+                            "amask": B * k}
         self._i32_fields = {"seq0": B, "bt": B * max_blocks_per_req}
         pin = self.device.type == "cuda"
         self._h64 = torch.zeros(sum(self._i64_fields.values()), dtype=torch.int64, pin_memory=pin)
@@ -63,6 +73,9 @@ class DraftChain:
         self._qsl1 = torch.arange(B + 1, dtype=torch.int32, device=self.device)
         self._qsl_host = {Q: torch.arange(B + 1, dtype=torch.int32) * Q, 1: torch.arange(B + 1, dtype=torch.int32)}
         self._seq_host = torch.full((B,), Q, dtype=torch.int32)
+        self._ar_q = torch.arange(Q, dtype=torch.int64, device=self.device)
+        self._row_q = torch.arange(B, dtype=torch.int64, device=self.device) * Q
+        self._staged = None  # CUDA event after the last staging copy (the host buffer is free after it)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -90,6 +103,7 @@ class DraftChain:
         """The staging rows of ``plan``'s requests and of ``bs - n`` padding requests
         (numpy views of the staging buffers: on the step's critical path, between the
         verification's result and the replay)."""
+        self._wait_staged()
         h, Q, W, blk = self._np, self.Q, self.W, self.block_size
         n = len(plan.seqs)
         ids, pos, slots = h["ids"][:bs * Q].reshape(bs, Q), h["pos"][:bs * Q].reshape(bs, Q), h["slots"][:bs * Q]
@@ -186,10 +200,107 @@ class DraftChain:
         n = len(plan.seqs)
         bs = self._size(n) if self.graphs else n
         self._fill(plan, bs)
-        if self._d64 is not self._h64:
-            self._d64.copy_(self._h64, non_blocking=True)
-            self._d32.copy_(self._h32, non_blocking=True)
+        self._copy_staged()
+        return self._replay(n, bs)
+
+    def _replay(self, n: int, bs: int) -> torch.Tensor:
         if self.graphs:
             self.graphs[bs].replay()
             return self.outputs[bs][:n]
         return self._body(bs)
+
+    def _wait_staged(self) -> None:
+        """Before the host staging buffers are refilled: the last copy out of them is done."""
+        if self._staged is not None:
+            self._staged.synchronize()
+            self._staged = None
+
+    def _copy_staged(self) -> None:
+        if self._d64 is not self._h64:
+            self._d64.copy_(self._h64, non_blocking=True)
+            self._d32.copy_(self._h32, non_blocking=True)
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+
+    def fits_verified(self, reqs) -> bool:
+        """Whether ``run_verified`` takes ``reqs``: (start position, first logits row, drafts
+        fed, block ids) per request of the verification; at most the largest size of
+        requests, and each request's padded first forward and block list inside the table."""
+        if not reqs or len(reqs) > self.sizes[-1]:
+            return False
+        cap = self.W * self.block_size
+        return all(0 <= k <= self.k and len(b) <= self.W and s + self.Q <= cap for s, _, k, b in reqs)
+
+    def run_verified(self, reqs, input_ids: torch.Tensor, candidate: torch.Tensor,
+                     accepted: torch.Tensor | None) -> torch.Tensor:
+        """The chain after a verification, launched before its result is on the host; for
+        ``reqs`` that ``fits_verified``. Request r (start ``P``, logits rows ``st .. st +
+        k_r``) gets the first forward ``[input_ids[st], candidate[st .. st + a]]`` at
+        positions ``P ..``, where ``a`` (0..k_r) is the number of leading accepted drafts:
+        what ``DraftModelProposer.propose`` gives it once the result is on the host.
+
+        Args:
+            input_ids: int64 [N] (device), the verification's input token per logits row
+                (a request's newest token, then its drafts).
+            candidate: int64 [N] (device), ``RejectionOutput.candidate``.
+            accepted: bool [N] (device), ``RejectionOutput.accepted``; None for greedy
+                rows verified without their drafts (a row accepts when its candidate is
+                the next row's input token).
+        Returns the drafts int64 [n, k] on the device (request by request)."""
+        n = len(reqs)
+        bs = self._size(n) if self.graphs else n
+        self._stage_verified(reqs, bs, int(input_ids.shape[0]))
+        self._copy_staged()
+        self._derive_verified(n, input_ids, candidate, accepted)
+        return self._replay(n, bs)
+
+    def _stage_verified(self, reqs, bs: int, N: int) -> None:
+        """Host staging of ``run_verified``: block tables, caps, sequence lengths, each
+        request's start, the slot of each of its ``Q`` positions and the gather indices the
+        device derives its first forward from; the padding requests' rows as in ``_fill``."""
+        self._wait_staged()
+        h, Q, K, W, blk = self._np, self.Q, self.k, self.W, self.block_size
+        n = len(reqs)
+        bt = h["bt"][:bs * W].reshape(bs, W)
+        bt[:] = 0
+        slot_all, gidx = h["slot_all"][:n * Q].reshape(n, Q), h["gidx"][:n * Q].reshape(n, Q)
+        aidx, didx, amask = (h[f][:n * K].reshape(n, K) for f in ("aidx", "didx", "amask"))
+        ar, arK = self._arange, self._arange[:K]
+        for r, (start, st, k, blocks) in enumerate(reqs):
+            nb = len(blocks)
+            bt[r, :nb] = blocks
+            p = ar + start  # (as _fill: a position past its blocks maps to the null block)
+            slot_all[r] = bt[r, p // blk].astype(np.int64) * blk + p % blk
+            gidx[r, 0] = st
+            gidx[r, 1:] = np.where(ar[:Q - 1] <= k, N + st + ar[:Q - 1], 0)
+            j = np.minimum(arK, k)  # (rows past its drafts: masked out)
+            aidx[r] = st + j
+            didx[r] = st + np.minimum(j + 1, k)
+            amask[r] = arK < k
+            h["start"][r], h["cap"][r], h["seq0"][r] = start, nb * blk, start + Q
+        if bs > n:  # padding requests: read the null block, write nothing
+            h["ids"][n * Q:bs * Q] = 0
+            h["slots"][n * Q:bs * Q] = -1
+            h["pos"][n * Q:bs * Q] = Q - 1
+            h["last"][n:bs] = np.arange(n, bs) * Q + Q - 1
+            h["plast"][n:bs] = Q - 1
+            h["cap"][n:bs] = 0
+            h["seq0"][n:bs] = Q
+
+    def _derive_verified(self, n: int, input_ids, candidate, accepted) -> None:
+        """Device part of ``run_verified``: the first ``n`` requests' ids, positions, slots,
+        last rows and last positions from the verification's tensors (no host read)."""
+        d, Q, K = self._dev, self.Q, self.k
+        src = torch.cat((input_ids, candidate))
+        ok = (candidate[d["aidx"][:n * K]] == input_ids[d["didx"][:n * K]] if accepted is None
+              else accepted[d["aidx"][:n * K]])
+        ok = (ok & d["amask"][:n * K].bool()).view(n, K)
+        a1 = ok.to(torch.int64).cumprod(1).sum(1) + 1  # the last real row: 1 + accepted drafts
+        start = d["start"][:n]
+        ar = self._ar_q
+        real = ar.unsqueeze(0) <= a1.unsqueeze(1)
+        d["ids"][:n * Q].copy_(torch.where(real, src[d["gidx"][:n * Q]].view(n, Q), 0).view(-1))
+        d["pos"][:n * Q].copy_((start.unsqueeze(1) + torch.minimum(ar, a1.unsqueeze(1))).view(-1))
+        d["slots"][:n * Q].copy_(torch.where(real, d["slot_all"][:n * Q].view(n, Q), -1).view(-1))
+        d["last"][:n].copy_(self._row_q[:n] + a1)
+        d["plast"][:n].copy_(start + a1)

@@ -9,7 +9,10 @@ yet written (``_valid``: how many leading positions of the request hold valid dr
 this step's accepted tokens and its new token, and those of steps without speculation
 it missed), whose last row gives the first draft;
 then ``k - 1`` one-token forwards, each feeding the previous draft. A rejected draft's
-KV is overwritten when a real token takes its position. On CUDA with one rank (unless ``VENGINE_DRAFT_CHAIN=0``), a step
+KV is overwritten when a real token takes its position. Under async scheduling a step that
+the chain takes is launched on the device right after its verification
+(``propose_early``), before the result is on the host; ``propose`` keeps those drafts when
+the result gives the first forward that was assumed. On CUDA with one rank (unless ``VENGINE_DRAFT_CHAIN=0``), a step
 where every request drafts all ``k`` after a short first forward (the steady state of
 batch-1 and small-batch decoding) replays one CUDA graph of all those forwards
 (``DraftChain``); the rest runs forward by forward (the one-token ones as graphs).
@@ -55,6 +58,9 @@ class DraftModelProposer(Proposer):
         self._chain = None  # DraftChain: a step's whole proposal in one replay (one rank, CUDA)
         self._chain_out: torch.Tensor | None = None  # the last _run's drafts [n, k] when the chain ran
         self._tp_world = runner.tp.world_size if runner.tp is not None else 1
+        self.early_chain = True  # propose_early launches the chain (off: only after the result)
+        self.early_chain_steps = 0  # steps whose drafts came from an early launch
+        self._early = None  # (the verified step, each request's start, its DeviceDrafts)
 
     def capture_cuda_graphs(self, capture_error_mode: str) -> float:
         from pyengine.core.kv_cache_manager import cdiv
@@ -118,7 +124,40 @@ class DraftModelProposer(Proposer):
         return min(hit, n * blk)
 
     @torch.inference_mode()
+    def propose_early(self, so, sampled, starts, input_ids, candidate, accepted) -> bool:
+        """The chain of every request of ``so`` (all sampled), launched before the result:
+        each request's draft KV must be valid up to its verified step's start (the steady
+        state, where its first forward is that step's first token and its emitted ones)."""
+        self._early = None
+        chain = self._chain
+        if chain is None or not self.device_drafts or not self.early_chain or len(sampled) != len(so.scheduled):
+            return False
+        reqs = []
+        for s, st in zip(sampled, starts):
+            epoch, v, _ = self._valid.get(s.request.request_id, (-1, 0, 0))
+            if epoch != s.epoch or v < s.num_computed_tokens:
+                return False
+            reqs.append((s.num_computed_tokens, st, len(s.spec_token_ids), s.block_ids))
+        if not chain.fits_verified(reqs):
+            return False
+        self._early = (so, [r[0] for r in reqs], DeviceDrafts(chain.run_verified(reqs, input_ids, candidate, accepted)))
+        return True
+
+    def _early_drafts(self, early, so, seqs, want, gen) -> DeviceDrafts | None:
+        """The early launch's drafts when it ran the first forwards ``seqs`` holds: the same
+        step and requests, each starting where assumed, its tokens the one before this step's
+        emitted ones and those."""
+        if early is None or early[0] is not so or len(seqs) != len(early[1]):
+            return None
+        for (start, toks, _), assumed, w in zip(seqs, early[1], want):
+            g = gen.get(id(w))
+            if g is None or start != assumed or len(toks) != len(g) + 1:
+                return None
+        return early[2]
+
+    @torch.inference_mode()
     def propose(self, so, sampled, generated, hidden) -> list[list[int]]:
+        early, self._early = self._early, None
         gen = {id(s): g for s, g in zip(sampled, generated)}
         seqs, want, active = [], [], []
         for s in so.scheduled:
@@ -154,6 +193,11 @@ class DraftModelProposer(Proposer):
             self._valid[r.request_id] = (s.epoch, end, max(m, hi))
         drafts: dict[int, list[int]] = {}
         if seqs:
+            dd = self._early_drafts(early, so, seqs, want, gen)
+            if dd is not None:
+                self.early_chain_steps += 1
+                row_of = {id(want[i]): (i, k) for i, k in active}
+                return [DraftRow(dd, *row_of[id(s)]) if id(s) in row_of else [] for s in sampled]
             plan = DraftPlan(seqs, active)
             if self.plan_sink is not None:
                 self.plan_sink(plan)

@@ -208,6 +208,7 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.drafter = None
         self._step_hidden: torch.Tensor | None = None  # the step's hidden states, for the proposer
+        self._step_inputs = None  # a speculative step's (input ids, sampled rows) for the proposer
         if self.spec_config is not None:
             from pyengine.spec_decode import make_proposer
             self.drafter = make_proposer(config, self)
@@ -524,9 +525,10 @@ class ModelRunner:
         hidden = self.forward(ids, pos, meta)
         if spec:
             self._step_hidden = hidden
+            self._step_inputs = (ids, rows_t)  # (for the proposer's early launch)
             if not sampled:  # a prefill chunk: the proposer still writes its own KV
                 self.drafter.propose(so, [], [], hidden)
-                self._step_hidden = None
+                self._step_hidden = self._step_inputs = None
         if not sampled:
             out = (ModelRunnerOutput([], None) if not non_blocking
                    else AsyncModelRunnerOutput(None, torch.empty(0, dtype=torch.int64), None, None))
@@ -659,7 +661,13 @@ class ModelRunner:
         ver = _SpecVerification(self, self._last_so, sampled, starts, draft_ids, greedy, dev, lp,
                                 sched, self._step_hidden, non_blocking and self._async_spec)
         self._step_hidden = None
+        inputs, self._step_inputs = self._step_inputs, None
         if self._async_spec:
+            if inputs is not None:
+                # the next proposal starts on the device now, the result's copy already queued
+                ids, rows_t = inputs
+                self.drafter.propose_early(self._last_so, sampled, starts, ids if rows_t is None else ids[rows_t],
+                                           out.candidate, out.accepted)
             self._spec_pending = ver
             return AsyncSpecRunnerOutput(self, ver) if non_blocking else AsyncSpecRunnerOutput(self, ver).get_output()
         res = ver.result()

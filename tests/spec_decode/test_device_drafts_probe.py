@@ -841,8 +841,10 @@ def test_chain_sizes_every_batch_size(draft, drafts, llama_dir, plain, tokenizer
     llm, counts = _chain_llm(llama_dir, drafts, draft)
     sizes = []
     chain = llm.llm_engine.engine_core.model_runner.drafter._chain
-    run = chain.run
+    run, run_verified = chain.run, chain.run_verified
     chain.run = lambda plan: sizes.append(len(plan.seqs)) or run(plan)
+    # (the chain launched straight after a verification, before its result is on the host)
+    chain.run_verified = lambda reqs, *a: sizes.append(len(reqs)) or run_verified(reqs, *a)
     try:
         for n in (1, 2, 3, 5, 8, 13, 17, 31, 32, 33):
             sp = _greedy(max_tokens=12, ignore_eos=True)

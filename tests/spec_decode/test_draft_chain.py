@@ -25,15 +25,16 @@ def prompts(tokenizer):
     return [base[0] * 3, base[1], base[2] + base[2]]
 
 
-def _run(llama_dir, draft_dir, prompts, chain: bool, max_tokens: int = 16, **kw):
+def _run(llama_dir, draft_dir, prompts, chain: bool, max_tokens: int = 16, early: bool = True, **kw):
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": K}
     llm = LLM(str(llama_dir), device="cpu", speculative_config=spec, **kw)
     drafter = llm.llm_engine.engine_core.model_runner.drafter
+    drafter.early_chain = early
     if chain:
         drafter.enable_draft_chain()
-    calls = {"chain": 0, "steps": 0}
+    calls = {"chain": 0, "steps": 0, "early": 0}
     drafts = []
-    run, chain_obj = drafter._run, drafter._chain
+    run, propose, chain_obj = drafter._run, drafter.propose, drafter._chain
     if chain_obj is not None:
         chain_run = chain_obj.run
 
@@ -42,19 +43,24 @@ def _run(llama_dir, draft_dir, prompts, chain: bool, max_tokens: int = 16, **kw)
             return chain_run(plan)
         chain_obj.run = counted
 
-    def recording(plan):
+    def counted_run(plan):
         calls["steps"] += 1
-        cols, rows = run(plan)
-        # each request's drafts it keeps (the chain drafts k for a request with less room)
-        kept: dict[int, list[int]] = {}
-        for c, r in zip(cols, rows):
-            for t, (i, k) in zip(c.tolist(), r):
-                if len(kept.setdefault(i, [])) < k:
-                    kept[i].append(t)
-        drafts.append(kept)
-        return cols, rows
-    drafter._run = recording
+        return run(plan)
+
+    def recording(so, sampled, generated, hidden):
+        early = drafter.early_chain_steps
+        out = propose(so, sampled, generated, hidden)
+        if drafter.early_chain_steps > early:  # (async: the chain launched after the verification)
+            calls["chain"] += 1
+            calls["steps"] += 1
+            calls["early"] += 1
+        if sampled:
+            drafts.append([list(d) for d in out])  # each request's drafts it keeps
+        return out
+    drafter._run, drafter.propose = counted_run, recording
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    st = llm.llm_engine.get_stats()
+    calls["accepted"], calls["drafted"] = st.spec_num_accepted_tokens, st.spec_num_draft_tokens
     llm.shutdown()
     return [o.outputs[0].token_ids for o in outs], drafts, calls
 
@@ -79,6 +85,20 @@ def test_greedy_with_the_chain_is_the_targets(llama_dir, draft_dir, prompts):
     off.shutdown()
     got, _, calls = _run(llama_dir, draft_dir, prompts, chain=True, async_scheduling=True)
     assert got == ref and calls["chain"] > 0
+
+
+@pytest.mark.parametrize("draft", ["other", "self"])
+def test_early_chain_drafts_equal_the_late_ones(llama_dir, draft_dir, prompts, draft):
+    """Async scheduling: the chain launched straight after each verification (before its
+    result reaches the host) drafts, step by step, what it drafts when launched after the
+    result; the target drafting for itself has every draft accepted (its draft KV right)."""
+    draft_dir = llama_dir if draft == "self" else draft_dir
+    toks_a, drafts_a, calls_a = _run(llama_dir, draft_dir, prompts, chain=True, early=False, async_scheduling=True)
+    toks_b, drafts_b, calls_b = _run(llama_dir, draft_dir, prompts, chain=True, async_scheduling=True)
+    assert toks_a == toks_b and drafts_a == drafts_b
+    assert calls_a["early"] == 0 < calls_b["early"]
+    if draft == "self":
+        assert calls_b["accepted"] == calls_b["drafted"] > 0
 
 
 def test_fits_requests_of_up_to_k_drafts(llama_dir, draft_dir):
@@ -134,12 +154,16 @@ def test_chain_graphs_on_cuda(llama_dir, draft_dir, prompts, sched, monkeypatch)
         assert chain is not None and set(chain.graphs) == set(chain.sizes)
         calls = []
         run = chain.run
+        run_verified = chain.run_verified
         chain.run = lambda plan: calls.append(len(plan.seqs)) or run(plan)
+        chain.run_verified = lambda reqs, *a: calls.append(len(reqs)) or run_verified(reqs, *a)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert got == ref
         assert calls and max(calls) == len(prompts)
         one = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], sp, use_tqdm=False)]
         assert one == ref[:1] and calls[-1] == 1
+        # async: the chain's graph launched straight after the verification, its inputs derived there
+        assert (llm.llm_engine.engine_core.model_runner.drafter.early_chain_steps > 0) == (sched == "async")
     finally:
         llm.shutdown()
 
@@ -241,6 +265,42 @@ def test_fill_stages_what_the_rule_says():
         want = _reference_fill(plan, bs, K + 2, W, blk)
         for name, values in want.items():
             assert c._host[name][:len(values)].tolist() == values, name
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_run_verified_stages_the_first_forward_the_result_gives(greedy):
+    """The chain launched after a verification (before its result is on the host) stages
+    what ``_fill`` stages for the plan the result gives: each request's first forward is
+    its verified step's first token, then its candidates through the first rejected row.
+    Greedy rows accept where the candidate is the next row's input; random rows where
+    ``accepted`` says."""
+    import torch
+
+    from pyengine.spec_decode.base import DraftPlan
+    from pyengine.spec_decode.draft_chain import DraftChain
+
+    W, blk = 4, 16
+    c = DraftChain(None, None, K, [1, 2, 4], W, 64, blk, "cpu")
+    # three requests: (start, drafts fed, block ids); logits rows 0-3, 4-5, 6-9
+    reqs = [(20, 0, K, [3, 9]), (33, 4, 1, [2, 6, 1]), (9, 6, K, [5])]
+    inp = torch.tensor([7, 11, 12, 13, 8, 21, 9, 31, 32, 33])  # the newest token, then the drafts
+    if greedy:  # request 0 accepts two drafts, request 1 its only one, request 2 none
+        cand = torch.tensor([11, 12, 40, 41, 21, 50, 60, 61, 62, 63])
+        acc = None
+        taken = [[7, 11, 12, 40], [8, 21, 50], [9, 60]]
+    else:  # accepted flags whatever the values: all of request 0, none of 1, the first of 2
+        cand = torch.tensor([11, 12, 13, 44, 55, 56, 31, 66, 67, 68])
+        acc = torch.tensor([True, True, True, False, False, False, True, False, True, False])
+        taken = [[7, 11, 12, 13, 44], [8, 55], [9, 31, 66]]
+    plan = DraftPlan([(p, t, b) for (p, _, _, b), t in zip(reqs, taken)], [(i, K) for i in range(3)])
+    for bs in (4, 3):
+        c._stage_verified(reqs, 4, len(inp))  # dirty every row first
+        c._derive_verified(3, inp, cand, acc)
+        c._stage_verified(reqs, bs, len(inp))
+        c._derive_verified(3, inp, cand, acc)
+        want = _reference_fill(plan, bs, K + 2, W, blk)
+        for name, values in want.items():
+            assert c._host[name][:len(values)].tolist() == values, (name, bs)
 
 
 def test_trusted_prefix_hit_is_the_leading_blocks_the_draft_wrote():

@@ -11,6 +11,7 @@ import pytest
 
 from pyengine import LLM, SamplingParams, StructuredOutputsParams
 from pyengine.spec_decode import TokenProposer
+from pyengine.spec_decode.base import DraftRow
 from tests.helpers import build_tiny_eagle3, build_tiny_model, prompt_token_ids
 
 MAX_TOKENS = 12
@@ -114,8 +115,6 @@ def test_greedy_on_equals_off_with_device_drafts(method, mode, llama_dir, draft_
     """Async scheduling with the draft chain (run eagerly here; CUDA graphs on a GPU): its
     drafts stay on the device (``DraftRow``) and the next step gathers them there, in
     every mode."""
-    from pyengine.spec_decode.base import DraftRow
-
     llm = _llm(llama_dir, _spec(method, draft_dir, eagle_dir, llama_dir), "async", **MODES[mode])
     drafter = llm.llm_engine.engine_core.model_runner.drafter
     drafter.enable_draft_chain()
@@ -163,13 +162,15 @@ def test_verification_padded_to_the_graph_query_length(method, sched, llama_dir,
     if method != "ngram" and sched == "async":
         drafter = runner.drafter
         drafter.enable_draft_chain()
-        run = drafter._chain.run
+        propose = drafter.propose
 
-        def chain_run(plan):
-            if any(k < K for _, k in plan.active):
-                short_chain.append(plan)
-            return run(plan)
-        drafter._chain.run = chain_run
+        def proposing(so, sampled, generated, hidden):
+            out = propose(so, sampled, generated, hidden)
+            # the chain's drafts (launched before or after the result) kept short by the room
+            if any(isinstance(d, DraftRow) and 0 < len(d) < K for d in out):
+                short_chain.append(out)
+            return out
+        drafter.propose = proposing
     got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
     assert got == reference
     assert padded and all(n % (K + 1) == 0 for n in padded)
