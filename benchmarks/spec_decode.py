@@ -278,15 +278,18 @@ def profile(model: str, args, prompts: list[str]) -> dict:
     return out
 
 
-def train_target(args) -> str:
+def train_target(args) -> tuple[str, list[str]]:
     """Train the draft pair's target with tools/train_default_model.py (the built-in
-    model's tokenizer) into ``--target-out``; returns its directory."""
+    model's tokenizer) into ``--target-out`` for ``--train-minutes`` (or ``--train-steps``);
+    returns its directory and the run's summary lines (steps, tokens, held-out perplexity)."""
     from pyengine.config import DEFAULT_MODEL_DIR
 
     out = args.target_out
     cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "train_default_model.py"),
            "--out", out, "--tokenizer", args.model or str(DEFAULT_MODEL_DIR), "--minutes", str(args.train_minutes),
            "--deadline-minutes", str(args.train_minutes + 1.5), "--n-headers", "4"]
+    if args.train_steps:
+        cmd += ["--steps", str(args.train_steps)]
     if args.tiny:
         cmd += ["--tiny"]
     else:
@@ -295,9 +298,18 @@ def train_target(args) -> str:
                 "--intermediate", str(args.target_intermediate), "--batch", "32"]
     t0 = time.time()
     print("training the target:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    summary = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            if any(key in line for key in ("training:", "trained ", "held-out perplexity", "done:")):
+                summary.append(line.strip())
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
     print(f"trained in {time.time() - t0:.0f} s", flush=True)
-    return out
+    return out, summary
 
 
 def _params(model_dir: str) -> int:
@@ -871,6 +883,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", default=None, help="the draft pair's target (default: trained here)")
     p.add_argument("--target-out", default="/tmp/spec_target", help="where the trained target goes")
     p.add_argument("--train-minutes", type=float, default=3.0)
+    p.add_argument("--train-steps", type=int, default=0, help="a fixed step count instead of --train-minutes")
     # At batch 1 on an H200 both models are launch-bound: a forward costs about its layer
     # count, whatever its width, so the target's depth sets the pair's cost ratio
     p.add_argument("--target-layers", type=int, default=16, help="the trained target's layers")
@@ -934,7 +947,7 @@ def main(argv: list[str] | None = None) -> dict:
         fields["ngram"] = _on_off(model, args, spec, prompts, more)
         print("ngram:", {k: v for k, v in fields["ngram"].items() if k != "spec_config"}, flush=True)
     if "draft" in parts:
-        target = args.target or train_target(args)
+        target, training = (args.target, []) if args.target else train_target(args)
         spec = {"method": "draft_model", "model": model, "num_speculative_tokens": args.draft_k}
         more = {f"on_k{k}": {**spec, "num_speculative_tokens": k} for k in args.draft_k_sweep if k != args.draft_k}
         late = ()
@@ -944,6 +957,7 @@ def main(argv: list[str] | None = None) -> dict:
         fields["draft"] = _on_off(target, args, spec, prompts, more, late)
         fields["draft"]["target_params"] = _params(target)
         fields["draft"]["draft_params"] = _params(model)
+        fields["draft"]["target_training"] = training
         print("draft:", {k: v for k, v in fields["draft"].items() if k != "spec_config"}, flush=True)
     if "host" in parts:
         fields["host"] = host_phases(model, args, prompts)
