@@ -7,12 +7,7 @@ than 8x the L2 cache (so every call reads its weight from HBM, as in a forward),
 ``--iters`` times; the median of ``--repeats``. ``--sweep`` times every (BLOCK_N, BLOCK_K,
 warps) of the grid below and reports the best per shape.
 
-``--rows 2,5,9,16`` times ``gemv_rows`` (a few rows: a batch-1 verification's 1 + k) against
-cuBLAS at each row count instead (its own grid with ``--sweep``); ``--shapes pair`` adds the
-draft-model pair's 48-layer target (hidden 384) of benchmarks/spec_decode.py.
-
     python benchmarks/gemv.py --sweep --json gemv.json
-    python benchmarks/gemv.py --rows 2,5,9,16 --shapes 8b,pair --sweep --json gemv_rows.json
 """
 from __future__ import annotations
 
@@ -30,10 +25,7 @@ from benchmarks.common import cuda_graph_replay_us, finish, hardware_info, heade
 # (name, N, K): q/k/v, o_proj, gate/up, down_proj of Llama-3.1-8B, whole and halved
 SHAPES = [("qkv tp1", 6144, 4096), ("o tp1", 4096, 4096), ("gate_up tp1", 28672, 4096), ("down tp1", 4096, 14336),
           ("qkv tp2", 3072, 4096), ("o tp2", 4096, 2048), ("gate_up tp2", 14336, 4096), ("down tp2", 4096, 7168)]
-PAIR_SHAPES = [("pair qkv", 768, 384), ("pair o", 384, 384), ("pair gate_up", 2048, 384), ("pair down", 384, 1024),
-               ("pair lm_head", 8192, 384)]
 GRID = {"block_n": (4, 8, 16), "block_k": (512, 1024, 2048), "num_warps": (4, 8)}
-ROWS_GRID = {"block_n": (16, 32, 64), "block_k": (64, 128, 256), "num_warps": (4, 8)}
 DEFAULT = {}  # gemv()'s own choice
 
 
@@ -42,50 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="store_true", help="time every config of the grid")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rows", default="", help="comma-separated row counts for gemv_rows (default: one-row gemv)")
-    p.add_argument("--shapes", default="8b", help="comma-separated: 8b (Llama-3.1-8B), pair (the draft pair's target)")
     p.add_argument("--json", dest="json_out", default=None)
     return p
-
-
-def _rows_part(args, shapes, hw, cmd) -> dict:
-    """gemv_rows against cuBLAS at each of --rows."""
-    import torch
-    import torch.nn.functional as F
-
-    from pyengine.ops.gemv import gemv_rows
-
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    configs = ([dict(zip(ROWS_GRID, c)) for c in itertools.product(*ROWS_GRID.values())] if args.sweep else [DEFAULT])
-    results, rows = {}, []
-    for name, n, k in shapes:
-        nbytes = n * k * 2
-        copies = max(2, -(-8 * l2 // nbytes))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        for m in [int(r) for r in args.rows.split(",")]:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = F.linear(x, ws[0]).float()
-            cublas = cuda_graph_replay_us(lambda: [F.linear(x, w) for w in ws], args.iters, args.repeats) / len(ws)
-            default = cuda_graph_replay_us(lambda: [gemv_rows(x, w) for w in ws], args.iters, args.repeats) / len(ws)
-            best, timed = None, []
-            for cfg in configs:
-                err = (gemv_rows(x, ws[0], **cfg).float() - ref).abs().max().item()
-                t = (default if not cfg else
-                     cuda_graph_replay_us(lambda: [gemv_rows(x, w, **cfg) for w in ws], args.iters, args.repeats) / len(ws))
-                timed.append({**cfg, "us": t})
-                if best is None or t < best[0]:
-                    best = (t, cfg, err)
-            t, cfg, err = best
-            results[f"{name} m{m}"] = {"n": n, "k": k, "m": m, "cublas_us": cublas, "rows_default_us": default,
-                                       "rows_best_us": t, "config": cfg, "max_abs_err_vs_cublas": err, "sweep": timed}
-            label = "/".join(str(cfg[key]) for key in ROWS_GRID) if cfg else "default"
-            rows.append([name, m, f"{n}x{k}", cublas, default, t, default / cublas, label, err])
-        ws.clear()
-        torch.cuda.empty_cache()
-    print(header_md("Few-row linear, bf16: cuBLAS vs Triton gemv_rows (us per call)", hw, cmd))
-    print(md_table(["layer", "rows", "N x K", "cuBLAS", "rows (default tile)", "rows (best tile)", "default / cuBLAS",
-                    "best BLOCK_N/BLOCK_K/warps", "max |diff|"], rows))
-    return results
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,12 +48,9 @@ def main(argv: list[str] | None = None) -> dict:
     hw = hardware_info("cuda")
     cmd = "benchmarks/gemv.py " + " ".join(argv if argv is not None else sys.argv[1:])
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    shapes = [s for key in args.shapes.split(",") for s in {"8b": SHAPES, "pair": PAIR_SHAPES}[key]]
-    if args.rows:
-        return finish("gemv", args, hw, cmd, results=_rows_part(args, shapes, hw, cmd))
     results, rows = {}, []
     configs = ([dict(zip(GRID, c)) for c in itertools.product(*GRID.values())] if args.sweep else [DEFAULT])
-    for name, n, k in shapes:
+    for name, n, k in SHAPES:
         nbytes = n * k * 2
         copies = max(2, -(-8 * l2 // nbytes))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]

@@ -290,6 +290,8 @@ def train_target(args) -> tuple[str, list[str]]:
            "--deadline-minutes", str(args.train_minutes + 1.5), "--n-headers", "4"]
     if args.train_steps:
         cmd += ["--steps", str(args.train_steps)]
+    if args.train_compile:
+        cmd += ["--compile"]
     if args.tiny:
         cmd += ["--tiny"]
     else:
@@ -884,6 +886,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target-out", default="/tmp/spec_target", help="where the trained target goes")
     p.add_argument("--train-minutes", type=float, default=3.0)
     p.add_argument("--train-steps", type=int, default=0, help="a fixed step count instead of --train-minutes")
+    p.add_argument("--train-compile", action="store_true", help="train the target with its layers compiled")
     # At batch 1 on an H200 both models are launch-bound: a forward costs about its layer
     # count, whatever its width, so the target's depth sets the pair's cost ratio
     p.add_argument("--target-layers", type=int, default=16, help="the trained target's layers")

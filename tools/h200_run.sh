@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_rows gemv_rows gemv_rows_sweep moe_profile quant_profile gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: moe_profile quant_profile gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -49,10 +49,6 @@ step 500 gpu_core python3 -m pytest -q -m gpu tests --ignore=tests/ops/test_quan
 step 360 gpu_qm python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
 step 360 gpu_qm2 python3 -m pytest -q -m gpu tests/quantization tests/layers/fused_moe tests/models/test_moe.py -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=200
 step 430 gpu_all python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short --durations=15 -o faulthandler_timeout=200 --continue-on-collection-errors
-# the few-row GEMV (a verification's 1 + k rows): its GPU test, then cuBLAS vs it at 2..16 rows, then its tile sweep
-step 60 gpu_rows python3 -m pytest -q -m gpu tests/ops/test_fused_ops.py -k gemv -p no:cacheprovider --tb=short
-step 120 gemv_rows python3 benchmarks/gemv.py --rows 2,5,9,16 --shapes 8b,pair --json "$OUT/gemv_rows.json"
-step 120 gemv_rows_sweep python3 benchmarks/gemv.py --rows 5 --shapes pair,8b --sweep --json "$OUT/gemv_rows_sweep.json"
 step 120 gpu_ops python3 -m pytest -q -m gpu tests/ops tests/attention tests/worker -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=100
 step 270 gpu_e2e python3 -m pytest -q -m gpu tests/test_llm.py tests/engine -p no:cacheprovider --tb=short --durations=10 -o faulthandler_timeout=100
 step 150 gpu_mp python3 -m pytest -q -m gpu tests/engine/test_core_client.py -p no:cacheprovider --tb=short -o faulthandler_timeout=100
@@ -150,6 +146,8 @@ step 300 spec_host python3 benchmarks/spec_decode.py --parts host --host-repeats
 # launch-bound at batch 1, so depth, not width, sets what a forward costs; 1.03x but AL 2.98 after 4.5 min of training)
 step 560 spec_bench_draft python3 benchmarks/spec_decode.py --parts draft --train-minutes 3.5 --draft-k-sweep 3 --rounds 4 --json "$OUT/spec_decode_draft.json"
 step 560 spec_bench_draft_deep python3 benchmarks/spec_decode.py --parts draft --train-minutes 4.5 --target-layers 48 --target-hidden 384 --target-intermediate 1024 --draft-k-sweep 5,6 --rounds 3 --json "$OUT/spec_decode_draft_deep.json"
+# the same pair with the target trained longer (6.5 min budget, 8 min deadline) and its layers compiled: a call of its own
+step 590 spec_bench_draft_long python3 benchmarks/spec_decode.py --parts draft --train-minutes 6.5 --train-compile --target-layers 48 --target-hidden 384 --target-intermediate 1024 --draft-k-sweep 5 --rounds 3 --json "$OUT/spec_decode_draft_long.json"
 step 330 throughput python3 benchmarks/throughput.py --peer transformers --peer-timeout 240 --json "$OUT/throughput.json"
 step 120 throughput_async python3 benchmarks/throughput.py --json "$OUT/throughput_async.json"
 step 120 throughput_noasync python3 benchmarks/throughput.py --no-async-scheduling --json "$OUT/throughput_noasync.json"

@@ -27,6 +27,9 @@ stream (files joined by ``<|endoftext|>``).  By default the loop is time-budgete
 (``--minutes``) and the learning-rate schedule follows elapsed time; pass
 ``--steps N`` for a fixed-step, schedule-by-step run (the data order, initialisation,
 split and tokenizer are all fixed by ``--seed``; only GPU reduction order may differ).
+``--compile`` compiles each decoder layer with ``torch.compile`` (regional compilation:
+the layers share one compiled graph), for more tokens per second in a time budget; if
+the first step fails to compile, the run restarts eagerly from a fresh initialisation.
 
 Output: an HF directory: config.json, model.safetensors (bf16), tokenizer.json,
 tokenizer_config.json, generation_config.json, heldout_headers.json and README.md.
@@ -206,6 +209,7 @@ def main() -> None:
     ap.add_argument("--n-headers", type=int, default=100)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny data and model")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     args = ap.parse_args()
     if args.tiny:
         args.max_mb = min(args.max_mb, 3.0)
@@ -302,19 +306,29 @@ def main() -> None:
     # ---- model
     from transformers import Qwen3ForCausalLM
     config = make_config(args, vocab)
-    model = Qwen3ForCausalLM(config).to(dev)
-    model.config._attn_implementation = "sdpa"
-    model.train()
+
+    def build(compiled: bool, reseed: bool = False):
+        if reseed:  # the eager restart starts from the same initialisation
+            torch.manual_seed(args.seed)
+        m = Qwen3ForCausalLM(config).to(dev)
+        m.config._attn_implementation = "sdpa"
+        m.train()
+        if compiled:
+            for layer in m.model.layers:
+                layer.compile()
+        decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in m.named_parameters() if p.dim() < 2]
+        o = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
+                               {"params": no_decay, "weight_decay": 0.0}],
+                              lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=cuda)
+        return m, o
+
+    model, opt = build(args.compile)
     n_params = sum(p.numel() for p in model.parameters())
     n_emb = model.get_input_embeddings().weight.numel()
     log(f"model: Qwen3 hidden {args.hidden} layers {args.layers} heads {args.heads}/{args.kv_heads}x{args.head_dim} "
         f"ffn {args.intermediate} ctx {args.seq_len}: {n_params / 1e6:.2f} M params ({n_emb / 1e6:.2f} M embedding, tied)")
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=cuda)
 
     T, B = args.seq_len, args.batch
     train_t = torch.from_numpy(train_ids.astype(np.int64)).to(dev)
@@ -363,10 +377,24 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = batch()
-        with amp:
-            logits = model(input_ids=x, use_cache=False).logits
-        loss = F.cross_entropy(logits.float().view(-1, vocab), y.reshape(-1))
-        loss.backward()
+
+        def forward_backward():
+            with amp:
+                logits = model(input_ids=x, use_cache=False).logits
+            out = F.cross_entropy(logits.float().view(-1, vocab), y.reshape(-1))
+            out.backward()
+            return out
+
+        if step == 0 and args.compile:
+            try:
+                loss = forward_backward()
+                log(f"compiled the decoder layers in {time.time() - t0:.1f} s (first step)")
+            except Exception as e:  # noqa: BLE001 - any compile failure: train eagerly instead
+                log(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eagerly")
+                model, opt = build(False, reseed=True)
+                loss = forward_backward()
+        else:
+            loss = forward_backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

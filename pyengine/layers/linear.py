@@ -11,8 +11,8 @@
   all-reduce + residual add + RMSNorm, ``RMSNorm.forward(..., all_reduce_x=True)``).
 
 ``tp_group`` is a ``pyengine.distributed.GroupCoordinator`` or None (one rank). With one
-rank every layer is exactly one ``F.linear`` — no extra op or launch — or, for 1..16 bf16/fp16
-rows on CUDA, one Triton GEMV (``pyengine.ops.linear``).
+rank every layer is exactly one ``F.linear`` — no extra op or launch — or, for one bf16/fp16
+row on CUDA, one Triton GEMV (``pyengine.ops.linear``).
 
 Every parameter carries ``weight_loader(param, loaded, shard_id=None)``, used by
 ``pyengine.models.loader``. A layer quantized by a method (``set_quant_method``, a

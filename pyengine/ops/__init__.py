@@ -10,8 +10,7 @@ CUDA use, so CPU-only hosts never need it.
 * ``silu_and_mul(x [..., 2d]) -> [..., d]``
 * ``linear(x [T, K], weight [N, K], bias) -> [T, N]``: ``F.linear``, but one bf16/fp16
   row (batch-1 decode) goes through the Triton GEMV (ops/gemv.py), faster than cuBLAS
-  on every 8B-model layer shape on the H200, and 2..16 rows (a batch-1 verification of
-  k drafts, a draft model's first forward) through its few-row variant.
+  on every 8B-model layer shape on the H200.
 * ``apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight=None, k_norm_weight=None,
   eps=1e-6) -> (q, k)``: neox RoPE, optionally fused with Qwen3's per-head q/k RMSNorm
   (applied before the rotation).
@@ -56,16 +55,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)  # float32 keeps cuBLAS: the exactness tests' dtype
 
 
-_GEMV_ROWS = 16  # the most rows linear() sends to gemv_rows rather than cuBLAS
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if (x.dim() == 2 and x.shape[0] <= _GEMV_ROWS and x.is_cuda and not _DISABLED and x.dtype in _GEMV_DTYPES
-            and weight.dtype == x.dtype and x.is_contiguous() and weight.stride(-1) == 1 and x.shape[0] > 0):
-        from pyengine.ops import gemv
-        if x.shape[0] == 1:
-            return gemv.gemv(x, weight, bias)
-        return gemv.gemv_rows(x, weight, bias)
+    if (x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and not _DISABLED and x.dtype in _GEMV_DTYPES
+            and weight.dtype == x.dtype and x.is_contiguous() and weight.stride(-1) == 1):
+        from pyengine.ops.gemv import gemv
+        return gemv(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 

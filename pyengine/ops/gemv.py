@@ -1,4 +1,4 @@
-"""Few-row linear layers (GEMV) in Triton: ``y = x @ weight.T`` for 1..16 tokens.
+"""Batch-1 linear layer (GEMV) in Triton: ``y = x @ weight.T`` for one token.
 
 At batch 1 a linear layer reads each weight once and does two flops per weight: it is
 bound by memory bandwidth alone, and what decides its speed is how many bytes are in
@@ -9,17 +9,8 @@ with a second reduction kernel); benchmarks/gemv.py measures both on every shape
 
 Each program owns ``BLOCK_N`` output rows and walks K in ``BLOCK_K`` chunks, fully
 unrolled, accumulating in float32; no split over K, so one kernel and no reduction pass.
-
-A speculative verification (batch 1, 1 + k query rows) or a draft model's first forward
-multiplies a few rows by every weight. cuBLAS's kernels at M = 5-6 took 2.5-3.1 us a call
-on a small model's layers against 1.4-1.6 us for the one-row GEMV (2026-12-03 profile),
-and 4 such GEMMs a layer over 48 layers are ~0.2 ms of a 2 ms step. ``gemv_rows`` reads
-each weight tile once for all rows: a [16, BLOCK_K] tile of x (rows past M masked) times
-the [BLOCK_N, BLOCK_K] weight tile on the tensor cores, float32 accumulation.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -70,59 +61,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else weight, y, n, K=k,
                                              BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
                                              num_warps=num_warps)
-    return y
-
-
-@triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rn < N
-    rm = tl.arange(0, BLOCK_M)
-    mask_m = rm < M
-    rk = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * K
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * K
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):  # a loop triton pipelines (num_stages), unlike the unrolled one-row walk
-        mk = k + rk < K
-        x = tl.load(x_rows + k + rk[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0)
-        w = tl.load(w_rows + k + rk[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
-        if UPCAST:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
-
-
-GEMV_MAX_ROWS = 16  # the x tile's height: tl.dot's smallest M
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its low-precision tl.dot is unreliable: float32 operands
-
-
-def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-              block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for 1 <= M <= 16 rows. x: [M, K] contiguous; weight:
-    [N, K] with unit stride along K; bias: [N] or None; all of one dtype (bf16 or fp16:
-    the tensor cores). Returns y [M, N] of that dtype, accumulated in float32. Raises
-    ValueError for more than 16 rows. Default tile: 32 weight rows a program, K in chunks
-    of 128 (256 from K = 2048), 4 warps."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= m <= GEMV_MAX_ROWS:
-        raise ValueError(f"gemv_rows takes 1..{GEMV_MAX_ROWS} rows, got {m}")
-    if block_n is None:
-        block_n = 32
-    if block_k is None:
-        block_k = 256 if k >= 2048 else 128
-    if num_warps is None:
-        num_warps = 4
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _gemv_rows_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else weight, y, m, n, K=k,
-                                                  BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                  HAS_BIAS=bias is not None, UPCAST=_INTERPRET, num_warps=num_warps,
-                                                  num_stages=3)
     return y

@@ -136,24 +136,6 @@ def test_gemv_matches_linear(kind, dtype, n, k, bias):
     torch.testing.assert_close(gemv(x, w, b).float(), ref, **_tol(dtype))
 
 
-@pytest.mark.parametrize("kind", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,n,k,bias", [(5, 40, 1100, True), (2, 768, 384, False), (16, 24, 2100, False)])
-def test_gemv_rows_matches_linear(kind, dtype, m, n, k, bias):
-    """A few rows (a verification's 1 + k) through gemv_rows: N past the last full tile, K
-    past the last full chunk, the rows under the 16-row tile masked, with and without a bias."""
-    from pyengine.ops.gemv import gemv_rows
-    dev = _dev(kind)
-    g = torch.Generator().manual_seed(m + n + k)
-    x = torch.randn(m, k, generator=g).to(dev, dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev, dtype)
-    b = torch.randn(n, generator=g).to(dev, dtype) if bias else None
-    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    torch.testing.assert_close(gemv_rows(x, w, b).float(), ref, **_tol(dtype))
-    with pytest.raises(ValueError, match="1..16 rows"):
-        gemv_rows(torch.zeros(17, k, dtype=dtype, device=dev), w)
-
-
 def test_dispatch_cpu_uses_torch():
     x = torch.randn(3, 8)
     w = torch.ones(8)
