@@ -937,6 +937,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="profile part: the proposer (draft_model: the built-in model drafting for itself)")
     p.add_argument("--json", dest="json_out", default=None)
     args, hw, cmd = common.start(p, argv, "spec_decode.py")
+    if args.tiny:  # the tiny target's context is 256 tokens (the prompts ~180)
+        args.max_model_len, args.output_len = min(args.max_model_len, 256), min(args.output_len, 64)
     from pyengine.config import DEFAULT_MODEL_DIR
 
     model = args.model or str(DEFAULT_MODEL_DIR)
