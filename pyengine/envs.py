@@ -17,6 +17,8 @@ Read from Python (the accessors below; each reads the environment when called):
 | ``VENGINE_TORCH_PROFILER_DIR`` | — | where ``EngineCore.profile`` windows write each rank's phase timings and torch.profiler trace when no directory is passed; vLLM's ``VLLM_TORCH_PROFILER_DIR`` |
 | ``VENGINE_TP_SHM_BROADCAST`` | 1 | tensor parallelism: rank 0 hands each step to the other ranks of its host through a shared-memory queue (0: two gloo broadcasts over TCP) |
 | ``VENGINE_FP8_SCALED_MM`` | 1 | FP8 W8A8 GEMMs with per-row scales (more than one token) through ``torch.nn.functional.scaled_mm`` on GPUs that have it (0: the Triton kernel of pyengine/ops/quant.py) |
+| ``VENGINE_PDL`` | 1 | programmatic dependent launch of the decode path's Triton kernels on GPUs that have it (compute capability >= 9.0): a kernel starts while the one before it finishes, prefetching its weights (0: each kernel waits for the last; ``pyengine/ops/pdl.py``) |
+| ``VENGINE_PDL_EXCLUDE`` | — | comma-separated names of kernels (``pyengine.ops.pdl.KERNELS``) launched without PDL (measuring one family with and without it) |
 | ``VENGINE_DRAFT_CHAIN`` | 1 | 0: a draft model's steady-state proposal runs forward by forward instead of replaying one CUDA graph (``pyengine/spec_decode/draft_chain.py``) |
 | ``VENGINE_TRITON_OPS_ON_CPU`` | 0 | 1 (with ``TRITON_INTERPRET=1``): run the triton ops through triton's CPU interpreter (tests) |
 | ``VENGINE_API_KEY`` (alias ``VLLM_API_KEY``) | — | ``vengine serve``'s ``--api-key`` when the flag is absent |
@@ -121,6 +123,16 @@ def tp_shm_broadcast() -> bool:
 
 def fp8_scaled_mm() -> bool:
     return _flag("VENGINE_FP8_SCALED_MM", True)
+
+
+def pdl() -> bool:
+    return _flag("VENGINE_PDL", True)
+
+
+def pdl_exclude() -> tuple[str, ...]:
+    """``VENGINE_PDL_EXCLUDE``: comma-separated PDL kernel names launched without it."""
+    v = _raw("VENGINE_PDL_EXCLUDE")
+    return tuple(x.strip() for x in v.split(",") if x.strip()) if v else ()
 
 
 def draft_chain() -> bool:

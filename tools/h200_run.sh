@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: moe_profile quant_profile gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: moe_profile quant_profile pdl_quant pdl_moe pdl_variants gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -126,6 +126,15 @@ step 60 gpufix_moe_kernels python3 benchmarks/moe.py --out-dir "$OUT" --sections
 PROF_TAR='t=$1 d=$2; shift 2; "$@"; rc=$?; tar -cf "$t" -C /tmp/vengine_prof "$d" && [ $(stat -c%s "$t") -gt 15000000 ] && rm -f "$t"; exit $rc'
 step 90 moe_profile bash -c "$PROF_TAR" _ "$OUT/moe_profile_traces.tar" moe python3 benchmarks/moe.py --sections profile --out-dir "$OUT" --trace-dir /tmp/vengine_prof/moe
 step 120 quant_profile bash -c "$PROF_TAR" _ "$OUT/quant_profile_traces.tar" quant python3 benchmarks/quant.py "$OUT" --parts profile --trace-dir /tmp/vengine_prof/quant
+# programmatic dependent launch (pyengine/ops/pdl.py) off, then on, each engine in a process of its own: the 8B decode
+# profile (bf16, FP8, W4A16; ~65 s a pass) and the Qwen3-30B-A3B one (~80 s a pass), into $OUT/pdl0 and $OUT/pdl1
+step 170 pdl_quant bash -c 'for v in 0 1; do VENGINE_PDL=$v python3 benchmarks/quant.py "$0/pdl$v" --parts profile || exit 1; done' "$OUT"
+step 200 pdl_moe bash -c 'for v in 0 1; do VENGINE_PDL=$v python3 benchmarks/moe.py --sections profile --out-dir "$0/pdl$v" || exit 1; done' "$OUT"
+# one kernel family at a time without PDL: PDL_VARIANTS="PDL:EXCLUDE:VARIANTS ..." (VENGINE_PDL, VENGINE_PDL_EXCLUDE,
+# benchmarks/quant.py --profile-variants), each in its own process, into $OUT/pdlv<i>/quant_profile.json
+step 400 pdl_variants bash -c 'i=0; for spec in ${PDL_VARIANTS:-0::fp8 1::fp8}; do IFS=: read -r v ex pv <<< "$spec"; \
+  VENGINE_PDL=$v VENGINE_PDL_EXCLUDE=$ex python3 benchmarks/quant.py "$0/pdlv$i" --parts profile --profile-variants "${pv//+/,}" \
+  | tail -3; echo "variant $i: VENGINE_PDL=$v VENGINE_PDL_EXCLUDE=$ex ($pv)"; i=$((i+1)); done' "$OUT"
 # quantization (issue 26): kernels vs their dequantized references, the quantized tiny models, then the 8B-shape benchmark
 step 200 gpu_quant python3 -m pytest -q -m gpu tests/quantization tests/ops/test_quant_ops.py -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=180
 step 360 quant_bench python3 benchmarks/quant.py "$OUT"

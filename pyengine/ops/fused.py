@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pyengine.ops import pdl
+
 
 def _rows_view(x: torch.Tensor):
     """(x2, n_inner, stride_outer, stride_inner): rows addressed as (r // n_inner, r % n_inner)."""
@@ -36,12 +38,17 @@ def _rows_view(x: torch.Tensor):
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                      stride_xo, stride_xi, stride_ro, stride_ri,
                      N_INNER: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
-                     ADD: tl.constexpr):
+                     ADD: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     o = row // N_INNER
     i = row % N_INNER
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    if PDL:  # (pyengine/ops/pdl.py) the weight is the only input no kernel writes
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + o * stride_xo + i * stride_xi + offs, mask=mask, other=0.0)
     dt = x.dtype
     if ADD:
@@ -50,7 +57,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps,
         tl.store(res_out_ptr + row * N + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (xf * rstd).to(dt).to(tl.float32) * w
     tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -73,7 +79,7 @@ def _norm_launch(x, residual, weight, eps):
     nw = 8 if block >= 4096 else (4 if block >= 1024 else 1)
     _rms_norm_kernel[(rows,)](x2, r2, weight, out, res_out, float(eps), sxo, sxi, sro, sri,
                               N_INNER=n_inner, N=n, BLOCK=block, ADD=residual is not None,
-                              num_warps=nw)
+                              num_warps=nw, **pdl.launch_kwargs(x2, "rms_norm"))
     return out, res_out
 
 
@@ -94,8 +100,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # (pyengine/ops/pdl.py) every input is another kernel's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
@@ -119,7 +128,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x2, out, x2.stride(0), D=d, BLOCK=block,
-                                                         num_warps=4)
+                                                         num_warps=4, **pdl.launch_kwargs(x2, "silu_and_mul"))
     return out
 
 
@@ -170,8 +179,11 @@ def _rope_q(q_ptr, q_out_ptr, t, pos_ptr, cache_ptr, qw_ptr, eps, stride_qt, str
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, qw_ptr, kw_ptr, eps,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
                  HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
-                 HALF: tl.constexpr, NORM: tl.constexpr):
+                 HALF: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    if PDL:  # (pyengine/ops/pdl.py) q, k and the positions are other kernels' outputs
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     cos, sin = _rope_q(q_ptr, q_out_ptr, t, pos_ptr, cache_ptr, qw_ptr, eps, stride_qt, stride_qh, stride_c,
                        HQ, HQ_PAD, HALF, NORM)
     _rope_heads(k_ptr, t, stride_kt, stride_kh, k_out_ptr + t * (HK * 2 * HALF), 2 * HALF, HK,
@@ -184,8 +196,11 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
                        stride_cb, stride_cs, stride_ch,
                        HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
-                       HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr):
+                       HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    if PDL:  # (pyengine/ops/pdl.py) q, k, v, positions and slots are other kernels' outputs
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     cos, sin = _rope_q(q_ptr, q_out_ptr, t, pos_ptr, cache_ptr, qw_ptr, eps, stride_qt, stride_qh, stride_c,
                        HQ, HQ_PAD, HALF, NORM)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -232,7 +247,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HK=hk, HK_PAD=triton.next_power_of_2(hk),
-        HALF=d // 2, BLOCK_SIZE=key_cache.shape[1], NORM=norm, num_warps=4)
+        HALF=d // 2, BLOCK_SIZE=key_cache.shape[1], NORM=norm, num_warps=4, **pdl.launch_kwargs(q, "rope_and_cache"))
     return q_out
 
 
@@ -266,5 +281,6 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     _rope_kernel[(T,)](q, k, q_out, k_out, positions, cos_sin_cache, qw, kw, float(eps),
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
                        HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HK=hk,
-                       HK_PAD=triton.next_power_of_2(hk), HALF=d // 2, NORM=norm, num_warps=4)
+                       HK_PAD=triton.next_power_of_2(hk), HALF=d // 2, NORM=norm, num_warps=4,
+                       **pdl.launch_kwargs(q, "rope"))
     return q_out, k_out

@@ -16,24 +16,36 @@ import torch
 import triton
 import triton.language as tl
 
+from pyengine.ops import pdl
+
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * K
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PDL:  # (pyengine/ops/pdl.py) the first chunk's weights are read during the previous kernel
+        tl.extra.cuda.gdc_launch_dependents()
+        w0 = tl.load(w_rows + rk[None, :], mask=mask_n[:, None] & (rk < K)[None, :], other=0.0)
+        tl.extra.cuda.gdc_wait()
     for k in tl.static_range(0, K, BLOCK_K):  # unrolled: every chunk's loads issued early
         if k + BLOCK_K <= K:
             x = tl.load(x_ptr + k + rk).to(tl.float32)
-            w = tl.load(w_rows + k + rk[None, :], mask=mask_n[:, None], other=0.0)
+            if PDL and k == 0:
+                w = w0
+            else:
+                w = tl.load(w_rows + k + rk[None, :], mask=mask_n[:, None], other=0.0)
         else:
             mk = k + rk < K
             x = tl.load(x_ptr + k + rk, mask=mk, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k + rk[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
+            if PDL and k == 0:
+                w = w0
+            else:
+                w = tl.load(w_rows + k + rk[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -60,5 +72,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else weight, y, n, K=k,
                                              BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-                                             num_warps=num_warps)
+                                             num_warps=num_warps, **pdl.launch_kwargs(x, "gemv"))
     return y

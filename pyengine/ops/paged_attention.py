@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pyengine.ops import pdl
 from pyengine.ops.quant import _round_fp8
 
 _LOG2E = 1.4426950408889634
@@ -132,11 +133,14 @@ def _decode_split_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)  # the query row; its request: b // query_len
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # (pyengine/ops/pdl.py) every input is another kernel's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     req = b // query_len
     # row i of a request's query_len rows sees its context up to its own position (causal)
     seq_len = tl.maximum(tl.load(seq_lens_ptr + req) - (query_len - 1 - b % query_len), 0)
@@ -189,10 +193,13 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if PDL:  # (pyengine/ops/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_s = offs_s < NUM_SPLITS
@@ -255,13 +262,13 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=_INTERPRET,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q, "decode"),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4, **pdl.launch_kwargs(q, "decode_reduce"),
         )
     return out
 

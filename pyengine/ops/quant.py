@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from pyengine import envs
-from pyengine.ops import smem
+from pyengine.ops import pdl, smem
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -103,10 +103,14 @@ def quant_fp8(x: torch.Tensor, group_size: int | None = None,
 
 # ---- split-K GEMVs: the sum pass --------------------------------------------------------
 @triton.jit
-def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(p_ptr, b_ptr, y_ptr, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
     # y[n] = (p[0, n] + p[1, n] + ... + p[SPLIT - 1, n]) (+ bias[n]), in that order, float32
     rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N
+    if PDL:  # (pyengine/ops/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     y = tl.load(p_ptr + rn, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):
         y += tl.load(p_ptr + s * N + rn, mask=mask, other=0.0)
@@ -129,7 +133,7 @@ def _split_sum(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -
     split, n = part.shape
     _split_sum_kernel[(triton.cdiv(n, _SPLIT_SUM_BLOCK),)](part, bias if bias is not None else part, y, n, SPLIT=split,
                                                            HAS_BIAS=bias is not None, BLOCK=_SPLIT_SUM_BLOCK,
-                                                           num_warps=2)
+                                                           num_warps=2, **pdl.launch_kwargs(part, "split_sum"))
 
 
 def split_chunks(chunks: int, split_k: int, what: str) -> int:
@@ -216,7 +220,8 @@ def _fp8_gemv_chunk(acc, w, x, x_ptr, s_ptr, k0, x_scale, rn_m, c_m, mask_m, rc,
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, stride_sn, K: tl.constexpr,
                      BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr,
-                     AMAX_BLOCK: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr, SPLIT_K: tl.constexpr):
+                     AMAX_BLOCK: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr, SPLIT_K: tl.constexpr,
+                     PDL: tl.constexpr):
     # ACT: 0 x unquantized (weight-only), 1 per token, 2 per S = BLOCK_K / 16 (= BK_SCALE)
     # columns, 3 static. One row on the tensor cores without a 16x broadcast of x: each chunk
     # of BLOCK_K columns is cut into 16 slices of S columns; the dot multiplies the
@@ -251,9 +256,14 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, stride
     # during the token's amax (a pipelined loop would issue them after it, and one chunk
     # after the other)
     PRELOAD: tl.constexpr = KS <= 2 * BLOCK_K  # (KS >= K with SPLIT_K 1)
+    if PDL:  # (pyengine/ops/pdl.py) with PRELOAD the weights are read during the previous kernel
+        tl.extra.cuda.gdc_launch_dependents()
     if PRELOAD:
         w0 = tl.load(w_tile + k_lo, mask=mask_m[:, None] & (k_lo + cols < K), other=0.0)
         w1 = tl.load(w_tile + k_lo + BLOCK_K, mask=mask_m[:, None] & (k_lo + BLOCK_K + cols < K), other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if PRELOAD:
         x0 = _fp8_gemv_x(x_ptr, k_lo, rs, rc, K, S)
         x1 = _fp8_gemv_x(x_ptr, k_lo + BLOCK_K, rs, rc, K, S)
     x_scale = 1.0
@@ -324,7 +334,7 @@ def _fp8_fma_load(w_rows, k0, rk, mask_n, K: tl.constexpr, FULL: tl.constexpr):
 @triton.jit
 def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr,
-                         AMAX_BLOCK: tl.constexpr, EMULATE: tl.constexpr, SPLIT_K: tl.constexpr):
+                         AMAX_BLOCK: tl.constexpr, EMULATE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     # The batch-1 bf16 GEMV's shape (pyengine/ops/gemv.py) on FP8 bytes: each program owns
     # BLOCK_N rows and walks its K in BLOCK_K chunks, fully unrolled, with float32 FMAs of
     # the upcast e4m3 weight and the activation (no tensor cores, no shared-memory staging:
@@ -354,6 +364,8 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K:
     F1: tl.constexpr = EVEN or (SPLIT_K == 1 and 2 * BLOCK_K <= K)
     F2: tl.constexpr = EVEN or (SPLIT_K == 1 and 3 * BLOCK_K <= K)
     F3: tl.constexpr = EVEN or (SPLIT_K == 1 and 4 * BLOCK_K <= K)
+    if PDL:  # (pyengine/ops/pdl.py) the first four chunks' weights are read during the previous kernel
+        tl.extra.cuda.gdc_launch_dependents()
     w0 = _fp8_fma_load(w_rows, k_lo, rk, mask_n, K, F0)
     if KS > BLOCK_K:
         w1 = _fp8_fma_load(w_rows, k_lo + BLOCK_K, rk, mask_n, K, F1)
@@ -361,6 +373,8 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K:
         w2 = _fp8_fma_load(w_rows, k_lo + 2 * BLOCK_K, rk, mask_n, K, F2)
     if KS > 3 * BLOCK_K:
         w3 = _fp8_fma_load(w_rows, k_lo + 3 * BLOCK_K, rk, mask_n, K, F3)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     x_scale = 1.0
     if ACT == 1:  # the token's scale from the whole (small, cached) row
         ra = tl.arange(0, AMAX_BLOCK)
@@ -468,7 +482,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         weight_scale.stride(0) if block is not None else 0, K=k, BN_SCALE=bn, BK_SCALE=bk, BLOCK_N=block_n,
         BLOCK_K=block_k, BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, ACT=_ACT_CODES[act],
         MIN_SCALE=_MIN_SCALE, AMAX_BLOCK=min(2048, triton.next_power_of_2(k)), IEEE=x.dtype == torch.float32,
-        EMULATE=_INTERPRET, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages)
+        EMULATE=_INTERPRET, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(x, "fp8_gemv"))
     if split_k > 1:
         _split_sum(part, bias, y)
     return y
@@ -489,7 +503,8 @@ def _fp8_gemv_fma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         x, weight, weight_scale, bias if bias is not None else weight_scale,
         input_scale if input_scale is not None else weight_scale, y, part, n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, ACT=_ACT_CODES[act], MIN_SCALE=_MIN_SCALE,
-        AMAX_BLOCK=min(2048, triton.next_power_of_2(k)), EMULATE=_INTERPRET, SPLIT_K=split_k, num_warps=num_warps)
+        AMAX_BLOCK=min(2048, triton.next_power_of_2(k)), EMULATE=_INTERPRET, SPLIT_K=split_k, num_warps=num_warps,
+        **pdl.launch_kwargs(x, "fp8_gemv_fma"))
     if split_k > 1:
         _split_sum(part, bias, y)
     return y
@@ -681,7 +696,7 @@ def _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N,
 def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC, K: tl.constexpr,
                      GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr,
                      NUM_WARPS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+                     PREFETCH: tl.constexpr, PDL: tl.constexpr):
     # qweight [N, K / PER]: every thread owns CW consecutive words (a 16-byte load at CW = 4)
     # of all BLOCK_N rows, the threads side by side along K (a chunk of 32 * NUM_WARPS * CW
     # words a step), so each activation value is loaded, converted and scaled once per
@@ -716,8 +731,12 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC,
     else:
         k_lo = tl.program_id(1) * KSW
         k_hi = k_lo + KSW
+    if PDL:  # (pyengine/ops/pdl.py) the first chunk's words are read during the previous kernel
+        tl.extra.cuda.gdc_launch_dependents()
     if PREFETCH and KSW > BKW:
         words = _int_gemv_words(rows, k_lo, rw, mask_n, KW, EVEN)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         for kc in range(k_lo, k_lo + KSW - BKW, BKW):  # every chunk but the last, the next one loaded first
             nxt = _int_gemv_words(rows, kc + BKW, rw, mask_n, KW, EVEN)
             acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
@@ -725,6 +744,15 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC,
             words = nxt
         acc = _int_gemv_chunk(acc, words, k_lo + KSW - BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW,
                               GROUP, G, BITS, PER, C, CW, BLOCK_N)
+    elif PDL:  # the first chunk before the wait, the rest as below
+        words = _int_gemv_words(rows, k_lo, rw, mask_n, KW, EVEN)
+        tl.extra.cuda.gdc_wait()
+        acc = _int_gemv_chunk(acc, words, k_lo, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
+                              BITS, PER, C, CW, BLOCK_N)
+        for kc in range(k_lo + BKW, k_hi, BKW):
+            words = _int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
+            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
+                                  BITS, PER, C, CW, BLOCK_N)
     else:
         for kc in range(k_lo, k_hi, BKW):  # a runtime loop: unrolled, the loads of every chunk would be hoisted and spill
             words = _int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
@@ -784,7 +812,7 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     _int_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, part, n, _MAGIC, K=k, GROUP=group_size,
         BITS=bits, BLOCK_N=block_n, CW=cw, NUM_WARPS=num_warps, HAS_BIAS=bias is not None, SPLIT_K=split_k,
-        PREFETCH=bool(prefetch), num_warps=num_warps)
+        PREFETCH=bool(prefetch), num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv"))
     if split_k > 1:
         _split_sum(part, bias, y)
     return y

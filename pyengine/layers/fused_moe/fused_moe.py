@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyengine.ops import smem
+from pyengine.ops import pdl, smem
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 PASSES = ("w13", "w2")
@@ -393,13 +393,16 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_pt
 def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, stride_am, stride_be, stride_bn,
                  stride_cm, K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                  CAST_W: tl.constexpr, HAS_EMAP: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     # One (pair, N-block): c[p, n] = a[row of p] . B[e][n, :], e the pair's expert.
     # SPLIT_K > 1: program (p, j, s) takes the s-th of SPLIT_K runs of whole BLOCK_K chunks
     # (KS columns) and writes its float32 sums (gate, then up when GATED) to part_ptr
     # [SPLIT_K, P, (2 if GATED else 1) * N]; ``_gemv_split_finish_kernel`` does the rest.
     p = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:  # (pyengine/ops/pdl.py) even the weights read depend on the routing
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     nmask = rn < N
     KS: tl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K  # columns a split
     W: tl.constexpr = 2 if GATED else 1
@@ -450,7 +453,8 @@ def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, 
 @triton.jit(do_not_specialize=["P"])
 def _gemv_split_finish_kernel(part_ptr, a_ptr, c_ptr, w_ptr, N, P, stride_cm, ROWS: tl.constexpr,
                               SPLIT_K: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                              CAST_W: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr):
+                              CAST_W: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
+                              PDL: tl.constexpr):
     # One (output row o, N-block) of a split-K GEMV pass: each of the ROWS pairs o * ROWS + r
     # (ROWS = top_k: the down pass with the k-sum fused; else 1) gets its splits' partial
     # sums added in split order, then what ``_gemv_kernel`` does after its sum (SiLU-and-mul,
@@ -459,6 +463,9 @@ def _gemv_split_finish_kernel(part_ptr, a_ptr, c_ptr, w_ptr, N, P, stride_cm, RO
     # roundings, the GEMM's float32 sum in another order.
     o = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:  # (pyengine/ops/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     nmask = rn < N
     W: tl.constexpr = 2 if GATED else 1
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -483,13 +490,16 @@ def _gemv_split_finish_kernel(part_ptr, a_ptr, c_ptr, w_ptr, N, P, stride_cm, RO
 def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, stride_be, stride_bn,
                           stride_cm, K: tl.constexpr, TOP_K: tl.constexpr, HAS_EMAP: tl.constexpr,
                           CAST_W: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # One (token, N-block): c[t, n] = sum over the token's slots, in slot order, of the pair's
     # down projection (rounded to the activation dtype) times its routing weight
     # (``_times_weight``), accumulated in float32 and rounded once: transformers' per-pair
     # products and sum, without the [T*k, H] buffer.
     t = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:  # (pyengine/ops/pdl.py) even the weights read depend on the routing
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -515,9 +525,12 @@ def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stri
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                         E_PAD: tl.constexpr, RENORM: tl.constexpr):
+                         E_PAD: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
     # One token: softmax over the experts in float32, the top_k largest (descending), renormalised.
     t = tl.program_id(0).to(tl.int64)
+    if PDL:  # (pyengine/ops/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     re = tl.arange(0, E_PAD)
     emask = re < E
     x = tl.load(logits_ptr + t * stride_l + re, mask=emask, other=float("-inf")).to(tl.float32)
@@ -552,7 +565,8 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
         _topk_softmax_kernel[(t,)](logits, weights, ids, logits.stride(0), e, TOP_K=top_k,
                                    K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
-                                   RENORM=bool(renormalize), num_warps=1 if e <= 256 else 4)
+                                   RENORM=bool(renormalize), num_warps=1 if e <= 256 else 4,
+                                   **pdl.launch_kwargs(logits, "topk_softmax"))
     return weights, ids
 
 
@@ -596,7 +610,7 @@ def _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, spl
                        K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=False, CAST_W=False,
                        HAS_EMAP=expert_map is not None, EMULATE=_INTERPRET,
                        BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, SPLIT_K=split,
-                       num_warps=int(cfg.get("num_warps", 4)))
+                       num_warps=int(cfg.get("num_warps", 4)), **pdl.launch_kwargs(a, "moe_gemv"))
     return part
 
 
@@ -607,7 +621,8 @@ def _gemv_finish(part, a, c, topk_weights, rows, gated, mul_weight, cast_weights
     block = min(_FINISH_BLOCK_N, triton.next_power_of_2(n_out))
     _gemv_split_finish_kernel[(c.shape[0], triton.cdiv(n_out, block))](
         part, a, c, topk_weights, n_out, pairs, c.stride(0), ROWS=rows, SPLIT_K=split, GATED=gated,
-        MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights), EMULATE=_INTERPRET, BLOCK_N=block, num_warps=4)
+        MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights), EMULATE=_INTERPRET, BLOCK_N=block, num_warps=4,
+        **pdl.launch_kwargs(a, "moe_finish"))
 
 
 def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg, cast_weights=True):
@@ -632,7 +647,7 @@ def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_
                        K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights),
                        HAS_EMAP=expert_map is not None, EMULATE=_INTERPRET,
                        BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, SPLIT_K=1,
-                       num_warps=int(cfg.get("num_warps", 4)))
+                       num_warps=int(cfg.get("num_warps", 4)), **pdl.launch_kwargs(a, "moe_gemv"))
 
 
 def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg, cast_weights=True):
@@ -653,7 +668,8 @@ def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg, cast_we
                                 n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0), K=k,
                                 TOP_K=topk_ids.shape[1], HAS_EMAP=expert_map is not None, CAST_W=bool(cast_weights),
                                 EMULATE=_INTERPRET,
-                                BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)))
+                                BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)),
+                                **pdl.launch_kwargs(a, "moe_down_sum"))
 
 
 def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, cfg, num_valid, cast_weights=True):
