@@ -37,7 +37,7 @@ from pyengine import envs
 __all__ = ["KERNELS", "enabled", "launch_kwargs"]
 
 # the PDL-aware kernels, by the names VENGINE_PDL_EXCLUDE takes
-KERNELS = ("gemv", "fp8_gemv", "fp8_gemv_fma", "int_gemv", "split_sum", "rms_norm", "silu_and_mul", "rope",
+KERNELS = ("gemv", "fp8_gemv", "int_gemv", "split_sum", "rms_norm", "silu_and_mul", "rope",
            "rope_and_cache", "decode", "decode_reduce", "topk_softmax", "moe_gemv", "moe_down_sum", "moe_finish")
 
 _OFF = {"PDL": False}

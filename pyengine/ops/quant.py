@@ -334,7 +334,7 @@ def _fp8_fma_load(w_rows, k0, rk, mask_n, K: tl.constexpr, FULL: tl.constexpr):
 @triton.jit
 def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr,
-                         AMAX_BLOCK: tl.constexpr, EMULATE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                         AMAX_BLOCK: tl.constexpr, EMULATE: tl.constexpr, SPLIT_K: tl.constexpr):
     # The batch-1 bf16 GEMV's shape (pyengine/ops/gemv.py) on FP8 bytes: each program owns
     # BLOCK_N rows and walks its K in BLOCK_K chunks, fully unrolled, with float32 FMAs of
     # the upcast e4m3 weight and the activation (no tensor cores, no shared-memory staging:
@@ -348,6 +348,9 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K:
     # weight tile's, which Triton does not rematerialize) that later loads are not moved
     # above, so an unrolled chunk's loads would otherwise wait for the previous chunk's
     # products (offline sm_90 SASS, Triton 3.9). SPLIT_K > 1: as _fp8_gemv_kernel's.
+    # Launched without PDL (pyengine/ops/pdl.py): with it the FP8 8B step on the H200 was 4-6%
+    # slower than with this kernel alone left out of it, whether the kernel prefetched four
+    # chunks, one chunk, or signalled its successor first or last (not explained yet).
     KS: tl.constexpr = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K * BLOCK_K  # columns a split
     EVEN: tl.constexpr = KS * SPLIT_K == K  # every chunk whole
     pid = tl.program_id(0)
@@ -364,11 +367,7 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K:
     F1: tl.constexpr = EVEN or (SPLIT_K == 1 and 2 * BLOCK_K <= K)
     F2: tl.constexpr = EVEN or (SPLIT_K == 1 and 3 * BLOCK_K <= K)
     F3: tl.constexpr = EVEN or (SPLIT_K == 1 and 4 * BLOCK_K <= K)
-    if PDL:  # (pyengine/ops/pdl.py) the first chunk's weights are read during the previous kernel
-        tl.extra.cuda.gdc_launch_dependents()
     w0 = _fp8_fma_load(w_rows, k_lo, rk, mask_n, K, F0)
-    if PDL:  # (all four before the wait measured 6% slower a step than no PDL at all on the H200)
-        tl.extra.cuda.gdc_wait()
     if KS > BLOCK_K:
         w1 = _fp8_fma_load(w_rows, k_lo + BLOCK_K, rk, mask_n, K, F1)
     if KS > 2 * BLOCK_K:
@@ -503,8 +502,7 @@ def _fp8_gemv_fma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         x, weight, weight_scale, bias if bias is not None else weight_scale,
         input_scale if input_scale is not None else weight_scale, y, part, n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, ACT=_ACT_CODES[act], MIN_SCALE=_MIN_SCALE,
-        AMAX_BLOCK=min(2048, triton.next_power_of_2(k)), EMULATE=_INTERPRET, SPLIT_K=split_k, num_warps=num_warps,
-        **pdl.launch_kwargs(x, "fp8_gemv_fma"))
+        AMAX_BLOCK=min(2048, triton.next_power_of_2(k)), EMULATE=_INTERPRET, SPLIT_K=split_k, num_warps=num_warps)
     if split_k > 1:
         _split_sum(part, bias, y)
     return y

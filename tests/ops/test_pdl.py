@@ -80,13 +80,6 @@ def _gemv():
     return gemv._gemv_kernel, {}, dict(K=4096, BLOCK_N=8, BLOCK_K=1024, HAS_BIAS=False)
 
 
-def _fp8_fma():
-    from pyengine.ops import quant
-    return quant._fp8_gemv_fma_kernel, dict(w_ptr="*fp8e4nv", s_ptr="*fp32", xs_ptr="*fp32", p_ptr="*fp32"), dict(
-        K=4096, BLOCK_N=16, BLOCK_K=512, HAS_BIAS=False, ACT=1, MIN_SCALE=quant._MIN_SCALE, AMAX_BLOCK=2048,
-        EMULATE=False, SPLIT_K=1)
-
-
 def _fp8_tc():
     from pyengine.ops import quant
     return quant._fp8_gemv_kernel, dict(w_ptr="*fp8e4nv", s_ptr="*fp32", xs_ptr="*fp32", p_ptr="*fp32"), dict(
@@ -144,7 +137,7 @@ def _moe_gemv():
 
 
 # (kernel, whether it prefetches its weights before the wait)
-KERNELS = {"gemv": (_gemv, True), "fp8_gemv_fma": (_fp8_fma, True), "fp8_gemv": (_fp8_tc, True),
+KERNELS = {"gemv": (_gemv, True), "fp8_gemv": (_fp8_tc, True),
            "int4_gemv": (_int4, True), "rms_norm": (_rms_norm, None), "silu_and_mul": (_silu, False),
            "decode_reduce": (_decode_reduce, False), "topk_softmax": (_topk, False),
            "rope_and_cache": (_rope_cache, False), "decode_split": (_decode_split, False),
@@ -168,3 +161,11 @@ def test_nothing_written_or_produced_read_before_the_wait(name):
         assert "LD" not in before, f"{name}: loads before the wait read what the previous kernel writes"
     off = _events(fn, types, {**constexprs, "PDL": False})
     assert "WAIT" not in off and "LAUNCH" not in off
+
+
+def test_fp8_cuda_core_gemv_launches_without_pdl():
+    """It measured slower with PDL in every form tried (its comment): no PDL argument, and a
+    launch of it never asks for ``launch_pdl``."""
+    from pyengine.ops import quant
+    assert "PDL" not in quant._fp8_gemv_fma_kernel.arg_names
+    assert "fp8_gemv_fma" not in pdl.KERNELS
