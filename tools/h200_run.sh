@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -136,6 +136,8 @@ step 200 pdl_moe bash -c 'for v in 0 1; do VENGINE_PDL=$v python3 benchmarks/moe
 # throughputs (issue 25), the 8B shape's TPOT and throughput bf16 / FP8 / W4A16 (issue 26)
 step 330 pdl_bench bash -c 'for v in 1 0; do VENGINE_PDL=$v python3 benchmarks/moe.py --sections engine --out-dir "$0/pdl$v" \
   && VENGINE_PDL=$v python3 benchmarks/quant.py "$0/pdl$v" --parts tpot,throughput || exit 1; done' "$OUT"
+# offline throughput (256 in flight) alone, PDL on then off, its own processes (bf16 and FP8 8B engines)
+step 200 pdl_throughput bash -c 'for v in 1 0; do VENGINE_PDL=$v python3 benchmarks/quant.py "$0/pdl$v" --parts throughput || exit 1; done' "$OUT"
 step 400 pdl_variants bash -c 'i=0; for spec in ${PDL_VARIANTS:-0::fp8 1::fp8}; do IFS=: read -r v ex pv <<< "$spec"; \
   VENGINE_PDL=$v VENGINE_PDL_EXCLUDE=$ex python3 benchmarks/quant.py "$0/pdlv$i" --parts profile --profile-variants "${pv//+/,}" \
   | tail -3; echo "variant $i: VENGINE_PDL=$v VENGINE_PDL_EXCLUDE=$ex ($pv)"; i=$((i+1)); done' "$OUT"

@@ -16,9 +16,14 @@ earlier kernel has finished and its writes are visible. So each kernel here:
   (a GEMV's first chunks: its HBM reads start during the previous kernel), and
   everything else, and every store, after it.
 
+Only small launches use it: at most ``MAX_ROWS`` rows (tokens, or a fused-MoE pass's
+token-expert pairs) in the tensor a launch is keyed on. On the H200 PDL made batch-1 decode
+3-8% faster (bf16 and MoE the most) but offline throughput at 256 in flight 4-6% slower
+(docs/benchmarks.md, 2026-12-04); where between the two it stops paying was not swept.
+
 Kernels take a ``PDL: tl.constexpr``; ``launch_kwargs(t, name)`` gives a launch both it
 and the ``launch_pdl`` option (``{"PDL": False}`` where PDL is off: a non-CUDA tensor, an
-older GPU, the interpreter, ``VENGINE_PDL=0``, or ``name`` listed in
+older GPU, the interpreter, ``VENGINE_PDL=0``, more than ``MAX_ROWS`` rows, or ``name`` listed in
 ``VENGINE_PDL_EXCLUDE``, the benchmarks' way to measure one kernel family with and
 without it; names: ``KERNELS``). The wait is safe in a kernel launched
 without PDL, and a kernel launched without it (cuBLAS, torch's) waits for the whole
@@ -34,12 +39,13 @@ import torch
 
 from pyengine import envs
 
-__all__ = ["KERNELS", "enabled", "launch_kwargs"]
+__all__ = ["KERNELS", "MAX_ROWS", "enabled", "launch_kwargs"]
 
 # the PDL-aware kernels, by the names VENGINE_PDL_EXCLUDE takes
 KERNELS = ("gemv", "fp8_gemv", "int_gemv", "split_sum", "rms_norm", "silu_and_mul", "rope",
            "rope_and_cache", "decode", "decode_reduce", "topk_softmax", "moe_gemv", "moe_down_sum", "moe_finish")
 
+MAX_ROWS = 16  # decode of up to 16 requests (a batch-1 MoE step's down pass: top_k = 8 pairs)
 _OFF = {"PDL": False}
 _ON = {"PDL": True, "launch_pdl": True}
 
@@ -69,13 +75,14 @@ def _excluded(name: str) -> bool:
 
 
 def enabled(t: torch.Tensor, name: str) -> bool:
-    """Whether kernel ``name`` (one of ``KERNELS``) launches with PDL on ``t``'s device."""
-    return not _excluded(name) and t.is_cuda and _device_has_pdl(
-        t.device.index if t.device.index is not None else torch.cuda.current_device())
+    """Whether kernel ``name`` (one of ``KERNELS``) launches with PDL for ``t`` (its rows:
+    ``t.shape[0]``)."""
+    return (not _excluded(name) and t.is_cuda and (t.dim() == 0 or t.shape[0] <= MAX_ROWS) and _device_has_pdl(
+        t.device.index if t.device.index is not None else torch.cuda.current_device()))
 
 
 def launch_kwargs(t: torch.Tensor, name: str) -> dict:
-    """Keyword arguments for the launch of PDL-aware kernel ``name`` on ``t``'s device: its
+    """Keyword arguments for the launch of PDL-aware kernel ``name`` keyed on ``t``: its
     ``PDL`` constexpr, and Triton's ``launch_pdl`` option when on (shared dicts: do not
     mutate)."""
     return _ON if enabled(t, name) else _OFF

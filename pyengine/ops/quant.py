@@ -133,7 +133,7 @@ def _split_sum(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -
     split, n = part.shape
     _split_sum_kernel[(triton.cdiv(n, _SPLIT_SUM_BLOCK),)](part, bias if bias is not None else part, y, n, SPLIT=split,
                                                            HAS_BIAS=bias is not None, BLOCK=_SPLIT_SUM_BLOCK,
-                                                           num_warps=2, **pdl.launch_kwargs(part, "split_sum"))
+                                                           num_warps=2, **pdl.launch_kwargs(y, "split_sum"))
 
 
 def split_chunks(chunks: int, split_k: int, what: str) -> int:

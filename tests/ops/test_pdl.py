@@ -169,3 +169,14 @@ def test_fp8_cuda_core_gemv_launches_without_pdl():
     from pyengine.ops import quant
     assert "PDL" not in quant._fp8_gemv_fma_kernel.arg_names
     assert "fp8_gemv_fma" not in pdl.KERNELS
+
+
+@pytest.mark.gpu
+def test_only_small_launches_use_pdl():
+    """Decode-sized launches (<= MAX_ROWS rows) only: PDL slowed 256-in-flight throughput."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a GPU of compute capability >= 9.0")
+    small = torch.zeros(pdl.MAX_ROWS, 8, device="cuda")
+    big = torch.zeros(pdl.MAX_ROWS + 1, 8, device="cuda")
+    assert pdl.launch_kwargs(small, "rms_norm") == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch_kwargs(big, "rms_norm") == {"PDL": False}
