@@ -17,9 +17,12 @@ earlier kernel has finished and its writes are visible. So each kernel here:
   everything else, and every store, after it.
 
 Only small launches use it: at most ``MAX_ROWS`` rows (tokens, or a fused-MoE pass's
-token-expert pairs) in the tensor a launch is keyed on. On the H200 PDL made batch-1 decode
-3-8% faster (bf16 and MoE the most) but offline throughput at 256 in flight 4-6% slower
-(docs/benchmarks.md, 2026-12-04); where between the two it stops paying was not swept.
+token-expert pairs) in the tensor a launch is keyed on, the launch-latency-bound decode
+steps it is for; larger launches keep the path measured before it. On the H200 PDL made
+batch-1 decode 2-8% faster (bf16 and MoE the most); offline bf16 and MoE throughput at 256
+in flight measured 4-6% lower with it, but each PDL run went first on a fresh machine, so
+Triton compiled in its timed run what the other reused (FP8's, second in each process,
+was equal): not separated (docs/benchmarks.md, 2026-12-04), and the cut is not swept.
 
 Kernels take a ``PDL: tl.constexpr``; ``launch_kwargs(t, name)`` gives a launch both it
 and the ``launch_pdl`` option (``{"PDL": False}`` where PDL is off: a non-CUDA tensor, an
