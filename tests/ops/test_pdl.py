@@ -14,11 +14,10 @@ import re
 
 import pytest
 import torch
+import triton
 
 from pyengine import envs
 from pyengine.ops import pdl
-
-triton = pytest.importorskip("triton")
 
 
 def test_off_for_cpu_tensors():
