@@ -80,8 +80,11 @@ def _excluded(name: str) -> bool:
 def enabled(t: torch.Tensor, name: str) -> bool:
     """Whether kernel ``name`` (one of ``KERNELS``) launches with PDL for ``t`` (its rows:
     ``t.shape[0]``)."""
-    return (not _excluded(name) and t.is_cuda and (t.dim() == 0 or t.shape[0] <= MAX_ROWS) and _device_has_pdl(
-        t.device.index if t.device.index is not None else torch.cuda.current_device()))
+    # (the cheap tests first: an eager prefill's launches, many a step, stop at the row count)
+    if _excluded(name) or not t.is_cuda or (t.dim() and t.shape[0] > MAX_ROWS):
+        return False
+    index = t.device.index
+    return _device_has_pdl(index if index is not None else torch.cuda.current_device())
 
 
 def launch_kwargs(t: torch.Tensor, name: str) -> dict:
