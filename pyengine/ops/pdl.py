@@ -70,11 +70,16 @@ def _device_has_pdl(device_index: int) -> bool:
 
 @functools.cache
 def _excluded(name: str) -> bool:
-    """``name`` is in ``VENGINE_PDL_EXCLUDE`` (read once a name); ValueError for a name not in
-    ``KERNELS``."""
+    """``name`` is in ``VENGINE_PDL_EXCLUDE`` (read once a name); ValueError for a name, or a
+    listed one, not in ``KERNELS``."""
     if name not in KERNELS:
         raise ValueError(f"unknown PDL kernel name {name!r}")
-    return name in envs.pdl_exclude()
+    excluded = envs.pdl_exclude()
+    unknown = [x for x in excluded if x not in KERNELS]
+    if unknown:  # a misspelt name would otherwise leave that kernel on without a word
+        raise ValueError(f"VENGINE_PDL_EXCLUDE: unknown kernel name(s) {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(KERNELS)}")
+    return name in excluded
 
 
 def enabled(t: torch.Tensor, name: str) -> bool:

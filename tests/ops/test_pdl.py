@@ -30,6 +30,17 @@ def test_unknown_kernel_name_is_refused():
         pdl.enabled(torch.zeros(1), "gemm")
 
 
+def test_misspelt_exclusion_is_refused(monkeypatch):
+    monkeypatch.setenv("VENGINE_PDL_EXCLUDE", "rms_norm,fp8gemv")
+    pdl._excluded.cache_clear()  # read once a name: this test sets it anew
+    try:
+        with pytest.raises(ValueError, match=r"VENGINE_PDL_EXCLUDE: unknown kernel name\(s\) 'fp8gemv'"):
+            pdl.enabled(torch.zeros(1), "rms_norm")
+    finally:
+        monkeypatch.delenv("VENGINE_PDL_EXCLUDE")
+        pdl._excluded.cache_clear()
+
+
 def test_env_switch(monkeypatch):
     monkeypatch.delenv("VENGINE_PDL", raising=False)
     assert envs.pdl() is True
