@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: gpu_int4 quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -144,6 +144,10 @@ step 400 pdl_variants bash -c 'i=0; for spec in ${PDL_VARIANTS:-0::fp8 1::fp8}; 
 # quantization (issue 26): kernels vs their dequantized references, the quantized tiny models, then the 8B-shape benchmark
 step 200 gpu_quant python3 -m pytest -q -m gpu tests/quantization tests/ops/test_quant_ops.py -p no:cacheprovider --tb=short --durations=5 -o faulthandler_timeout=180
 step 360 quant_bench python3 benchmarks/quant.py "$OUT"
+# the packed-int GEMV's GPU tests alone (the f16x2 path among them), and the 8B shape's batch-1 TPOT alone (bf16, FP8,
+# W4A16 engines; ~90 s) on the GEMV table in the package (after gemv_sweep in the same call: the one it wrote)
+step 150 gpu_int4 python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k "int_gemv or int4_gemv or int_linear" -p no:cacheprovider --tb=short -o faulthandler_timeout=140
+step 200 quant_tpot python3 benchmarks/quant.py "$OUT" --parts tpot
 # speculative decoding (issue 27): on == off on CUDA for each proposer; then the benchmark: ngram on
 # code-editing prompts with the built-in model and throughput at 256 streams with the cutoff, and (its own
 # step: it trains the >= 50M target with tools/train_default_model.py first) the draft-model pair

@@ -23,6 +23,9 @@ means; what the kernels do with them: pyengine/ops/quant.py):
 * ``split_k`` (optional, 1): programs along K, 1-64 (> 1: float32 partials and a sum pass);
 * ``prefetch`` (optional, int kinds, false): the next chunk's words loaded before this
   one's products (JSON true/false);
+* ``half2`` (optional, int4, false): bf16/fp16 activations are multiplied in f16x2
+  arithmetic (``quant._int_gemv_half2``: half the instructions a value; products rounded
+  to f16) instead of exact float32 FMAs;
 * ``fma`` (optional, fp8, false): per-row weight scales run the CUDA-core kernel (float32
   FMAs of the upcast weight, the bf16 GEMV's shape; ``num_stages`` unused) instead of the
   tensor-core one; block scales keep the tensor-core kernel.
@@ -42,7 +45,7 @@ REQUIRED = {"fp8": ("block_n", "block_k", "num_warps", "num_stages"), "int4": ("
             "int8": ("block_n", "num_warps")}
 OPTIONAL: dict[str, dict[str, int | bool]] = {
     "fp8": {"split_k": 1, "fma": False},
-    "int4": {"split_k": 1, "prefetch": False}, "int8": {"split_k": 1, "prefetch": False}}
+    "int4": {"split_k": 1, "prefetch": False, "half2": False}, "int8": {"split_k": 1, "prefetch": False}}
 FIELDS = {kind: REQUIRED[kind] + tuple(OPTIONAL[kind]) for kind in REQUIRED}
 
 
@@ -61,7 +64,8 @@ _CHECKS = {"block_n": _pow2(1, 64), "num_warps": _pow2(1, 16), "block_k": _pow2(
            "num_stages": (lambda v: _is_int(v) and 1 <= v <= 8, "an integer in [1, 8]"),
            "split_k": (lambda v: _is_int(v) and 1 <= v <= 64, "an integer in [1, 64]"),
            "prefetch": (lambda v: isinstance(v, bool), "true or false"),
-           "fma": (lambda v: isinstance(v, bool), "true or false")}
+           "fma": (lambda v: isinstance(v, bool), "true or false"),
+           "half2": (lambda v: isinstance(v, bool), "true or false")}
 
 
 def check_config(kind: str, cfg: object, where: str) -> dict[str, int | bool]:

@@ -661,32 +661,117 @@ def _int_gemv_words(rows, kc, rw, mask_n, KW: tl.constexpr, EVEN: tl.constexpr):
     return words
 
 
+# One packed word of 4-bit values against its 8 activations in f16x2 arithmetic (HALF2): the
+# values q0..q7 at bits 4j. An AND-OR with 0x64006400 (two f16 1024.0s) puts the values at
+# bits 0-3 and 16-19 of a word into the mantissas of two f16s, 1024 + q (the LOP3 trick of
+# FasterTransformer's and Marlin's dequantization); bits 4-7 and 20-23 give 1024 + 16q, and
+# the word shifted right by 8 the other four. An exact f16x2 subtraction leaves q (or 16q,
+# whose activations $3 and $5 come pre-divided by 16), a product and three FMAs sum the
+# eight products in two f16 lanes, and the lanes are added in float32: 17 instructions for
+# 8 values against ~35 in float32 (the CUDA-core kernel is issue-bound, not HBM-bound).
+# $2..$5: the activation pairs (x0, x4), (x1, x5) / 16, (x2, x6), (x3, x7) / 16 as f16x2.
+_INT4_HALF2_ASM = tl.constexpr("""{
+.reg .b32 m, a, b, c, d, w8, s;
+.reg .f16 h0, h1;
+.reg .f32 f0, f1;
+mov.b32 m, 0x64006400;
+lop3.b32 a, $1, 0x000f000f, m, 0xea;
+lop3.b32 b, $1, 0x00f000f0, m, 0xea;
+shr.u32 w8, $1, 8;
+lop3.b32 c, w8, 0x000f000f, m, 0xea;
+lop3.b32 d, w8, 0x00f000f0, m, 0xea;
+sub.f16x2 a, a, m;
+sub.f16x2 b, b, m;
+sub.f16x2 c, c, m;
+sub.f16x2 d, d, m;
+mul.f16x2 s, a, $2;
+fma.rn.f16x2 s, b, $3, s;
+fma.rn.f16x2 s, c, $4, s;
+fma.rn.f16x2 s, d, $5, s;
+mov.b32 {h0, h1}, s;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+add.f32 $0, f0, f1;
+}""")
+
+
+@triton.jit
+def _f16x2(lo, hi):
+    """Two float32 tensors rounded to f16 and packed as one int32 each (lo in bits 0-15)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _int_gemv_half2(words, kc, x_ptr, rcw, KW: tl.constexpr):
+    """t [BLOCK_N, C] (float32): the products of one chunk's 4-bit words [BLOCK_N, C, CW]
+    and their activations, and xs [C] (float32) the sum of each thread's activations.
+
+    f16 holds the products without loss of range: each thread scales its 8 * CW activations
+    by a power of two that brings their largest magnitude into [16, 32) (a product of a
+    4-bit value is then < 512, a lane's sum of four < 2048) and scales its sums back in
+    float32; an activation more than 2**18 below its thread's largest keeps fewer bits (an f16
+    subnormal), a contribution far below the output's rounding. Products and the lanes' sums
+    round to f16 (11 bits), each word's sum to float32 from there."""
+    m = kc + rcw < KW
+    base = x_ptr + (kc + rcw) * 8
+    x0 = tl.load(base + 0, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(base + 1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + 2, mask=m, other=0.0).to(tl.float32)
+    x3 = tl.load(base + 3, mask=m, other=0.0).to(tl.float32)
+    x4 = tl.load(base + 4, mask=m, other=0.0).to(tl.float32)
+    x5 = tl.load(base + 5, mask=m, other=0.0).to(tl.float32)
+    x6 = tl.load(base + 6, mask=m, other=0.0).to(tl.float32)
+    x7 = tl.load(base + 7, mask=m, other=0.0).to(tl.float32)
+    xs = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)
+    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+    amax = tl.max(amax, axis=1)  # [C]: the thread's largest
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # its biased exponent
+    e = tl.minimum(tl.maximum(e, 16), 250)  # all zeros or subnormal: any scale will do
+    down = ((258 - e) << 23).to(tl.float32, bitcast=True)[:, None]  # 2**(131 - e): largest -> [16, 32)
+    up = ((e - 4) << 23).to(tl.float32, bitcast=True)  # 2**(e - 131)
+    p0 = _f16x2(x0 * down, x4 * down)
+    p1 = _f16x2(x1 * (down * 0.0625), x5 * (down * 0.0625))
+    p2 = _f16x2(x2 * down, x6 * down)
+    p3 = _f16x2(x3 * (down * 0.0625), x7 * (down * 0.0625))
+    t = tl.inline_asm_elementwise(_INT4_HALF2_ASM, "=f,r,r,r,r,r", [words, p0[None, :, :], p1[None, :, :],
+                                                                   p2[None, :, :], p3[None, :, :]],
+                                  dtype=tl.float32, is_pure=True, pack=1)
+    return tl.sum(t, axis=2) * up[None, :], xs
+
+
 @triton.jit
 def _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW: tl.constexpr,
                     GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
-                    CW: tl.constexpr, BLOCK_N: tl.constexpr):
+                    CW: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr):
     """acc [BLOCK_N, C] += one chunk's products: words [BLOCK_N, BKW] (from word ``kc``)
     unpacked, times the activation, less the zero points, times the scales (see the kernel)."""
     words = tl.reshape(words, [BLOCK_N, C, CW])  # no data movement: CW is each thread's vector
-    hi = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
-    t = tl.zeros([BLOCK_N, C, CW], dtype=tl.float32)
-    xs = tl.zeros([C, CW], dtype=tl.float32)
-    for j in tl.static_range(PER):
-        LOW = j * BITS + BITS <= 20
-        POS = j * BITS if LOW else j * BITS - 16
-        # loaded as [C, CW], not reshaped from [BKW]: the load then has the layout the
-        # products use (no shared-memory conversion and barrier a value)
-        xj = tl.load(x_ptr + (kc + rcw) * PER + j, mask=kc + rcw < KW, other=0.0).to(tl.float32)
-        xs += xj
-        src = words if LOW else hi
-        f = ((src & (((1 << BITS) - 1) << POS)) | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
-        t += f * (xj * (1.0 / (1 << POS)))[None, :, :]
+    if HALF2:
+        t, xsum = _int_gemv_half2(words, kc, x_ptr, rcw, KW)
+    else:
+        hi = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+        t3 = tl.zeros([BLOCK_N, C, CW], dtype=tl.float32)
+        xs = tl.zeros([C, CW], dtype=tl.float32)
+        for j in tl.static_range(PER):
+            LOW = j * BITS + BITS <= 20
+            POS = j * BITS if LOW else j * BITS - 16
+            # loaded as [C, CW], not reshaped from [BKW]: the load then has the layout the
+            # products use (no shared-memory conversion and barrier a value)
+            xj = tl.load(x_ptr + (kc + rcw) * PER + j, mask=kc + rcw < KW, other=0.0).to(tl.float32)
+            xs += xj
+            src = words if LOW else hi
+            f = ((src & (((1 << BITS) - 1) << POS)) | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+            t3 += f * (xj * (1.0 / (1 << POS)))[None, :, :]
+        t = tl.sum(t3, axis=2)
+        xsum = tl.sum(xs, axis=1)
     g = ((kc + rc * CW) * PER) // GROUP  # [C]: each thread's group
     m2 = mask_n[:, None] & (g < G)[None, :]
     off = g[None, :].to(tl.int64) * N + rn[:, None]
     sc = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
     zc = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    acc += sc * (tl.sum(t, axis=2) - zc * tl.sum(xs, axis=1)[None, :])
+    acc += sc * (t - zc * xsum[None, :])
     return acc
 
 
@@ -694,7 +779,7 @@ def _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N,
 def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC, K: tl.constexpr,
                      GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr,
                      NUM_WARPS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                     PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                     PREFETCH: tl.constexpr, HALF2: tl.constexpr, PDL: tl.constexpr):
     # qweight [N, K / PER]: every thread owns CW consecutive words (a 16-byte load at CW = 4)
     # of all BLOCK_N rows, the threads side by side along K (a chunk of 32 * NUM_WARPS * CW
     # words a step), so each activation value is loaded, converted and scaled once per
@@ -738,24 +823,24 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC,
         for kc in range(k_lo, k_lo + KSW - BKW, BKW):  # every chunk but the last, the next one loaded first
             nxt = _int_gemv_words(rows, kc + BKW, rw, mask_n, KW, EVEN)
             acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
-                                  BITS, PER, C, CW, BLOCK_N)
+                                  BITS, PER, C, CW, BLOCK_N, HALF2)
             words = nxt
         acc = _int_gemv_chunk(acc, words, k_lo + KSW - BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW,
-                              GROUP, G, BITS, PER, C, CW, BLOCK_N)
+                              GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2)
     elif PDL:  # the first chunk before the wait, the rest as below
         words = _int_gemv_words(rows, k_lo, rw, mask_n, KW, EVEN)
         tl.extra.cuda.gdc_wait()
         acc = _int_gemv_chunk(acc, words, k_lo, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
-                              BITS, PER, C, CW, BLOCK_N)
+                              BITS, PER, C, CW, BLOCK_N, HALF2)
         for kc in range(k_lo + BKW, k_hi, BKW):
             words = _int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
             acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
-                                  BITS, PER, C, CW, BLOCK_N)
+                                  BITS, PER, C, CW, BLOCK_N, HALF2)
     else:
         for kc in range(k_lo, k_hi, BKW):  # a runtime loop: unrolled, the loads of every chunk would be hoisted and spill
             words = _int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
             acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
-                                  BITS, PER, C, CW, BLOCK_N)
+                                  BITS, PER, C, CW, BLOCK_N, HALF2)
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -778,18 +863,22 @@ def int_gemv_default(n: int, k: int) -> dict[str, int]:
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
              group_size: int, bias: torch.Tensor | None = None, block_n: int | None = None,
-             num_warps: int | None = None, split_k: int | None = None, prefetch: bool | None = None) -> torch.Tensor:
+             num_warps: int | None = None, split_k: int | None = None, prefetch: bool | None = None,
+             half2: bool | None = None) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(qweight [N, K * bits / 32]).T -> [1, N] in
     x.dtype. Each program owns ``block_n`` output rows and, with ``split_k`` 1, all of K
     (see the kernel); ``split_k`` > 1 cuts K into that many runs of whole chunks (a chunk:
     ``32 * num_warps * 4`` words where the group size allows), one program each, whose
     float32 partial sums a second pass adds in split order (deterministic; the bias and the
     rounding there); ``prefetch``: each program loads its next chunk before it multiplies
-    the current one. The launch config: the arguments, else the swept one of this shape
-    and GPU (``gemv_configs``), else ``int_gemv_default`` (split_k 1, no prefetch). A
-    thread's words must lie in one group: 4 of them where the group size allows, else 2 or
-    1. Raises ValueError for a group size that is not a multiple of the values a word
-    holds, or a ``split_k`` that leaves a split without a chunk (``split_chunks``)."""
+    the current one; ``half2``: 4-bit words against bf16/fp16 activations are multiplied in
+    f16x2 arithmetic (``_int_gemv_half2``: products and sums of four rounded to f16, not exact
+    float32 ones; GPU only, other inputs keep the float32 path). The launch config: the
+    arguments, else the swept one of this shape and GPU (``gemv_configs``), else
+    ``int_gemv_default`` (split_k 1, no prefetch). A thread's words must lie in one group: 4 of
+    them where the group size allows, else 2 or 1. Raises ValueError for a group size that is
+    not a multiple of the values a word holds, or a ``split_k`` that leaves a split without a
+    chunk (``split_chunks``)."""
     n, kw = qweight.shape
     per = 32 // bits
     k = kw * per
@@ -798,6 +887,8 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     num_warps = num_warps or cfg["num_warps"]
     split_k = split_k if split_k is not None else cfg.get("split_k", 1)
     prefetch = prefetch if prefetch is not None else bool(cfg.get("prefetch", False))
+    half2 = half2 if half2 is not None else bool(cfg.get("half2", False))
+    half2 = half2 and bits == 4 and x.is_cuda and not _INTERPRET and x.dtype in (torch.bfloat16, torch.float16)
     if group_size % per:
         raise ValueError(f"group size {group_size} must be a multiple of the {per} values an int32 word holds")
     cw = next(c for c in (4, 2, 1) if group_size % (c * per) == 0 and kw % c == 0)
@@ -810,7 +901,7 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     _int_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, part, n, _MAGIC, K=k, GROUP=group_size,
         BITS=bits, BLOCK_N=block_n, CW=cw, NUM_WARPS=num_warps, HAS_BIAS=bias is not None, SPLIT_K=split_k,
-        PREFETCH=bool(prefetch), num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv"))
+        PREFETCH=bool(prefetch), HALF2=half2, num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv"))
     if split_k > 1:
         _split_sum(part, bias, y)
     return y

@@ -97,10 +97,15 @@ def _fp8_tc():
         MIN_SCALE=quant._MIN_SCALE, AMAX_BLOCK=2048, IEEE=False, EMULATE=False, SPLIT_K=1)
 
 
-def _int4():
+def _int4(half2=False):
     from pyengine.ops import quant
     return quant._int_gemv_kernel, dict(qw_ptr="*i32", p_ptr="*fp32"), dict(
-        K=4096, GROUP=128, BITS=4, BLOCK_N=8, CW=4, NUM_WARPS=4, HAS_BIAS=False, SPLIT_K=1, PREFETCH=False)
+        K=4096, GROUP=128, BITS=4, BLOCK_N=8, CW=4, NUM_WARPS=4, HAS_BIAS=False, SPLIT_K=1, PREFETCH=False,
+        HALF2=half2)
+
+
+def _int4_half2():
+    return _int4(half2=True)
 
 
 def _rms_norm():
@@ -148,7 +153,8 @@ def _moe_gemv():
 
 # (kernel, whether it prefetches its weights before the wait)
 KERNELS = {"gemv": (_gemv, True), "fp8_gemv": (_fp8_tc, True),
-           "int4_gemv": (_int4, True), "rms_norm": (_rms_norm, None), "silu_and_mul": (_silu, False),
+           "int4_gemv": (_int4, True), "int4_gemv_half2": (_int4_half2, True), "rms_norm": (_rms_norm, None),
+           "silu_and_mul": (_silu, False),
            "decode_reduce": (_decode_reduce, False), "topk_softmax": (_topk, False),
            "rope_and_cache": (_rope_cache, False), "decode_split": (_decode_split, False),
            "fused_moe_gemv": (_moe_gemv, False)}

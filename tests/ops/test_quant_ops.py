@@ -274,6 +274,53 @@ def test_int_gemv_split_k_and_prefetch(kind, bits, group_size, block_n, num_warp
     assert checked  # every parametrization runs on at least one K
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [128, 16, 8])
+@pytest.mark.parametrize("block_n, num_warps, split_k, prefetch",
+                         [(16, 4, 1, False), (8, 4, 1, False), (32, 4, 1, False), (16, 2, 1, True), (8, 1, 2, False)])
+def test_int4_gemv_half2(monkeypatch, dtype, group_size, block_n, num_warps, split_k, prefetch):
+    """The f16x2 path (``half2``) against the dequantized float32 reference, at bf16/fp16
+    tolerance: K of o_proj / down_proj and a masked last chunk (1792 at 4 warps), N not a
+    multiple of block_n, groups of 128 (four words a thread), 16 (two) and 8 values (one),
+    with activations whose magnitudes span 2**-20 to 2**13 among one
+    thread's values (each thread's own power-of-two scaling keeps f16 in range: a wrong
+    scale overflows or flushes); and it is the path that ran (not bit-equal to the float32
+    FMAs' output)."""
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("needs CUDA")
+    seen = []
+    kernel = quant._int_gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(kw["HALF2"])
+                return kernel[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(quant, "_int_gemv_kernel", Spy())
+    g = torch.Generator(device="cpu").manual_seed(group_size + block_n)
+    for k in (4096, 14336, 1792):
+        n = 4100
+        qw, s, z = _int_weight(n, k, 4, group_size, "cuda")
+        sd, zd = s.to(dtype), z.to(dtype)
+        mag = 2.0 ** torch.randint(-20, 14 if dtype == torch.bfloat16 else 11, (1, k), generator=g)
+        x = (torch.randn(1, k, generator=g) * mag).to(dtype).cuda()
+        bias = torch.randn(n, device="cuda").to(dtype)
+        ref = x.float() @ quant.dequant_int_ref(qw, sd, zd, 4, group_size).t() + bias.float()
+        kw = dict(block_n=block_n, num_warps=num_warps, split_k=split_k, prefetch=prefetch)
+        if prefetch and k == 1792:
+            continue  # one chunk a program: refused (test_int_gemv_split_k_and_prefetch)
+        y = quant.int_gemv(x, qw, sd, zd, 4, group_size, bias, half2=True, **kw)
+        exact = quant.int_gemv(x, qw, sd, zd, 4, group_size, bias, half2=False, **kw)
+        assert seen[-2:] == [True, False]
+        _check(y, ref, dtype)
+        _check(exact, ref, dtype)
+        assert not torch.equal(y, exact)
+        assert torch.equal(y, quant.int_gemv(x, qw, sd, zd, 4, group_size, bias, half2=True, **kw))
+
+
 @pytest.mark.parametrize("kind", DEVICES)
 @pytest.mark.parametrize("act", ["token", "tensor", None, "group"])
 @pytest.mark.parametrize("block_n, block_k, split_k, fma", [(2, 256, 2, False), (8, 256, 4, False), (4, 512, 3, False),
