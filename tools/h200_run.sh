@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_int4 quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: gpu_int4 gpu_half2 half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -115,7 +115,7 @@ step 90 moe_quick_sweep bash -c "python3 benchmarks/moe.py --sweep --sweep-quick
 # timed in CUDA graphs, then the launch-config sweep (~78 compiles: split-K, prefetch, the CUDA-core FP8 kernel (fma) too;
 # its unrolled K = 14336 builds take longer); its table comes back in
 # $OUT/gemv_configs.tar (the device tool drops file names with ',' or '=': commit it to pyengine/ops/configs/)
-step 240 gemv_sweep bash -c "python3 benchmarks/quant.py $OUT --parts kernels --sweep --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
+step 240 gemv_sweep bash -c "python3 benchmarks/quant.py $OUT/sweep --parts kernels --sweep --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
 step 60 gpufix_moe_kernels python3 benchmarks/moe.py --out-dir "$OUT" --sections kernels --kernel-m 1,16,256,4096 --repeats 2
 # where a batch-1 decode step's time goes, kernel by kernel (issues 25 and 26; benchmarks/decode_profile.py): the
 # TPOT runs' engines (the real shapes, CUDA graphs as served), 20 decode steps under torch.profiler each; per kernel,
@@ -148,6 +148,13 @@ step 360 quant_bench python3 benchmarks/quant.py "$OUT"
 # W4A16 engines; ~90 s) on the GEMV table in the package (after gemv_sweep in the same call: the one it wrote)
 step 150 gpu_int4 python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k "int_gemv or int4_gemv or int_linear" -p no:cacheprovider --tb=short -o faulthandler_timeout=140
 step 200 quant_tpot python3 benchmarks/quant.py "$OUT" --parts tpot
+step 240 gpu_half2 python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k half2 -p no:cacheprovider --tb=short -o faulthandler_timeout=200
+# the W4A16 8B decode step per kernel on the shipped GEMV table (f16x2 int4 GEMVs) and on
+# benchmarks/results/2026-12-04c-h200/gemv_table_no_half2.json (the float32 ones), PDL on then off: $OUT/h2<on|off>_pdl<v>
+T="pyengine/ops/configs/gemv,device_name=NVIDIA_H200.json"
+step 200 half2_profile bash -c 'cp "$1" /tmp/gemv_shipped.json; for h in on off; do [ $h = off ] && cp "$2" "$1"; \
+  for v in 1 0; do VENGINE_PDL=$v python3 benchmarks/quant.py "$0/h2${h}_pdl$v" --parts profile --profile-variants w4a16 \
+  | tail -2 || exit 1; done; done; cp /tmp/gemv_shipped.json "$1"' "$OUT" "$T" benchmarks/results/2026-12-04c-h200/gemv_table_no_half2.json
 # speculative decoding (issue 27): on == off on CUDA for each proposer; then the benchmark: ngram on
 # code-editing prompts with the built-in model and throughput at 256 streams with the cutoff, and (its own
 # step: it trains the >= 50M target with tools/train_default_model.py first) the draft-model pair
