@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="store_true",
                    help="kernels part: also time the GEMV launch configs (FP8_SWEEP, INT_SWEEP), record the best per "
                         "layer shape and write them to pyengine/ops/configs/gemv,device_name=<GPU>.json (and OUT)")
+    p.add_argument("--sweep-kinds", default="fp8,int4",
+                   help="--sweep: the GEMV kinds to sweep (fp8, int4); the table keeps the other kinds' entries")
     p.add_argument("--config-dir", default=None, help="where --sweep writes its configs (default: pyengine/ops/configs)")
     p.add_argument("--verbose", action="store_true", help="engine INFO logs")
     return p
@@ -316,7 +318,7 @@ def _layer_shapes(hf) -> dict[str, tuple[int, int]]:
 # loaded before this one's products; block_n 32: 255 registers, no spill at 4 warps and
 # K = 4096 or 8 warps and K = 14336, 7% fewer instructions a value than 16 rows); the first
 # of each is its CPU smoke run's. A config that cannot run a shape (a split without a chunk,
-# prefetch with one chunk a split) is refused before it compiles. 20 + 31 configs, about 100
+# prefetch with one chunk a split) is refused before it compiles. 20 + 44 configs, about 130
 # compiles for the 8B shapes' two K values (~0.5 s each; the unrolled FMA kernel at
 # K = 14336 longer: the 15 configs of 12-02 swept in 17 s on the H200).
 FP8_SWEEP: list[dict[str, int | bool]] = [
@@ -346,6 +348,13 @@ INT_SWEEP += [{"block_n": bn, "num_warps": nw, **({"split_k": sk} if sk > 1 else
               for bn, nw, sk, pf in ((8, 2, 1, False), (8, 4, 1, False), (16, 2, 1, False), (16, 4, 1, False),
                                      (32, 4, 1, False), (32, 8, 1, False), (16, 8, 1, False), (8, 1, 1, True),
                                      (16, 1, 1, True), (16, 2, 1, True), (8, 2, 1, True), (16, 4, 2, False))]
+# persistent programs (a few an SM, each walking blocks of rows with the next one's words in
+# flight during the products; offline sm_90 builds: 128 registers at 8 rows x 4 warps, 4
+# programs an SM; 255 at 16 rows, 2), per SM x rows x warps x words a thread (``vec``)
+INT_SWEEP += [{"block_n": bn, "num_warps": nw, "persistent": p, **({"vec": v} if v else {}), "half2": True}
+              for bn, nw, p, v in ((8, 4, 4, 0), (8, 4, 3, 0), (8, 4, 2, 0), (16, 4, 2, 0), (4, 4, 4, 0), (8, 2, 4, 8),
+                                   (8, 2, 6, 0), (16, 2, 3, 0), (4, 2, 8, 8), (8, 1, 8, 0), (16, 8, 1, 0), (8, 8, 2, 0))]
+INT_SWEEP += [{"block_n": 8, "num_warps": 4, "persistent": 4}]  # the float32 products, persistent
 
 
 def _copies(dev: str, nbytes: int) -> int:
@@ -405,7 +414,10 @@ def run_kernels(args, results: dict) -> None:
             row[f"{label}_single_us"] = _time_us(calls[0], dev)
         if args.sweep:
             sweep_t0 = sweep_t0 or time.perf_counter()
-            row["sweep"] = _sweep_gemv(dev, x1, fp8, ints, gs, fp8_bytes, int_bytes)
+            row["sweep"] = _sweep_gemv(dev, x1, fp8, ints, gs, fp8_bytes, int_bytes, _sweep_kinds(args))
+            for label in set(_SWEEP_KINDS.values()) - _sweep_kinds(args):  # not swept: the shipped config's time
+                row["sweep"].update({f"{label}_best": "(not swept)", f"{label}_best_us": row[f"{label}_us"],
+                                     f"{label}_best_gb_s": row[f"{label}_gb_s"]})
         m = args.gemm_m if dev == "cuda" else 16
         if m:
             row.update(_time_gemms(dev, dtype, m, ws[0], fp8[0], ints[0], gs))
@@ -469,13 +481,25 @@ def _time_gemms(dev, dtype, m, w, fp8, ints, gs) -> dict:
     return out
 
 
-def _sweep_gemv(dev, x1, fp8, ints, gs, fp8_bytes, int_bytes) -> dict:
-    """Every config of FP8_SWEEP / INT_SWEEP on one layer shape (configs whose output differs
-    from the default's by more than bf16 rounding are refused), and the fastest."""
+_SWEEP_KINDS = {"fp8": "fp8_gemv", "int4": "w4a16_gemv"}  # --sweep-kinds -> the sweep's labels
+
+
+def _sweep_kinds(args) -> set[str]:
+    kinds = {k.strip() for k in args.sweep_kinds.split(",") if k.strip()}
+    if not kinds or kinds - set(_SWEEP_KINDS):
+        raise SystemExit(f"error: --sweep-kinds takes {', '.join(_SWEEP_KINDS)}; got {args.sweep_kinds!r}")
+    return {_SWEEP_KINDS[k] for k in kinds}
+
+
+def _sweep_gemv(dev, x1, fp8, ints, gs, fp8_bytes, int_bytes, kinds: set[str]) -> dict:
+    """Every config of FP8_SWEEP / INT_SWEEP (the ``kinds`` of them) on one layer shape
+    (configs whose output differs from the default's by more than bf16 rounding are
+    refused), and the fastest."""
     from pyengine.ops import quant
 
     grids = {"fp8_gemv": FP8_SWEEP if dev == "cuda" else FP8_SWEEP[:2] + FP8_FMA_SWEEP[:1],
              "w4a16_gemv": INT_SWEEP if dev == "cuda" else INT_SWEEP[:2]}
+    grids = {kind: grid for kind, grid in grids.items() if kind in kinds}
     calls = {"fp8_gemv": lambda cfg, q: quant.fp8_gemv(x1, q[0], q[1], act="token", **cfg),
              "w4a16_gemv": lambda cfg, q: quant.int_gemv(x1, q[0], q[1], q[2], 4, gs, **cfg)}
     weights = {"fp8_gemv": fp8, "w4a16_gemv": ints}
@@ -520,8 +544,9 @@ def _write_gemv_configs(args, dev: str, rows: list[dict]) -> list[str]:
     table = gemv_configs.parse_table(json.loads(path.read_text()), str(path)) if path.is_file() else {}
     for r in rows:
         key = gemv_configs.shape_key(r["N"], r["K"])
-        table.setdefault("fp8", {})[key] = r["sweep"]["fp8_gemv_best_config"]
-        table.setdefault("int4", {})[key] = r["sweep"]["w4a16_gemv_best_config"]
+        for kind, label in _SWEEP_KINDS.items():
+            if f"{label}_best_config" in r["sweep"]:
+                table.setdefault(kind, {})[key] = r["sweep"][f"{label}_best_config"]
     text = json.dumps(table, indent=1, sort_keys=True) + "\n"
     pkg.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

@@ -703,9 +703,11 @@ def _f16x2(lo, hi):
 
 
 @triton.jit
-def _int_gemv_half2(words, kc, x_ptr, rcw, KW: tl.constexpr):
-    """t [BLOCK_N, C] (float32): the products of one chunk's 4-bit words [BLOCK_N, C, CW]
-    and their activations, and xs [C] (float32) the sum of each thread's activations.
+def _half2_x(kc, x_ptr, rcw, KW: tl.constexpr):
+    """The f16x2 path's activations of the chunk at word ``kc``: per thread, the pairs
+    (x0, x4), (x1, x5) / 16, (x2, x6), (x3, x7) / 16 of each of its CW words as f16x2
+    (int32 [C, CW] each), scaled by the thread's power of two; ``up`` [C] (float32) that
+    scale's inverse, and ``xs`` [C] (float32) the sum of the thread's activations.
 
     f16 holds the products without loss of range: each thread scales its 8 * CW activations
     by a power of two that brings their largest magnitude into [16, 32) (a product of a
@@ -735,10 +737,29 @@ def _int_gemv_half2(words, kc, x_ptr, rcw, KW: tl.constexpr):
     p1 = _f16x2(x1 * (down * 0.0625), x5 * (down * 0.0625))
     p2 = _f16x2(x2 * down, x6 * down)
     p3 = _f16x2(x3 * (down * 0.0625), x7 * (down * 0.0625))
+    return p0, p1, p2, p3, up, xs
+
+
+@triton.jit
+def _half2_dot(words, p0, p1, p2, p3, up):
+    """t [BLOCK_N, C] (float32): the products of 4-bit words [BLOCK_N, C, CW] and the
+    activations ``_half2_x`` prepared, summed over each thread's words, scaled back."""
     t = tl.inline_asm_elementwise(_INT4_HALF2_ASM, "=f,r,r,r,r,r", [words, p0[None, :, :], p1[None, :, :],
                                                                    p2[None, :, :], p3[None, :, :]],
                                   dtype=tl.float32, is_pure=True, pack=1)
-    return tl.sum(t, axis=2) * up[None, :], xs
+    return tl.sum(t, axis=2) * up[None, :]
+
+
+@triton.jit
+def _int_gemv_scale(acc, t, xsum, kc, s_ptr, z_ptr, rn, mask_n, rc, N, GROUP: tl.constexpr, G: tl.constexpr,
+                    PER: tl.constexpr, CW: tl.constexpr):
+    """acc [BLOCK_N, C] += scale * (t - zero * xsum), each thread's group's scale and zero."""
+    g = ((kc + rc * CW) * PER) // GROUP  # [C]: each thread's group
+    m2 = mask_n[:, None] & (g < G)[None, :]
+    off = g[None, :].to(tl.int64) * N + rn[:, None]
+    sc = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    zc = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    return acc + sc * (t - zc * xsum[None, :])
 
 
 @triton.jit
@@ -749,7 +770,8 @@ def _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N,
     unpacked, times the activation, less the zero points, times the scales (see the kernel)."""
     words = tl.reshape(words, [BLOCK_N, C, CW])  # no data movement: CW is each thread's vector
     if HALF2:
-        t, xsum = _int_gemv_half2(words, kc, x_ptr, rcw, KW)
+        p0, p1, p2, p3, up, xsum = _half2_x(kc, x_ptr, rcw, KW)
+        t = _half2_dot(words, p0, p1, p2, p3, up)
     else:
         hi = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
         t3 = tl.zeros([BLOCK_N, C, CW], dtype=tl.float32)
@@ -766,13 +788,7 @@ def _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N,
             t3 += f * (xj * (1.0 / (1 << POS)))[None, :, :]
         t = tl.sum(t3, axis=2)
         xsum = tl.sum(xs, axis=1)
-    g = ((kc + rc * CW) * PER) // GROUP  # [C]: each thread's group
-    m2 = mask_n[:, None] & (g < G)[None, :]
-    off = g[None, :].to(tl.int64) * N + rn[:, None]
-    sc = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    zc = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    acc += sc * (t - zc * xsum[None, :])
-    return acc
+    return _int_gemv_scale(acc, t, xsum, kc, s_ptr, z_ptr, rn, mask_n, rc, N, GROUP, G, PER, CW)
 
 
 @triton.jit
@@ -850,6 +866,68 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC,
         tl.store(p_ptr + tl.program_id(1) * N + rn, y, mask=mask_n)
 
 
+@triton.jit
+def _int_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC, K: tl.constexpr,
+                            GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr,
+                            NUM_WARPS: tl.constexpr, HAS_BIAS: tl.constexpr, HALF2: tl.constexpr,
+                            PDL: tl.constexpr):
+    # The one-pass kernel's chunks (see _int_gemv_kernel), but each program walks the
+    # blocks of BLOCK_N rows pid, pid + grid, ... (a grid of a few programs an SM) and loads
+    # the next (block, chunk)'s words before it multiplies the current one. With a program a
+    # block, every program of a wave loads, then computes, in step: the HBM idles while the
+    # SMs multiply (the 4-bit products cost ~4 instructions a value). Here the next loads are
+    # in flight during the products, across block boundaries too.
+    PER: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = K // PER
+    G: tl.constexpr = (K + GROUP - 1) // GROUP
+    C: tl.constexpr = 32 * NUM_WARPS
+    BKW: tl.constexpr = C * CW
+    NCH: tl.constexpr = (KW + BKW - 1) // BKW  # chunks a block
+    EVEN: tl.constexpr = NCH * BKW == KW
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    total = (tl.cdiv(N, BLOCK_N) - pid + grid - 1) // grid * NCH  # this program's (block, chunk)s
+    ar = tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BKW)
+    rc = tl.arange(0, C)
+    rcw = rc[:, None] * CW + tl.arange(0, CW)[None, :]
+    if PDL:  # (pyengine/ops/pdl.py) the first chunk's words are read during the previous kernel
+        tl.extra.cuda.gdc_launch_dependents()
+    rn = pid * BLOCK_N + ar
+    words = _int_gemv_words(qw_ptr + rn[:, None].to(tl.int64) * KW, 0, rw, rn < N, KW, EVEN)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
+    HOIST: tl.constexpr = HALF2 and NCH == 1  # one chunk a block: every block's activations are the same
+    if HOIST:
+        p0, p1, p2, p3, up, xsum = _half2_x(0, x_ptr, rcw, KW)
+    for i in range(0, total):
+        j = i + 1
+        nrn = (pid + (j // NCH) * grid) * BLOCK_N + ar
+        lim = tl.where(j < total, N, 0)  # past this program's last chunk: nothing loaded
+        nxt = _int_gemv_words(qw_ptr + nrn[:, None].to(tl.int64) * KW, (j % NCH) * BKW, rw, nrn < lim, KW, EVEN)
+        rn = (pid + (i // NCH) * grid) * BLOCK_N + ar
+        mask_n = rn < N
+        if HOIST:
+            t = _half2_dot(tl.reshape(words, [BLOCK_N, C, CW]), p0, p1, p2, p3, up)
+            acc = _int_gemv_scale(acc, t, xsum, 0, s_ptr, z_ptr, rn, mask_n, rc, N, GROUP, G, PER, CW)
+        else:
+            acc = _int_gemv_chunk(acc, words, (i % NCH) * BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC,
+                                  KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2)
+        if i % NCH == NCH - 1:  # the block's last chunk: its rows are done
+            y = tl.sum(acc, axis=1)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+            acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
+        words = nxt
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 _MAGIC = 0x4B000000  # the bits of float32 2**23: OR-ed below a value of < 23 bits, it is 2**23 + value
 
 
@@ -864,7 +942,7 @@ def int_gemv_default(n: int, k: int) -> dict[str, int]:
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
              group_size: int, bias: torch.Tensor | None = None, block_n: int | None = None,
              num_warps: int | None = None, split_k: int | None = None, prefetch: bool | None = None,
-             half2: bool | None = None) -> torch.Tensor:
+             half2: bool | None = None, persistent: int | None = None, vec: int | None = None) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(qweight [N, K * bits / 32]).T -> [1, N] in
     x.dtype. Each program owns ``block_n`` output rows and, with ``split_k`` 1, all of K
     (see the kernel); ``split_k`` > 1 cuts K into that many runs of whole chunks (a chunk:
@@ -873,7 +951,11 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     rounding there); ``prefetch``: each program loads its next chunk before it multiplies
     the current one; ``half2``: 4-bit words against bf16/fp16 activations are multiplied in
     f16x2 arithmetic (``_int_gemv_half2``: products and sums of four rounded to f16, not exact
-    float32 ones; GPU only, other inputs keep the float32 path). The launch config: the
+    float32 ones; GPU only, other inputs keep the float32 path); ``persistent`` > 0 (with
+    ``split_k`` 1, no ``prefetch``): that many programs an SM (on the CPU: in all) each
+    walk blocks of rows, the next block's words loaded during the current products
+    (``_int_gemv_stream_kernel``); ``vec``: the words a thread takes a chunk (a group
+    holds whole vectors; default 4, else 2 or 1, as the group size allows). The launch config: the
     arguments, else the swept one of this shape and GPU (``gemv_configs``), else
     ``int_gemv_default`` (split_k 1, no prefetch). A thread's words must lie in one group: 4 of
     them where the group size allows, else 2 or 1. Raises ValueError for a group size that is
@@ -889,14 +971,31 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     prefetch = prefetch if prefetch is not None else bool(cfg.get("prefetch", False))
     half2 = half2 if half2 is not None else bool(cfg.get("half2", False))
     half2 = half2 and bits == 4 and x.is_cuda and not _INTERPRET and x.dtype in (torch.bfloat16, torch.float16)
+    persistent = persistent if persistent is not None else cfg.get("persistent", 0)
     if group_size % per:
         raise ValueError(f"group size {group_size} must be a multiple of the {per} values an int32 word holds")
-    cw = next(c for c in (4, 2, 1) if group_size % (c * per) == 0 and kw % c == 0)
+    vec = vec or cfg.get("vec", 0)
+    if vec:  # the words a thread loads at once: in one group, and a whole number along K
+        if group_size % (vec * per) or kw % vec:
+            raise ValueError(f"vec {vec}: {vec * per} values a thread do not tile groups of {group_size} and K {k}")
+        cw = vec
+    else:
+        cw = next(c for c in (4, 2, 1) if group_size % (c * per) == 0 and kw % c == 0)
     what = f"int{bits} GEMV {n}x{k} (block_n {block_n}, num_warps {num_warps}, split_k {split_k})"
     if prefetch and split_chunks(triton.cdiv(kw, 32 * num_warps * cw), split_k, what) < 2:
         raise ValueError(f"{what}: prefetch needs at least two chunks a split")
     split_chunks(triton.cdiv(kw, 32 * num_warps * cw), split_k, what)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if persistent:
+        if split_k > 1 or prefetch:
+            raise ValueError(f"{what}: persistent programs take neither split_k > 1 nor prefetch (they prefetch)")
+        blocks = triton.cdiv(n, block_n)
+        grid = min(blocks, persistent * (_num_sms(x.device.index or 0) if x.is_cuda else 1))
+        _int_gemv_stream_kernel[(grid,)](
+            x, qweight, scales, zeros, bias if bias is not None else scales, y, n, _MAGIC, K=k, GROUP=group_size,
+            BITS=bits, BLOCK_N=block_n, CW=cw, NUM_WARPS=num_warps, HAS_BIAS=bias is not None, HALF2=half2,
+            num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv"))
+        return y
     part = _split_partials(split_k, n, x.device) if split_k > 1 else y
     _int_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, part, n, _MAGIC, K=k, GROUP=group_size,

@@ -108,6 +108,12 @@ def _int4_half2():
     return _int4(half2=True)
 
 
+def _int4_stream():
+    from pyengine.ops import quant
+    return quant._int_gemv_stream_kernel, dict(qw_ptr="*i32"), dict(
+        K=4096, GROUP=128, BITS=4, BLOCK_N=8, CW=4, NUM_WARPS=4, HAS_BIAS=False, HALF2=True)
+
+
 def _rms_norm():
     from pyengine.ops import fused
     return fused._rms_norm_kernel, dict(eps="fp32"), dict(N_INNER=1, N=4096, BLOCK=4096, ADD=True)
@@ -153,7 +159,8 @@ def _moe_gemv():
 
 # (kernel, whether it prefetches its weights before the wait)
 KERNELS = {"gemv": (_gemv, True), "fp8_gemv": (_fp8_tc, True),
-           "int4_gemv": (_int4, True), "int4_gemv_half2": (_int4_half2, True), "rms_norm": (_rms_norm, None),
+           "int4_gemv": (_int4, True), "int4_gemv_half2": (_int4_half2, True), "int4_gemv_stream": (_int4_stream, True),
+           "rms_norm": (_rms_norm, None),
            "silu_and_mul": (_silu, False),
            "decode_reduce": (_decode_reduce, False), "topk_softmax": (_topk, False),
            "rope_and_cache": (_rope_cache, False), "decode_split": (_decode_split, False),

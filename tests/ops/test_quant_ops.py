@@ -274,23 +274,65 @@ def test_int_gemv_split_k_and_prefetch(kind, bits, group_size, block_n, num_warp
     assert checked  # every parametrization runs on at least one K
 
 
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("bits, group_size", [(4, 128), (8, 32), (4, 16)])
+@pytest.mark.parametrize("block_n, num_warps, persistent, vec", [(4, 1, 2, 0), (8, 2, 3, 8), (4, 1, 1, 2), (16, 4, 4, 0)])
+def test_int_gemv_persistent(kind, bits, group_size, block_n, num_warps, persistent, vec):
+    """The persistent programs (``_int_gemv_stream_kernel``: a program walks blocks of rows,
+    the next block's words loaded before the current products) against the dequantized
+    reference: fewer programs than blocks (on the CPU ``persistent`` is the grid: 5 blocks
+    of 4 rows over 2 or 1 programs, the last block part-masked), K in one chunk and in
+    several with a masked last one, ``vec`` words a thread (8: twice the default; refused
+    where a group cannot hold them), float32 (1e-5) and bf16 activations, a bias."""
+    dev = _dev(kind)
+    if dev == "cuda" and group_size == 16:
+        pytest.skip("two words a thread: the CPU's cases (the GPU's compiles are the step's time)")
+    n = 18 if dev == "cpu" else 4100
+    for k in ((512, 1792) if dev == "cpu" else (4096, 14336)):
+        qw, s, z = _int_weight(n, k, bits, group_size, dev)
+        per = 32 // bits
+        if vec and (group_size % (vec * per) or (k // per) % vec):
+            with pytest.raises(ValueError, match=f"vec {vec}"):
+                quant.int_gemv(torch.ones(1, k, device=dev), qw, s, z, bits, group_size, block_n=block_n,
+                               num_warps=num_warps, persistent=persistent, vec=vec)
+            continue
+        for dtype in _dtypes(dev):
+            x = (torch.randn(1, k, device=dev) * 3).to(dtype)
+            bias = torch.randn(n, device=dev).to(dtype)
+            sd, zd = s.to(dtype), z.to(dtype)
+            y = quant.int_gemv(x, qw, sd, zd, bits, group_size, bias, block_n=block_n, num_warps=num_warps,
+                               persistent=persistent, vec=vec, half2=False)
+            assert y.shape == (1, n) and y.dtype == dtype
+            _check(y, x.float() @ quant.dequant_int_ref(qw, sd, zd, bits, group_size).t() + bias.float(), dtype)
+
+
+def test_int_gemv_persistent_refuses_split_and_prefetch():
+    qw = torch.zeros(8, 256, dtype=torch.int32)
+    s = torch.ones(16, 8)
+    for kw in ({"split_k": 2}, {"prefetch": True}):
+        with pytest.raises(ValueError, match="persistent programs take neither"):
+            quant.int_gemv(torch.ones(1, 2048), qw, s, s, 4, 128, block_n=4, num_warps=1, persistent=2, **kw)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group_size", [128, 16, 8])
-@pytest.mark.parametrize("block_n, num_warps, split_k, prefetch",
-                         [(16, 4, 1, False), (8, 4, 1, False), (32, 4, 1, False), (16, 2, 1, True), (8, 1, 2, False)])
-def test_int4_gemv_half2(monkeypatch, dtype, group_size, block_n, num_warps, split_k, prefetch):
+@pytest.mark.parametrize("dtype, group_size", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 8)])
+@pytest.mark.parametrize("block_n, num_warps, split_k, prefetch, persistent",
+                         [(16, 4, 1, False, 0), (32, 4, 1, False, 0), (16, 2, 1, True, 0), (8, 1, 2, False, 0),
+                          (8, 4, 1, False, 3)])
+def test_int4_gemv_half2(monkeypatch, dtype, group_size, block_n, num_warps, split_k, prefetch, persistent):
     """The f16x2 path (``half2``) against the dequantized float32 reference, at bf16/fp16
     tolerance: K of o_proj / down_proj and a masked last chunk (1792 at 4 warps), N not a
-    multiple of block_n, groups of 128 (four words a thread), 16 (two) and 8 values (one),
-    with activations whose magnitudes span 2**-20 to 2**13 among one
+    multiple of block_n, groups of 128 (four words a thread) and 8 values (one), with
+    activations whose magnitudes span 2**-20 to 2**13 among one
     thread's values (each thread's own power-of-two scaling keeps f16 in range: a wrong
-    scale overflows or flushes); and it is the path that ran (not bit-equal to the float32
+    scale overflows or flushes); the persistent programs too (one chunk a block: the
+    activations prepared once); and it is the path that ran (not bit-equal to the float32
     FMAs' output)."""
     if not torch.cuda.is_available() or INTERPRET:
         pytest.skip("needs CUDA")
     seen = []
-    kernel = quant._int_gemv_kernel
+    name = "_int_gemv_stream_kernel" if persistent else "_int_gemv_kernel"
+    kernel = getattr(quant, name)
 
     class Spy:
         def __getitem__(self, grid):
@@ -299,7 +341,7 @@ def test_int4_gemv_half2(monkeypatch, dtype, group_size, block_n, num_warps, spl
                 return kernel[grid](*a, **kw)
             return launch
 
-    monkeypatch.setattr(quant, "_int_gemv_kernel", Spy())
+    monkeypatch.setattr(quant, name, Spy())
     g = torch.Generator(device="cpu").manual_seed(group_size + block_n)
     for k in (4096, 14336, 1792):
         n = 4100
@@ -309,7 +351,7 @@ def test_int4_gemv_half2(monkeypatch, dtype, group_size, block_n, num_warps, spl
         x = (torch.randn(1, k, generator=g) * mag).to(dtype).cuda()
         bias = torch.randn(n, device="cuda").to(dtype)
         ref = x.float() @ quant.dequant_int_ref(qw, sd, zd, 4, group_size).t() + bias.float()
-        kw = dict(block_n=block_n, num_warps=num_warps, split_k=split_k, prefetch=prefetch)
+        kw = dict(block_n=block_n, num_warps=num_warps, split_k=split_k, prefetch=prefetch, persistent=persistent)
         if prefetch and k == 1792:
             continue  # one chunk a program: refused (test_int_gemv_split_k_and_prefetch)
         y = quant.int_gemv(x, qw, sd, zd, 4, group_size, bias, half2=True, **kw)
