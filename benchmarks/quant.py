@@ -318,7 +318,7 @@ def _layer_shapes(hf) -> dict[str, tuple[int, int]]:
 # loaded before this one's products; block_n 32: 255 registers, no spill at 4 warps and
 # K = 4096 or 8 warps and K = 14336, 7% fewer instructions a value than 16 rows); the first
 # of each is its CPU smoke run's. A config that cannot run a shape (a split without a chunk,
-# prefetch with one chunk a split) is refused before it compiles. 20 + 44 configs, about 130
+# prefetch with one chunk a split) is refused before it compiles. 20 + 55 configs, about 150
 # compiles for the 8B shapes' two K values (~0.5 s each; the unrolled FMA kernel at
 # K = 14336 longer: the 15 configs of 12-02 swept in 17 s on the H200).
 FP8_SWEEP: list[dict[str, int | bool]] = [
@@ -355,6 +355,11 @@ INT_SWEEP += [{"block_n": bn, "num_warps": nw, "persistent": p, **({"vec": v} if
               for bn, nw, p, v in ((8, 4, 4, 0), (8, 4, 3, 0), (8, 4, 2, 0), (16, 4, 2, 0), (4, 4, 4, 0), (8, 2, 4, 8),
                                    (8, 2, 6, 0), (16, 2, 3, 0), (4, 2, 8, 8), (8, 1, 8, 0), (16, 8, 1, 0), (8, 8, 2, 0))]
 INT_SWEEP += [{"block_n": 8, "num_warps": 4, "persistent": 4}]  # the float32 products, persistent
+# ... their words through Triton's software pipeline (cp.async into shared memory, stages - 1
+# chunks ahead; 96 registers and ~36 KB at 8 rows x 4 warps x 3 stages: 5 programs an SM)
+INT_SWEEP += [{"block_n": bn, "num_warps": nw, "persistent": p, "stages": st, "half2": True}
+              for bn, nw, p, st in ((8, 4, 4, 3), (8, 4, 5, 3), (8, 4, 4, 4), (8, 4, 3, 4), (16, 4, 2, 3), (16, 4, 3, 3),
+                                    (8, 2, 8, 3), (8, 2, 6, 4), (4, 4, 6, 3), (16, 2, 4, 3), (8, 2, 10, 3))]
 
 
 def _copies(dev: str, nbytes: int) -> int:

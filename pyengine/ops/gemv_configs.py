@@ -29,6 +29,8 @@ means; what the kernels do with them: pyengine/ops/quant.py):
 * ``persistent`` (optional, int kinds, 0): > 0, that many programs an SM, each walking
   blocks of rows with the next one's words loaded during the current products (split_k 1
   and no prefetch then);
+* ``stages`` (optional, int kinds, 1; with ``persistent``): 1, the next chunk's words
+  loaded into registers; >= 2, a software pipeline of that many shared-memory buffers;
 * ``vec`` (optional, int kinds, 0): the words a thread loads a chunk (1, 2, 4, 8; 0: 4
   where the group size allows, else 2 or 1); more words a thread, fewer cross-thread sums;
 * ``fma`` (optional, fp8, false): per-row weight scales run the CUDA-core kernel (float32
@@ -50,8 +52,8 @@ REQUIRED = {"fp8": ("block_n", "block_k", "num_warps", "num_stages"), "int4": ("
             "int8": ("block_n", "num_warps")}
 OPTIONAL: dict[str, dict[str, int | bool]] = {
     "fp8": {"split_k": 1, "fma": False},
-    "int4": {"split_k": 1, "prefetch": False, "half2": False, "persistent": 0, "vec": 0},
-    "int8": {"split_k": 1, "prefetch": False, "persistent": 0, "vec": 0}}
+    "int4": {"split_k": 1, "prefetch": False, "half2": False, "persistent": 0, "vec": 0, "stages": 1},
+    "int8": {"split_k": 1, "prefetch": False, "persistent": 0, "vec": 0, "stages": 1}}
 FIELDS = {kind: REQUIRED[kind] + tuple(OPTIONAL[kind]) for kind in REQUIRED}
 
 
@@ -73,7 +75,8 @@ _CHECKS = {"block_n": _pow2(1, 64), "num_warps": _pow2(1, 16), "block_k": _pow2(
            "fma": (lambda v: isinstance(v, bool), "true or false"),
            "half2": (lambda v: isinstance(v, bool), "true or false"),
            "persistent": (lambda v: _is_int(v) and 0 <= v <= 32, "an integer in [0, 32]"),
-           "vec": (lambda v: v in (0, 1, 2, 4, 8), "0 (by the group size), 1, 2, 4 or 8")}
+           "vec": (lambda v: v in (0, 1, 2, 4, 8), "0 (by the group size), 1, 2, 4 or 8"),
+           "stages": (lambda v: _is_int(v) and 1 <= v <= 8, "an integer in [1, 8]")}
 
 
 def check_config(kind: str, cfg: object, where: str) -> dict[str, int | bool]:

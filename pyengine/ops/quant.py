@@ -867,16 +867,44 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC,
 
 
 @triton.jit
+def _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N, MAGIC,
+                          p0, p1, p2, p3, up, xsum, KW: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
+                          BITS: tl.constexpr, PER: tl.constexpr, C: tl.constexpr, CW: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BKW: tl.constexpr, NCH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          HALF2: tl.constexpr, HOIST: tl.constexpr):
+    """The stream kernel's (block, chunk) ``i``: its products into acc, and at the block's
+    last chunk its rows' sums stored (acc then starts over)."""
+    rn = (pid + (i // NCH) * grid) * BLOCK_N + ar
+    mask_n = rn < N
+    if HOIST:
+        t = _half2_dot(tl.reshape(words, [BLOCK_N, C, CW]), p0, p1, p2, p3, up)
+        acc = _int_gemv_scale(acc, t, xsum, 0, s_ptr, z_ptr, rn, mask_n, rc, N, GROUP, G, PER, CW)
+    else:
+        acc = _int_gemv_chunk(acc, words, (i % NCH) * BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC,
+                              KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2)
+    if i % NCH == NCH - 1:  # the block's last chunk: its rows are done
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+        acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def _int_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC, K: tl.constexpr,
                             GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr,
                             NUM_WARPS: tl.constexpr, HAS_BIAS: tl.constexpr, HALF2: tl.constexpr,
-                            PDL: tl.constexpr):
+                            STAGES: tl.constexpr, PDL: tl.constexpr):
     # The one-pass kernel's chunks (see _int_gemv_kernel), but each program walks the
-    # blocks of BLOCK_N rows pid, pid + grid, ... (a grid of a few programs an SM) and loads
-    # the next (block, chunk)'s words before it multiplies the current one. With a program a
-    # block, every program of a wave loads, then computes, in step: the HBM idles while the
-    # SMs multiply (the 4-bit products cost ~4 instructions a value). Here the next loads are
-    # in flight during the products, across block boundaries too.
+    # blocks of BLOCK_N rows pid, pid + grid, ... (a grid of a few programs an SM) with the
+    # coming (block, chunk)s' words in flight while it multiplies the current one. With a
+    # program a block, every program of a wave loads, then computes, in step: the HBM idles
+    # while the SMs multiply (the 4-bit products cost ~3-4 instructions a value).
+    # STAGES 1: the next chunk's words are loaded into registers before the current
+    # products; STAGES >= 2: Triton's software pipeline (cp.async into shared memory),
+    # STAGES - 1 chunks ahead, at fewer registers (H200, offline sm_90 build at 8 rows x 4
+    # warps: 96 registers and 36 KB at 3 stages, against 128 and none).
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = K // PER
     G: tl.constexpr = (K + GROUP - 1) // GROUP
@@ -884,6 +912,7 @@ def _int_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC,
     BKW: tl.constexpr = C * CW
     NCH: tl.constexpr = (KW + BKW - 1) // BKW  # chunks a block
     EVEN: tl.constexpr = NCH * BKW == KW
+    HOIST: tl.constexpr = HALF2 and NCH == 1  # one chunk a block: every block's activations are the same
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     total = (tl.cdiv(N, BLOCK_N) - pid + grid - 1) // grid * NCH  # this program's (block, chunk)s
@@ -891,36 +920,42 @@ def _int_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC,
     rw = tl.arange(0, BKW)
     rc = tl.arange(0, C)
     rcw = rc[:, None] * CW + tl.arange(0, CW)[None, :]
-    if PDL:  # (pyengine/ops/pdl.py) the first chunk's words are read during the previous kernel
-        tl.extra.cuda.gdc_launch_dependents()
-    rn = pid * BLOCK_N + ar
-    words = _int_gemv_words(qw_ptr + rn[:, None].to(tl.int64) * KW, 0, rw, rn < N, KW, EVEN)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
-    HOIST: tl.constexpr = HALF2 and NCH == 1  # one chunk a block: every block's activations are the same
+    if PDL:  # (pyengine/ops/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+    if STAGES == 1:
+        rn = pid * BLOCK_N + ar  # the first chunk's words are read during the previous kernel
+        words = _int_gemv_words(qw_ptr + rn[:, None].to(tl.int64) * KW, 0, rw, rn < N, KW, EVEN)
+    else:  # unused (the pipeline loads its own)
+        words = tl.zeros([BLOCK_N, BKW], dtype=tl.int32)
+    if PDL:  # the pipeline's first loads follow the activations' (below), so they wait
+        tl.extra.cuda.gdc_wait()
     if HOIST:
         p0, p1, p2, p3, up, xsum = _half2_x(0, x_ptr, rcw, KW)
-    for i in range(0, total):
-        j = i + 1
-        nrn = (pid + (j // NCH) * grid) * BLOCK_N + ar
-        lim = tl.where(j < total, N, 0)  # past this program's last chunk: nothing loaded
-        nxt = _int_gemv_words(qw_ptr + nrn[:, None].to(tl.int64) * KW, (j % NCH) * BKW, rw, nrn < lim, KW, EVEN)
-        rn = (pid + (i // NCH) * grid) * BLOCK_N + ar
-        mask_n = rn < N
-        if HOIST:
-            t = _half2_dot(tl.reshape(words, [BLOCK_N, C, CW]), p0, p1, p2, p3, up)
-            acc = _int_gemv_scale(acc, t, xsum, 0, s_ptr, z_ptr, rn, mask_n, rc, N, GROUP, G, PER, CW)
-        else:
-            acc = _int_gemv_chunk(acc, words, (i % NCH) * BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC,
-                                  KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2)
-        if i % NCH == NCH - 1:  # the block's last chunk: its rows are done
-            y = tl.sum(acc, axis=1)
-            if HAS_BIAS:
-                y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
-            acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
-        words = nxt
+    else:  # unused (the HOIST branches are not built)
+        p0 = 0
+        p1 = 0
+        p2 = 0
+        p3 = 0
+        up = 0
+        xsum = 0
+    if STAGES == 1:
+        for i in range(0, total):
+            j = i + 1
+            nrn = (pid + (j // NCH) * grid) * BLOCK_N + ar
+            lim = tl.where(j < total, N, 0)  # past this program's last chunk: nothing loaded
+            nxt = _int_gemv_words(qw_ptr + nrn[:, None].to(tl.int64) * KW, (j % NCH) * BKW, rw, nrn < lim, KW, EVEN)
+            acc = _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N,
+                                        MAGIC, p0, p1, p2, p3, up, xsum, KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, BKW,
+                                        NCH, HAS_BIAS, HALF2, HOIST)
+            words = nxt
+    else:
+        for i in tl.range(0, total, num_stages=STAGES):
+            rn = (pid + (i // NCH) * grid) * BLOCK_N + ar
+            words = _int_gemv_words(qw_ptr + rn[:, None].to(tl.int64) * KW, (i % NCH) * BKW, rw, rn < N, KW, EVEN)
+            acc = _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N,
+                                        MAGIC, p0, p1, p2, p3, up, xsum, KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, BKW,
+                                        NCH, HAS_BIAS, HALF2, HOIST)
 
 
 @functools.cache
@@ -942,7 +977,8 @@ def int_gemv_default(n: int, k: int) -> dict[str, int]:
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
              group_size: int, bias: torch.Tensor | None = None, block_n: int | None = None,
              num_warps: int | None = None, split_k: int | None = None, prefetch: bool | None = None,
-             half2: bool | None = None, persistent: int | None = None, vec: int | None = None) -> torch.Tensor:
+             half2: bool | None = None, persistent: int | None = None, vec: int | None = None,
+             stages: int | None = None) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(qweight [N, K * bits / 32]).T -> [1, N] in
     x.dtype. Each program owns ``block_n`` output rows and, with ``split_k`` 1, all of K
     (see the kernel); ``split_k`` > 1 cuts K into that many runs of whole chunks (a chunk:
@@ -954,7 +990,8 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     float32 ones; GPU only, other inputs keep the float32 path); ``persistent`` > 0 (with
     ``split_k`` 1, no ``prefetch``): that many programs an SM (on the CPU: in all) each
     walk blocks of rows, the next block's words loaded during the current products
-    (``_int_gemv_stream_kernel``); ``vec``: the words a thread takes a chunk (a group
+    (``_int_gemv_stream_kernel``), through registers (``stages`` 1) or a software pipeline
+    of ``stages`` buffers in shared memory; ``vec``: the words a thread takes a chunk (a group
     holds whole vectors; default 4, else 2 or 1, as the group size allows). The launch config: the
     arguments, else the swept one of this shape and GPU (``gemv_configs``), else
     ``int_gemv_default`` (split_k 1, no prefetch). A thread's words must lie in one group: 4 of
@@ -972,6 +1009,7 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     half2 = half2 if half2 is not None else bool(cfg.get("half2", False))
     half2 = half2 and bits == 4 and x.is_cuda and not _INTERPRET and x.dtype in (torch.bfloat16, torch.float16)
     persistent = persistent if persistent is not None else cfg.get("persistent", 0)
+    stages = stages or cfg.get("stages", 1)
     if group_size % per:
         raise ValueError(f"group size {group_size} must be a multiple of the {per} values an int32 word holds")
     vec = vec or cfg.get("vec", 0)
@@ -986,6 +1024,8 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         raise ValueError(f"{what}: prefetch needs at least two chunks a split")
     split_chunks(triton.cdiv(kw, 32 * num_warps * cw), split_k, what)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if stages > 1 and not persistent:
+        raise ValueError(f"{what}: stages {stages} needs persistent programs")
     if persistent:
         if split_k > 1 or prefetch:
             raise ValueError(f"{what}: persistent programs take neither split_k > 1 nor prefetch (they prefetch)")
@@ -994,7 +1034,7 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         _int_gemv_stream_kernel[(grid,)](
             x, qweight, scales, zeros, bias if bias is not None else scales, y, n, _MAGIC, K=k, GROUP=group_size,
             BITS=bits, BLOCK_N=block_n, CW=cw, NUM_WARPS=num_warps, HAS_BIAS=bias is not None, HALF2=half2,
-            num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv"))
+            STAGES=stages, num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv"))
         return y
     part = _split_partials(split_k, n, x.device) if split_k > 1 else y
     _int_gemv_kernel[(triton.cdiv(n, block_n), split_k)](

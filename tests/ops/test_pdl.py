@@ -108,10 +108,14 @@ def _int4_half2():
     return _int4(half2=True)
 
 
-def _int4_stream():
+def _int4_stream(stages=1):
     from pyengine.ops import quant
     return quant._int_gemv_stream_kernel, dict(qw_ptr="*i32"), dict(
-        K=4096, GROUP=128, BITS=4, BLOCK_N=8, CW=4, NUM_WARPS=4, HAS_BIAS=False, HALF2=True)
+        K=4096, GROUP=128, BITS=4, BLOCK_N=8, CW=4, NUM_WARPS=4, HAS_BIAS=False, HALF2=True, STAGES=stages)
+
+
+def _int4_pipelined():
+    return _int4_stream(stages=3)
 
 
 def _rms_norm():
@@ -160,6 +164,7 @@ def _moe_gemv():
 # (kernel, whether it prefetches its weights before the wait)
 KERNELS = {"gemv": (_gemv, True), "fp8_gemv": (_fp8_tc, True),
            "int4_gemv": (_int4, True), "int4_gemv_half2": (_int4_half2, True), "int4_gemv_stream": (_int4_stream, True),
+           "int4_gemv_pipelined": (_int4_pipelined, False),
            "rms_norm": (_rms_norm, None),
            "silu_and_mul": (_silu, False),
            "decode_reduce": (_decode_reduce, False), "topk_softmax": (_topk, False),

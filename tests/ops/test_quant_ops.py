@@ -276,14 +276,17 @@ def test_int_gemv_split_k_and_prefetch(kind, bits, group_size, block_n, num_warp
 
 @pytest.mark.parametrize("kind", DEVICES)
 @pytest.mark.parametrize("bits, group_size", [(4, 128), (8, 32), (4, 16)])
-@pytest.mark.parametrize("block_n, num_warps, persistent, vec", [(4, 1, 2, 0), (8, 2, 3, 8), (4, 1, 1, 2), (16, 4, 4, 0)])
-def test_int_gemv_persistent(kind, bits, group_size, block_n, num_warps, persistent, vec):
+@pytest.mark.parametrize("block_n, num_warps, persistent, vec, stages", [(4, 1, 2, 0, 1), (8, 2, 3, 8, 1), (4, 1, 1, 2, 1),
+                                                                       (16, 4, 4, 0, 1), (4, 1, 2, 0, 3), (8, 4, 4, 0, 4)])
+def test_int_gemv_persistent(kind, bits, group_size, block_n, num_warps, persistent, vec, stages):
     """The persistent programs (``_int_gemv_stream_kernel``: a program walks blocks of rows,
     the next block's words loaded before the current products) against the dequantized
     reference: fewer programs than blocks (on the CPU ``persistent`` is the grid: 5 blocks
     of 4 rows over 2 or 1 programs, the last block part-masked), K in one chunk and in
     several with a masked last one, ``vec`` words a thread (8: twice the default; refused
-    where a group cannot hold them), float32 (1e-5) and bf16 activations, a bias."""
+    where a group cannot hold them), the register prefetch and the shared-memory pipeline
+    (``stages``), float32 (1e-5) and bf16 activations, a bias; on the GPU the f16x2
+    products too (bf16 and fp16: the 1e-2 bound)."""
     dev = _dev(kind)
     if dev == "cuda" and group_size == 16:
         pytest.skip("two words a thread: the CPU's cases (the GPU's compiles are the step's time)")
@@ -300,10 +303,12 @@ def test_int_gemv_persistent(kind, bits, group_size, block_n, num_warps, persist
             x = (torch.randn(1, k, device=dev) * 3).to(dtype)
             bias = torch.randn(n, device=dev).to(dtype)
             sd, zd = s.to(dtype), z.to(dtype)
-            y = quant.int_gemv(x, qw, sd, zd, bits, group_size, bias, block_n=block_n, num_warps=num_warps,
-                               persistent=persistent, vec=vec, half2=False)
-            assert y.shape == (1, n) and y.dtype == dtype
-            _check(y, x.float() @ quant.dequant_int_ref(qw, sd, zd, bits, group_size).t() + bias.float(), dtype)
+            ref = x.float() @ quant.dequant_int_ref(qw, sd, zd, bits, group_size).t() + bias.float()
+            for half2 in ((False, True) if dev == "cuda" else (False,)):
+                y = quant.int_gemv(x, qw, sd, zd, bits, group_size, bias, block_n=block_n, num_warps=num_warps,
+                                   persistent=persistent, vec=vec, half2=half2, stages=stages)
+                assert y.shape == (1, n) and y.dtype == dtype
+                _check(y, ref, dtype)
 
 
 def test_int_gemv_persistent_refuses_split_and_prefetch():
@@ -312,6 +317,8 @@ def test_int_gemv_persistent_refuses_split_and_prefetch():
     for kw in ({"split_k": 2}, {"prefetch": True}):
         with pytest.raises(ValueError, match="persistent programs take neither"):
             quant.int_gemv(torch.ones(1, 2048), qw, s, s, 4, 128, block_n=4, num_warps=1, persistent=2, **kw)
+    with pytest.raises(ValueError, match="stages 3 needs persistent programs"):
+        quant.int_gemv(torch.ones(1, 2048), qw, s, s, 4, 128, block_n=4, num_warps=1, stages=3)
 
 
 @pytest.mark.gpu
