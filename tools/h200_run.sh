@@ -151,7 +151,7 @@ step 200 quant_tpot python3 benchmarks/quant.py "$OUT" --parts tpot
 step 200 gpu_half2 python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k "half2 or persistent" -p no:cacheprovider --tb=short -o faulthandler_timeout=190
 # the int4 GEMV configs alone, each kernel timed without PDL (a graph of back-to-back GEMVs with PDL overlaps one
 # GEMV's start with the previous one's end, which a decode step's GEMVs, after a norm or attention, do not see)
-step 200 gpu_int_stream python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k persistent -p no:cacheprovider --tb=short -o faulthandler_timeout=190
+step 150 gpu_int_stream python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k persistent -p no:cacheprovider --tb=short -o faulthandler_timeout=140
 step 240 int4_sweep bash -c "VENGINE_PDL=0 python3 benchmarks/quant.py $OUT/sweep --parts kernels --sweep --sweep-kinds int4 --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
 # batch-1 TPOT (bf16, FP8, W4A16) after int4_sweep (on the table it wrote), PDL on then off: $OUT/tpot<v>
 step 200 tpot_after bash -c 'for v in 1 0; do VENGINE_PDL=$v python3 benchmarks/quant.py "$0/tpot$v" --parts tpot | tail -9 || exit 1; done' "$OUT"
