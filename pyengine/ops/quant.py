@@ -1034,7 +1034,7 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         _int_gemv_stream_kernel[(grid,)](
             x, qweight, scales, zeros, bias if bias is not None else scales, y, n, _MAGIC, K=k, GROUP=group_size,
             BITS=bits, BLOCK_N=block_n, CW=cw, NUM_WARPS=num_warps, HAS_BIAS=bias is not None, HALF2=half2,
-            STAGES=stages, num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv"))
+            STAGES=stages, num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv_stream"))
         return y
     part = _split_partials(split_k, n, x.device) if split_k > 1 else y
     _int_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
