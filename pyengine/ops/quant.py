@@ -980,24 +980,29 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
              half2: bool | None = None, persistent: int | None = None, vec: int | None = None,
              stages: int | None = None) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(qweight [N, K * bits / 32]).T -> [1, N] in
-    x.dtype. Each program owns ``block_n`` output rows and, with ``split_k`` 1, all of K
-    (see the kernel); ``split_k`` > 1 cuts K into that many runs of whole chunks (a chunk:
-    ``32 * num_warps * 4`` words where the group size allows), one program each, whose
-    float32 partial sums a second pass adds in split order (deterministic; the bias and the
-    rounding there); ``prefetch``: each program loads its next chunk before it multiplies
-    the current one; ``half2``: 4-bit words against bf16/fp16 activations are multiplied in
-    f16x2 arithmetic (``_int_gemv_half2``: products and sums of four rounded to f16, not exact
-    float32 ones; GPU only, other inputs keep the float32 path); ``persistent`` > 0 (with
-    ``split_k`` 1, no ``prefetch``): that many programs an SM (on the CPU: in all) each
-    walk blocks of rows, the next block's words loaded during the current products
-    (``_int_gemv_stream_kernel``), through registers (``stages`` 1) or a software pipeline
-    of ``stages`` buffers in shared memory; ``vec``: the words a thread takes a chunk (a group
-    holds whole vectors; default 4, else 2 or 1, as the group size allows). The launch config: the
-    arguments, else the swept one of this shape and GPU (``gemv_configs``), else
-    ``int_gemv_default`` (split_k 1, no prefetch). A thread's words must lie in one group: 4 of
-    them where the group size allows, else 2 or 1. Raises ValueError for a group size that is
-    not a multiple of the values a word holds, or a ``split_k`` that leaves a split without a
-    chunk (``split_chunks``)."""
+    x.dtype (scales, zeros [ceil(K / group_size), N]; bias [N] or None). The launch config:
+    the arguments, else the swept one of this shape and GPU (``gemv_configs``), else
+    ``int_gemv_default``. Its knobs:
+
+    * ``block_n`` rows a program, ``num_warps``; a chunk is ``32 * num_warps * vec`` words,
+      ``vec`` the words a thread loads at once (0: 4 where the group size allows, else 2 or
+      1; a thread's words lie in one group);
+    * ``split_k`` > 1: K cut into that many runs of whole chunks, one program each, whose
+      float32 partial sums a second pass adds in split order (deterministic; the bias and
+      the rounding there); ``prefetch``: a program loads its next chunk before it
+      multiplies the current one;
+    * ``persistent`` > 0 (``split_k`` 1, no ``prefetch``): that many programs an SM (on the
+      CPU: in all) walk the blocks of rows with the next block's words in flight during the
+      current products (``_int_gemv_stream_kernel``), in registers (``stages`` 1) or in a
+      software pipeline of ``stages`` shared-memory buffers;
+    * ``half2``: 4-bit words against bf16/fp16 activations multiplied in f16x2 arithmetic
+      (``_half2_x``, ``_half2_dot``: products and sums of four rounded to f16, not exact
+      float32 ones); GPU only, other inputs keep the float32 path.
+
+    Raises ValueError for a group size that is not a multiple of the values a word holds, a
+    ``vec`` a group cannot hold, a ``split_k`` that leaves a split without a chunk
+    (``split_chunks``), ``prefetch`` with one chunk a split, ``stages`` > 1 without
+    ``persistent``, or ``persistent`` with ``split_k`` > 1 or ``prefetch``."""
     n, kw = qweight.shape
     per = 32 // bits
     k = kw * per

@@ -46,6 +46,11 @@ def test_table_round_trip(tmp_path):
     ({"fp8": {"8x8": {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 1, "fma": 1}}},
      "fma must be true or false, got 1"),
     ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "fma": True}}}, r"unknown field\(s\) fma"),
+    ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "half2": 1}}}, "half2 must be true or false, got 1"),
+    ({"int8": {"8x8": {"block_n": 8, "num_warps": 2, "half2": True}}}, r"unknown field\(s\) half2"),
+    ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "persistent": 33}}}, r"persistent must be an integer in \[0, 32\]"),
+    ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "vec": 3}}}, "vec must be 0 .by the group size., 1, 2, 4 or 8"),
+    ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "stages": 0}}}, r"stages must be an integer in \[1, 8\]"),
 ])
 def test_bad_tables_are_refused(raw, word):
     with pytest.raises(ValueError, match=word):
@@ -96,6 +101,29 @@ def test_swept_knobs_reach_the_kernels(tmp_path, monkeypatch):
     quant.int_gemv(torch.ones(1, 4096), qw, s, s, 4, 128)
     (grid, kw), = launches
     assert grid == (3, 1) and kw["SPLIT_K"] == 1 and kw["PREFETCH"] is False and seen == []
+
+
+def test_persistent_knobs_reach_the_stream_kernel(monkeypatch):
+    """An int4 entry with ``persistent`` launches the stream kernel on a grid of that many
+    programs (on the CPU: in all; at most one a block) with its ``stages`` and ``vec``;
+    ``half2`` stays off for CPU tensors (the f16x2 path is GPU only)."""
+    from pyengine.ops import quant
+
+    monkeypatch.setattr(gemv_configs, "lookup", lambda kind, n, k, device: {
+        "block_n": 4, "num_warps": 1, "persistent": 2, "stages": 3, "vec": 2, "half2": True})
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((grid, kw))
+
+    monkeypatch.setattr(quant, "_int_gemv_stream_kernel", Spy())
+    monkeypatch.setattr(quant, "_int_gemv_kernel", None)  # the one-pass kernel must not run
+    qw = torch.zeros(20, 4096 // 8, dtype=torch.int32)
+    s = torch.ones(32, 20)
+    quant.int_gemv(torch.ones(1, 4096, dtype=torch.bfloat16), qw, s, s, 4, 128)
+    (grid, kw), = launches
+    assert grid == (2,) and kw["STAGES"] == 3 and kw["CW"] == 2 and kw["BLOCK_N"] == 4 and kw["HALF2"] is False
 
 
 def test_fma_knob_picks_the_cuda_core_kernel(monkeypatch):
