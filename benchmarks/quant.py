@@ -28,8 +28,10 @@ Parts (``--parts``, default all):
   over copies of the weight (4x the L2 cache in all, so every call reads HBM, as a decode
   step does), plus the single call after an L2 flush that earlier runs recorded
   (``*_single_us``); a layer's four GEMVs summed against bf16's; and the prefill GEMM
-  (``--gemm-m`` rows; 0: none) of bf16, FP8 (scaled_mm and the Triton kernel) and INT4.
-  ``--sweep`` also times the GEMV launch configs (``FP8_SWEEP``, ``INT_SWEEP``: block sizes,
+  (``--gemm-m`` rows; 0: none) of bf16, FP8 (scaled_mm and the Triton kernel) and INT4;
+  the INT4 GEMV also on its scales' and zeros' other forms (``w4a16_gemv_forms``: zeros
+  as loaded, none (symmetric), none with the scales stored row-major).
+  ``--sweep`` (kinds: ``--sweep-kinds``) also times the GEMV launch configs (``FP8_SWEEP``, ``INT_SWEEP``: block sizes,
   warps, stages, split-K, prefetch; an estimated 30-40 s of compiles and timings on one
   H200), reports the best per shape and writes them to
   ``pyengine/ops/configs/gemv,device_name=<GPU>.json`` (merged with what is there;
@@ -417,6 +419,13 @@ def run_kernels(args, results: dict) -> None:
             row[f"{label}_us"], row[f"{label}_gb_s"] = us, nbytes / us / 1e3
             # one call after an L2 flush (triton's do_bench): what earlier runs recorded
             row[f"{label}_single_us"] = _time_us(calls[0], dev)
+        # the int4 GEMV (its shipped config) on the scales' and zeros' other forms: symmetric (no zeros
+        # tensor: what finalize_int keeps of a sym checkpoint) and the scales stored row-major too
+        sym = [(q[0], q[1], None) for q in ints]
+        rowm = [(q[0], q[1].t().contiguous().t(), None) for q in ints]
+        row["w4a16_gemv_forms"] = {
+            form: _rotated_us(dev, [lambda q=q: quant.int_gemv(x1, q[0], q[1], q[2], 4, gs) for q in qs])
+            for form, qs in (("zeros", ints), ("symmetric", sym), ("symmetric_row_major_scales", rowm))}
         if args.sweep:
             sweep_t0 = sweep_t0 or time.perf_counter()
             row["sweep"] = _sweep_gemv(dev, x1, fp8, ints, gs, fp8_bytes, int_bytes, _sweep_kinds(args))
@@ -639,6 +648,12 @@ def report(results: dict, hw: dict, cmd: str) -> None:
               f"{kern['layer_gemv_us']['fp8_gemv']:.1f} us ({ratio['fp8']:.3f}x), W4A16 "
               f"{kern['layer_gemv_us']['w4a16_gemv']:.1f} us ({ratio['w4a16']:.3f}x)")
         print()
+        forms = list(rows[0].get("w4a16_gemv_forms", {})) if rows else []
+        if forms:
+            print("W4A16 GEMV (shipped config) by the form of its scales and zeros, us")
+            print(md_table(["layer"] + forms, [[r["layer"]] + [r["w4a16_gemv_forms"][f] for f in forms]
+                                               for r in rows]))
+            print()
         if rows and "sweep" in rows[0]:
             print(md_table(["layer", "FP8 GEMV best config", "us (GB/s)", "W4A16 GEMV best config", "us (GB/s)"],
                            [[r["layer"], r["sweep"]["fp8_gemv_best"],

@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_int4 gpu_half2 gpu_int_stream int4_sweep tpot_after tpot_pdl_ex half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: gpu_int4 gpu_half2 gpu_int_stream int4_sweep tpot_after tpot_pdl_ex int4_forms half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -151,8 +151,11 @@ step 200 quant_tpot python3 benchmarks/quant.py "$OUT" --parts tpot
 step 200 gpu_half2 python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k "half2 or persistent" -p no:cacheprovider --tb=short -o faulthandler_timeout=190
 # the int4 GEMV configs alone, each kernel timed without PDL (a graph of back-to-back GEMVs with PDL overlaps one
 # GEMV's start with the previous one's end, which a decode step's GEMVs, after a norm or attention, do not see)
-step 150 gpu_int_stream python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k persistent -p no:cacheprovider --tb=short -o faulthandler_timeout=140
+step 150 gpu_int_stream python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k "persistent or layouts" -p no:cacheprovider --tb=short -o faulthandler_timeout=140
 step 240 int4_sweep bash -c "VENGINE_PDL=0 python3 benchmarks/quant.py $OUT/sweep --parts kernels --sweep --sweep-kinds int4 --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
+# the GEMVs on the shipped table without PDL, the int4 one also on its scales' and zeros' other forms
+# (w4a16_gemv_forms: symmetric, no zeros tensor; scales row-major): $OUT/forms
+step 120 int4_forms bash -c "VENGINE_PDL=0 python3 benchmarks/quant.py $OUT/forms --parts kernels --gemm-m 0"
 # batch-1 TPOT (bf16, FP8, W4A16) after int4_sweep (on the table it wrote), PDL on then off: $OUT/tpot<v>
 step 200 tpot_after bash -c 'for v in 1 0; do VENGINE_PDL=$v python3 benchmarks/quant.py "$0/tpot$v" --parts tpot | tail -9 || exit 1; done' "$OUT"
 # batch-1 TPOT with PDL on but the named int GEMVs launched without it: $OUT/ex<i> (TPOT_EX, default: the persistent

@@ -751,21 +751,26 @@ def _half2_dot(words, p0, p1, p2, p3, up):
 
 
 @triton.jit
-def _int_gemv_scale(acc, t, xsum, kc, s_ptr, z_ptr, rn, mask_n, rc, N, GROUP: tl.constexpr, G: tl.constexpr,
-                    PER: tl.constexpr, CW: tl.constexpr):
-    """acc [BLOCK_N, C] += scale * (t - zero * xsum), each thread's group's scale and zero."""
+def _int_gemv_scale(acc, t, xsum, kc, s_ptr, z_ptr, rn, mask_n, rc, stride_sg, stride_sn, GROUP: tl.constexpr,
+                    G: tl.constexpr, PER: tl.constexpr, CW: tl.constexpr, ZP: tl.constexpr):
+    """acc [BLOCK_N, C] += scale * (t - zero * xsum), each thread's group's scale and zero
+    (scales[g, n] at g * stride_sg + n * stride_sn, zeros likewise; ZP > 0: every zero is
+    ZP, nothing loaded)."""
     g = ((kc + rc * CW) * PER) // GROUP  # [C]: each thread's group
     m2 = mask_n[:, None] & (g < G)[None, :]
-    off = g[None, :].to(tl.int64) * N + rn[:, None]
+    off = g[None, :].to(tl.int64) * stride_sg + rn[:, None].to(tl.int64) * stride_sn
     sc = tl.load(s_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    zc = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    if ZP > 0:
+        zc = ZP
+    else:
+        zc = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
     return acc + sc * (t - zc * xsum[None, :])
 
 
 @triton.jit
-def _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW: tl.constexpr,
-                    GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
-                    CW: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr):
+def _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC,
+                    KW: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+                    C: tl.constexpr, CW: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr, ZP: tl.constexpr):
     """acc [BLOCK_N, C] += one chunk's products: words [BLOCK_N, BKW] (from word ``kc``)
     unpacked, times the activation, less the zero points, times the scales (see the kernel)."""
     words = tl.reshape(words, [BLOCK_N, C, CW])  # no data movement: CW is each thread's vector
@@ -788,14 +793,15 @@ def _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N,
             t3 += f * (xj * (1.0 / (1 << POS)))[None, :, :]
         t = tl.sum(t3, axis=2)
         xsum = tl.sum(xs, axis=1)
-    return _int_gemv_scale(acc, t, xsum, kc, s_ptr, z_ptr, rn, mask_n, rc, N, GROUP, G, PER, CW)
+    return _int_gemv_scale(acc, t, xsum, kc, s_ptr, z_ptr, rn, mask_n, rc, stride_sg, stride_sn, GROUP, G, PER, CW, ZP)
 
 
 @triton.jit
-def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC, K: tl.constexpr,
+def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, stride_sg, stride_sn, MAGIC,
+                     K: tl.constexpr,
                      GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr,
                      NUM_WARPS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                     PREFETCH: tl.constexpr, HALF2: tl.constexpr, PDL: tl.constexpr):
+                     PREFETCH: tl.constexpr, HALF2: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr):
     # qweight [N, K / PER]: every thread owns CW consecutive words (a 16-byte load at CW = 4)
     # of all BLOCK_N rows, the threads side by side along K (a chunk of 32 * NUM_WARPS * CW
     # words a step), so each activation value is loaded, converted and scaled once per
@@ -838,25 +844,25 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC,
             tl.extra.cuda.gdc_wait()
         for kc in range(k_lo, k_lo + KSW - BKW, BKW):  # every chunk but the last, the next one loaded first
             nxt = _int_gemv_words(rows, kc + BKW, rw, mask_n, KW, EVEN)
-            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
-                                  BITS, PER, C, CW, BLOCK_N, HALF2)
+            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW,
+                                  GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
             words = nxt
-        acc = _int_gemv_chunk(acc, words, k_lo + KSW - BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW,
-                              GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2)
+        acc = _int_gemv_chunk(acc, words, k_lo + KSW - BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn,
+                              MAGIC, KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
     elif PDL:  # the first chunk before the wait, the rest as below
         words = _int_gemv_words(rows, k_lo, rw, mask_n, KW, EVEN)
         tl.extra.cuda.gdc_wait()
-        acc = _int_gemv_chunk(acc, words, k_lo, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
-                              BITS, PER, C, CW, BLOCK_N, HALF2)
+        acc = _int_gemv_chunk(acc, words, k_lo, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW, GROUP,
+                              G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
         for kc in range(k_lo + BKW, k_hi, BKW):
             words = _int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
-            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
-                                  BITS, PER, C, CW, BLOCK_N, HALF2)
+            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW,
+                                  GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
     else:
         for kc in range(k_lo, k_hi, BKW):  # a runtime loop: unrolled, the loads of every chunk would be hoisted and spill
             words = _int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
-            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC, KW, GROUP, G,
-                                  BITS, PER, C, CW, BLOCK_N, HALF2)
+            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW,
+                                  GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -867,21 +873,23 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, MAGIC,
 
 
 @triton.jit
-def _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N, MAGIC,
+def _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N, stride_sg,
+                          stride_sn, MAGIC,
                           p0, p1, p2, p3, up, xsum, KW: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
                           BITS: tl.constexpr, PER: tl.constexpr, C: tl.constexpr, CW: tl.constexpr,
                           BLOCK_N: tl.constexpr, BKW: tl.constexpr, NCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          HALF2: tl.constexpr, HOIST: tl.constexpr):
+                          HALF2: tl.constexpr, HOIST: tl.constexpr, ZP: tl.constexpr):
     """The stream kernel's (block, chunk) ``i``: its products into acc, and at the block's
     last chunk its rows' sums stored (acc then starts over)."""
     rn = (pid + (i // NCH) * grid) * BLOCK_N + ar
     mask_n = rn < N
     if HOIST:
         t = _half2_dot(tl.reshape(words, [BLOCK_N, C, CW]), p0, p1, p2, p3, up)
-        acc = _int_gemv_scale(acc, t, xsum, 0, s_ptr, z_ptr, rn, mask_n, rc, N, GROUP, G, PER, CW)
+        acc = _int_gemv_scale(acc, t, xsum, 0, s_ptr, z_ptr, rn, mask_n, rc, stride_sg, stride_sn, GROUP, G, PER, CW,
+                              ZP)
     else:
-        acc = _int_gemv_chunk(acc, words, (i % NCH) * BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, N, MAGIC,
-                              KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2)
+        acc = _int_gemv_chunk(acc, words, (i % NCH) * BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC,
+                              KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
     if i % NCH == NCH - 1:  # the block's last chunk: its rows are done
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
@@ -892,10 +900,11 @@ def _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, 
 
 
 @triton.jit
-def _int_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC, K: tl.constexpr,
+def _int_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, stride_sg, stride_sn, MAGIC,
+                            K: tl.constexpr,
                             GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr,
                             NUM_WARPS: tl.constexpr, HAS_BIAS: tl.constexpr, HALF2: tl.constexpr,
-                            STAGES: tl.constexpr, PDL: tl.constexpr):
+                            STAGES: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr):
     # The one-pass kernel's chunks (see _int_gemv_kernel), but each program walks the
     # blocks of BLOCK_N rows pid, pid + grid, ... (a grid of a few programs an SM) with the
     # coming (block, chunk)s' words in flight while it multiplies the current one. With a
@@ -945,17 +954,17 @@ def _int_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, MAGIC,
             nrn = (pid + (j // NCH) * grid) * BLOCK_N + ar
             lim = tl.where(j < total, N, 0)  # past this program's last chunk: nothing loaded
             nxt = _int_gemv_words(qw_ptr + nrn[:, None].to(tl.int64) * KW, (j % NCH) * BKW, rw, nrn < lim, KW, EVEN)
-            acc = _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N,
-                                        MAGIC, p0, p1, p2, p3, up, xsum, KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, BKW,
-                                        NCH, HAS_BIAS, HALF2, HOIST)
+            acc = _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N, stride_sg,
+                                        stride_sn, MAGIC, p0, p1, p2, p3, up, xsum, KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, BKW,
+                                        NCH, HAS_BIAS, HALF2, HOIST, ZP)
             words = nxt
     else:
         for i in tl.range(0, total, num_stages=STAGES):
             rn = (pid + (i // NCH) * grid) * BLOCK_N + ar
             words = _int_gemv_words(qw_ptr + rn[:, None].to(tl.int64) * KW, (i % NCH) * BKW, rw, rn < N, KW, EVEN)
-            acc = _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N,
-                                        MAGIC, p0, p1, p2, p3, up, xsum, KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, BKW,
-                                        NCH, HAS_BIAS, HALF2, HOIST)
+            acc = _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N, stride_sg,
+                                        stride_sn, MAGIC, p0, p1, p2, p3, up, xsum, KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, BKW,
+                                        NCH, HAS_BIAS, HALF2, HOIST, ZP)
 
 
 @functools.cache
@@ -966,6 +975,23 @@ def _num_sms(index: int) -> int:
 _MAGIC = 0x4B000000  # the bits of float32 2**23: OR-ed below a value of < 23 bits, it is 2**23 + value
 
 
+def _zeros_arg(scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
+    """The zero points the int kernels read: laid out as the scales (one pair of strides
+    serves both); None (symmetric: the constant ``_const_zero``) passes the scales, unread.
+    Raises ValueError for zeros of another shape or layout."""
+    if zeros is None:
+        return scales
+    if zeros.shape != scales.shape or zeros.stride() != scales.stride():
+        raise ValueError(f"zeros {tuple(zeros.shape)} strides {zeros.stride()} must match the scales' "
+                         f"{tuple(scales.shape)} strides {scales.stride()}")
+    return zeros
+
+
+def _const_zero(zeros: torch.Tensor | None, bits: int) -> float:
+    """The kernels' ZP: 0.0 (load the zeros), else the symmetric zero point 2**(bits-1)."""
+    return 0.0 if zeros is not None else float(1 << (bits - 1))
+
+
 def int_gemv_default(n: int, k: int) -> dict[str, int]:
     """The packed-integer GEMV's launch config without a swept one (gemv_configs): 8 rows a
     program (each activation value serves 8 rows), 4 warps where K fits one chunk of 512
@@ -974,7 +1000,7 @@ def int_gemv_default(n: int, k: int) -> dict[str, int]:
     return {"block_n": 8, "num_warps": 4 if k // 8 <= 512 else 2}
 
 
-def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
              group_size: int, bias: torch.Tensor | None = None, block_n: int | None = None,
              num_warps: int | None = None, split_k: int | None = None, prefetch: bool | None = None,
              half2: bool | None = None, persistent: int | None = None, vec: int | None = None,
@@ -1037,23 +1063,26 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         blocks = triton.cdiv(n, block_n)
         grid = min(blocks, persistent * (_num_sms(x.device.index or 0) if x.is_cuda else 1))
         _int_gemv_stream_kernel[(grid,)](
-            x, qweight, scales, zeros, bias if bias is not None else scales, y, n, _MAGIC, K=k, GROUP=group_size,
-            BITS=bits, BLOCK_N=block_n, CW=cw, NUM_WARPS=num_warps, HAS_BIAS=bias is not None, HALF2=half2,
-            STAGES=stages, num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv_stream"))
+            x, qweight, scales, _zeros_arg(scales, zeros), bias if bias is not None else scales, y, n,
+            scales.stride(0), scales.stride(1), _MAGIC, K=k, GROUP=group_size, BITS=bits, BLOCK_N=block_n, CW=cw,
+            NUM_WARPS=num_warps, HAS_BIAS=bias is not None, HALF2=half2, STAGES=stages, ZP=_const_zero(zeros, bits),
+            num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv_stream"))
         return y
     part = _split_partials(split_k, n, x.device) if split_k > 1 else y
     _int_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, qweight, scales, zeros, bias if bias is not None else scales, y, part, n, _MAGIC, K=k, GROUP=group_size,
-        BITS=bits, BLOCK_N=block_n, CW=cw, NUM_WARPS=num_warps, HAS_BIAS=bias is not None, SPLIT_K=split_k,
-        PREFETCH=bool(prefetch), HALF2=half2, num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv"))
+        x, qweight, scales, _zeros_arg(scales, zeros), bias if bias is not None else scales, y, part, n,
+        scales.stride(0), scales.stride(1), _MAGIC, K=k, GROUP=group_size, BITS=bits, BLOCK_N=block_n, CW=cw,
+        NUM_WARPS=num_warps, HAS_BIAS=bias is not None, SPLIT_K=split_k, PREFETCH=bool(prefetch), HALF2=half2,
+        ZP=_const_zero(zeros, bits), num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv"))
     if split_k > 1:
         _split_sum(part, bias, y)
     return y
 
 
 @triton.jit
-def _int_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, c_ptr, M, N, K, GROUP_SIZE, stride_am, stride_cm,
-                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, TILE_IN_GROUP: tl.constexpr,
+def _int_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, c_ptr, M, N, K, GROUP_SIZE, stride_am, stride_cm, stride_sg,
+                     stride_sn, BITS: tl.constexpr, ZP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+                     TILE_IN_GROUP: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Each K step loads the BLOCK_K / PER packed words of its rows once ([WORDS, BLOCK_N] of
     # qweight [N, K / PER], contiguous along K) and splits them in registers; with TILE_IN_GROUP (BLOCK_K divides
@@ -1087,16 +1116,22 @@ def _int_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, c_ptr, M, N, K, GROUP_S
                         mask=(w_row < K // PER)[:, None] & mask_n[None, :], other=0)  # [WORDS, BLOCK_N]
         q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, [BLOCK_K, BLOCK_N]).to(tl.float32)
         if TILE_IN_GROUP:  # rows past K: q is 0 there and so is a
-            g = (k0 // GROUP_SIZE).to(tl.int64) * N + rn
+            g = (k0 // GROUP_SIZE).to(tl.int64) * stride_sg + rn.to(tl.int64) * stride_sn
             s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)
-            w = (q - z[None, :]) * s[None, :]
+            if ZP > 0:  # every zero point ZP (symmetric): nothing to load
+                w = (q - ZP) * s[None, :]
+            else:
+                z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)
+                w = (q - z[None, :]) * s[None, :]
         else:
             m2 = mk[:, None] & mask_n[None, :]
-            g = (offs_k // GROUP_SIZE)[:, None].to(tl.int64) * N + rn[None, :]
+            g = (offs_k // GROUP_SIZE)[:, None].to(tl.int64) * stride_sg + rn[None, :].to(tl.int64) * stride_sn
             s = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
-            w = (q - z) * s
+            if ZP > 0:
+                w = (q - ZP) * s
+            else:
+                z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+                w = (q - z) * s
         if UPCAST:
             acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
         elif a.dtype == tl.float32:
@@ -1120,7 +1155,7 @@ def int_gemm_tile_bytes(block_m: int, block_n: int, block_k: int, bits: int, act
     return per_stage, block_k * block_n * act_bytes
 
 
-def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
              group_size: int, bias: torch.Tensor | None = None, block_m: int | None = None,
              block_n: int = 128, block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x [M, K] @ dequant(qweight).T -> [M, N] in x.dtype, each weight tile dequantized in
@@ -1154,14 +1189,15 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         else:
             block_m //= 2
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _int_gemm_kernel[grid](x, qweight, scales, zeros, bias if bias is not None else scales, c, m, n, k, group_size,
-                           x.stride(0), c.stride(0), BITS=bits, HAS_BIAS=bias is not None, UPCAST=_INTERPRET,
+    _int_gemm_kernel[grid](x, qweight, scales, _zeros_arg(scales, zeros), bias if bias is not None else scales, c, m,
+                           n, k, group_size, x.stride(0), c.stride(0), scales.stride(0), scales.stride(1), BITS=bits,
+                           ZP=_const_zero(zeros, bits), HAS_BIAS=bias is not None, UPCAST=_INTERPRET,
                            TILE_IN_GROUP=tile_in_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                            num_warps=num_warps, num_stages=max(1, stages))
     return c
 
 
-def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. x [M, K] -> [M, N] in x.dtype."""
     if x.shape[0] == 1 and x.is_contiguous():
@@ -1170,10 +1206,11 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 
 
 # ---- torch references (tests, benchmarks) ---------------------------------------------------
-def dequant_int_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+def dequant_int_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
                     group_size: int) -> torch.Tensor:
     """The float32 [N, K] weight the packed form (qweight [N, K*bits/32]) stands for."""
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
     q = ((qweight.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(1).float()  # [N, K]
     g = torch.arange(q.shape[1], device=q.device) // group_size
-    return (q - zeros.float()[g].t()) * scales.float()[g].t()
+    z = zeros.float()[g].t() if zeros is not None else float(1 << (bits - 1))
+    return (q - z) * scales.float()[g].t()

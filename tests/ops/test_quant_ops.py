@@ -311,6 +311,48 @@ def test_int_gemv_persistent(kind, bits, group_size, block_n, num_warps, persist
                 _check(y, ref, dtype)
 
 
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("bits, group_size", [(4, 128), (8, 32), (4, 16)])
+@pytest.mark.parametrize("layout", ["group_major", "row_major"])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int_scale_layouts_and_symmetric_zeros(kind, bits, group_size, layout, symmetric):
+    """Scales and zeros [G, N] stored group-major (contiguous) or row-major (a view of an
+    [N, G] tensor: a row's groups side by side, what a GEMV's block of rows reads), and
+    zeros None (symmetric: every zero point 2**(bits - 1), none read): the one-pass, split-K
+    and persistent GEMVs and the GEMM against the dequantized reference of the same values;
+    float32 activations (the 1e-5 bound), and on the GPU bf16 ones through the f16x2 path."""
+    dev = _dev(kind)
+    n, k = (20, 2048) if dev == "cpu" else (4100, 4096)
+    qw, s, z = _int_weight(n, k, bits, group_size, dev)
+    if symmetric:
+        z = None
+    if layout == "row_major":
+        s = s.t().contiguous().t()
+        z = z.t().contiguous().t() if z is not None else None
+    x = torch.randn(1, k, device=dev) * 3
+    bias = torch.randn(n, device=dev)
+    dense = quant.dequant_int_ref(qw, s, z, bits, group_size)
+    if symmetric:  # the reference's zero points: the constant
+        assert torch.equal(dense, quant.dequant_int_ref(qw, s, torch.full_like(s, 1 << (bits - 1)), bits, group_size))
+    ref = x @ dense.t() + bias
+    for kw in ({}, {"block_n": 4, "num_warps": 1, "split_k": 2}, {"block_n": 4, "num_warps": 1, "persistent": 2},
+               {"block_n": 4, "num_warps": 1, "persistent": 2, "stages": 3}):
+        _check(quant.int_gemv(x, qw, s, z, bits, group_size, bias, **kw), ref, torch.float32)
+        if dev == "cuda" and bits == 4:  # the f16x2 products on these forms too
+            xb = x.to(torch.bfloat16)
+            _check(quant.int_gemv(xb, qw, s, z, bits, group_size, bias.to(torch.bfloat16), half2=True, **kw),
+                   xb.float() @ dense.t() + bias.to(torch.bfloat16).float(), torch.bfloat16)
+    xm = torch.randn(5, k, device=dev)
+    _check(quant.int_gemm(xm, qw, s, z, bits, group_size, bias), xm @ dense.t() + bias, torch.float32)
+
+
+def test_int_zeros_must_match_the_scales_layout():
+    qw = torch.zeros(8, 256, dtype=torch.int32)
+    s = torch.ones(16, 8)
+    with pytest.raises(ValueError, match="zeros .* must match the scales"):
+        quant.int_gemv(torch.ones(1, 2048), qw, s, s.t().contiguous().t(), 4, 128)
+
+
 def test_int_gemv_persistent_refuses_split_and_prefetch():
     qw = torch.zeros(8, 256, dtype=torch.int32)
     s = torch.ones(16, 8)

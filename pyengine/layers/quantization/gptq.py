@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from pyengine.layers.quantization.base_config import LinearMethodBase, QuantizationConfig, is_layer_skipped, new_param
-from pyengine.layers.quantization.utils import apply_int, finalize_int, unpack_int32
+from pyengine.layers.quantization.utils import apply_int, finalize_int, pack_int32, unpack_int32
 
 
 class GPTQConfig(QuantizationConfig):
@@ -51,12 +51,12 @@ class GPTQConfig(QuantizationConfig):
         if self.modules is not None and is_layer_skipped(
                 prefix, checkpoint_names, lambda n: not any(n.endswith("." + m) or n == m for m in self.modules)):
             return None
-        return GPTQLinearMethod(self.bits, self.group_size, self.desc_act, self.v1_zeros)
+        return GPTQLinearMethod(self.bits, self.group_size, self.desc_act, self.v1_zeros, self.sym)
 
 
 class GPTQLinearMethod(LinearMethodBase):
-    def __init__(self, bits: int, group_size: int, desc_act: bool, v1_zeros: bool):
-        self.bits, self.group_size, self.desc_act, self.v1_zeros = bits, group_size, desc_act, v1_zeros
+    def __init__(self, bits: int, group_size: int, desc_act: bool, v1_zeros: bool, sym: bool = True):
+        self.bits, self.group_size, self.desc_act, self.v1_zeros, self.sym = bits, group_size, desc_act, v1_zeros, sym
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype):
@@ -95,7 +95,13 @@ class GPTQLinearMethod(LinearMethodBase):
 
     def dummy_weights(self, layer, gen):
         layer.qweight.data.random_(generator=gen)
-        layer.qzeros.data.random_(generator=gen)
+        if self.sym:  # what a symmetric checkpoint stores: every zero point 2**(bits - 1)
+            groups, words = layer.qzeros.shape
+            zero = (1 << (self.bits - 1)) - (1 if self.v1_zeros else 0)  # v1 (AutoGPTQ): stored minus one
+            full = torch.full((groups, words * (32 // self.bits)), zero, dtype=torch.int32)
+            layer.qzeros.data.copy_(pack_int32(full, self.bits, 1))
+        else:
+            layer.qzeros.data.random_(generator=gen)
         layer.scales.data.fill_(0.02 / (1 << (self.bits - 1)))
         k = layer.g_idx.shape[0]
         layer.g_idx.data.copy_(torch.arange(k) // self.local_group_size)

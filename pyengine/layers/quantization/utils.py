@@ -207,9 +207,12 @@ def finalize_int(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros:
     if perm is not None:
         first = int(g_idx.min())
         q, scales, zeros = q.index_select(0, perm), scales[first:], zeros[first:]
-    # the kernels' layout: [N, K * bits / 32], each output row's words contiguous (ops/quant.py)
+    # the kernels' layout: [N, K * bits / 32], each output row's words contiguous (ops/quant.py);
+    # symmetric (every zero point 2**(bits - 1)): no zeros tensor, the kernels use the constant
+    # (the same arithmetic, one load fewer a row and group)
+    symmetric = bool((zeros == float(1 << (bits - 1))).all())
     replace_parameters(layer, qweight=pack_int32(q.t(), bits, 1), scales=scales.to(dtype).contiguous(),
-                       zeros=zeros.to(dtype).contiguous(), perm=perm)
+                       zeros=None if symmetric else zeros.to(dtype).contiguous(), perm=perm)
     layer.int_linear = IntLinear(bits, group_size, dense=False)
 
 
@@ -222,4 +225,4 @@ def apply_int(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
     perm = getattr(layer, "perm", None)
     if perm is not None:
         x = x.index_select(-1, perm)
-    return qops.int_linear(x, layer.qweight, layer.scales, layer.zeros, f.bits, f.group_size, bias)
+    return qops.int_linear(x, layer.qweight, layer.scales, getattr(layer, "zeros", None), f.bits, f.group_size, bias)
