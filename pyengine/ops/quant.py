@@ -9,7 +9,8 @@ Weight forms (pyengine/layers/quantization/utils.py makes them at load):
   column i*32/bits + j, bits [j*bits, (j+1)*bits)): each output row's words contiguous, so
   the batch-1 GEMV reads whole 16-byte vectors along K and each activation value serves
   all the rows of a program. ``scales`` / ``zeros`` [ceil(K/group_size), N] in the compute
-  dtype: ``w[n, k] = (q[n, k] - zeros[k // group_size, n]) * scales[k // group_size, n]``.
+  dtype, any strides (both the same): ``w[n, k] = (q[n, k] - zeros[k // group_size, n]) *
+  scales[k // group_size, n]``; ``zeros`` None: every zero point 2**(bits-1) (symmetric).
 
 Entry points, each ``x [M, K] (bf16/fp16/fp32) -> [M, N]`` in x.dtype:
 
