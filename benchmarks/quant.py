@@ -320,7 +320,7 @@ def _layer_shapes(hf) -> dict[str, tuple[int, int]]:
 # loaded before this one's products; block_n 32: 255 registers, no spill at 4 warps and
 # K = 4096 or 8 warps and K = 14336, 7% fewer instructions a value than 16 rows); the first
 # of each is its CPU smoke run's. A config that cannot run a shape (a split without a chunk,
-# prefetch with one chunk a split) is refused before it compiles. 20 + 55 configs, about 150
+# prefetch with one chunk a split) is refused before it compiles. 28 + 55 configs, about 170
 # compiles for the 8B shapes' two K values (~0.5 s each; the unrolled FMA kernel at
 # K = 14336 longer: the 15 configs of 12-02 swept in 17 s on the H200).
 FP8_SWEEP: list[dict[str, int | bool]] = [
@@ -335,6 +335,12 @@ FP8_FMA_SWEEP: list[dict[str, int | bool]] = [
     for bn, bk, nw, sk in ((16, 512, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (32, 512, 4, 1), (16, 512, 2, 1),
                            (4, 2048, 4, 1), (8, 2048, 8, 1), (8, 512, 4, 2), (16, 512, 4, 2))]
 FP8_SWEEP += FP8_FMA_SWEEP
+# persistent tensor-core programs (a few an SM walk the blocks through one pipelined loop, the
+# token's scale once a program; offline sm_90 builds: 50 registers and ~30 KB at 8 rows x
+# 1024 columns x 3 stages), per SM x rows x chunk x stages
+FP8_SWEEP += [{"block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": st, "persistent": p}
+              for bn, bk, st, p in ((8, 1024, 3, 4), (8, 1024, 4, 4), (8, 2048, 3, 2), (16, 1024, 3, 3), (4, 1024, 4, 6),
+                                    (8, 512, 4, 6), (16, 2048, 2, 2), (8, 1024, 3, 6))]
 INT_SWEEP: list[dict[str, int | bool]] = [
     {"block_n": bn, "num_warps": nw} for bn, nw in ((8, 2), (4, 1), (4, 2), (8, 1), (8, 4), (16, 1), (16, 2), (16, 4),
                                                     (32, 4), (32, 8))]

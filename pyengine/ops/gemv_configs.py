@@ -26,9 +26,10 @@ means; what the kernels do with them: pyengine/ops/quant.py):
 * ``half2`` (optional, int4, false): bf16/fp16 activations are multiplied in f16x2
   arithmetic (``quant._half2_dot``: ~3 SASS instructions a value against ~4.6; products
   rounded to f16) instead of exact float32 FMAs;
-* ``persistent`` (optional, int kinds, 0): > 0, that many programs an SM, each walking
-  blocks of rows with the next one's words loaded during the current products (split_k 1
-  and no prefetch then);
+* ``persistent`` (optional, 0): > 0, that many programs an SM, each walking blocks of rows
+  with the coming ones' weights in flight during the current products (int kinds: split_k
+  1 and no prefetch then; fp8: per-row weight scales, split_k 1, not fma, ``num_stages``
+  the pipeline's buffers);
 * ``stages`` (optional, int kinds, 1; with ``persistent``): 1, the next chunk's words
   loaded into registers; >= 2, a software pipeline of that many shared-memory buffers;
 * ``vec`` (optional, int kinds, 0): the words a thread loads a chunk (1, 2, 4, 8; 0: 4
@@ -51,7 +52,7 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 REQUIRED = {"fp8": ("block_n", "block_k", "num_warps", "num_stages"), "int4": ("block_n", "num_warps"),
             "int8": ("block_n", "num_warps")}
 OPTIONAL: dict[str, dict[str, int | bool]] = {
-    "fp8": {"split_k": 1, "fma": False},
+    "fp8": {"split_k": 1, "fma": False, "persistent": 0},
     "int4": {"split_k": 1, "prefetch": False, "half2": False, "persistent": 0, "vec": 0, "stages": 1},
     "int8": {"split_k": 1, "prefetch": False, "persistent": 0, "vec": 0, "stages": 1}}
 FIELDS = {kind: REQUIRED[kind] + tuple(OPTIONAL[kind]) for kind in REQUIRED}

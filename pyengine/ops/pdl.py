@@ -45,7 +45,7 @@ from pyengine import envs
 __all__ = ["KERNELS", "MAX_ROWS", "enabled", "launch_kwargs"]
 
 # the PDL-aware kernels, by the names VENGINE_PDL_EXCLUDE takes
-KERNELS = ("gemv", "fp8_gemv", "int_gemv", "int_gemv_stream", "split_sum", "rms_norm", "silu_and_mul",
+KERNELS = ("gemv", "fp8_gemv", "fp8_gemv_stream", "int_gemv", "int_gemv_stream", "split_sum", "rms_norm", "silu_and_mul",
            "rope", "rope_and_cache", "decode", "decode_reduce", "topk_softmax", "moe_gemv", "moe_down_sum", "moe_finish")
 
 MAX_ROWS = 16  # decode of up to 16 requests (a batch-1 MoE step's down pass: top_k = 8 pairs)

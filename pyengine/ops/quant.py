@@ -306,6 +306,66 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, stride
         tl.store(p_ptr + tl.program_id(1) * N + rn, y, mask=mask_n)
 
 
+@triton.jit
+def _fp8_gemv_stream_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                            MIN_SCALE: tl.constexpr, AMAX_BLOCK: tl.constexpr, IEEE: tl.constexpr,
+                            EMULATE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    # _fp8_gemv_kernel's dot (see there) with per-row weight scales, but a few programs an SM
+    # each walk blocks of BLOCK_N rows pid, pid + grid, ... through one software-pipelined
+    # loop over (block, chunk) (STAGES buffers: the coming chunks' weights in flight across
+    # block boundaries too), and the token's scale is computed once a program, not once a
+    # block (every program of the one-pass kernel reads the whole row for its amax).
+    S: tl.constexpr = BLOCK_K // 16
+    M: tl.constexpr = BLOCK_N * 16
+    NCH: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K  # chunks a block
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    total = (tl.cdiv(N, BLOCK_N) - pid + grid - 1) // grid * NCH  # this program's (block, chunk)s
+    rm = tl.arange(0, M)
+    c_m = rm % 16  # each dot row's slice
+    rs = tl.arange(0, S)
+    rc = tl.arange(0, 16)
+    cols = c_m[:, None] * S + rs[None, :]
+    ar = tl.arange(0, BLOCK_N)
+    if PDL:  # (pyengine/ops/pdl.py) the pipeline's first loads come after the scale's: nothing before the wait
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x_scale = 1.0
+    if ACT == 1:
+        ra = tl.arange(0, AMAX_BLOCK)
+        amax = tl.zeros([AMAX_BLOCK], tl.float32)
+        for ka in tl.static_range(0, K, AMAX_BLOCK):
+            offs = ka + ra
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)))
+        x_scale = tl.maximum(tl.max(amax, 0) / 448.0, MIN_SCALE)
+    if ACT == 3:
+        x_scale = tl.load(xs_ptr).to(tl.float32)
+    acc = tl.zeros([M, 16], dtype=tl.float32)
+    for i in tl.range(0, total, num_stages=STAGES):
+        blk = pid + (i // NCH) * grid
+        k0 = (i % NCH) * BLOCK_K
+        rn_m = blk * BLOCK_N + rm // 16
+        mask_m = rn_m < N
+        w = tl.load(w_ptr + (rn_m.to(tl.int64) * K + c_m * S + k0)[:, None] + rs[None, :],
+                    mask=mask_m[:, None] & (k0 + cols < K), other=0.0)
+        x = _fp8_gemv_x(x_ptr, k0, rs, rc, K, S)
+        acc = _fp8_gemv_chunk(acc, w, x, x_ptr, s_ptr, k0, x_scale, rn_m, c_m, mask_m, rc, 0, K, S, M, 1, 1, False,
+                              ACT, MIN_SCALE, IEEE, EMULATE)
+        if i % NCH == NCH - 1:  # the block's last chunk: the diagonal is its rows' sums
+            d = tl.where(c_m[:, None] == rc[None, :], acc, 0.0)
+            y = tl.sum(tl.sum(tl.reshape(d, [BLOCK_N, 16, 16]), axis=2), axis=1)
+            rn = blk * BLOCK_N + ar
+            mask_n = rn < N
+            if ACT == 1 or ACT == 3:
+                y = y * x_scale
+            y = y * tl.load(s_ptr + rn, mask=mask_n, other=0.0)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+            acc = tl.zeros([M, 16], dtype=tl.float32)
+
+
 # ---- FP8 GEMV on the CUDA cores (a config's ``fma``) ----------------------------------------
 @triton.jit
 def _fp8_fma_chunk(acc, w, x_ptr, k0, rk, x_scale, K: tl.constexpr, FULL: tl.constexpr, ACT: tl.constexpr,
@@ -431,7 +491,8 @@ def fp8_gemv_smem_bytes(block_n: int, block_k: int, num_stages: int, act_bytes: 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None = None,
              bias: torch.Tensor | None = None, act: str | None = None, input_scale: torch.Tensor | None = None,
              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-             num_stages: int | None = None, split_k: int | None = None, fma: bool | None = None) -> torch.Tensor:
+             num_stages: int | None = None, split_k: int | None = None, fma: bool | None = None,
+             persistent: int | None = None) -> torch.Tensor:
     """One row: x [1, K] (contiguous) @ dequant(weight [N, K] FP8).T -> [1, N] in x.dtype.
     The activation is quantized in the kernel as the GEMM path quantizes it (``act``), so a
     request's output does not depend on the size of its batch; its scale per token is
@@ -446,9 +507,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     ``_fp8_gemv_fma_kernel`` instead, the bf16 GEMV's shape on the CUDA cores (float32 FMAs
     of the upcast weight and the in-register quantized activation: the same values and
     products as the reference, float32 sums; ``block_k`` columns a chunk, ``num_stages``
-    unused); block scales keep the tensor-core kernel. Raises ValueError for a config the
-    kernel cannot run (a split_k that leaves a split without a chunk among them:
-    ``split_chunks``)."""
+    unused); block scales keep the tensor-core kernel. ``persistent`` > 0 (per-row weight
+    scales, ``split_k`` 1, not ``fma``): that many programs an SM (on the CPU: in all) walk
+    the blocks of rows through one pipelined loop of ``num_stages`` buffers, the token's
+    scale computed once a program (``_fp8_gemv_stream_kernel``). Raises ValueError for a
+    config the kernel cannot run (a split_k that leaves a split without a chunk among them:
+    ``split_chunks``; ``persistent`` with block scales, ``split_k`` > 1 or ``fma``)."""
     n, k = weight.shape
     cfg = _gemv_config("fp8", n, k, x.device, fp8_gemv_default)
     block_n = block_n or cfg["block_n"]
@@ -457,9 +521,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     num_stages = num_stages or cfg["num_stages"]
     split_k = split_k if split_k is not None else cfg.get("split_k", 1)
     fma = fma if fma is not None else bool(cfg.get("fma", False))
+    persistent = persistent if persistent is not None else cfg.get("persistent", 0)
     bn, bk = block if block is not None else (1, 1)
     if block_k & (block_k - 1) or block_k < 256 or block_n & (block_n - 1):
         raise ValueError(f"block_k {block_k} must be a power of two >= 256 and block_n {block_n} a power of two")
+    if persistent and (block is not None or split_k > 1 or fma):
+        raise ValueError("a persistent FP8 GEMV takes per-row weight scales, split_k 1 and the tensor cores "
+                         f"(block {block}, split_k {split_k}, fma {fma})")
     if fma and block is None:
         return _fp8_gemv_fma(x, weight, weight_scale, bias, act, input_scale, block_n, block_k, num_warps, split_k)
     if block is not None:  # a slice (block_k / 16 columns) must lie in one scale block
@@ -475,6 +543,15 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     split_chunks(triton.cdiv(k, block_k), split_k,
                  f"FP8 GEMV {n}x{k} (block_n {block_n}, block_k {block_k}, split_k {split_k})")
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if persistent:
+        grid = min(triton.cdiv(n, block_n), persistent * (_num_sms(x.device.index or 0) if x.is_cuda else 1))
+        _fp8_gemv_stream_kernel[(grid,)](
+            x, weight, weight_scale, bias if bias is not None else weight_scale,
+            input_scale if input_scale is not None else weight_scale, y, n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+            HAS_BIAS=bias is not None, ACT=_ACT_CODES[act], MIN_SCALE=_MIN_SCALE,
+            AMAX_BLOCK=min(2048, triton.next_power_of_2(k)), IEEE=x.dtype == torch.float32, EMULATE=_INTERPRET,
+            STAGES=num_stages, num_warps=num_warps, **pdl.launch_kwargs(x, "fp8_gemv_stream"))
+        return y
     part = _split_partials(split_k, n, x.device) if split_k > 1 else y
     _fp8_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, weight_scale, bias if bias is not None else weight_scale,

@@ -51,6 +51,8 @@ def test_table_round_trip(tmp_path):
     ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "persistent": 33}}}, r"persistent must be an integer in \[0, 32\]"),
     ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "vec": 3}}}, "vec must be 0 .by the group size., 1, 2, 4 or 8"),
     ({"int4": {"8x8": {"block_n": 8, "num_warps": 2, "stages": 0}}}, r"stages must be an integer in \[1, 8\]"),
+    ({"fp8": {"8x8": {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 3, "stages": 2}}},
+     r"unknown field\(s\) stages"),
 ])
 def test_bad_tables_are_refused(raw, word):
     with pytest.raises(ValueError, match=word):
@@ -124,6 +126,27 @@ def test_persistent_knobs_reach_the_stream_kernel(monkeypatch):
     quant.int_gemv(torch.ones(1, 4096, dtype=torch.bfloat16), qw, s, s, 4, 128)
     (grid, kw), = launches
     assert grid == (2,) and kw["STAGES"] == 3 and kw["CW"] == 2 and kw["BLOCK_N"] == 4 and kw["HALF2"] is False
+
+
+def test_fp8_persistent_knob_reaches_the_stream_kernel(monkeypatch):
+    """An FP8 entry with ``persistent`` launches ``_fp8_gemv_stream_kernel`` on that many
+    programs (on the CPU: in all) with ``num_stages`` as its pipeline's buffers."""
+    from pyengine.ops import quant
+
+    monkeypatch.setattr(gemv_configs, "lookup", lambda kind, n, k, device: {
+        "block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 3, "persistent": 2})
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((grid, kw))
+
+    monkeypatch.setattr(quant, "_fp8_gemv_stream_kernel", Spy())
+    monkeypatch.setattr(quant, "_fp8_gemv_kernel", None)  # the one-pass kernel must not run
+    w = torch.zeros(20, 1024, dtype=quant.FP8_DTYPE)
+    quant.fp8_gemv(torch.ones(1, 1024), w, torch.ones(20), act="token")
+    (grid, kw), = launches
+    assert grid == (2,) and kw["STAGES"] == 3 and kw["BLOCK_N"] == 4 and kw["BLOCK_K"] == 512
 
 
 def test_fma_knob_picks_the_cuda_core_kernel(monkeypatch):

@@ -99,6 +99,13 @@ def _fp8_tc():
         MIN_SCALE=quant._MIN_SCALE, AMAX_BLOCK=2048, IEEE=False, EMULATE=False, SPLIT_K=1)
 
 
+def _fp8_stream():
+    from pyengine.ops import quant
+    return quant._fp8_gemv_stream_kernel, dict(w_ptr="*fp8e4nv", s_ptr="*fp32", xs_ptr="*fp32"), dict(
+        K=4096, BLOCK_N=8, BLOCK_K=1024, HAS_BIAS=False, ACT=1, MIN_SCALE=quant._MIN_SCALE, AMAX_BLOCK=2048,
+        IEEE=False, EMULATE=False, STAGES=3)
+
+
 def _int4(half2=False):
     from pyengine.ops import quant
     return quant._int_gemv_kernel, dict(qw_ptr="*i32", p_ptr="*fp32"), dict(
@@ -165,7 +172,7 @@ def _moe_gemv():
 
 
 # (kernel, whether it prefetches its weights before the wait)
-KERNELS = {"gemv": (_gemv, True), "fp8_gemv": (_fp8_tc, True),
+KERNELS = {"gemv": (_gemv, True), "fp8_gemv": (_fp8_tc, True), "fp8_gemv_stream": (_fp8_stream, False),
            "int4_gemv": (_int4, True), "int4_gemv_half2": (_int4_half2, True), "int4_gemv_stream": (_int4_stream, True),
            "int4_gemv_pipelined": (_int4_pipelined, False),
            "rms_norm": (_rms_norm, None),

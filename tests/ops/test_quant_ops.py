@@ -456,6 +456,33 @@ def test_fp8_gemv_split_k(kind, act, block_n, block_k, split_k, fma):
     assert checked
 
 
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("act", ["token", "tensor", None])
+@pytest.mark.parametrize("block_n, block_k, persistent, num_stages", [(2, 256, 2, 3), (4, 512, 1, 2), (8, 1024, 4, 4)])
+def test_fp8_gemv_persistent(kind, act, block_n, block_k, persistent, num_stages):
+    """The persistent FP8 GEMV (``_fp8_gemv_stream_kernel``: a few programs walk the blocks
+    of rows through one pipelined loop, the token's scale once a program) against the
+    reference: fewer programs than blocks (on the CPU ``persistent`` is the grid), K in
+    several chunks, evenly and not (1000: a masked last chunk), N not a multiple of block_n,
+    each activation scheme, a bias; the one-pass kernel's bound. Block scales, split-K and
+    the CUDA-core kernel are refused."""
+    dev = _dev(kind)
+    for k in (2048, 1000):
+        n = 24 if dev == "cpu" else 4104
+        w, ws = _fp8_weight(n, k, dev)
+        x = torch.randn(1, k, device=dev) * 3
+        bias = torch.randn(n, device=dev)
+        static = x.abs().amax().reshape(1) / 448.0 * 1.5 if act == "tensor" else None
+        y = quant.fp8_gemv(x, w, ws, None, bias, act, static, block_n=block_n, block_k=block_k,
+                           num_stages=num_stages, persistent=persistent)
+        xr = x if act is None else _ref_act(x, static=static)
+        tol = FP8_MMA_TOL if act is not None and dev == "cuda" else None
+        _check(y, xr @ dequantize_fp8(w, ws, None).t() + bias, torch.float32, tol)
+    for kw in ({"split_k": 2}, {"fma": True}):
+        with pytest.raises(ValueError, match="a persistent FP8 GEMV takes"):
+            quant.fp8_gemv(x, w, ws, None, bias, act, static, block_n=block_n, block_k=block_k, persistent=2, **kw)
+
+
 def test_dequant_int_ref_matches_unpack():
     """The reference's unpacking is pack_int32's inverse (so the kernel tests test something)."""
     from pyengine.layers.quantization.utils import dequantize_int, unpack_int32
