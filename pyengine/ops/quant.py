@@ -177,6 +177,24 @@ def _fp8_gemv_x(x_ptr, k0, rs, rc, K: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
+def _token_scale(x_ptr, xs_ptr, K: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr,
+                 AMAX_BLOCK: tl.constexpr):
+    """The FP8 GEMVs' activation scale (float32): per token (ACT 1) from the amax of the
+    whole (small, cached) row, all its loads at once; static (ACT 3) from xs_ptr; else 1."""
+    x_scale = 1.0
+    if ACT == 1:
+        ra = tl.arange(0, AMAX_BLOCK)
+        amax = tl.zeros([AMAX_BLOCK], tl.float32)
+        for a0 in tl.static_range(0, K, AMAX_BLOCK):
+            offs = a0 + ra
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)))
+        x_scale = tl.maximum(tl.max(amax, 0) / 448.0, MIN_SCALE)
+    if ACT == 3:
+        x_scale = tl.load(xs_ptr).to(tl.float32)
+    return x_scale
+
+
+@triton.jit
 def _fp8_gemv_chunk(acc, w, x, x_ptr, s_ptr, k0, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K: tl.constexpr,
                     S: tl.constexpr, M: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
                     BLOCK_SCALED: tl.constexpr, ACT: tl.constexpr, MIN_SCALE: tl.constexpr, IEEE: tl.constexpr,
@@ -267,16 +285,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, stride
     if PRELOAD:
         x0 = _fp8_gemv_x(x_ptr, k_lo, rs, rc, K, S)
         x1 = _fp8_gemv_x(x_ptr, k_lo + BLOCK_K, rs, rc, K, S)
-    x_scale = 1.0
-    if ACT == 1:  # the token's scale: every program reads the whole (small, cached) row, all loads at once
-        ra = tl.arange(0, AMAX_BLOCK)
-        amax = tl.zeros([AMAX_BLOCK], tl.float32)
-        for k0 in tl.static_range(0, K, AMAX_BLOCK):
-            offs = k0 + ra
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)))
-        x_scale = tl.maximum(tl.max(amax, 0) / 448.0, MIN_SCALE)
-    if ACT == 3:
-        x_scale = tl.load(xs_ptr).to(tl.float32)
+    x_scale = _token_scale(x_ptr, xs_ptr, K, ACT, MIN_SCALE, AMAX_BLOCK)  # every program reads the row
     acc = tl.zeros([M, 16], dtype=tl.float32)
     if PRELOAD:
         acc = _fp8_gemv_chunk(acc, w0, x0, x_ptr, s_ptr, k_lo, x_scale, rn_m, c_m, mask_m, rc, stride_sn, K, S, M,
@@ -331,16 +340,7 @@ def _fp8_gemv_stream_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, N, K: tl.
     if PDL:  # (pyengine/ops/pdl.py) the pipeline's first loads come after the scale's: nothing before the wait
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    x_scale = 1.0
-    if ACT == 1:
-        ra = tl.arange(0, AMAX_BLOCK)
-        amax = tl.zeros([AMAX_BLOCK], tl.float32)
-        for ka in tl.static_range(0, K, AMAX_BLOCK):
-            offs = ka + ra
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)))
-        x_scale = tl.maximum(tl.max(amax, 0) / 448.0, MIN_SCALE)
-    if ACT == 3:
-        x_scale = tl.load(xs_ptr).to(tl.float32)
+    x_scale = _token_scale(x_ptr, xs_ptr, K, ACT, MIN_SCALE, AMAX_BLOCK)  # once a program, for all its blocks
     acc = tl.zeros([M, 16], dtype=tl.float32)
     for i in tl.range(0, total, num_stages=STAGES):
         blk = pid + (i // NCH) * grid
@@ -435,16 +435,7 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, xs_ptr, y_ptr, p_ptr, N, K:
         w2 = _fp8_fma_load(w_rows, k_lo + 2 * BLOCK_K, rk, mask_n, K, F2)
     if KS > 3 * BLOCK_K:
         w3 = _fp8_fma_load(w_rows, k_lo + 3 * BLOCK_K, rk, mask_n, K, F3)
-    x_scale = 1.0
-    if ACT == 1:  # the token's scale from the whole (small, cached) row
-        ra = tl.arange(0, AMAX_BLOCK)
-        amax = tl.zeros([AMAX_BLOCK], tl.float32)
-        for a0 in tl.static_range(0, K, AMAX_BLOCK):
-            offs = a0 + ra
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)))
-        x_scale = tl.maximum(tl.max(amax, 0) / 448.0, MIN_SCALE)
-    if ACT == 3:
-        x_scale = tl.load(xs_ptr).to(tl.float32)
+    x_scale = _token_scale(x_ptr, xs_ptr, K, ACT, MIN_SCALE, AMAX_BLOCK)  # every program reads the row
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc = _fp8_fma_chunk(acc, w0, x_ptr, k_lo, rk, x_scale, K, F0, ACT, EMULATE)
     if KS > BLOCK_K:
