@@ -74,6 +74,19 @@ def test_shipped_tables_parse():
         gemv_configs.parse_table(json.loads(path.read_text()), str(path))
 
 
+class _Spy:
+    """Stands in for a Triton kernel: each launch appended to ``launches`` as (grid, kwargs),
+    or (name, grid, kwargs) when named; nothing runs."""
+
+    def __init__(self, launches: list, name: str | None = None):
+        self.launches, self.name = launches, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append((grid, kw) if self.name is None else (self.name, grid, kw))
+        return launch
+
+
 def test_swept_knobs_reach_the_kernels(tmp_path, monkeypatch):
     """A table entry's optional knobs (split_k, prefetch) are what the GEMV launches with,
     and an entry without them runs the one-pass kernel: the config a launch reads is the
@@ -86,11 +99,7 @@ def test_swept_knobs_reach_the_kernels(tmp_path, monkeypatch):
     monkeypatch.setattr(quant, "_split_sum", lambda part, bias, y: seen.append(tuple(part.shape)))
     launches = []
 
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append((grid, kw))
-
-    monkeypatch.setattr(quant, "_int_gemv_kernel", Spy())
+    monkeypatch.setattr(quant, "_int_gemv_kernel", _Spy(launches))
     qw = torch.zeros(20, 4096 // 8, dtype=torch.int32)  # 4 chunks of 128 words at 1 warp
     s = torch.ones(32, 20)
     quant.int_gemv(torch.ones(1, 4096), qw, s, s, 4, 128)
@@ -115,11 +124,7 @@ def test_persistent_knobs_reach_the_stream_kernel(monkeypatch):
         "block_n": 4, "num_warps": 1, "persistent": 2, "stages": 3, "vec": 2, "half2": True})
     launches = []
 
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append((grid, kw))
-
-    monkeypatch.setattr(quant, "_int_gemv_stream_kernel", Spy())
+    monkeypatch.setattr(quant, "_int_gemv_stream_kernel", _Spy(launches))
     monkeypatch.setattr(quant, "_int_gemv_kernel", None)  # the one-pass kernel must not run
     qw = torch.zeros(20, 4096 // 8, dtype=torch.int32)
     s = torch.ones(32, 20)
@@ -137,11 +142,7 @@ def test_fp8_persistent_knob_reaches_the_stream_kernel(monkeypatch):
         "block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 3, "persistent": 2})
     launches = []
 
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append((grid, kw))
-
-    monkeypatch.setattr(quant, "_fp8_gemv_stream_kernel", Spy())
+    monkeypatch.setattr(quant, "_fp8_gemv_stream_kernel", _Spy(launches))
     monkeypatch.setattr(quant, "_fp8_gemv_kernel", None)  # the one-pass kernel must not run
     w = torch.zeros(20, 1024, dtype=quant.FP8_DTYPE)
     quant.fp8_gemv(torch.ones(1, 1024), w, torch.ones(20), act="token")
@@ -159,15 +160,8 @@ def test_fma_knob_picks_the_cuda_core_kernel(monkeypatch):
     monkeypatch.setattr(quant, "_split_sum", lambda part, bias, y: launches.append(("sum", tuple(part.shape))))
     launches = []
 
-    class Spy:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append((self.name, grid, kw))
-
-    monkeypatch.setattr(quant, "_fp8_gemv_fma_kernel", Spy("fma"))
-    monkeypatch.setattr(quant, "_fp8_gemv_kernel", Spy("mma"))
+    monkeypatch.setattr(quant, "_fp8_gemv_fma_kernel", _Spy(launches, "fma"))
+    monkeypatch.setattr(quant, "_fp8_gemv_kernel", _Spy(launches, "mma"))
     w = torch.zeros(40, 2048, dtype=quant.FP8_DTYPE)
     ws = torch.ones(40)
     quant.fp8_gemv(torch.ones(1, 2048), w, ws, act="token")
