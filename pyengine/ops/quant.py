@@ -737,7 +737,8 @@ def _int_gemv_words(rows, kc, rw, mask_n, KW: tl.constexpr, EVEN: tl.constexpr):
 # the word shifted right by 8 the other four. An exact f16x2 subtraction leaves q (or 16q,
 # whose activations $3 and $5 come pre-divided by 16), a product and three FMAs sum the
 # eight products in two f16 lanes, and the lanes are added in float32: 17 instructions for
-# 8 values against ~35 in float32 (the CUDA-core kernel is issue-bound, not HBM-bound).
+# 8 values against ~35 in float32 (offline sm_90 builds; on the H200 a tile's time alone did
+# not change, the kernel waiting on memory: docs/benchmarks.md, 2026-12-04 third session).
 # $2..$5: the activation pairs (x0, x4), (x1, x5) / 16, (x2, x6), (x3, x7) / 16 as f16x2.
 _INT4_HALF2_ASM = tl.constexpr("""{
 .reg .b32 m, a, b, c, d, w8, s;
