@@ -14,6 +14,7 @@ CUDA use, so CPU-only hosts never need it.
 * ``apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight=None, k_norm_weight=None,
   eps=1e-6) -> (q, k)``: neox RoPE, optionally fused with Qwen3's per-head q/k RMSNorm
   (applied before the rotation).
+* ``seeded_exponentials(seeds, positions, vocab_size) -> [R, V]``: seeded rows' draws.
 
 Set ``VENGINE_DISABLE_TRITON_OPS=1`` to force the torch versions on CUDA too. With
 ``TRITON_INTERPRET=1``, ``VENGINE_TRITON_OPS_ON_CPU=1`` runs the triton kernels on CPU
@@ -83,4 +84,23 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return native.apply_rotary(q, k, positions, cos_sin_cache)
 
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "linear", "use_triton"]
+def seeded_exponentials(seeds, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 [R, vocab_size] of i.i.d. Exp(1) draws, each a function of its row's seed,
+    its row's position and its token id only (a counter-based generator, as SGLang's and
+    LMDeploy's seeded sampling; vLLM keeps a ``torch.Generator`` per request). ``seeds``:
+    R ints in [-2**63, 2**64) (the low 64 bits count); ``positions``: int64 [R] on the
+    device, each row's input position. So a seeded row's token at a position does not
+    depend on how many draws came before it (the batch, sync or async scheduling, the rows
+    a speculative step verified, a preemption). Raises ValueError unless there is one seed
+    per position."""
+    if len(seeds) != positions.shape[0]:
+        raise ValueError(f"{len(seeds)} seeds for {positions.shape[0]} positions")
+    halves = torch.tensor([[s & 0xFFFFFFFF for s in seeds], [(s >> 32) & 0xFFFFFFFF for s in seeds]],
+                          dtype=torch.int64).to(positions.device, non_blocking=True)
+    if use_triton(positions):
+        return _fused().seeded_exponentials(halves[0], halves[1], positions, vocab_size)
+    return native.seeded_exponentials(halves[0], halves[1], positions, vocab_size)
+
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "linear", "use_triton",
+           "seeded_exponentials"]

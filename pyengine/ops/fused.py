@@ -284,3 +284,39 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                        HK_PAD=triton.next_power_of_2(hk), HALF=d // 2, NORM=norm, num_warps=4,
                        **pdl.launch_kwargs(q, "rope"))
     return q_out, k_out
+
+
+@triton.jit
+def _mix32(x):  # native.mix32 on uint32 (wrapping multiplies, logical shifts)
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _seeded_exp_kernel(lo_ptr, hi_ptr, pos_ptr, out_ptr, V, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.load(lo_ptr + row).to(tl.uint32)
+    hi = tl.load(hi_ptr + row).to(tl.uint32)
+    pos = tl.load(pos_ptr + row).to(tl.uint32)
+    key = _mix32(_mix32(_mix32(pos ^ 0x9E3779B9) ^ hi) ^ lo)
+    tok = _mix32(offs.to(tl.uint32) + 0x6A09E667)
+    h = _mix32(key ^ tok)
+    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, -tl.log(u), mask=offs < V)
+
+
+def seeded_exponentials(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor,
+                        vocab_size: int) -> torch.Tensor:
+    """``native.seeded_exponentials`` in one kernel (the same 32-bit words; the log may
+    differ from torch's in the last bit)."""
+    R = positions.shape[0]
+    out = torch.empty((R, vocab_size), dtype=torch.float32, device=positions.device)
+    if R:
+        block = 1024
+        _seeded_exp_kernel[(R, triton.cdiv(vocab_size, block))](seed_lo, seed_hi, positions, out, vocab_size,
+                                                                out.stride(0), BLOCK=block, num_warps=4)
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "seeded_exponentials"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,3 +60,43 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     h = x.shape[-1] // 2
     rotated = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     return x * cos + rotated * sin
+
+
+# ---- counter-based random draws of seeded rows (see pyengine/ops/__init__.py) -----------
+_M32 = 0xFFFFFFFF
+# the 32-bit "lowbias32" mixer's multipliers (Wellons' hash prospector); salts keep a
+# position, a token id and a seed half from ever entering a mix as the same word
+MIX_MUL = (0x7FEB352D, 0x846CA68B)
+POS_SALT, TOKEN_SALT = 0x9E3779B9, 0x6A09E667
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow: c in two 16-bit halves
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of 32-bit words (int64 tensors holding values in [0, 2**32)) with full
+    avalanche: xorshift-multiply rounds."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, MIX_MUL[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, MIX_MUL[1])
+    return x ^ (x >> 16)
+
+
+def seeded_bits(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor,
+                vocab_size: int) -> torch.Tensor:
+    """int64 [R, vocab_size], 32-bit words: a hash of (seed, position, token id). For one
+    row (seed, position) it is a bijection of the token id, so no two tokens share a word."""
+    key = mix32(mix32(mix32((positions.to(torch.int64) & _M32) ^ POS_SALT) ^ seed_hi) ^ seed_lo)
+    tok = mix32(torch.arange(vocab_size, dtype=torch.int64, device=positions.device) + TOKEN_SALT)
+    return mix32(key.unsqueeze(1) ^ tok.unsqueeze(0))
+
+
+def seeded_exponentials(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor,
+                        vocab_size: int) -> torch.Tensor:
+    """float32 [R, vocab_size] of Exp(1) draws, a function of (seed, position, token id)
+    only: ``-log(u)``, ``u`` the top 24 bits of ``seeded_bits`` as a float in (0, 1)."""
+    u = ((seeded_bits(seed_lo, seed_hi, positions, vocab_size) >> 8).to(torch.float32) + 0.5) * 2.0 ** -24
+    return u.log_().neg_()

@@ -224,7 +224,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
-        self.sampling_state = SamplingState(self.device, self.dims.vocab_size, config.async_scheduling)
+        self.sampling_state = SamplingState(self.device, self.dims.vocab_size)
         self._sender = TPStepSender(tp_group) if tp_group is not None else None
         if self.drafter is not None and tp_group is not None and tp_group.rank == 0:
             # a model-based proposer's forwards run on every rank (sharded): rank 0 sends them
@@ -507,7 +507,6 @@ class ModelRunner:
             else:
                 self._spec_rejected, self._spec_generated = {}, {}
         self.sampling_state.forget(so.finished_req_ids)
-        self.sampling_state.rewind(so.discarded_draw_req_ids)
         if self.drafter is not None:
             self.drafter.forget(so.finished_req_ids)
             self._last_so = so
@@ -518,6 +517,8 @@ class ModelRunner:
         ph_flags = [s.placeholder_input for s in sampled]
         spec = self.drafter is not None and so.speculative
         meta_s = self.sampling_state.metadata(sampled, ph_flags, spec, pending) if sampled else None
+        if meta_s is not None and meta_s.seeds:  # seeded rows draw by (seed, position)
+            meta_s.positions = pos if rows_t is None else pos[rows_t]
         self._sched_drafts = sched_drafts
         prof = self.profiler
         if prof is not None:
@@ -635,7 +636,7 @@ class ModelRunner:
         greedy = meta_s.all_greedy
         # (greedy: the drafts' values are read on the host with the verification's result,
         # so device drafts are not waited for here)
-        draft_ids = None if greedy and not meta_s.generators else _draft_rows(sampled)
+        draft_ids = None if greedy else _draft_rows(sampled)
         if grammar_output is not None:
             from pyengine.structured_output.backend_xgrammar import apply_token_bitmask
             rows = [starts[r] for r in grammar_output.rows]
@@ -653,8 +654,7 @@ class ModelRunner:
             d_dev = d_host.to(self.device, non_blocking=True)
         else:
             d_dev = torch.tensor(draft_ids, dtype=torch.int64, device=self.device)
-        has_draft = [d >= 0 for d in draft_ids] if meta_s.generators else None  # (seeded rows' draw order)
-        out = self.rejection_sampler(logits, meta_s, d_dev, has_draft)
+        out = self.rejection_sampler(logits, meta_s, d_dev)
         dev = [out.candidate] if greedy else [out.candidate, out.accepted]
         lp = [out.logprobs_token_ids, out.logprobs, out.ranks] if out.logprobs is not None else []
         sched = self._sched_drafts if self._async_spec else None

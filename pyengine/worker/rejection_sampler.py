@@ -19,10 +19,12 @@ if the drafts before it were already output tokens (``SamplingState.metadata`` w
   proposer here drafts deterministically, so ``q_j`` is one-hot at ``d_j``: accept with
   probability ``p_j(d_j)``, recover from ``p_j`` with ``d_j`` removed.
 
-Randomness: a row with a ``torch.Generator`` (a seeded request) draws, in row order, one
-uniform (draft rows only) and one ``V``-sized exponential vector (every row), so a seeded
-request's tokens depend on its own inputs only. A row without drafts draws exactly what
-``Sampler`` draws and samples the same token from it.
+Randomness: every row takes one ``V``-sized exponential vector (``draw_exponentials``:
+a seeded row's is a function of its seed and position), and with one-hot drafts the
+decision is coupled to the row's own sample: the row samples ``t`` as ``Sampler`` would
+and accepts its draft iff ``t`` is the draft. So a seeded request emits, position by
+position, the tokens it emits without speculation, whatever the drafts, the rows a step
+verified or threw away, or the scheduling.
 """
 from __future__ import annotations
 
@@ -41,10 +43,11 @@ from pyengine.worker.sampler import (
     apply_thinking_budget,
     apply_top_k_top_p,
     compute_logprobs,
+    draw_exponentials,
     gather_logprobs,
 )
 
-__all__ = ["RejectionSampler", "RejectionOutput", "rejection_sample", "draw_randomness"]
+__all__ = ["RejectionSampler", "RejectionOutput", "rejection_sample"]
 
 _SAMPLING_EPS = 1e-5
 
@@ -69,50 +72,40 @@ class RejectionOutput:
     ranks: torch.Tensor | None = None
 
 
-def draw_randomness(num_rows: int, vocab_size: int, draft_rows: torch.Tensor,
-                    generators: dict[int, torch.Generator], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uniforms float32 [N] in [0, 1), exponentials float32 [N, V] ~ Exp(1)). Rows in
-    ``generators`` draw from their generator, in row order: a uniform first when the row
-    has a draft (``draft_rows``: N bools on the host, a tensor or a sequence; read only
-    when there are generators), then the exponential vector."""
-    u = torch.rand(num_rows, device=device)
-    e = torch.empty(num_rows, vocab_size, device=device)
-    if len(generators) != num_rows:
-        e.exponential_()
-    has_draft = (draft_rows.tolist() if isinstance(draft_rows, torch.Tensor) else list(draft_rows)) if generators else ()
-    for i, g in sorted(generators.items()):
-        if has_draft[i]:
-            u[i:i + 1].uniform_(generator=g)
-        e[i].exponential_(generator=g)
-    return u, e.clamp_(min=torch.finfo(e.dtype).tiny)
-
-
-def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.Tensor,
-                     exponentials: torch.Tensor, draft_probs: torch.Tensor | None = None
+def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, exponentials: torch.Tensor,
+                     draft_probs: torch.Tensor | None = None, uniforms: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative-sampling decision per row.
 
     Args:
         probs: float32 [N, V], the target distribution p of each row (rows sum to 1).
         draft_ids: int64 [N], the row's draft token, -1 on rows without one (bonus rows).
-        uniforms: float32 [N] in [0, 1); exponentials: float32 [N, V], Exp(1), > 0.
+        exponentials: float32 [N, V], Exp(1), > 0.
         draft_probs: float32 [N, V], the distribution q each draft was drawn from; None:
-            one-hot at the draft (deterministic proposers).
+            one-hot at the draft (deterministic proposers, every proposer here).
+        uniforms: float32 [N] in [0, 1); needed with ``draft_probs`` only.
     Returns:
         (accepted bool [N], token int64 [N]): ``token`` is the draft where accepted, else
         a sample of ``normalize(max(p - q, 0))`` (of ``p`` on rows without a draft),
         drawn by the exponential race ``argmax(w / E)`` (exact for unnormalized weights).
+        One-hot q: the row's own sample ``t = argmax(p / E)``, accepted iff ``t`` is the
+        draft (probability p(d); rejected, ``t`` is distributed as p without d,
+        renormalised: the residual). So a row emits the token it would emit with no
+        draft from the same ``E`` (a seeded row: the same token as without speculation).
+    Raises:
+        ValueError: ``draft_probs`` without ``uniforms``.
     """
     has = draft_ids >= 0
+    if draft_probs is None:
+        t = probs.div(exponentials).argmax(dim=-1)
+        return has & (t == draft_ids), t
+    if uniforms is None:
+        raise ValueError("rejection_sample: a general draft distribution needs uniforms.")
     d = draft_ids.clamp(min=0).unsqueeze(1)
     p_d = probs.gather(1, d).squeeze(1)
-    if draft_probs is None:
-        accepted = has & (uniforms < p_d)
-        residual = probs.scatter(1, d, torch.zeros_like(p_d).unsqueeze(1))
-    else:
-        q_d = draft_probs.gather(1, d).squeeze(1)
-        accepted = has & (uniforms * q_d < p_d)
-        residual = (probs - draft_probs).clamp_(min=0.0)
+    q_d = draft_probs.gather(1, d).squeeze(1)
+    accepted = has & (uniforms * q_d < p_d)
+    residual = (probs - draft_probs).clamp_(min=0.0)
     weights = torch.where(has.unsqueeze(1), residual, probs)
     recovered = weights.div(exponentials).argmax(dim=-1)
     return accepted, torch.where(accepted, draft_ids, recovered)
@@ -121,8 +114,8 @@ def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: tor
 class RejectionSampler:
     """Stateless; ``sampler(logits, meta, draft_ids)``."""
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor | None,
-                 draft_rows_host=None) -> RejectionOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor | None
+                 ) -> RejectionOutput:
         """Verify a batch of rows.
 
         Args:
@@ -134,12 +127,10 @@ class RejectionSampler:
                 May be None when ``meta.all_greedy``: the candidates are then the argmaxes
                 whatever the drafts, ``accepted`` is None, and the caller compares them
                 with its drafts (a greedy row accepts its draft when it is the argmax).
-            draft_rows_host: N bools (host: a tensor or a sequence), ``draft_ids >= 0``;
-                needed only when ``meta`` has generators (seeded random rows).
         Raises:
             ValueError: if ``logits`` is not [N, V] with N = meta's rows, ``draft_ids``
-                is missing for rows that are not all greedy, or ``draft_rows_host`` is
-                missing while ``meta`` has generators.
+                is missing for rows that are not all greedy, or ``meta`` has seeds but no
+                positions.
         """
         n_drafts = meta.batch_size if draft_ids is None else draft_ids.shape[0]
         if logits.dim() != 2 or logits.shape[0] != meta.batch_size or n_drafts != meta.batch_size:
@@ -164,10 +155,8 @@ class RejectionSampler:
                 t = apply_min_p(t, meta.min_p)
             t = apply_top_k_top_p(t, meta.top_k, meta.top_p, meta.max_top_k)
             probs = torch.softmax(t, dim=-1)
-            if meta.generators and draft_rows_host is None:
-                raise ValueError("draft_rows_host is needed for rows with a generator (seeded rows).")
-            u, e = draw_randomness(probs.shape[0], probs.shape[1], draft_rows_host, meta.generators, probs.device)
-            accepted, target = rejection_sample(probs, draft_ids, u, e)
+            e = draw_exponentials(meta, probs.shape[0], probs.shape[1], probs.device)
+            accepted, target = rejection_sample(probs, draft_ids, e)
             if not meta.all_random:
                 greedy_rows = meta.temperature < _SAMPLING_EPS
                 g = x.argmax(dim=-1)

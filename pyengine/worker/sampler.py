@@ -32,8 +32,10 @@ Order of operations, per row (as vLLM v1 by default):
 7. Greedy rows (``temperature < 1e-5``): argmax.
 8. Random rows: temperature, min-p, top-k, top-p, then one draw with the
    exponential-race trick ``argmax(probs / q)``, ``q ~ Exp(1)``, which is an exact sample
-   from ``probs``. Rows that carry a ``torch.Generator`` (per-request seed) draw their
-   ``q`` from it, so a seeded request gives the same tokens whatever else is in the batch.
+   from ``probs``. A seeded row's ``q`` is a function of its seed and its position only
+   (``pyengine.ops.seeded_exponentials``), so a seeded request gives the same tokens
+   whatever else is in the batch, under sync or async scheduling, with or without
+   speculative decoding, and across preemptions.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pyengine import ops
 from pyengine.sampling_params import SamplingParams
 
 __all__ = [
@@ -57,6 +60,7 @@ __all__ = [
     "apply_min_p",
     "apply_top_k_top_p",
     "random_sample",
+    "draw_exponentials",
     "compute_logprobs",
     "gather_logprobs",
 ]
@@ -78,8 +82,10 @@ class SamplingMetadata:
         top_p: float32 [B] in (0, 1], or None when ``no_top_p``.
         top_k: int64 [B], ``V`` for rows without top-k, or None when ``no_top_k``.
         min_p: float32 [B] in [0, 1], or None when ``no_min_p``.
-        generators: row index -> ``torch.Generator`` (on ``device``) for seeded *random*
-            rows; greedy rows never consume randomness.
+        seeds: row index -> ``SamplingParams.seed`` for seeded *random* rows (greedy rows
+            never consume randomness); their draws need ``positions``.
+        positions: int64 [B], each row's input position (the token it samples goes at
+            ``position + 1``); set by the caller (the model runner) when ``seeds``.
         all_greedy / all_random: every row greedy / every row random.
         no_top_p / no_top_k / no_min_p / no_penalties: no row uses that feature.
         max_top_k: the largest top-k among rows that use top-k (0 when ``no_top_k``);
@@ -120,7 +126,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    seeds: dict[int, int] = field(default_factory=dict)
+    positions: torch.Tensor | None = None
     no_top_p: bool = True
     no_top_k: bool = True
     no_min_p: bool = True
@@ -157,7 +164,7 @@ class SamplingMetadata:
         params: Sequence[SamplingParams],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
-        generators: Sequence[torch.Generator | None],
+        seeds: Sequence[int | None],
         vocab_size: int,
         device: torch.device | str,
         thinking: Sequence[tuple[int, int, int, int, int] | None] | None = None,
@@ -174,9 +181,8 @@ class SamplingMetadata:
                 -1 stands for a token sampled on the device that the host has not seen
                 (async scheduling): a banned sequence that needs it is resolved on the
                 device through ``last_token_ids``.
-            generators: per row, the request's ``torch.Generator`` on ``device`` (created
-                from ``SamplingParams.seed`` by the caller and kept across steps), or None.
-                Ignored for greedy rows.
+            seeds: per row, the request's ``SamplingParams.seed`` or None. Ignored for
+                greedy rows.
             vocab_size: ``V``, the width of the logits.
             device: where the tensors go (the logits' device).
             thinking: per row, None (the thinking budget does not force it) or ``(end token,
@@ -192,12 +198,12 @@ class SamplingMetadata:
         them.
         """
         B = len(params)
-        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == B) or (
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(seeds) == B) or (
                 thinking is not None and len(thinking) != B):
             raise ValueError(
-                "params, prompt_token_ids, output_token_ids and generators must have the "
+                "params, prompt_token_ids, output_token_ids and seeds must have the "
                 f"same length, got {B}, {len(prompt_token_ids)}, {len(output_token_ids)}, "
-                f"{len(generators)}.")
+                f"{len(seeds)}.")
         device = torch.device(device)
         pin = device.type == "cuda" and torch.cuda.is_available()
 
@@ -208,7 +214,7 @@ class SamplingMetadata:
         pres: list[float] = []
         freq: list[float] = []
         rep: list[float] = []
-        gens: dict[int, torch.Generator] = {}
+        row_seeds: dict[int, int] = {}
         num_greedy = 0
         no_top_p = no_top_k = no_min_p = no_penalties = True
         max_top_k = 0
@@ -241,9 +247,8 @@ class SamplingMetadata:
                     max_top_k = max(max_top_k, k)
                 if p.min_p > _SAMPLING_EPS:
                     no_min_p = False
-                g = generators[i]
-                if g is not None:
-                    gens[i] = g
+                if seeds[i] is not None:
+                    row_seeds[i] = seeds[i]
             pres.append(p.presence_penalty)
             freq.append(p.frequency_penalty)
             rep.append(p.repetition_penalty)
@@ -276,7 +281,7 @@ class SamplingMetadata:
             all_random=num_greedy == 0,
             top_p=None if no_top_p else packed[1],
             min_p=None if no_min_p else packed[2],
-            generators=gens,
+            seeds=row_seeds,
             no_top_p=no_top_p,
             no_top_k=no_top_k,
             no_min_p=no_min_p,
@@ -549,22 +554,35 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def draw_exponentials(meta: SamplingMetadata, num_rows: int, vocab_size: int, device) -> torch.Tensor:
+    """float32 [num_rows, vocab_size] of Exp(1) draws, > 0: the seeded rows' from their
+    (seed, position) (``pyengine.ops.seeded_exponentials``), the others' from torch's
+    default generator. Raises ValueError when ``meta`` has seeds but no ``positions``."""
+    q = torch.empty(num_rows, vocab_size, device=device)
+    if len(meta.seeds) != num_rows:
+        q.exponential_()
+        q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would make 0/0 = nan win the argmax
+    if meta.seeds:
+        if meta.positions is None:
+            raise ValueError("SamplingMetadata.positions is needed for seeded rows.")
+        rows = sorted(meta.seeds)
+        seeds = [meta.seeds[r] for r in rows]
+        if len(rows) == num_rows:
+            return ops.seeded_exponentials(seeds, meta.positions, vocab_size)
+        idx = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)  # (no host sync)
+        q.index_copy_(0, idx, ops.seeded_exponentials(seeds, meta.positions.index_select(0, idx), vocab_size))
+    return q
+
+
+def random_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """One draw per row from ``probs`` (float32 [B, V], rows sum to 1), int64 [B].
 
     ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. picks token ``i`` with probability
-    ``probs[i]`` and needs no host round trip. Row ``r`` in ``generators`` draws its ``q``
-    from its own generator (one ``V``-sized draw per step), so its result depends only on
-    its own probabilities and generator state. Zero-probability tokens are never drawn.
+    ``probs[i]`` and needs no host round trip. A seeded row's ``q`` depends only on its
+    seed and position (``draw_exponentials``), so its result depends only on its own
+    probabilities, seed and position. Zero-probability tokens are never drawn.
     """
-    q = torch.empty_like(probs)
-    if len(generators) != probs.shape[0]:
-        q.exponential_()
-    for i, g in generators.items():
-        q[i].exponential_(generator=g)
-    # Guard against q == 0 (0/0 = nan would win argmax).
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div(q).argmax(dim=-1)
+    return probs.div(draw_exponentials(meta, probs.shape[0], probs.shape[1], probs.device)).argmax(dim=-1)
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -645,7 +663,7 @@ class Sampler:
             x = apply_min_p(x, meta.min_p)
         x = apply_top_k_top_p(x, meta.top_k, meta.top_p, meta.max_top_k)
         probs = torch.softmax(x, dim=-1)
-        sampled = random_sample(probs, meta.generators)
+        sampled = random_sample(probs, meta)
         if greedy is None:
             return sampled
         return torch.where(meta.temperature < _SAMPLING_EPS, greedy, sampled)

@@ -1,13 +1,12 @@
-"""Per-request sampling state kept by the model runner across steps: the seeded
-``torch.Generator`` of each seeded random request, and (async scheduling) the state it
-had before its last draw, so a draw whose token was dropped can be undone; where each
+"""Per-request sampling state kept by the model runner across steps: where each
 request with a ``thinking_token_budget`` stands in its reasoning (``ThinkingBudgetState``,
 advanced over the output tokens the host has seen, O(new tokens) per step). Builds each
 step's ``SamplingMetadata`` (mirrors the role of vllm/v1/worker/gpu_input_batch.py's
-sampling state).
+sampling state). A seeded request keeps no state here: its draws are a function of its
+seed and each row's position (``pyengine.worker.sampler.draw_exponentials``).
 
 A step whose rows read nothing that changes from step to step (no penalties, min_tokens,
-bad words, thinking budget or seeded generator: plain greedy / temperature / top-k / top-p rows, the
+bad words, thinking budget or seed: plain greedy / temperature / top-k / top-p rows, the
 common case) gets the metadata built for the same rows before, if it is among the last
 few built: at batch 1 that is every step but the first (and, with speculation, the
 first of each row count), saving the per-row build and its host-to-device copy. A
@@ -26,6 +25,10 @@ __all__ = ["SamplingState", "ThinkingBudgetState"]
 _STATIC_KEPT = 4
 
 _CONTENT, _REASONING, _UNDECIDED = 0, 1, 2
+
+
+def _seed(sp) -> int | None:
+    return sp.seed if sp.seed is not None and not sp.sampling_type_greedy else None
 
 
 class ThinkingBudgetState:
@@ -90,39 +93,21 @@ class ThinkingBudgetState:
 
 
 class SamplingState:
-    """``device``: where the generators and the metadata live; ``vocab_size``: the
-    logits' width; ``async_scheduling``: keep pre-draw generator states (only async
-    scheduling drops drawn tokens)."""
+    """``device``: where the metadata lives; ``vocab_size``: the logits' width."""
 
-    def __init__(self, device: torch.device, vocab_size: int, async_scheduling: bool):
-        self.device, self.vocab_size, self.async_scheduling = device, vocab_size, async_scheduling
-        self.generators: dict[str, torch.Generator] = {}
-        self._state_before_draw: dict[str, torch.Tensor] = {}
+    def __init__(self, device: torch.device, vocab_size: int):
+        self.device, self.vocab_size = device, vocab_size
         self._thinking: dict[str, ThinkingBudgetState] = {}
         # metadata of steps whose rows read no per-step state, newest first:
         # (each request's params, each request's row count, metadata)
         self._static: list[tuple[tuple, tuple, SamplingMetadata]] = []
 
     def forget(self, request_ids) -> None:
-        """These requests finished: drop their generators and budget states."""
+        """These requests finished: drop their budget states."""
         for rid in request_ids:
-            self.generators.pop(rid, None)
-            self._state_before_draw.pop(rid, None)
             self._thinking.pop(rid, None)
 
-    def rewind(self, request_ids) -> None:
-        """Undo the last draw of these requests' seeded generators: its token was dropped
-        (async scheduling; the request was preempted while the step was in flight), and
-        the request has not drawn since, so its next draw must repeat that one, as it would
-        under sync scheduling."""
-        for rid in request_ids:
-            g, state = self.generators.get(rid), self._state_before_draw.pop(rid, None)
-            if g is not None and state is not None:
-                g.set_state(state)
-
     def clear(self) -> None:
-        self.generators.clear()
-        self._state_before_draw.clear()
         self._thinking.clear()
         self._static.clear()
 
@@ -151,7 +136,7 @@ class SamplingState:
 
         ``spec`` (speculative decoding): a request with ``k`` draft tokens
         (``ScheduledRequest.spec_token_ids``) gets ``k + 1`` rows, row ``j`` with the
-        request's parameters and generator and, as output tokens, its output followed by
+        request's parameters and seed and, as output tokens, its output followed by
         its first ``j`` drafts (so penalties, min_tokens, bad words and the thinking budget
         see the context that row is verified in). ``pending`` (async scheduling with
         speculation): request id -> the tokens the step in flight gave it, which the
@@ -184,43 +169,25 @@ class SamplingState:
             prompts = [s.request.prompt_token_ids for s in sampled] if need_tokens else [()] * len(sampled)
         else:
             outs = prompts = [()] * len(sampled)
-        gens = []
-        for s in sampled:
-            sp, rid = s.request.sampling_params, s.request.request_id
-            g = None
-            if sp.seed is not None and not sp.sampling_type_greedy:
-                g = self.generators.get(rid)
-                if g is None:
-                    g = self.generators[rid] = torch.Generator(device=self.device)
-                    g.manual_seed(sp.seed)
-                if self.async_scheduling:
-                    self._state_before_draw[rid] = g.get_state()  # host-side copy, no sync
-            gens.append(g)
+        seeds = [_seed(p) for p in params]
         thinking = None
         if any(p.thinking_token_budget is not None for p in params):
             thinking = [None if s.request.sampling_params.thinking_token_budget is None else
                         self.thinking_state(s.request).row(s.request.sampling_params, ph)
                         for s, ph in zip(sampled, ph_flags)]
-        meta = SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device, thinking)
-        if need_tokens or tail or thinking is not None or any(g is not None for g in gens):
-            return meta
+        meta = SamplingMetadata.build(params, prompts, outs, seeds, self.vocab_size, self.device, thinking)
+        if need_tokens or tail or thinking is not None or meta.seeds:
+            return meta  # (per-step: a seeded row's positions are set on it)
         return self._keep(params, rows, meta)
 
     def _spec_metadata(self, sampled, req_params: tuple, rows: tuple, pending: dict) -> SamplingMetadata:
-        params, prompts, outs, gens = [], [], [], []
+        params, prompts, outs, seeds = [], [], [], []
         thinking: list | None = [] if any(p.thinking_token_budget is not None for p in req_params) else None
         need_tokens = any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                           or p.bad_words_token_ids for p in req_params)
         for s in sampled:
             r, sp, rid = s.request, s.request.sampling_params, s.request.request_id
-            g = None
-            if sp.seed is not None and not sp.sampling_type_greedy:
-                g = self.generators.get(rid)
-                if g is None:
-                    g = self.generators[rid] = torch.Generator(device=self.device)
-                    g.manual_seed(sp.seed)
-                if self.async_scheduling:
-                    self._state_before_draw[rid] = g.get_state()  # (the step's draws, all rows)
+            seed = _seed(sp)
             new = pending.get(rid, ())
             o = r.output_token_ids + list(new) if need_tokens else ()
             # row j's budget state: the request's, fed the pending tokens and its first j drafts
@@ -231,12 +198,12 @@ class SamplingState:
                 params.append(sp)
                 prompts.append(r.prompt_token_ids if need_tokens else ())
                 outs.append(list(o) + list(s.spec_token_ids[:j]) if need_tokens else ())
-                gens.append(g)
+                seeds.append(seed)
                 if thinking is not None:
                     if st is not None and j:
                         st.feed(s.spec_token_ids[j - 1:j], sp)
                     thinking.append(None if st is None else st.row(sp, False))
-        meta = SamplingMetadata.build(params, prompts, outs, gens, self.vocab_size, self.device, thinking)
-        if need_tokens or thinking is not None or any(g is not None for g in gens):
+        meta = SamplingMetadata.build(params, prompts, outs, seeds, self.vocab_size, self.device, thinking)
+        if need_tokens or thinking is not None or meta.seeds:
             return meta
         return self._keep(req_params, rows, meta)

@@ -186,3 +186,54 @@ def test_rope_and_cache(kind, dtype, qk_norm):
     untouched = torch.ones(nb * bs, dtype=torch.bool, device=dev)
     untouched[slots[real]] = False
     assert flat_k[untouched].abs().sum() == 0 and flat_v[untouched].abs().sum() == 0
+
+
+# ---- seeded rows' draws (ops.seeded_exponentials) -----------------------------------------
+SEEDS = [0, 1, 7, -1, 2**63 - 1, -2**63, 123456789012345, 2**64 - 1]
+
+
+def test_seeded_bits_are_a_bijection_of_the_token_and_differ_by_seed_and_position():
+    pos = torch.tensor([0, 0, 5, 5, 2**31 - 1, 9, 9, 9])
+    lo = torch.tensor([s & 0xFFFFFFFF for s in SEEDS])
+    hi = torch.tensor([(s >> 32) & 0xFFFFFFFF for s in SEEDS])
+    bits = native.seeded_bits(lo, hi, pos, 4096)
+    assert bits.min() >= 0 and bits.max() < 2**32
+    assert all(len(set(r.tolist())) == 4096 for r in bits)  # no two tokens of a row share a word
+    # -1 and 2**64 - 1 are the same 64 bits; every other (seed, position) row differs
+    assert torch.equal(bits[3], native.seeded_bits(lo[7:], hi[7:], pos[3:4], 4096)[0])
+    assert len({tuple(r[:16].tolist()) for r in bits}) == len(SEEDS)
+    # each bit is set about half the time (mixing reaches every bit)
+    frac = torch.stack([(bits >> b) & 1 for b in range(32)]).double().mean(dim=(1, 2))
+    assert (frac - 0.5).abs().max() < 0.02, frac
+
+
+def test_seeded_exponentials_are_exp1():
+    n = 64
+    e = ops.seeded_exponentials([3] * n, torch.arange(n), 2048).flatten().double()
+    assert e.min() > 0
+    assert abs(float(e.mean()) - 1.0) < 0.02 and abs(float(e.var()) - 1.0) < 0.05
+    # Kolmogorov-Smirnov against 1 - exp(-x): D < 1.63 / sqrt(N) at p ~ 0.01
+    x, _ = torch.sort(e)
+    cdf = 1 - torch.exp(-x)
+    emp = torch.arange(1, x.numel() + 1, dtype=torch.float64) / x.numel()
+    assert float((cdf - emp).abs().max()) < 1.63 / x.numel() ** 0.5
+    # neighbouring positions are uncorrelated
+    a = ops.seeded_exponentials([3] * n, torch.arange(n), 2048)
+    b = ops.seeded_exponentials([3] * n, torch.arange(n) + 1, 2048)
+    assert abs(float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])) < 0.02
+    with pytest.raises(ValueError, match="seeds"):
+        ops.seeded_exponentials([1, 2], torch.arange(3), 8)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_seeded_exponentials_kernel(kind):
+    dev = _dev(kind)
+    pos = torch.tensor([0, 3, 3, 40, 2**31 - 1, 1000, 17, 2], device=dev)
+    V = 3000 if dev == "cpu" else 151_936
+    lo = torch.tensor([s & 0xFFFFFFFF for s in SEEDS], device=dev)
+    hi = torch.tensor([(s >> 32) & 0xFFFFFFFF for s in SEEDS], device=dev)
+    got = fused.seeded_exponentials(lo, hi, pos, V)
+    want = native.seeded_exponentials(lo, hi, pos, V)
+    # the same 32-bit words; only the log's last bit may differ
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert fused.seeded_exponentials(lo[:0], hi[:0], pos[:0], V).shape == (0, V)

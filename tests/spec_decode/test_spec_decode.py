@@ -440,6 +440,60 @@ def test_seeded_random_is_reproducible(sched, llama_dir, prompts):
     llm.shutdown()
 
 
+def _seeded(prompts):
+    return [SamplingParams(temperature=0.3, top_k=20, seed=100 + i, max_tokens=MAX_TOKENS) for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(off, prompts):
+    return _tokens(off.generate(prompts, _seeded(prompts), use_tqdm=False))
+
+
+SEEDED_CASES = [("ngram", "default"), ("ngram", "preemption"), ("draft_model", "default"),
+                ("draft_self", "preemption"), ("eagle3", "chunked_prefill")]
+
+
+@pytest.mark.parametrize("method,mode,sched", [(m, d, s) for s in SCHED for m, d in SEEDED_CASES])
+def test_seeded_random_on_equals_off(method, mode, sched, llama_dir, draft_dir, eagle_dir, prompts,
+                                     seeded_reference):
+    """Seeded random sampling gives the tokens of a run without speculation, under sync and
+    async scheduling and preemption: a row's draws depend on its seed and position only,
+    and a one-hot draft is accepted iff it is the token the row samples."""
+    llm = _llm(llama_dir, _spec(method, draft_dir, eagle_dir, llama_dir), sched, **MODES[mode])
+    got = _tokens(llm.generate(prompts, _seeded(prompts), use_tqdm=False))
+    st = llm.llm_engine.get_stats()
+    assert st.spec_num_draft_tokens > 0  # (the random drafters' drafts are mostly rejected: below, scripted ones)
+    if mode == "preemption":
+        assert st.num_preemptions > 0
+    assert got == seeded_reference
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
+class ScriptedMixed(Scripted):
+    """Drafts the reference continuation with every third output position wrong."""
+
+    def draft(self, request, context, k):
+        done = len(context) - request.num_prompt_tokens
+        return [t if (done + j) % 3 != 2 else (t + 1) % self.vocab
+                for j, t in enumerate(super().draft(request, context, k))]
+
+
+@pytest.mark.parametrize("sched", SCHED)
+def test_seeded_random_with_accepted_and_rejected_drafts_equals_off(sched, llama_dir, prompts, seeded_reference):
+    llm = _llm(llama_dir, {"method": "ngram", "num_speculative_tokens": K}, sched)
+    runner = llm.llm_engine.engine_core.model_runner
+    refs = {tuple(p): r[0] for p, r in zip(prompts, seeded_reference)}
+    runner.drafter = ScriptedMixed(runner.spec_config, llm.llm_engine.engine_core.config.max_model_len, refs, True,
+                                   runner.dims.vocab_size)
+    got, (drafts, draft_toks, accepted) = _delta(llm, lambda: _tokens(llm.generate(prompts, _seeded(prompts),
+                                                                                  use_tqdm=False)))
+    assert got == seeded_reference
+    assert 0 < accepted < draft_toks  # runs accepted, cut short and rejected
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
 def trace_steps(llm, seen) -> None:
     """From now on call ``seen(so, in_flight)`` for each non-empty step the scheduler
     schedules, ``in_flight`` being the steps scheduled and not yet updated before it."""

@@ -10,18 +10,18 @@ from pyengine.worker.sampler import Sampler, SamplingMetadata, apply_penalties, 
 V = 32
 
 
-def build(params, prompts=None, outputs=None, gens=None, vocab=V):
+def build(params, prompts=None, outputs=None, vocab=V, positions=None):
+    """The rows' metadata; a seeded row (``params[i].seed``) draws at ``positions[i]``
+    (default: position 0 for every row)."""
     B = len(params)
-    return SamplingMetadata.build(
+    meta = SamplingMetadata.build(
         params,
         prompts if prompts is not None else [[] for _ in range(B)],
         outputs if outputs is not None else [[] for _ in range(B)],
-        gens if gens is not None else [None] * B,
+        [p.seed for p in params],
         vocab, "cpu")
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
+    meta.positions = torch.tensor(positions if positions is not None else [0] * B, dtype=torch.int64)
+    return meta
 
 
 def logits_from_probs(probs):
@@ -151,25 +151,24 @@ def test_temperature_sharpens_and_flattens():
 
 def _seeded_run(seed, logits_row, position, batch_size, other_seed, steps=8):
     """Run ``steps`` sampling steps with the seeded row at ``position`` among others."""
-    g = gen(seed)
     others = torch.Generator().manual_seed(other_seed)
     tokens = []
-    for _ in range(steps):
+    for step in range(steps):
         logits = torch.randn(batch_size, V, generator=others)
         logits[position] = logits_row
         params = [SamplingParams(temperature=1.0) for _ in range(batch_size)]
-        gens = [None] * batch_size
         # Other rows: mixed greedy / random / another seeded request.
         if batch_size > 1:
             params[(position + 1) % batch_size] = SamplingParams(temperature=0.0)
         if batch_size > 2:
             j = (position + 2) % batch_size
             params[j] = SamplingParams(temperature=0.8, top_p=0.9, seed=other_seed)
-            gens[j] = torch.Generator().manual_seed(other_seed)
         params[position] = SamplingParams(temperature=1.0, seed=seed)
-        gens[position] = g
         torch.manual_seed(other_seed)  # perturb the default generator too
-        out = Sampler()(logits, build(params, gens=gens)).sampled_token_ids
+        # the seeded row's position is its step's; the others' anything
+        positions = torch.randint(0, 1000, (batch_size,), generator=others).tolist()
+        positions[position] = 40 + step
+        out = Sampler()(logits, build(params, positions=positions)).sampled_token_ids
         tokens.append(int(out[position]))
     return tokens
 
@@ -194,16 +193,42 @@ def test_unseeded_rows_use_default_generator():
     assert torch.equal(a, b)
 
 
-def test_greedy_row_with_seed_ignores_generator():
-    g = gen(3)
-    state = g.get_state()
+def test_greedy_row_with_seed_draws_nothing():
     logits = torch.randn(2, V)
     params = [SamplingParams(temperature=0.0, seed=3), SamplingParams()]
-    meta = build(params, gens=[g, None])
-    assert meta.generators == {}
+    meta = build(params)
+    assert meta.seeds == {}
+    meta.positions = None  # not needed: no seeded random row
     out = Sampler()(logits, meta).sampled_token_ids
     assert out[0] == logits[0].argmax()
-    assert torch.equal(g.get_state(), state)
+
+
+def test_seeded_draw_depends_on_seed_and_position_only():
+    """A seeded row's token is a function of (seed, position, its probabilities): the same
+    at the same position whatever was drawn before; other positions and seeds differ."""
+    row = torch.zeros(V)  # uniform
+    sp = SamplingParams(temperature=1.0, seed=77)
+
+    def tok(position, seed=77):
+        return int(Sampler()(row.unsqueeze(0), build([sp.clone(seed=seed)], positions=[position])).sampled_token_ids)
+
+    first = [tok(p) for p in range(64)]
+    assert [tok(p) for p in reversed(range(64))] == first[::-1]  # order of the draws: irrelevant
+    assert len(set(first)) > V // 2  # positions draw different tokens ...
+    assert [tok(p, seed=78) for p in range(64)] != first  # ... and so do seeds
+    # frequencies over positions follow the row's distribution (here: two tokens, 3:1)
+    skewed = torch.full((V,), float("-inf"))
+    skewed[3], skewed[9] = math.log(0.75), math.log(0.25)
+    toks = Sampler()(skewed.expand(4000, V), build([sp] * 4000, positions=list(range(4000)))).sampled_token_ids
+    assert set(toks.tolist()) == {3, 9}
+    assert abs(float((toks == 3).double().mean()) - 0.75) < 0.03
+
+
+def test_seeded_rows_need_positions():
+    meta = build([SamplingParams(temperature=1.0, seed=1)])
+    meta.positions = None
+    with pytest.raises(ValueError, match="positions"):
+        Sampler()(torch.zeros(1, V), meta)
 
 
 def test_penalties_hand_computed():
@@ -360,12 +385,11 @@ def test_cuda_sampler_has_no_host_sync():
                              stop_token_ids=[5]),
               SamplingParams(temperature=0.5, seed=2, allowed_token_ids=[3, 7, 900]).clone(
                   bad_words_token_ids=[[7], [4, 9], [2, 3]])]
-    gens = [None, torch.Generator(dev).manual_seed(1), None, None, None,
-            torch.Generator(dev).manual_seed(2)]
     # thinking budget: row 4 forced by the host, row 5 depending on its device-only newest token
     thinking = [None] * 4 + [(9, 0, -1, 1, 1), (900, 1, 3, 1, 0)]
-    meta = SamplingMetadata.build(params, [[1, 2, 3]] * B, [[4, 4]] * (B - 1) + [[4, 2, -1]], gens, Vg, dev,
-                                  thinking)
+    meta = SamplingMetadata.build(params, [[1, 2, 3]] * B, [[4, 4]] * (B - 1) + [[4, 2, -1]],
+                                  [p.seed for p in params], Vg, dev, thinking)
+    meta.positions = torch.arange(B, device=dev) + 30
     assert meta.bad_words_need_last and meta.allowed_rows is not None and meta.thinking_need_last
     meta.last_token_ids = torch.full((B,), 3, device=dev)
     torch.cuda.synchronize()

@@ -35,14 +35,14 @@ def _same(a: SamplingMetadata, b: SamplingMetadata) -> bool:
 
 
 def test_static_rows_reuse_their_metadata():
-    st = SamplingState(torch.device("cpu"), V, async_scheduling=False)
+    st = SamplingState(torch.device("cpu"), V)
     greedy = SamplingParams(temperature=0, max_tokens=8)
     warm = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=8, logprobs=2, allowed_token_ids=[1, 4, 9])
     a, b = _row("a", greedy), _row("b", warm)
     m1 = st.metadata([a, b], [False, False])
     m2 = st.metadata([a, b], [True, False])  # placeholders matter only to per-step state
     assert m2 is m1
-    fresh = SamplingState(torch.device("cpu"), V, async_scheduling=False).metadata([a, b], [False, False])
+    fresh = SamplingState(torch.device("cpu"), V).metadata([a, b], [False, False])
     assert _same(m1, fresh)
     # other params (equal but not the same object), another order, another row count: built anew
     assert st.metadata([_row("a", SamplingParams(temperature=0, max_tokens=8)), b], [False, False]) is not m1
@@ -62,13 +62,13 @@ def test_rows_with_per_step_state_are_built_each_step():
                SamplingParams(temperature=0.8, max_tokens=8, seed=3),
                SamplingParams(temperature=0, max_tokens=8, thinking_token_budget=4, thinking_end_token_id=9)):
         for spec, drafts in ((False, ()), (True, (4, 4))):
-            st = SamplingState(torch.device("cpu"), V, async_scheduling=True)
+            st = SamplingState(torch.device("cpu"), V)
             r = _row("a", sp, drafts=drafts)
             assert st.metadata([r], [False], spec=spec) is not st.metadata([r], [False], spec=spec)
 
 
 def test_bad_words_follow_the_output():
-    st = SamplingState(torch.device("cpu"), V, async_scheduling=False)
+    st = SamplingState(torch.device("cpu"), V)
     sp = SamplingParams(temperature=0, max_tokens=8)
     sp.bad_words_token_ids = [[6, 9]]  # (the processor fills this from bad_words)
     m1 = st.metadata([_row("a", sp, out=(5, 6))], [False])

@@ -38,8 +38,9 @@ def scheduled(params, output=(), drafts=(), placeholder=False):
 def sample(rows, last=None, state=None, favourite=FAV):
     """One step's tokens (and metadata) for these rows, whose logits favour ``favourite``
     and make the end token unlikely (-50) unless forced."""
-    st = state or SamplingState(torch.device("cpu"), V, async_scheduling=True)
+    st = state or SamplingState(torch.device("cpu"), V)
     meta = st.metadata(rows, [s.placeholder_input for s in rows])
+    meta.positions = torch.tensor([s.num_computed_tokens + s.num_new_tokens - 1 for s in rows])  # (seeded rows)
     if last is not None:
         meta.last_token_ids = torch.tensor(last)
     logits = torch.zeros(len(rows), V)
@@ -99,7 +100,7 @@ def test_placeholder_rows_need_last_token_ids():
 
 
 def test_the_state_follows_the_output_across_steps_and_is_forgotten():
-    st = SamplingState(torch.device("cpu"), V, async_scheduling=False)
+    st = SamplingState(torch.device("cpu"), V)
     row = scheduled(budget(3, open_=False))
     r = row.request
     for step in range(8):
@@ -116,24 +117,24 @@ def test_speculative_rows_see_the_drafts_before_them():
     budget is reached, so the rejection sampler rejects a draft that overruns it."""
     p = budget(2)
     row = scheduled(p, [OTHER], drafts=[OTHER, FAV, FAV])
-    st = SamplingState(torch.device("cpu"), V, async_scheduling=False)
+    st = SamplingState(torch.device("cpu"), V)
     meta = st.metadata([row], [False], spec=True)
     logits = torch.zeros(4, V)
     logits[:, FAV] = 5.0
     logits[0, OTHER] = 9.0  # row 0's argmax is the draft: accepted
     d = torch.tensor([OTHER, FAV, FAV, -1])
-    out = RejectionSampler()(logits, meta, d, d >= 0)
+    out = RejectionSampler()(logits, meta, d)
     assert RejectionSampler.emitted(out.candidate.tolist(), out.accepted.tolist(), 0, 3) == [OTHER, END]
     # a random row: the forced end is what the rejection emits, whatever the draws
     pr = budget(2, temperature=1.0)
-    meta = SamplingState(torch.device("cpu"), V, False).metadata([scheduled(pr, [OTHER, OTHER], [FAV])], [False],
+    meta = SamplingState(torch.device("cpu"), V).metadata([scheduled(pr, [OTHER, OTHER], [FAV])], [False],
                                                                  spec=True)
     d = torch.tensor([FAV, -1])
     for _ in range(20):
-        out = RejectionSampler()(torch.randn(2, V), meta, d, d >= 0)
+        out = RejectionSampler()(torch.randn(2, V), meta, d)
         assert RejectionSampler.emitted(out.candidate.tolist(), out.accepted.tolist(), 0, 1) == [END]
     d = torch.tensor([END, -1])
-    out = RejectionSampler()(torch.randn(2, V), meta, d, d >= 0)
+    out = RejectionSampler()(torch.randn(2, V), meta, d)
     assert out.accepted.tolist()[0]  # a draft that is the end token is accepted
 
 

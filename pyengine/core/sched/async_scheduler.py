@@ -4,7 +4,7 @@ Batch N+1 is scheduled before batch N's sampled tokens reach the host. A request
 step will sample a token gets an output placeholder; the next step feeds that token
 straight from the device. Placeholders count against the token budget, ``max_tokens``
 and ``max_model_len``; outputs for requests finished or preempted meanwhile are dropped
-(for a preempted request the runner also rewinds its seeded generator by that draw).
+(a seeded request draws a dropped token's position again with the same draw).
 
 Speculative decoding: a speculative step gives each decode request ``k`` draft
 placeholders (``ScheduledRequest.spec_token_ids``, ``-1`` each) after its newest token,

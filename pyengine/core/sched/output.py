@@ -33,9 +33,6 @@ class SchedulerOutput:
     num_prefill_reqs: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
-    # requests whose sampled token from an in-flight batch was dropped (async scheduling,
-    # preempted meanwhile): the runner rewinds their seeded generators by that draw
-    discarded_draw_req_ids: set[str] = field(default_factory=set)
     # some row that samples is constrained by a grammar (structured outputs): its bitmask
     # comes from Scheduler.get_grammar_bitmask once the previous tokens are accepted
     has_structured_output: bool = False

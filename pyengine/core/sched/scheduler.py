@@ -50,7 +50,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
-        self._discarded_draws: set[str] = set()  # for the next SchedulerOutput
         self._pending_outputs: list[EngineCoreOutput] = []  # aborts, reported with the next outputs
         self.num_preemptions = 0
         self.num_steps = 0
@@ -408,14 +407,13 @@ class Scheduler:
                 num_prefill += 1
 
         out = SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_prefill, preempted,
-                              self.finished_req_ids, self._discarded_draws)
+                              self.finished_req_ids)
         out.speculative = self._spec_step
         if self.structured_output_manager.num_live:
             out.has_structured_output = any(s.sample and s.request.structured_output_request is not None
                                             for s in scheduled)
         if scheduled:  # an empty output is not run; keep the ids for the next one
             self.finished_req_ids = set()
-            self._discarded_draws = set()
         for s in scheduled:
             self._update_after_schedule(s)
         self.step_host_time_s += time.perf_counter() - t0
@@ -479,10 +477,9 @@ class Scheduler:
             if req.is_finished() or req.request_id not in self.requests:
                 continue  # finished while this batch was in flight
             if s.epoch != req.num_preemptions:
-                # Preempted while this batch was in flight: the token is dropped, and the
-                # runner rewinds the request's seeded generator past the draw (see
-                # SamplingState.rewind) so its tokens match sync scheduling.
-                self._discarded_draws.add(req.request_id)
+                # Preempted while this batch was in flight: the token is dropped (a seeded
+                # request draws it again at the same position: the same draw, as in sync
+                # scheduling; pyengine/worker/sampler.py draw_exponentials).
                 continue
             try:
                 self._on_token_consumed(req)
