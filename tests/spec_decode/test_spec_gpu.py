@@ -2,7 +2,7 @@
 greedy output with speculation on is token-identical to off for ngram, a draft model (the
 target drafting for itself: all drafts accepted) and an untrained EAGLE-3 head, float32,
 with sync and with async scheduling (the next step scheduled with draft placeholders
-while this one runs: pinned copies on the side stream)."""
+while this one runs: pinned copies on the side stream); seeded random output too."""
 from __future__ import annotations
 
 import pytest
@@ -57,5 +57,35 @@ def test_greedy_on_equals_off_cuda(setup, llama_dir, method, mode):
         if method == "draft_self":
             assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
         assert st.num_free_blocks == st.num_gpu_blocks
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async_preemption"])
+def test_seeded_random_on_equals_off_cuda(setup, llama_dir, method, mode):
+    """Seeded random rows draw by (seed, position) through the Triton hash kernel: with
+    speculation on they give the tokens of the run without it (float32)."""
+    prompts = setup[0]
+    sps = [SamplingParams(temperature=0.3, top_k=20, seed=100 + i, max_tokens=32) for i in range(len(prompts))]
+    off = LLM(str(llama_dir), device="cuda", dtype="float32", async_scheduling=False)
+    try:
+        ref = [o.outputs[0].token_ids for o in off.generate(prompts, sps, use_tqdm=False)]
+    finally:
+        off.shutdown()
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+            "draft_self": {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3}}[method]
+    kw: dict = {"num_gpu_blocks_override": 12, "max_model_len": 192} if mode.endswith("preemption") else {}
+    llm = LLM(str(llama_dir), device="cuda", dtype="float32", speculative_config=spec,
+              async_scheduling=mode.startswith("async"), **kw)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+        assert got == ref
+        st = llm.llm_engine.get_stats()
+        assert st.spec_num_draft_tokens > 0
+        if method == "draft_self":
+            assert st.spec_num_accepted_tokens > 0
+        if mode.endswith("preemption"):
+            assert st.num_preemptions > 0
     finally:
         llm.shutdown()
