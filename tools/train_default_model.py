@@ -29,7 +29,8 @@ stream (files joined by ``<|endoftext|>``).  By default the loop is time-budgete
 split and tokenizer are all fixed by ``--seed``; only GPU reduction order may differ).
 ``--compile`` compiles each decoder layer with ``torch.compile`` (regional compilation:
 the layers share one compiled graph), for more tokens per second in a time budget; if
-the first step fails to compile, the run restarts eagerly from a fresh initialisation.
+the first step fails to compile, the run restarts eagerly from the same initialisation
+(the run without ``--compile``, step for step).
 
 Output: an HF directory: config.json, model.safetensors (bf16), tokenizer.json,
 tokenizer_config.json, generation_config.json, heldout_headers.json and README.md.
@@ -307,9 +308,11 @@ def main() -> None:
     from transformers import Qwen3ForCausalLM
     config = make_config(args, vocab)
 
+    init_rng = torch.get_rng_state()  # (the weights are initialised on the host)
+
     def build(compiled: bool, reseed: bool = False):
-        if reseed:  # the eager restart starts from the same initialisation
-            torch.manual_seed(args.seed)
+        if reseed:  # the eager restart starts from the same initialisation: the run without --compile
+            torch.set_rng_state(init_rng)
         m = Qwen3ForCausalLM(config).to(dev)
         m.config._attn_implementation = "sdpa"
         m.train()
@@ -392,6 +395,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - any compile failure: train eagerly instead
                 log(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eagerly")
                 model, opt = build(False, reseed=True)
+                for g in opt.param_groups:  # (the new optimizer's groups: this step's lr, not --lr)
+                    g["lr"] = lr
                 loss = forward_backward()
         else:
             loss = forward_backward()
