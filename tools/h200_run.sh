@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_seeded gpu_int4 gpu_half2 gpu_int_stream int4_sweep tpot_after tpot_pdl_ex int4_forms fp8_sweep half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: gpu_seeded fp8kv_throughput gpu_int4 gpu_half2 gpu_int_stream int4_sweep tpot_after tpot_pdl_ex int4_forms fp8_sweep half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -148,6 +148,8 @@ step 360 quant_bench python3 benchmarks/quant.py "$OUT"
 # W4A16 engines; ~90 s) on the GEMV table in the package (after gemv_sweep in the same call: the one it wrote)
 step 150 gpu_int4 python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k "int_gemv or int4_gemv or int_linear" -p no:cacheprovider --tb=short -o faulthandler_timeout=140
 step 200 quant_tpot python3 benchmarks/quant.py "$OUT" --parts tpot
+# FP8 throughput at 256 in flight: bf16, FP8 weights, FP8 weights + FP8 KV cache (issue 26)
+step 330 fp8kv_throughput python3 benchmarks/quant.py "$OUT/fp8kv" --parts throughput --throughput-fp8-kv
 # seeded rows' draws (the Triton hash kernel against torch's, the sampler with no host sync), then
 # seeded sampling with speculation equal to without on the GPU engine
 step 200 gpu_seeded python3 -m pytest -q -m gpu tests/ops/test_fused_ops.py tests/worker/test_sampler.py tests/spec_decode/test_spec_gpu.py -k "seeded or no_host_sync" -p no:cacheprovider --tb=short -o faulthandler_timeout=190

@@ -36,6 +36,16 @@ def test_engine_parts(tiny_dir, tmp_path):
     assert set(saved["ratios"]) == set(quant.TARGETS)
 
 
+def test_throughput_with_the_fp8_kv_cache(tiny_dir, tmp_path):
+    res = quant.main(_args(tiny_dir, tmp_path, "--parts", "throughput", "--throughput-fp8-kv",
+                           "--num-requests", "3", "--min-len", "4", "--max-len", "12"))
+    e = res["engines"]
+    assert set(e) == {"bf16", "fp8", "fp8_fp8kv"}
+    assert e["fp8_fp8kv"]["quantization"] == "fp8" and e["fp8_fp8kv"]["throughput"]["output_tokens"] > 0
+    assert e["fp8_fp8kv"]["kv_cache_dtype"] == "fp8" and e["fp8"]["kv_cache_dtype"] != "fp8"
+    assert res["ratios"]["throughput_fp8_fp8kv_over_bf16"] > 0 and res["ratios"]["throughput_fp8_over_bf16"] > 0
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1")
 def test_kernel_parts(tiny_dir, tmp_path):
     res = quant.main(_args(tiny_dir, tmp_path, "--parts", "kernels,attention", "--sweep"))
