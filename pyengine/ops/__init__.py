@@ -96,7 +96,7 @@ def seeded_exponentials(seeds, positions: torch.Tensor, vocab_size: int) -> torc
     if len(seeds) != positions.shape[0]:
         raise ValueError(f"{len(seeds)} seeds for {positions.shape[0]} positions")
     halves = torch.tensor([[s & 0xFFFFFFFF for s in seeds], [(s >> 32) & 0xFFFFFFFF for s in seeds]],
-                          dtype=torch.int64).to(positions.device, non_blocking=True)
+                          dtype=torch.int64, pin_memory=positions.is_cuda).to(positions.device, non_blocking=True)
     if use_triton(positions):
         return _fused().seeded_exponentials(halves[0], halves[1], positions, vocab_size)
     return native.seeded_exponentials(halves[0], halves[1], positions, vocab_size)

@@ -569,7 +569,7 @@ def draw_exponentials(meta: SamplingMetadata, num_rows: int, vocab_size: int, de
         seeds = [meta.seeds[r] for r in rows]
         if len(rows) == num_rows:
             return ops.seeded_exponentials(seeds, meta.positions, vocab_size)
-        idx = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)  # (no host sync)
+        idx = torch.tensor(rows, dtype=torch.int64, pin_memory=q.is_cuda).to(device, non_blocking=True)  # (no sync)
         q.index_copy_(0, idx, ops.seeded_exponentials(seeds, meta.positions.index_select(0, idx), vocab_size))
     return q
 
