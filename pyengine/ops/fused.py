@@ -305,7 +305,7 @@ def _seeded_exp_kernel(lo_ptr, hi_ptr, pos_ptr, out_ptr, V, stride_o, BLOCK: tl.
     key = _mix32(_mix32(_mix32(pos ^ 0x9E3779B9) ^ hi) ^ lo)
     tok = _mix32(offs.to(tl.uint32) + 0x6A09E667)
     h = _mix32(key ^ tok)
-    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # < 1 exactly (native.seeded_exponentials)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, -tl.log(u), mask=offs < V)
 
 

@@ -97,6 +97,8 @@ def seeded_bits(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.T
 def seeded_exponentials(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor,
                         vocab_size: int) -> torch.Tensor:
     """float32 [R, vocab_size] of Exp(1) draws, a function of (seed, position, token id)
-    only: ``-log(u)``, ``u`` the top 24 bits of ``seeded_bits`` as a float in (0, 1)."""
-    u = ((seeded_bits(seed_lo, seed_hi, positions, vocab_size) >> 8).to(torch.float32) + 0.5) * 2.0 ** -24
+    only: ``-log(u)``, ``u`` the top 23 bits of ``seeded_bits`` as a float in (0, 1): with 24
+    bits, (2**24 - 1) + 0.5 rounds to 2**24 in float32, u = 1 and the draw -0.0, which makes a
+    zero-probability token's 0 / -0 a NaN that wins the argmax."""
+    u = ((seeded_bits(seed_lo, seed_hi, positions, vocab_size) >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
     return u.log_().neg_()

@@ -211,6 +211,12 @@ def test_seeded_exponentials_are_exp1():
     n = 64
     e = ops.seeded_exponentials([3] * n, torch.arange(n), 2048).flatten().double()
     assert e.min() > 0
+    # the largest word gives the smallest draw, still > 0 (a 0 or -0 draw makes 0 / -0 = NaN win)
+    top = native.seeded_exponentials(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), 1)
+    assert top.item() > 0
+    ones = torch.full((1, 1), 2**32 - 1)
+    u = ((ones >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
+    assert u.item() < 1.0 and -torch.log(u).item() > 0
     assert abs(float(e.mean()) - 1.0) < 0.02 and abs(float(e.var()) - 1.0) < 0.05
     # Kolmogorov-Smirnov against 1 - exp(-x): D < 1.63 / sqrt(N) at p ~ 0.01
     x, _ = torch.sort(e)
