@@ -39,6 +39,10 @@ _INT_WHAT = {"top_k": f"0 or -1 (disabled), or an integer in [1, {INT64_MAX}]"}
 _FLOAT_FIELDS = (("presence_penalty", -2.0, 2.0, False), ("frequency_penalty", -2.0, 2.0, False),
                  ("repetition_penalty", 0.0, math.inf, True), ("temperature", 0.0, math.inf, False),
                  ("top_p", 0.0, 1.0, True), ("min_p", 0.0, 1.0, False))
+# The sampler divides float32 logits by these two: a value a float32 cannot hold would become
+# inf (or, for the penalty, 0) there and NaN the row. A temperature below its smallest is greedy.
+FLOAT32_MAX, FLOAT32_MIN_NORMAL = 3.4028234663852886e38, 1.1754943508222875e-38
+_FLOAT32_DIVISORS = (("repetition_penalty", FLOAT32_MIN_NORMAL), ("temperature", 0.0))
 
 
 def _check_int(name: str, v, lo: int, hi: int, what: str = "") -> int:
@@ -276,6 +280,11 @@ class SamplingParams:
             setattr(self, name, _check_int(name, v, lo, hi, _INT_WHAT.get(name, "")))
         for name, lo, hi, lo_open in _FLOAT_FIELDS:
             setattr(self, name, _check_float(name, getattr(self, name), lo, hi, lo_open))
+        for name, smallest in _FLOAT32_DIVISORS:
+            v = getattr(self, name)
+            if v > FLOAT32_MAX or v < smallest:
+                raise VLLMValidationError(f"{name} must fit a float32 ([{smallest:g}, {FLOAT32_MAX:g}]), "
+                                          f"got {v!r}.", parameter=name, value=v)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise VLLMValidationError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                                       f"got {self.min_tokens}.", parameter="min_tokens", value=self.min_tokens)

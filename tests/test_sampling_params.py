@@ -38,6 +38,11 @@ NAN, INF = math.nan, math.inf
     ({"repetition_penalty": NAN}, "repetition_penalty must be a finite number > 0, got nan."),
     ({"repetition_penalty": INF}, "repetition_penalty must be a finite number > 0, got inf."),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+    # finite in float64 but not in the sampler's float32 (a probe's temperature 1e39 NaN'd the row)
+    ({"temperature": 1e39}, "temperature must fit a float32 ([0, 3.40282e+38]), got 1e+39."),
+    ({"repetition_penalty": 1e-46}, "repetition_penalty must fit a float32 ([1.17549e-38, 3.40282e+38]), got 1e-46."),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty must fit a float32"),  # float32-subnormal
+    ({"repetition_penalty": 1e39}, "repetition_penalty must fit a float32"),
     ({"temperature": "1"}, "temperature must be a finite number"),
     ({"temperature": True}, "temperature must be a finite number"),
     # list sizes and lengths
@@ -68,7 +73,8 @@ def test_out_of_range_fields_are_refused_naming_the_field(kwargs, message):
 @pytest.mark.parametrize("kwargs", [
     {"seed": INT64_MAX}, {"seed": INT64_MIN}, {"seed": 0}, {"n": MAX_N, "temperature": 1.0},
     {"logprobs": 0}, {"logprobs": MAX_LOGPROBS}, {"top_k": -1}, {"top_k": 10 ** 12},
-    {"temperature": 1e30}, {"repetition_penalty": 1e-30}, {"presence_penalty": -2}, {"top_p": 1},
+    {"temperature": 1e30}, {"temperature": 3.4e38}, {"repetition_penalty": 1e-30},
+    {"repetition_penalty": 1.2e-38}, {"temperature": 1e-46}, {"presence_penalty": -2}, {"top_p": 1},
     {"stop": ["x"] * MAX_STOP_STRINGS}, {"stop": "y" * 1024}, {"max_tokens": None},
 ])
 def test_boundary_values_are_accepted(kwargs):

@@ -24,7 +24,9 @@ a seeded row's is a function of its seed and position), and with one-hot drafts 
 decision is coupled to the row's own sample: the row samples ``t`` as ``Sampler`` would
 and accepts its draft iff ``t`` is the draft. So a seeded request emits, position by
 position, the tokens it emits without speculation, whatever the drafts, the rows a step
-verified or threw away, or the scheduling.
+verified or threw away, or the scheduling — given the same target logits: bit-equal in
+float32; in bf16 a verification forward of several tokens rounds differently from one-token
+decode, so the outputs can part where a draw falls within that rounding (as greedy's do).
 """
 from __future__ import annotations
 
@@ -91,7 +93,8 @@ def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, exponentials:
         One-hot q: the row's own sample ``t = argmax(p / E)``, accepted iff ``t`` is the
         draft (probability p(d); rejected, ``t`` is distributed as p without d,
         renormalised: the residual). So a row emits the token it would emit with no
-        draft from the same ``E`` (a seeded row: the same token as without speculation).
+        draft from the same ``E`` and the same ``p`` (a seeded row: the same token as without
+        speculation where its logits are the same).
     Raises:
         ValueError: ``draft_probs`` without ``uniforms``.
     """

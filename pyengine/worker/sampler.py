@@ -33,9 +33,13 @@ Order of operations, per row (as vLLM v1 by default):
 8. Random rows: temperature, min-p, top-k, top-p, then one draw with the
    exponential-race trick ``argmax(probs / q)``, ``q ~ Exp(1)``, which is an exact sample
    from ``probs``. A seeded row's ``q`` is a function of its seed and its position only
-   (``pyengine.ops.seeded_exponentials``), so a seeded request gives the same tokens
+   (``pyengine.ops.seeded_exponentials``), so a seeded request's draws are the same
    whatever else is in the batch, under sync or async scheduling, with or without
-   speculative decoding, and across preemptions.
+   speculative decoding, and across preemptions; its tokens are then the same wherever
+   its logits are. They are bit-equal in float32; in bf16 a multi-token forward
+   (verification, a preempted request's recompute) or another batch shape can round the
+   logits differently, so there, as for greedy, the tokens agree only until a draw falls
+   within that rounding of another token's.
 """
 from __future__ import annotations
 
@@ -481,6 +485,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     rep = meta.repetition_penalties.unsqueeze(1)
     scale = torch.where(seen, rep, torch.ones_like(rep))
     logits = torch.where(logits > 0, logits / scale, logits * scale)
+    # a penalty near float32's smallest normal overflows a positive logit: keep it the largest
+    # finite value, not inf (softmax of inf is NaN)
+    logits = logits.clamp_(max=torch.finfo(torch.float32).max)
     logits = logits - meta.frequency_penalties.unsqueeze(1) * counts.to(logits.dtype)
     logits = logits - meta.presence_penalties.unsqueeze(1) * in_output.to(logits.dtype)
     return logits
@@ -524,9 +531,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     Returns:
         float32 [B, V] (``logits`` itself when both are None).
 
-    Ties at the k-th value are all kept in the top-k-only path; with top-p the sort order
-    decides. A top-p boundary that falls exactly on a float32 cumulative sum is resolved
-    by rounding of the cumulative sum.
+    Every token tied with the k-th largest value is kept, on both paths (as vLLM's), so a
+    row's kept set never depends on whether another row of the batch uses top-p. Among
+    tokens tied at the top-p boundary the stable sort's order (lower token id first)
+    decides. A row with ``p == 1`` drops nothing (a float32 cumulative sum can reach 1.0
+    before the tail); a boundary that falls exactly on a float32 cumulative sum is
+    resolved by its rounding.
     """
     if top_k is None and top_p is None:
         return logits
@@ -541,14 +551,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         threshold = threshold.masked_fill(disabled, float("-inf"))
         return logits.masked_fill(logits < threshold, float("-inf"))
 
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+    # stable: ties keep token-id order, so a row's result does not depend on its batch
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True, stable=True)
     if top_k is not None:
-        pos = torch.arange(V, device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(pos >= top_k.unsqueeze(1), float("-inf"))
+        # the k-th value as threshold (not the k-th position): ties with it stay, as above
+        kth = sorted_logits.gather(1, (top_k.clamp(1, V) - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     # Mass strictly above each position; keep while it is below p.
     mass_above = torch.cumsum(probs, dim=-1) - probs
-    drop = mass_above >= top_p.unsqueeze(1)
+    drop = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)

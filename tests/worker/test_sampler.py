@@ -112,6 +112,26 @@ def test_top_k_mask_and_with_top_p():
     assert torch.isfinite(out[2]).tolist() == [False, True, False, False, False, False]
 
 
+def test_top_k_ties_kept_alike_with_and_without_top_p():
+    # a probe found a seeded top_k row changing when another row used top_p: the threshold
+    # path kept every token tied with the k-th value, the sorted path exactly k
+    logits = torch.tensor([[3.0, 1.0, 1.0, 2.0, 1.0, 0.0]] * 2)
+    k = torch.tensor([3, 3])
+    alone = apply_top_k_top_p(logits, k, None, 3)
+    beside_top_p = apply_top_k_top_p(logits, k, torch.tensor([1.0, 0.5]), 3)
+    assert torch.isfinite(alone[0]).tolist() == [True, True, True, True, True, False]
+    assert torch.equal(beside_top_p[0], alone[0])
+
+
+def test_top_p_one_drops_nothing():
+    # a long flat tail: float32's running sum reaches 1.0 before the last tokens
+    logits = torch.cat([torch.tensor([30.0]), torch.zeros(200_000)]).unsqueeze(0)
+    out = apply_top_k_top_p(logits, None, torch.tensor([1.0]), 0)
+    assert torch.isfinite(out).all()
+    out = apply_top_k_top_p(logits, torch.tensor([200_001]), torch.tensor([1.0]), 0)
+    assert torch.isfinite(out).all()
+
+
 def test_top_k_sampling_frequencies():
     probs = [0.1, 0.2, 0.3, 0.4]
     freq = draw_counts(logits_from_probs(probs), SamplingParams(top_k=2), n=40000)
@@ -257,6 +277,20 @@ def test_penalties_hand_computed():
     out = Sampler()(logits, meta).sampled_token_ids
     assert out.tolist() == expected.argmax(-1).tolist()
     assert out.tolist() != logits.argmax(-1).tolist()
+
+
+def test_extreme_values_stay_finite():
+    # a repetition penalty at float32's smallest normal overflows the seen positive logits,
+    # the largest temperature leaves masked (-inf) logits -inf: neither may NaN the row
+    logits = torch.tensor([[5.0, 4.0, -1.0, float("-inf")]] * 2)
+    params = [SamplingParams(repetition_penalty=1.2e-38, seed=1),
+              SamplingParams(temperature=3.4e38, seed=2)]
+    meta = build(params, prompts=[[0, 1], [0]], vocab=4)
+    assert torch.isfinite(apply_penalties(logits, meta)[0]).tolist() == [True, True, True, False]
+    for _ in range(20):
+        meta = build(params, prompts=[[0, 1], [0]], vocab=4, positions=[_, _])
+        out = Sampler()(logits, meta).sampled_token_ids.tolist()
+        assert out[0] in (0, 1) and out[1] in (0, 1, 2)  # never the masked token 3
 
 
 def test_no_penalty_metadata_is_light():
