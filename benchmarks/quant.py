@@ -21,8 +21,8 @@ Parts (``--parts``, default all):
   per output token (request metrics), median of ``--iters``; ratios to bf16 (targets:
   fp8 <= 0.60, w4a16 <= 0.40);
 * ``throughput``: nano-vllm's workload (``--num-requests`` 256 in flight, prompt and output
-  lengths uniform in [100, 1024]) for bf16 and fp8: output tokens/s and the ratio (target
-  >= 1.3);
+  lengths uniform in [100, 1024]) for bf16 and fp8: output tokens/s, the best of
+  ``--throughput-repeats`` runs, and the ratio (target >= 1.3);
 * ``kv``: KV cache blocks/tokens with the bf16 and the FP8 cache at the same
   ``--gpu-memory-utilization`` (target 2x);
 * ``kernels``: per linear-layer shape of the model, one-token GEMV time and weight
@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--throughput-fp8-kv", action="store_true",
                    help="throughput part: also FP8 weights with the FP8 KV cache (fp8_fp8kv)")
+    p.add_argument("--throughput-repeats", type=int, default=2,
+                   help="timed runs of the throughput workload per engine (the best is reported)")
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -204,13 +206,20 @@ def _throughput(args, llm) -> dict:
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(args.min_len, args.max_len),
                              detokenize=False) for _ in prompts]
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
-    _sync(args.device)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(args.device)
-    elapsed = time.perf_counter() - t
-    toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"output_tokens": toks, "elapsed_s": elapsed, "output_tok_s": toks / elapsed}
+    # The whole workload --throughput-repeats times, the best run reported: the first run of
+    # the first engine in a process compiles the batch shapes' kernel variants (Triton's
+    # cache), which confounded a 2026-12-04 bf16-vs-FP8 ratio by ~6%.
+    runs = []
+    for _ in range(max(args.throughput_repeats, 1)):
+        _sync(args.device)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(args.device)
+        elapsed = time.perf_counter() - t
+        toks = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append({"output_tokens": toks, "elapsed_s": elapsed, "output_tok_s": toks / elapsed})
+    best = max(runs, key=lambda r: r["output_tok_s"])
+    return {**best, "runs_output_tok_s": [r["output_tok_s"] for r in runs]}
 
 
 def _kv_info(llm) -> dict:

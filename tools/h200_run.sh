@@ -149,7 +149,7 @@ step 360 quant_bench python3 benchmarks/quant.py "$OUT"
 step 150 gpu_int4 python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k "int_gemv or int4_gemv or int_linear" -p no:cacheprovider --tb=short -o faulthandler_timeout=140
 step 200 quant_tpot python3 benchmarks/quant.py "$OUT" --parts tpot
 # FP8 throughput at 256 in flight: bf16, FP8 weights, FP8 weights + FP8 KV cache (issue 26)
-step 330 fp8kv_throughput python3 benchmarks/quant.py "$OUT/fp8kv" --parts throughput --throughput-fp8-kv
+step 420 fp8kv_throughput python3 benchmarks/quant.py "$OUT/fp8kv" --parts throughput --throughput-fp8-kv
 # seeded rows' draws (the Triton hash kernel against torch's, the sampler with no host sync), then
 # seeded sampling with speculation equal to without on the GPU engine
 step 200 gpu_seeded python3 -m pytest -q -m gpu tests/ops/test_fused_ops.py tests/worker/test_sampler.py tests/spec_decode/test_spec_gpu.py -k "seeded or no_host_sync" -p no:cacheprovider --tb=short -o faulthandler_timeout=190

@@ -44,6 +44,8 @@ def test_throughput_with_the_fp8_kv_cache(tiny_dir, tmp_path):
     assert e["fp8_fp8kv"]["quantization"] == "fp8" and e["fp8_fp8kv"]["throughput"]["output_tokens"] > 0
     assert e["fp8_fp8kv"]["kv_cache_dtype"] == "fp8" and e["fp8"]["kv_cache_dtype"] != "fp8"
     assert res["ratios"]["throughput_fp8_fp8kv_over_bf16"] > 0 and res["ratios"]["throughput_fp8_over_bf16"] > 0
+    runs = e["bf16"]["throughput"]["runs_output_tok_s"]  # --throughput-repeats 2 (default): the best reported
+    assert len(runs) == 2 and e["bf16"]["throughput"]["output_tok_s"] == max(runs)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1")
