@@ -10,7 +10,6 @@ backend's business).
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
@@ -24,7 +23,19 @@ from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pyengine.layers.rotary import RotaryEmbedding
 
-logger = logging.getLogger(__name__)
+
+def config_sliding_window(hf_config) -> int | None:
+    """The attention window transformers applies for this config, or None (full
+    attention): ``sliding_window`` when set and not switched off by
+    ``use_sliding_window: false``, and when ``layer_types`` (if present) has a
+    ``sliding_attention`` layer (Qwen2/Qwen3 derive it from ``max_window_layers``)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
 
 
 class DecoderAttention(nn.Module):
@@ -208,16 +219,22 @@ class LlamaForCausalLM(nn.Module):
         """Layer ``layer_idx``'s MLP; None: the dense GatedMLP (MoE models override it)."""
         return None
 
-    def check_sliding_window(self, hf_config) -> None:
-        if getattr(hf_config, "sliding_window", None):
-            # Full attention is exact up to the window; beyond it outputs differ from HF.
-            logger.warning("sliding_window=%s in the config is not applied; attention is full-context.",
-                           hf_config.sliding_window)
+    @classmethod
+    def verify_engine_config(cls, config) -> None:
+        """Raises ValueError when the config's sliding window (``config_sliding_window``)
+        is shorter than ``max_model_len``: attention here is full-context, which equals
+        sliding-window attention only for sequences up to the window (vLLM applies the
+        window; this engine refuses rather than run a longer sequence wrong)."""
+        window = config_sliding_window(config.hf_config)
+        if window is not None and config.max_model_len > window:
+            raise ValueError(
+                f"{cls.__name__}: sliding_window={window} (config.json) is not implemented: attention is "
+                f"full-context, which equals sliding-window attention only for sequences of at most {window} "
+                f"tokens, and max_model_len is {config.max_model_len}. Set max_model_len <= {window}.")
 
     def __init__(self, hf_config, attn_backend: AttentionBackend, tp_group=None):
         super().__init__()
         self.config = hf_config
-        self.check_sliding_window(hf_config)
         self.model = DecoderModel(hf_config, attn_backend, self.qkv_bias(hf_config),
                                   self.o_bias(hf_config), self.qk_norm, tp_group,
                                   make_mlp=lambda i: self.make_mlp(hf_config, i, tp_group))
@@ -246,4 +263,5 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral checkpoints in HF format share Llama's layout (sliding window not applied)."""
+    """Mistral checkpoints in HF format share Llama's layout (a sliding window shorter than
+    ``max_model_len`` is refused: ``verify_engine_config``)."""

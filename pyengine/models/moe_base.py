@@ -60,20 +60,6 @@ def is_sparse_layer(hf_config, layer_idx: int) -> bool:
     return layer_idx not in mlp_only and num_experts > 0 and (layer_idx + 1) % step == 0
 
 
-def config_sliding_window(hf_config) -> int | None:
-    """The attention window transformers applies for this config, or None (full
-    attention): ``sliding_window`` when set and not switched off by
-    ``use_sliding_window: false``, and when ``layer_types`` (if present) has a
-    ``sliding_attention`` layer."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
-
-
 class MoECausalLMMixin:
     """Mixed in before a dense causal-LM class (``class X(MoECausalLMMixin, LlamaForCausalLM)``).
 
@@ -96,14 +82,8 @@ class MoECausalLMMixin:
     @classmethod
     def verify_engine_config(cls, config) -> None:
         """Raises ValueError for a config this model cannot run exactly (see the class doc)."""
-        hf_config = config.hf_config
-        check_moe_config(hf_config)
-        window = config_sliding_window(hf_config)
-        if window is not None and config.max_model_len > window:
-            raise ValueError(
-                f"{cls.__name__}: sliding_window={window} (config.json) is not implemented: attention is "
-                f"full-context, which equals sliding-window attention only for sequences of at most {window} "
-                f"tokens, and max_model_len is {config.max_model_len}. Set max_model_len <= {window}.")
+        check_moe_config(config.hf_config)
+        super().verify_engine_config(config)  # the dense base's sliding-window check
 
     def warm_up_kernels(self, max_num_tokens: int) -> None:
         """Compile the fused-MoE kernel variants of steps up to ``max_num_tokens`` tokens
@@ -112,9 +92,6 @@ class MoECausalLMMixin:
         moe = next((m for m in self.modules() if isinstance(m, FusedMoE)), None)
         if moe is not None:
             moe.warm_up(max_num_tokens)
-
-    def check_sliding_window(self, hf_config) -> None:
-        pass  # verify_engine_config refuses the windows that would change the outputs
 
     def map_checkpoint_name(self, name: str):
         """``(parameter, shard)`` for an expert's tensor or a renamed one (taken whole);

@@ -253,3 +253,37 @@ def test_qwen3_attention_bias(tmp_path, tokenizer_dir, tokenizer):
     ids = prompt_token_ids(tokenizer, 1, 16, 16, seed=7)[0]
     (lg,) = run_step(model, [(ids, 0, len(ids), list(range(4)))])
     torch.testing.assert_close(lg, hf_logits(d, ids), atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family,window", [
+    ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=0)),
+    ("qwen3", dict(sliding_window=8, use_sliding_window=True, max_window_layers=0)),
+    ("mistral", dict(sliding_window=8)),
+])
+def test_dense_sliding_window_refused_past_it_exact_within_it(family, window, tmp_path, tokenizer_dir, tokenizer):
+    """A probe found these loading with a warning and giving other tokens than transformers
+    for prompts longer than the window: full-context attention is exact only up to it."""
+    from pyengine import LLM, SamplingParams
+
+    d = build_tiny_model(tmp_path / family, "llama" if family == "mistral" else family, tokenizer_dir, seed=4,
+                         **({} if family == "mistral" else window))
+    if family == "mistral":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", **window)
+        (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="sliding_window=8 .*Set max_model_len <= 8"):
+        load(d)  # max_model_len 1024 > 8
+    prompts = prompt_token_ids(tokenizer, 3, 2, 4, seed=5)
+    ref = hf_greedy(d, prompts, 4, ignore_eos=True)
+    llm = LLM(str(d), device="cpu", dtype="float32", max_model_len=8)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_window_switched_off_is_full_attention(tmp_path, tokenizer_dir):
+    d = build_tiny_model(tmp_path / "q2", "qwen2", tokenizer_dir, sliding_window=8, use_sliding_window=False)
+    load(d)  # no window applies: nothing to refuse
