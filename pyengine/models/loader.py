@@ -22,14 +22,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from pyengine.layers.linear import LinearBase, default_weight_loader, full_weight
-from pyengine.layers.quantization import get_quantization_config
+from pyengine.layers.fused_moe.layer import FusedMoE
+from pyengine.layers.linear import LinearBase, ReplicatedLinear, default_weight_loader, full_weight
+from pyengine.layers.quantization import checkpoint_quantization_config, get_quantization_config
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.registry import get_model_cls
 
@@ -95,6 +97,23 @@ _QUANT_TENSOR_NAMES = ("weight_scale", "weight_scale_inv", "weight_zero_point", 
                        "g_idx")
 
 
+# One MoE expert's tensor (``...experts.17.gate_proj.weight_scale``): FusedMoE holds its experts in
+# the model's float dtype only, so a quantized one is refused with that reason.
+_EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
+_QUANTIZED_EXPERTS = ("MoE experts stored quantized are not supported (vengine's fused MoE runs its experts in the "
+                      "model's float dtype): {}")
+
+
+def _is_quantized(name: str, tensor) -> bool:
+    return name.rsplit(".", 1)[-1] in _QUANT_TENSOR_NAMES or _dtype_of(tensor) not in _FLOATS
+
+
+def _is_kv_cache_scale(name: str) -> bool:
+    """A per-layer KV cache scale (``_KV_SCALE_NAMES``): read by ``load_kv_cache_scales`` with
+    ``kv_cache_dtype="fp8"``, unused otherwise (as vLLM)."""
+    return any(name.endswith(f".{k}") for k in _KV_SCALE_NAMES)
+
+
 def _dtype_of(tensor) -> torch.dtype | None:
     if isinstance(tensor, torch.Tensor):
         return tensor.dtype
@@ -107,6 +126,8 @@ def _check_dtype(name: str, tensor, param: torch.Tensor) -> None:
     src = _dtype_of(tensor)
     if src == param.dtype or (src in _FLOATS and param.dtype in _FLOATS) or (src in _INTS and param.dtype in _INTS):
         return
+    if _EXPERT_NAME.search(name):
+        raise ValueError(_QUANTIZED_EXPERTS.format(f"{name!r} is {str(src).replace('torch.', '')}"))
     raise ValueError(f"checkpoint tensor {name!r} is {str(src).replace('torch.', '')} but the model's parameter is "
                      f"{str(param.dtype).replace('torch.', '')}: a quantized checkpoint needs a quantization_config in "
                      f"config.json that vengine supports, with this tensor's layer in its scope")
@@ -133,6 +154,8 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
     unused_quantized: list[str] = []
     for name, tensor in weights:
         if tie_word_embeddings and name.startswith("lm_head."):
+            if _is_quantized(name, tensor):  # a quantized head would run as the float embedding
+                unused_quantized.append(name)
             continue  # lm_head shares the embedding parameter
         mapped = remap(name) if remap is not None else None
         if mapped is not None:
@@ -147,7 +170,9 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
                     break
         param = params.get(target)
         if param is None:
-            if name.rsplit(".", 1)[-1] in _QUANT_TENSOR_NAMES or _dtype_of(tensor) not in _FLOATS:
+            if _is_kv_cache_scale(name):
+                pass  # load_kv_cache_scales' (fp8 KV cache), ignored otherwise
+            elif _is_quantized(name, tensor):
                 unused_quantized.append(name)
             elif strict and not name.endswith("rotary_emb.inv_freq"):
                 raise ValueError(f"checkpoint tensor {name!r} has no counterpart in {type(model).__name__}: "
@@ -164,6 +189,9 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
         except ValueError as e:
             raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
         loaded.setdefault(target, set()).add(shard)
+    experts = [n for n in unused_quantized if _EXPERT_NAME.search(n)]
+    if experts:
+        raise ValueError(_QUANTIZED_EXPERTS.format(", ".join(experts[:4]) + (" ..." if len(experts) > 4 else "")))
     if unused_quantized:
         shown = ", ".join(unused_quantized[:8]) + (f" and {len(unused_quantized) - 8} more" if len(unused_quantized) > 8
                                                    else "")
@@ -225,6 +253,13 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
     with _default_dtype(config.dtype), torch.device(config.device):
         model = model_cls(hf_config, attn_backend, tp_group=tp_group, **kwargs)
         if quant_config is not None:
+            online = checkpoint_quantization_config(hf_config) is None
+            if online and any(isinstance(m, FusedMoE) for m in model.modules()):
+                # vLLM's on-the-fly fp8 quantizes the experts too; FusedMoE has no quantized kernels, and
+                # quantizing only the attention layers would not be what was asked
+                raise ValueError(f"quantization={config.quantization!r} at load is not supported for "
+                                 f"{model_cls.__name__}: its MoE experts cannot be quantized by vengine. Serve it "
+                                 f"unquantized, or a checkpoint quantized outside its experts.")
             quantize_linear_layers(model, quant_config)
     for m in model.modules():  # positions up to max_model_len (see EngineConfig.max_model_len)
         if isinstance(m, RotaryEmbedding):
@@ -235,9 +270,12 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
             init_dummy_weights(model, config.seed)
         else:
             load_weights(model, iterate_weights(config.model), tie_word_embeddings=tie)
-        for m in model.modules():
+        for prefix, m in model.named_modules():
             if isinstance(m, LinearBase) and m.quant_method is not None:
-                m.quant_method.process_weights_after_loading(m)
+                try:
+                    m.quant_method.process_weights_after_loading(m)
+                except ValueError as e:
+                    raise ValueError(f"cannot load the quantized layer {prefix!r}: {e}") from None
         if getattr(config, "kv_cache_dtype", "auto") == "fp8" and getattr(config, "load_format", "auto") != "dummy":
             load_kv_cache_scales(model, iterate_weights(config.model))
     return model.eval()
@@ -277,13 +315,17 @@ def load_kv_cache_scales(model: nn.Module, weights) -> int:
 
 def quantize_linear_layers(model: nn.Module, quant_config) -> None:
     """Give every linear layer of ``model`` its method from ``quant_config`` (layers the
-    config leaves out stay unquantized). Raises ValueError (a fused layer whose parts the
-    checkpoint quantizes differently, a shape the format cannot split)."""
+    config leaves out stay unquantized). ``ReplicatedLinear`` layers (MoE routers, Qwen2-MoE's
+    shared-expert gate) always stay in the model's dtype, as quantized checkpoints keep them
+    (llm-compressor's recipes ignore ``mlp.gate``): a checkpoint that does quantize one is
+    refused by ``load_weights`` (its quantization tensors fill no parameter). Raises
+    ValueError (a fused layer whose parts the checkpoint quantizes differently, a shape the
+    format cannot split)."""
     fused_parts: dict[str, list[str]] = {}
     for ckpt_name, (fused, _) in getattr(model, "packed_modules_mapping", {}).items():
         fused_parts.setdefault(fused, []).append(ckpt_name)
     for prefix, module in list(model.named_modules()):
-        if not isinstance(module, LinearBase):
+        if not isinstance(module, LinearBase) or isinstance(module, ReplicatedLinear):
             continue
         head, _, leaf = prefix.rpartition(".")
         names = [f"{head}.{n}" if head else n for n in fused_parts.get(leaf, [leaf])]

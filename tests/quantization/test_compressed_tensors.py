@@ -5,6 +5,7 @@ it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pyengine import LLM, SamplingParams
 from tests.helpers import hf_greedy, prompt_token_ids
@@ -83,3 +84,66 @@ def test_unsupported_scheme_refused_naming_it(llama_dir, tmp_path):
     d = compressed_tensors_checkpoint(llama_dir, tmp_path / "m", "W8A8")
     with pytest.raises(ValueError, match="activation quantization"):
         LLM(str(d), device="cpu")
+
+
+def _group(targets, weights, input_activations=None, fmt=None):
+    g = {"targets": targets, "weights": weights}
+    if input_activations is not None:
+        g["input_activations"] = input_activations
+    if fmt is not None:
+        g["format"] = fmt
+    return g
+
+
+FP8_CHANNEL = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+W4_G16 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 16, "symmetric": True, "dynamic": False}
+
+
+@pytest.mark.parametrize("order", ["class_first", "regex_first"])
+def test_overlapping_groups_take_compressed_tensors_precedence(order):
+    """A layer two groups target gets the most specific one: exact name, then ``re:``, then a
+    class name (compressed-tensors' ``match_targets``), whatever the groups' order — a probe
+    found the first group in config.json order applied (FP8 activations on MLP layers a
+    weight-only group targets: other tokens than transformers)."""
+    from pyengine.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+    groups = {"a": _group(["Linear"], FP8_CHANNEL, FP8_TOKEN, "float-quantized"),
+              "b": _group(["re:.*mlp.*"], W4_G16, fmt="pack-quantized"),
+              "c": _group(["model.layers.0.mlp.down_proj"], FP8_CHANNEL, fmt="float-quantized")}
+    if order == "regex_first":
+        groups = dict(reversed(list(groups.items())))
+    cfg = CompressedTensorsConfig.from_config({"quant_method": "compressed-tensors", "config_groups": groups})
+    got = {n: (s.kind, s.act) for n in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj",
+                                        "model.layers.0.mlp.down_proj")
+           for s in [cfg._scheme_for(n)]}
+    assert got == {"model.layers.0.self_attn.q_proj": ("fp8", "token"), "model.layers.1.mlp.up_proj": ("int", None),
+                   "model.layers.0.mlp.down_proj": ("fp8", None)}
+
+
+def test_kv_cache_scheme_alone_is_accepted():
+    """What llm-compressor writes for a KV-cache-only recipe: no config groups."""
+    from pyengine.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    cfg = CompressedTensorsConfig.from_config({"quant_method": "compressed-tensors", "config_groups": {},
+                                               "kv_cache_scheme": kv})
+    assert cfg.kv_cache_scales() and cfg._scheme_for("model.layers.0.self_attn.q_proj") is None
+    with pytest.raises(ValueError, match="without config_groups"):
+        CompressedTensorsConfig.from_config({"quant_method": "compressed-tensors", "config_groups": {}})
+
+
+def test_fused_parts_static_input_scales_must_agree():
+    """q/k/v (gate/up) share their input: one static scale quantizes it. vLLM takes the
+    largest of the parts'; that is not what each part's own scale computes, so differing
+    scales are refused."""
+    from torch import nn
+
+    from pyengine.layers.quantization.utils import fused_input_scale
+
+    layer = nn.Module()
+    layer.input_scale = nn.Parameter(torch.tensor([0.5, 0.5, 0.5]), requires_grad=False)
+    assert fused_input_scale(layer).item() == 0.5
+    layer.input_scale.data[1] = 25.0
+    with pytest.raises(ValueError, match=r"static input_scale values differ \(\[0.5, 25.0, 0.5\]\)"):
+        fused_input_scale(layer)

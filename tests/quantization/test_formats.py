@@ -107,3 +107,24 @@ def test_gptq_parts_with_different_act_order_refused(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="g_idx.*differs"):
         LLM(str(q), device="cpu")
 
+
+
+def test_gptq_g_idx_checked(llama_dir, tmp_path):
+    """desc_act false with an act-order g_idx would dequantize other weights than its writer
+    (a probe: loaded, other tokens); a g_idx past the scales' groups was an IndexError."""
+    from safetensors.torch import load_file, save_file
+
+    q, _ = gptq_checkpoint(llama_dir, tmp_path / "q", tmp_path / "plain", desc_act=True)
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"]["desc_act"] = False
+    (q / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="desc_act is false .* g_idx is not the trivial"):
+        LLM(str(q), device="cpu")
+    cfg["quantization_config"]["desc_act"] = True
+    (q / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(str(q / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    sd[name][0] = 99
+    save_file(sd, str(q / "model.safetensors"))
+    with pytest.raises(ValueError, match="'model.layers.1.mlp.down_proj'.*g_idx holds group 99"):
+        LLM(str(q), device="cpu")

@@ -31,7 +31,15 @@ import torch
 from torch import nn
 
 from pyengine.layers.quantization.base_config import LinearMethodBase, QuantizationConfig, is_layer_skipped, new_param
-from pyengine.layers.quantization.utils import FP8_DTYPE, apply_fp8, apply_int, finalize_fp8, finalize_int, unpack_int32
+from pyengine.layers.quantization.utils import (
+    FP8_DTYPE,
+    apply_fp8,
+    apply_int,
+    finalize_fp8,
+    finalize_int,
+    fused_input_scale,
+    unpack_int32,
+)
 
 _SUPPORTED = ("float-quantized FP8 weights (tensor/channel/block) with dynamic per-token, dynamic per-group, "
               "static per-tensor or no activation quantization; pack-quantized INT4/INT8 weight-only")
@@ -60,7 +68,12 @@ class Scheme:
 
     def matches(self, name: str) -> bool:
         # Every layer a model quantizes is a Linear: "Linear" matches them all.
-        return any(t == "Linear" or t.endswith(".Linear") or match_name(name, t) for t in self.targets)
+        return any(_is_class_target(t) or match_name(name, t) for t in self.targets)
+
+
+def _is_class_target(target: str) -> bool:
+    """A module-class target (every layer quantized here is a ``Linear``)."""
+    return target == "Linear" or target.endswith(".Linear")
 
 
 def _refuse(what: str) -> ValueError:
@@ -137,6 +150,13 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def __init__(self, schemes: list[Scheme], ignore: list[str], kv_cache_scheme: dict | None = None):
         self.schemes, self.ignore, self.kv_cache_scheme = schemes, ignore, kv_cache_scheme
+        # compressed-tensors' precedence when several groups target a layer (``match_targets``,
+        # ``apply_quantization_config``): a target string names the last group listing it;
+        # exact names, then ``re:`` patterns (each in sorted order), then class names decide
+        target_scheme = {t: sc for sc in schemes for t in sc.targets}
+        ordered = sorted(target_scheme, key=lambda t: ("re:" in t, t))
+        self._by_name = [(t, target_scheme[t]) for t in ordered if not _is_class_target(t)]
+        self._by_class = next((target_scheme[t] for t in ordered if _is_class_target(t)), None)
 
     @classmethod
     def get_name(cls) -> str:
@@ -148,7 +168,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             if config.get(key):
                 raise _refuse(f"{key}")
         groups = config.get("config_groups") or {}
-        if not groups:
+        if not groups and not config.get("kv_cache_scheme"):
             raise _refuse("a quantization_config without config_groups")
         schemes = [_parse_scheme(n, g, config.get("format")) for n, g in groups.items()]
         kv = config.get("kv_cache_scheme")
@@ -163,10 +183,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     def _scheme_for(self, name: str) -> Scheme | None:
         if any(match_name(name, t) for t in self.ignore):
             return None
-        for s in self.schemes:
-            if s.matches(name):
-                return s
-        return None
+        return next((sc for t, sc in self._by_name if match_name(name, t)), self._by_class)
 
     def get_quant_method(self, layer: nn.Module, prefix: str, checkpoint_names: list[str]):
         names = checkpoint_names or [prefix]
@@ -211,7 +228,7 @@ class CompressedTensorsW8A8Fp8(LinearMethodBase):
             scale = torch.cat([scale[i].expand(sz) for i, sz in enumerate(sizes)])
         elif s.strategy == "channel":
             scale = scale.reshape(-1)
-        input_scale = layer.input_scale.data.max() if s.act == "tensor" else None
+        input_scale = fused_input_scale(layer) if s.act == "tensor" else None
         finalize_fp8(layer, layer.weight.data, scale, self.dtype, block=s.block, act=s.act,
                      input_scale=input_scale, emulate_act=True)
 

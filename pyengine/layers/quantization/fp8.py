@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pyengine.layers.quantization.base_config import LinearMethodBase, QuantizationConfig, is_layer_skipped, new_param
-from pyengine.layers.quantization.utils import FP8_DTYPE, apply_fp8, finalize_fp8, fp8_quantize
+from pyengine.layers.quantization.utils import FP8_DTYPE, apply_fp8, finalize_fp8, fp8_quantize, fused_input_scale
 
 
 class Fp8Config(QuantizationConfig):
@@ -102,7 +102,7 @@ class Fp8LinearMethod(LinearMethodBase):
         scale = torch.cat([layer.weight_scale.data[i].expand(sz) for i, sz in enumerate(sizes)])
         static = c.activation_scheme == "static"
         finalize_fp8(layer, layer.weight.data, scale, self.dtype, act="tensor" if static else "token",
-                     input_scale=layer.input_scale.data.max() if static else None)
+                     input_scale=fused_input_scale(layer) if static else None)
 
     def apply(self, layer, x, bias=None):
         return apply_fp8(layer, x, bias)

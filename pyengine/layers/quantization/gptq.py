@@ -87,7 +87,20 @@ class GPTQLinearMethod(LinearMethodBase):
         zeros = unpack_int32(layer.qzeros.data, self.bits, 1).to(torch.float32)
         if self.v1_zeros:
             zeros = zeros + 1  # AutoGPTQ stores zero - 1
-        g_idx = layer.g_idx.data if self.desc_act else None
+        g_idx = layer.g_idx.data.to(torch.int64)
+        groups, k = layer.scales.shape[0], g_idx.shape[0]
+        if self.desc_act:
+            if k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+                raise ValueError(f"g_idx holds group {int(g_idx.max())} (or {int(g_idx.min())}), outside the "
+                                 f"{groups} groups of its scales")
+        else:
+            # desc_act false: the rows' groups are k // group_size (this rank's rows: offset); a
+            # checkpoint whose g_idx says otherwise would dequantize differently from its writer
+            offset = layer.tp_rank * k if layer.input_size != k else 0
+            if self.group_size != -1 and not torch.equal(g_idx, (torch.arange(k) + offset) // self.local_group_size):
+                raise ValueError("desc_act is false in the quantization_config but g_idx is not the trivial "
+                                 "row // group_size (an act-order checkpoint?); set desc_act: true")
+            g_idx = None
         finalize_int(layer, q, layer.scales.data, zeros, self.bits, self.local_group_size, self.dtype, g_idx)
 
     def apply(self, layer, x, bias=None):

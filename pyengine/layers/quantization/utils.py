@@ -104,6 +104,18 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     return w * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
 
 
+def fused_input_scale(layer: nn.Module) -> torch.Tensor:
+    """The one static activation scale (float32 scalar) of a layer whose fused parts (q/k/v,
+    gate/up) each carry an ``input_scale`` [parts]: the input is quantized once for all of
+    them. vLLM takes the largest; that differs from running each part on its own scale (what
+    transformers does), so parts whose scales differ are refused. Raises ValueError."""
+    scales = layer.input_scale.data
+    if not bool((scales == scales[0]).all()):
+        raise ValueError(f"the fused parts' static input_scale values differ ({scales.tolist()}): their shared "
+                         f"input can only be quantized with one scale")
+    return scales[0]
+
+
 def replace_parameters(layer: nn.Module, **tensors: torch.Tensor | None) -> None:
     """Drop every parameter of ``layer`` but its bias, then register ``tensors`` (frozen
     parameters; None values skipped)."""
