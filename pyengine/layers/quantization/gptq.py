@@ -97,7 +97,8 @@ class GPTQLinearMethod(LinearMethodBase):
             # desc_act false: the rows' groups are k // group_size (this rank's rows: offset); a
             # checkpoint whose g_idx says otherwise would dequantize differently from its writer
             offset = layer.tp_rank * k if layer.input_size != k else 0
-            if self.group_size != -1 and not torch.equal(g_idx, (torch.arange(k) + offset) // self.local_group_size):
+            trivial = (torch.arange(k, device=g_idx.device) + offset) // self.local_group_size
+            if self.group_size != -1 and not torch.equal(g_idx, trivial):
                 raise ValueError("desc_act is false in the quantization_config but g_idx is not the trivial "
                                  "row // group_size (an act-order checkpoint?); set desc_act: true")
             g_idx = None
