@@ -312,7 +312,11 @@ class EngineConfig:
             raise ValueError("device='cuda' was asked for but CUDA is not available.")
         device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
                               else "cpu")
-        hf_config = AutoConfig.from_pretrained(model, trust_remote_code=bool(a.trust_remote_code))
+        try:
+            hf_config = AutoConfig.from_pretrained(model, trust_remote_code=bool(a.trust_remote_code))
+        except KeyError as e:  # transformers' own validation (e.g. a rope_scaling without its factor)
+            raise ValueError(f"{model}: transformers could not read config.json: "
+                             f"{e.args[0] if e.args else e}") from None
         _check_tensor_parallel(a.tensor_parallel_size, hf_config, device)
         _check_data_parallel(a.data_parallel_size, a.tensor_parallel_size, device)
         kv_events = KVEventsConfig.from_value(a.kv_events_config)

@@ -10,6 +10,10 @@ from pyengine import ops
 __all__ = ["SiluAndMul"]
 
 
+# config.json hidden_act values that are SiLU (transformers' ACT2FN maps "swish" to SiLU too)
+SILU_NAMES = ("silu", "swish")
+
+
 class SiluAndMul(nn.Module):
     """x: [..., 2*d] = cat(gate, up) -> silu(gate) * up, [..., d]."""
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from pyengine.attention.backend import AttentionBackend, AttentionMetadata
 from pyengine.config import get_head_dim, get_rope_params
-from pyengine.layers.activation import SiluAndMul
+from pyengine.layers.activation import SILU_NAMES, SiluAndMul
 from pyengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -97,8 +97,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  hidden_act: str = "silu", tp_group=None):
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"Unsupported hidden_act {hidden_act!r}; only 'silu' is supported.")
+        if hidden_act not in SILU_NAMES:
+            raise ValueError(f"Unsupported hidden_act {hidden_act!r}; only 'silu' (or 'swish') is supported.")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
                                                        tp_group=tp_group)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_group=tp_group,

@@ -6,6 +6,7 @@ stacked parameters. Each family's file (``qwen3_moe.py``, ``mixtral.py``,
 """
 from __future__ import annotations
 
+from pyengine.layers.activation import SILU_NAMES
 from pyengine.layers.fused_moe.layer import FusedMoE, expert_checkpoint_target
 
 # Router / MoE config fields of other MoE families (DeepSeek, GLM, ...). transformers'
@@ -38,8 +39,8 @@ def check_moe_config(hf_config) -> None:
                              f"softmax over all experts and top-k; supported: {[a for a in accepted if a is not None]}"
                              f" or unset).")
     act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{arch}: hidden_act={act!r} is not supported; only 'silu' is.")
+    if act not in SILU_NAMES:
+        raise ValueError(f"{arch}: hidden_act={act!r} is not supported; only 'silu' (or 'swish') is.")
     num_experts = int(getattr(hf_config, "num_experts", 0) or 0)
     if num_experts > 0:
         k = getattr(hf_config, "num_experts_per_tok", None)

@@ -287,3 +287,29 @@ def test_dense_sliding_window_refused_past_it_exact_within_it(family, window, tm
 def test_window_switched_off_is_full_attention(tmp_path, tokenizer_dir):
     d = build_tiny_model(tmp_path / "q2", "qwen2", tokenizer_dir, sliding_window=8, use_sliding_window=False)
     load(d)  # no window applies: nothing to refuse
+
+
+def test_swish_is_silu(tmp_path, tokenizer_dir, tokenizer):
+    """transformers runs hidden_act "swish" as SiLU: so does the engine (was refused)."""
+    from pyengine import LLM, SamplingParams
+
+    d = build_tiny_model(tmp_path / "swish", "llama", tokenizer_dir, seed=6, hidden_act="swish")
+    prompts = prompt_token_ids(tokenizer, 2, seed=7)
+    ref = hf_greedy(d, prompts, 6, ignore_eos=True)
+    llm = LLM(str(d), device="cpu", dtype="float32")
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_rope_scaling_missing_its_factor_is_a_value_error(llama_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "linear"}
+    cfg.pop("rope_parameters", None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="could not read config.json: .*factor"):
+        EngineArgs(model=str(d), device="cpu").create_engine_config()

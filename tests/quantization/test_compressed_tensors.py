@@ -147,3 +147,20 @@ def test_fused_parts_static_input_scales_must_agree():
     layer.input_scale.data[1] = 25.0
     with pytest.raises(ValueError, match=r"static input_scale values differ \(\[0.5, 25.0, 0.5\]\)"):
         fused_input_scale(layer)
+
+
+def test_naive_quantized_fp8_and_dense_sparsity_accepted():
+    """compressed-tensors writes FP8 weight-only groups as naive-quantized (its float-quantized
+    compressor is an alias) and a dense model's sparsity_config as format "dense"."""
+    from pyengine.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+    cfg = CompressedTensorsConfig.from_config({
+        "quant_method": "compressed-tensors", "format": "naive-quantized",
+        "sparsity_config": {"format": "dense", "targets": []},
+        "config_groups": {"g": _group(["Linear"], FP8_CHANNEL)}})
+    s = cfg._scheme_for("model.layers.0.mlp.down_proj")
+    assert (s.kind, s.strategy, s.act) == ("fp8", "channel", None)
+    with pytest.raises(ValueError, match="sparsity_config"):
+        CompressedTensorsConfig.from_config({"quant_method": "compressed-tensors",
+                                             "sparsity_config": {"format": "sparse-24-bitmask"},
+                                             "config_groups": {"g": _group(["Linear"], FP8_CHANNEL)}})

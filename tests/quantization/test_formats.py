@@ -128,3 +128,20 @@ def test_gptq_g_idx_checked(llama_dir, tmp_path):
     save_file(sd, str(q / "model.safetensors"))
     with pytest.raises(ValueError, match="'model.layers.1.mlp.down_proj'.*g_idx holds group 99"):
         LLM(str(q), device="cpu")
+
+
+def test_gptq_null_checkpoint_format_is_the_default(llama_dir, prompts, tmp_path):
+    q, plain = gptq_checkpoint(llama_dir, tmp_path / "q", tmp_path / "plain")
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"]["checkpoint_format"] = None
+    (q / "config.json").write_text(json.dumps(cfg))
+    assert _engine_greedy(q, prompts) == hf_greedy(plain, prompts, MAX_TOKENS)
+
+
+def test_fp8_block_power_of_two_scale_format_refused(model_dirs, tmp_path):
+    q, _ = fp8_block_checkpoint(model_dirs["qwen3"], tmp_path / "q", tmp_path / "plain")
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"]["scale_fmt"] = "ue8m0"
+    (q / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="scale_fmt 'ue8m0' is not supported"):
+        LLM(str(q), device="cpu")

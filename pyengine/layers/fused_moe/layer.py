@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from pyengine import ops as _ops
+from pyengine.layers.activation import SILU_NAMES
 from pyengine.layers.fused_moe.moe_torch import fused_experts_torch
 from pyengine.layers.fused_moe.router import fused_topk
 from pyengine.layers.linear import _check_shape, divide, narrow_weight
@@ -75,7 +76,7 @@ class FusedMoE(nn.Module):
                  tp_group=None, enable_expert_parallel: bool = False, hidden_act: str = "silu",
                  cast_routing_weights: bool = True):
         super().__init__()
-        if hidden_act != "silu":
+        if hidden_act not in SILU_NAMES:
             raise ValueError(f"Unsupported hidden_act {hidden_act!r} for the experts; only 'silu' is supported.")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, {num_experts}] (the number of experts).")

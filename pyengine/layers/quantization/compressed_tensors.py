@@ -111,7 +111,9 @@ def _parse_scheme(name: str, group: dict, default_format: str | None) -> Scheme:
     targets = tuple(group.get("targets") or ())
     wtype, bits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
     if wtype == "float" and bits == 8:
-        if fmt not in (None, "float-quantized"):
+        # naive-quantized: what compressed-tensors writes for FP8 weight-only; its float-quantized
+        # compressor is an alias of the naive one (the same tensors)
+        if fmt not in (None, "float-quantized", "naive-quantized"):
             raise _refuse(f"config group {name!r}: FP8 weights in format {fmt!r}")
         if not w.get("symmetric", True):
             raise _refuse(f"config group {name!r}: asymmetric FP8 weights")
@@ -165,7 +167,8 @@ class CompressedTensorsConfig(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict) -> CompressedTensorsConfig:
         for key in ("sparsity_config", "transform_config", "moe_sparsity_config"):
-            if config.get(key):
+            value = config.get(key)
+            if value and not (isinstance(value, dict) and value.get("format") == "dense"):  # dense: no sparsity
                 raise _refuse(f"{key}")
         groups = config.get("config_groups") or {}
         if not groups and not config.get("kv_cache_scheme"):

@@ -45,6 +45,9 @@ class Fp8Config(QuantizationConfig):
         scheme = config.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise ValueError(f"activation_scheme {scheme!r} is not supported (dynamic or static)")
+        if config.get("scale_fmt") not in (None, ""):
+            # DeepSeek-V3.1's "ue8m0": power-of-two activation scales, not what transformers computes
+            raise ValueError(f"scale_fmt {config.get('scale_fmt')!r} is not supported (float32 scales only)")
         fmt = config.get("fmt", "e4m3")
         if fmt not in ("e4m3", "float8_e4m3fn"):
             raise ValueError(f"FP8 format {fmt!r} is not supported (e4m3)")

@@ -39,7 +39,7 @@ class GPTQConfig(QuantizationConfig):
             raise ValueError("a GPTQ-quantized lm_head (lm_head: true) is not supported")
         if config.get("dynamic"):
             raise ValueError("GPTQ per-module overrides (dynamic) are not supported")
-        fmt = config.get("checkpoint_format", "gptq")
+        fmt = config.get("checkpoint_format") or "gptq"  # null: the default (AutoGPTQ's v1)
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
         blocks = config.get("modules_in_block_to_quantize")
