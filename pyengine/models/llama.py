@@ -24,16 +24,17 @@ from pyengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pyengine.layers.rotary import RotaryEmbedding
 
 
-def config_sliding_window(hf_config) -> int | None:
+def config_sliding_window(hf_config, reads_layer_types: bool = True) -> int | None:
     """The attention window transformers applies for this config, or None (full
     attention): ``sliding_window`` when set and not switched off by
-    ``use_sliding_window: false``, and when ``layer_types`` (if present) has a
-    ``sliding_attention`` layer (Qwen2/Qwen3 derive it from ``max_window_layers``)."""
+    ``use_sliding_window: false``, and, for a family whose transformers class reads
+    ``layer_types`` (``reads_layer_types``; Qwen2/Qwen3 derive it from ``max_window_layers``),
+    when that list (if present) has a ``sliding_attention`` layer."""
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
         return None
     layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
+    if reads_layer_types and layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return int(window)
 
@@ -208,6 +209,10 @@ class LlamaForCausalLM(nn.Module):
     }
     # Subclass knobs.
     qk_norm: bool = False
+    # How the family's transformers class treats config.json's sliding_window: Llama's
+    # ignores it; Mistral/Qwen2/Qwen3 apply it per layer_types; Mixtral/Qwen3-MoE to every layer.
+    applies_sliding_window: bool = False
+    window_reads_layer_types: bool = True
 
     def qkv_bias(self, hf_config) -> bool:
         return bool(getattr(hf_config, "attention_bias", False))
@@ -225,7 +230,9 @@ class LlamaForCausalLM(nn.Module):
         is shorter than ``max_model_len``: attention here is full-context, which equals
         sliding-window attention only for sequences up to the window (vLLM applies the
         window; this engine refuses rather than run a longer sequence wrong)."""
-        window = config_sliding_window(config.hf_config)
+        if not cls.applies_sliding_window:
+            return
+        window = config_sliding_window(config.hf_config, cls.window_reads_layer_types)
         if window is not None and config.max_model_len > window:
             raise ValueError(
                 f"{cls.__name__}: sliding_window={window} (config.json) is not implemented: attention is "
@@ -265,3 +272,5 @@ class LlamaForCausalLM(nn.Module):
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral checkpoints in HF format share Llama's layout (a sliding window shorter than
     ``max_model_len`` is refused: ``verify_engine_config``)."""
+
+    applies_sliding_window = True

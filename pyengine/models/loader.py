@@ -277,7 +277,11 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
                 except ValueError as e:
                     raise ValueError(f"cannot load the quantized layer {prefix!r}: {e}") from None
         if getattr(config, "kv_cache_dtype", "auto") == "fp8" and getattr(config, "load_format", "auto") != "dummy":
-            load_kv_cache_scales(model, iterate_weights(config.model))
+            found = load_kv_cache_scales(model, iterate_weights(config.model))
+            declared = quant_config is not None and quant_config.kv_cache_scales()
+            if declared and not found:  # vLLM's behaviour (scale 1.0), but the checkpoint promised scales
+                logger.warning("the checkpoint's quantization_config declares a kv_cache_scheme but holds no "
+                               "k_scale / v_scale tensors: the FP8 KV cache runs with scale 1.0")
     return model.eval()
 
 

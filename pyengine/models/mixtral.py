@@ -37,6 +37,7 @@ class MixtralForCausalLM(MoECausalLMMixin, LlamaForCausalLM):
     """``MixtralForCausalLM(hf_config, attn_backend, tp_group=None,
     enable_expert_parallel=False)``; otherwise the interface of ``LlamaForCausalLM``."""
 
+    applies_sliding_window, window_reads_layer_types = True, False  # transformers: every layer
     expert_proj_names = {"w1": "w1", "w3": "w3", "w2": "w2"}
     checkpoint_renames = ((".block_sparse_moe.", ".mlp."),)
 

@@ -8,3 +8,4 @@ from pyengine.models.llama import LlamaForCausalLM
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+    applies_sliding_window = True

@@ -37,6 +37,8 @@ class Qwen3MoeForCausalLM(MoECausalLMMixin, Qwen3ForCausalLM):
     enable_expert_parallel=False)``; otherwise the interface of ``LlamaForCausalLM``.
     Raises ValueError for a config variant it cannot honour (see ``moe_base``)."""
 
+    window_reads_layer_types = False  # transformers' Qwen3-MoE applies the window to every layer
+
     def __init__(self, hf_config, attn_backend, tp_group=None, enable_expert_parallel: bool = False):
         check_moe_config(hf_config)
         self.enable_expert_parallel = enable_expert_parallel  # read by make_mlp during __init__

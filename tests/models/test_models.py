@@ -287,6 +287,11 @@ def test_dense_sliding_window_refused_past_it_exact_within_it(family, window, tm
 def test_window_switched_off_is_full_attention(tmp_path, tokenizer_dir):
     d = build_tiny_model(tmp_path / "q2", "qwen2", tokenizer_dir, sliding_window=8, use_sliding_window=False)
     load(d)  # no window applies: nothing to refuse
+    # transformers' Llama ignores a sliding_window key: full attention, nothing to refuse
+    d = build_tiny_model(tmp_path / "llama", "llama", tokenizer_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": 8}))
+    load(d)
 
 
 def test_swish_is_silu(tmp_path, tokenizer_dir, tokenizer):

@@ -105,6 +105,18 @@ def test_engine_greedy_matches_hf(variant, moe_dir, prompts):
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits == 0
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_window_of_every_layer_whatever_layer_types_says(family, tmp_path, tokenizer_dir):
+    """transformers' Mixtral and Qwen3-MoE apply sliding_window to every layer and ignore
+    layer_types (a probe: an all-full list switched the check off, other tokens past the window)."""
+    d = build_tiny_model(tmp_path / family, family, tokenizer_dir, seed=3)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(sliding_window=16, use_sliding_window=True, layer_types=["full_attention"] * cfg["num_hidden_layers"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        load(d)
+
+
 def test_sliding_window_honoured_within_it_refused_past_it(tmp_path, tokenizer_dir, tokenizer):
     d = build_tiny_model(tmp_path / "mixtral_w16", "mixtral", tokenizer_dir, seed=3, sliding_window=16)
     with pytest.raises(ValueError, match="sliding_window=16"):

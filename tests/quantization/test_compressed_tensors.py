@@ -164,3 +164,16 @@ def test_naive_quantized_fp8_and_dense_sparsity_accepted():
         CompressedTensorsConfig.from_config({"quant_method": "compressed-tensors",
                                              "sparsity_config": {"format": "sparse-24-bitmask"},
                                              "config_groups": {"g": _group(["Linear"], FP8_CHANNEL)}})
+
+
+def test_fused_parts_in_groups_of_the_same_scheme_load_as_one():
+    """q_proj named by one group, k/v by a class target of an identical scheme: one method
+    (a probe found it refused as "different quantization schemes")."""
+    from pyengine.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+    cfg = CompressedTensorsConfig.from_config({"quant_method": "compressed-tensors", "config_groups": {
+        "a": _group(["model.layers.0.self_attn.q_proj"], W4_G16, fmt="pack-quantized"),
+        "b": _group(["Linear"], W4_G16, fmt="pack-quantized")}})
+    names = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    method = cfg.get_quant_method(None, "model.layers.0.self_attn.qkv_proj", names)
+    assert method.scheme.kind == "int" and method.scheme.group_size == 16

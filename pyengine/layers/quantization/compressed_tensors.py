@@ -24,6 +24,7 @@ against transformers loading the same checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -192,7 +193,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         names = checkpoint_names or [prefix]
         if is_layer_skipped(prefix, names, lambda n: self._scheme_for(n) is None):
             return None
-        found = {self._scheme_for(n) for n in names}
+        # by content: two groups with the same scheme (different targets) quantize alike
+        found = {dataclasses.replace(sc, targets=()) for n in names for sc in [self._scheme_for(n)]}
         if len(found) != 1:
             raise ValueError(f"the parts fused at {prefix!r} ({', '.join(names)}) have different quantization schemes")
         scheme = found.pop()
