@@ -430,6 +430,21 @@ def _eos_ids(model) -> set[int]:
     return {eos} if isinstance(eos, int) else set(eos)
 
 
+def engine_greedy(model_dir, prompts_token_ids: list[list[int]], max_new_tokens: int, **llm_kwargs) -> list[list[int]]:
+    """The engine's greedy ids per prompt (``ignore_eos``, no detokenizing) on the CPU, from a
+    fresh ``LLM(model_dir, device="cpu", **llm_kwargs)`` shut down afterwards: what
+    ``hf_greedy(..., ignore_eos=True)`` is compared with."""
+    from pyengine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device="cpu", **llm_kwargs)
+    try:
+        outs = llm.generate(prompts_token_ids, SamplingParams(temperature=0, max_tokens=max_new_tokens,
+                                                              ignore_eos=True, detokenize=False), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def hf_greedy(model_dir, prompts_token_ids: list[list[int]], max_new_tokens: int,
               ignore_eos: bool = False) -> list[list[int]]:
     """The correctness oracle: transformers' ``generate(do_sample=False)``, one prompt at a

@@ -17,6 +17,7 @@ from pyengine.models.registry import get_model_cls, model_dims, supported_archit
 from tests.helpers import (
     FAMILIES,
     build_tiny_model,
+    engine_greedy,
     hf_greedy,
     hf_logits,
     load_hf_model,
@@ -263,8 +264,6 @@ def test_qwen3_attention_bias(tmp_path, tokenizer_dir, tokenizer):
 def test_dense_sliding_window_refused_past_it_exact_within_it(family, window, tmp_path, tokenizer_dir, tokenizer):
     """A probe found these loading with a warning and giving other tokens than transformers
     for prompts longer than the window: full-context attention is exact only up to it."""
-    from pyengine import LLM, SamplingParams
-
     d = build_tiny_model(tmp_path / family, "llama" if family == "mistral" else family, tokenizer_dir, seed=4,
                          **({} if family == "mistral" else window))
     if family == "mistral":
@@ -274,14 +273,7 @@ def test_dense_sliding_window_refused_past_it_exact_within_it(family, window, tm
     with pytest.raises(ValueError, match="sliding_window=8 .*Set max_model_len <= 8"):
         load(d)  # max_model_len 1024 > 8
     prompts = prompt_token_ids(tokenizer, 3, 2, 4, seed=5)
-    ref = hf_greedy(d, prompts, 4, ignore_eos=True)
-    llm = LLM(str(d), device="cpu", dtype="float32", max_model_len=8)
-    try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False),
-                            use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert engine_greedy(d, prompts, 4, dtype="float32", max_model_len=8) == hf_greedy(d, prompts, 4, ignore_eos=True)
 
 
 def test_window_switched_off_is_full_attention(tmp_path, tokenizer_dir):
@@ -296,17 +288,9 @@ def test_window_switched_off_is_full_attention(tmp_path, tokenizer_dir):
 
 def test_swish_is_silu(tmp_path, tokenizer_dir, tokenizer):
     """transformers runs hidden_act "swish" as SiLU: so does the engine (was refused)."""
-    from pyengine import LLM, SamplingParams
-
     d = build_tiny_model(tmp_path / "swish", "llama", tokenizer_dir, seed=6, hidden_act="swish")
     prompts = prompt_token_ids(tokenizer, 2, seed=7)
-    ref = hf_greedy(d, prompts, 6, ignore_eos=True)
-    llm = LLM(str(d), device="cpu", dtype="float32")
-    try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert engine_greedy(d, prompts, 6, dtype="float32") == hf_greedy(d, prompts, 6, ignore_eos=True)
 
 
 def test_rope_scaling_missing_its_factor_is_a_value_error(llama_dir, tmp_path):

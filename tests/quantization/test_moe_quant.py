@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyengine import LLM, SamplingParams
-from tests.helpers import build_tiny_model, hf_greedy, prompt_token_ids
+from pyengine import LLM
+from tests.helpers import build_tiny_model, engine_greedy, hf_greedy, prompt_token_ids
 from tests.quant_helpers import add_kv_cache_scales, gptq_checkpoint
 
 MAX_TOKENS = 8
@@ -30,13 +30,7 @@ def moe_dirs(tmp_path_factory, tokenizer_dir):
 
 
 def _greedy(model_dir, prompts, **kw):
-    llm = LLM(str(model_dir), device="cpu", **kw)
-    try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                            use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return [o.outputs[0].token_ids for o in outs]
+    return engine_greedy(model_dir, prompts, MAX_TOKENS, **kw)
 
 
 def _experts_back_to_float(q: Path, plain: Path) -> None:
