@@ -152,6 +152,8 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
     strict = bool(getattr(model, "refuse_unknown_weights", False))
     loaded: dict[str, set] = {}
     unused_quantized: list[str] = []
+    float_only: list[str] = []  # quantized tensors of layers kept in float (routers, gates)
+    modules = dict(model.named_modules())
     for name, tensor in weights:
         if tie_word_embeddings and name.startswith("lm_head."):
             if _is_quantized(name, tensor):  # a quantized head would run as the float embedding
@@ -169,6 +171,9 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
                     target = ".".join(parts[:i] + [fused] + parts[i + 1:])
                     break
         param = params.get(target)
+        if isinstance(modules.get(target.rpartition(".")[0]), ReplicatedLinear) and _is_quantized(name, tensor):
+            float_only.append(name)
+            continue
         if param is None:
             if _is_kv_cache_scale(name):
                 pass  # load_kv_cache_scales' (fp8 KV cache), ignored otherwise
@@ -189,6 +194,9 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
         except ValueError as e:
             raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
         loaded.setdefault(target, set()).add(shard)
+    if float_only:
+        raise ValueError(f"the checkpoint quantizes {', '.join(float_only[:4])}{' ...' if len(float_only) > 4 else ''}"
+                         f": MoE routers and gates (ReplicatedLinear) run in the model's float dtype only")
     experts = [n for n in unused_quantized if _EXPERT_NAME.search(n)]
     if experts:
         raise ValueError(_QUANTIZED_EXPERTS.format(", ".join(experts[:4]) + (" ..." if len(experts) > 4 else "")))
