@@ -320,7 +320,10 @@ def _strings(arr, n: int, what: str) -> list[str]:
     for i in range(n):
         if arr[i] == ffi.NULL:
             raise _Refused(f"vllm_sampling_params.{what}[{i}] is NULL")
-        out.append(ffi.string(arr[i]).decode("utf-8"))
+        try:
+            out.append(ffi.string(arr[i]).decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise _Refused(f"vllm_sampling_params.{what}[{i}] is not valid UTF-8: {e}") from None
     return out
 
 
@@ -373,6 +376,9 @@ def _structured_outputs(sp):
 def _sampling(sp) -> tuple[SamplingParams, int]:
     if sp.logits_processor != ffi.NULL:
         raise _Refused("vllm_sampling_params.logits_processor is set, but vengine does not support it")
+    for flag in ("ignore_eos", "has_seed"):  # documented 0 / 1, like structured_json_object
+        if getattr(sp, flag) not in (0, 1):
+            raise _Refused(f"vllm_sampling_params.{flag} must be 0 or 1, got {getattr(sp, flag)}")
     structured = _structured_outputs(sp)
     try:
         params = SamplingParams(

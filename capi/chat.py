@@ -28,14 +28,18 @@ class ChatRequestError(ValueError):
     """A request ``vllm_chat`` cannot serve (-> VLLM_ERR_INVALID_ARGUMENT)."""
 
 
-def _refuse_unsupported(req: ChatCompletionRequest) -> None:
+def _refuse_unsupported(req: ChatCompletionRequest, only: tuple[str, ...] | None = None) -> None:
     for name, unused in _REFUSED.items():
+        if only is not None and name not in only:
+            continue
         if getattr(req, name) not in unused:
             if name in _TOOL_FIELDS:
                 raise ChatRequestError(f"request field {name!r} is not supported by vllm_chat: tool calling is "
                                        "served over HTTP (vengine serve --enable-auto-tool-choice "
                                        "--tool-call-parser hermes)")
             raise ChatRequestError(f"request field {name!r} is not supported by vllm_chat")
+    if only is not None:
+        return
     for name in _UNKNOWN_REFUSED:
         if (req.model_extra or {}).get(name) is not None:
             raise ChatRequestError(f"request field {name!r} is not supported by vengine")
@@ -64,8 +68,11 @@ def parse_chat_request(raw: str, processor, output_kind, reasoning_parser: type 
     ``VLLMValidationError`` (the message every front end gives) or ``ChatRequestError``
     (what only vllm_chat refuses)."""
     req = parse_request(ChatCompletionRequest, raw)
-    # The engine's and the protocol's rules first (the messages HTTP gives), then what
-    # only this front end cannot serve.
+    # Tools first: HTTP's message for tools without tool_choice names server flags
+    # (--enable-auto-tool-choice) a C host cannot set.
+    _refuse_unsupported(req, only=("tools", "functions"))
+    # The engine's and the protocol's rules (the messages HTTP gives), then what only this
+    # front end cannot serve.
     inputs = chat_inputs(processor, req, output_kind=output_kind, stream=True,  # the function decides
                          reasoning_parser=reasoning_parser)
     _refuse_unsupported(req)

@@ -29,10 +29,13 @@ def config_sliding_window(hf_config, reads_layer_types: bool = True) -> int | No
     attention): ``sliding_window`` when set and not switched off by
     ``use_sliding_window: false``, and, for a family whose transformers class reads
     ``layer_types`` (``reads_layer_types``; Qwen2/Qwen3 derive it from ``max_window_layers``),
-    when that list (if present) has a ``sliding_attention`` layer."""
+    when that list (if present) has a ``sliding_attention`` layer. Raises ValueError for a
+    window that is not a positive integer."""
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
         return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"sliding_window (config.json) must be a positive integer or null, got {window!r}")
     layer_types = getattr(hf_config, "layer_types", None)
     if reads_layer_types and layer_types is not None and "sliding_attention" not in layer_types:
         return None

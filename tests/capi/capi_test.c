@@ -478,6 +478,23 @@ static void case_bad_args(int argc, char** argv) {
   sp = greedy(4);
   sp.n_stop = 2;
   EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  /* a stop string that is not UTF-8, and 0/1 flags set to other values: refused naming them */
+  {
+    const char *bad_stop[] = {"\xff\xfe"};
+    sp = greedy(4);
+    sp.stop = bad_stop;
+    sp.n_stop = 1;
+    EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(p_vllm_last_error(), "vllm_sampling_params.stop[0] is not valid UTF-8") != NULL, "names stop[0]");
+  }
+  sp = greedy(4);
+  sp.ignore_eos = 2;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "ignore_eos must be 0 or 1, got 2") != NULL, "names ignore_eos");
+  sp = greedy(4);
+  sp.has_seed = 7;
+  EXPECT_ST(p_vllm_complete(e, "x", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(p_vllm_last_error(), "has_seed must be 0 or 1, got 7") != NULL, "names has_seed");
   sp = greedy(4);
   EXPECT_ST(p_vllm_complete(e, "", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);
   EXPECT_ST(p_vllm_complete(e, "\xff\xfe", &sp, &c), VLLM_ERR_INVALID_ARGUMENT);

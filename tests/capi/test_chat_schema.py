@@ -42,6 +42,10 @@ def test_template_and_params(processor, tokenizer):
     ({"messages": [{"role": "user", "content": "a"}], "tool_choice": "required",
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
      "tool calling is served over HTTP"),
+    # tools with no tool_choice: HTTP's message would name server flags a C host cannot set
+    ({"messages": [{"role": "user", "content": "a"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+     "request field 'tools' is not supported by vllm_chat: tool calling is served over HTTP"),
     # the protocol layer's rule first, with HTTP's message
     ({"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"}, "tool_choice 'required' needs tools"),
     ({"messages": [{"role": "user", "content": "a"}], "logprobs": True}, "logprobs"),

@@ -35,6 +35,9 @@ ROWS = [
     ("min_p_over_one", "chat", {"min_p": 2}, None, 0, "min_p"),
     ("presence_penalty_big", "chat", {"presence_penalty": 3}, None, 0, "presence_penalty"),
     ("repetition_penalty_zero", "chat", {"repetition_penalty": 0}, None, 0, "repetition_penalty"),
+    # finite, but not in the sampler's float32 (C's float already turns these into inf / 0)
+    ("temperature_past_float32", "chat", {"temperature": 1e39}, None, 0, "temperature"),
+    ("repetition_penalty_below_float32", "chat", {"repetition_penalty": 1e-46}, None, 0, "repetition_penalty"),
     ("n_zero", "chat", {"n": 0}, None, 0, "n"),
     ("seed_past_64_bits", "chat", {"seed": 2 ** 64}, None, 0, "seed"),
     ("min_tokens_over_max", "chat", {"min_tokens": 10}, None, 0, "min_tokens"),

@@ -302,3 +302,12 @@ def test_rope_scaling_missing_its_factor_is_a_value_error(llama_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="could not read config.json: .*factor"):
         EngineArgs(model=str(d), device="cpu").create_engine_config()
+
+
+def test_negative_sliding_window_refused_as_such(tmp_path, tokenizer_dir):
+    d = build_tiny_model(tmp_path / "q2", "qwen2", tokenizer_dir, sliding_window=8, use_sliding_window=True,
+                         max_window_layers=0)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": -5}))
+    with pytest.raises(ValueError, match="sliding_window .* must be a positive integer or null, got -5"):
+        load(d)
