@@ -26,17 +26,22 @@ class VLLMValidationError(ValueError):
         """This refusal as a front end whose request calls fields otherwise reports it
         (``names``: field -> the front end's name): ``parameter`` renamed (a dotted path by
         its head), and in the message each of ``names`` that is an identifier (has an
-        ``_``, so no word of a sentence) as a whole word, not after a ``.``. One pass: a
+        ``_``, so no word of a sentence) as a whole word, not after a ``.``, and the
+        parameter itself where the message opens with it ("stop must ..."). One pass: a
         new name is not renamed again. ``self`` when nothing changes."""
         param = self.parameter
+        message = str(self)
+        lead = ""
         if param is not None:
             head, dot, rest = param.partition(".")
             param = names.get(head, head) + dot + rest
-        message = str(self)
+            if head in names and message.startswith(head + " "):  # the field the message is about
+                lead, message = names[head], message[len(head):]
         idents = sorted((k for k, v in names.items() if "_" in k and k != v), key=len, reverse=True)
         if idents:
             pattern = r"(?<![\w.])(" + "|".join(map(re.escape, idents)) + r")(?!\w)"
             message = re.sub(pattern, lambda m: names[m.group(1)], message)
+        message = lead + message
         if param == self.parameter and message == str(self):
             return self
         return VLLMValidationError(message, parameter=param, value=self.value)

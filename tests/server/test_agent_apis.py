@@ -320,6 +320,10 @@ def test_messages_errors_have_anthropic_bodies(servers):
     with pytest.raises(anthropic.NotFoundError) as ei:
         c.messages.create(model="claude-nope", max_tokens=16, messages=ASK)
     assert ei.value.body["error"]["type"] == "not_found_error"
+    # the engine's "stop must ..." as this API names the field (a probe saw vLLM's name)
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        c.messages.create(model=MODEL, max_tokens=16, messages=ASK, stop_sequences=["x"] * 65)
+    assert ei.value.body["error"]["message"].startswith("stop_sequences must list at most 64 strings")
 
 
 def test_api_key_as_x_api_key_or_bearer(servers):

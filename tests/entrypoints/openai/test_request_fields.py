@@ -200,3 +200,7 @@ def test_renamed_validation_error():
         "max_tokens_2 are kept; c_d -> e_f, once.", "max_output_tokens", -1)
     assert VLLMValidationError("m", parameter="messages.0.content").renamed(names).parameter == "input.0.content"
     assert e.renamed({}) is e and e.renamed({"temperature": "temp"}) is e
+    # a field that is a word ("stop") only where the message opens with it, as its parameter
+    stop = VLLMValidationError("stop must list at most 64 strings; stop words stay.", parameter="stop")
+    assert str(stop.renamed({"stop": "stop_sequences"})) == "stop_sequences must list at most 64 strings; stop words stay."
+    assert str(VLLMValidationError("stop here", parameter="seed").renamed({"stop": "x_y"})) == "stop here"
