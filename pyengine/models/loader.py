@@ -100,8 +100,6 @@ _QUANT_TENSOR_NAMES = ("weight_scale", "weight_scale_inv", "weight_zero_point", 
 # One MoE expert's tensor (``...experts.17.gate_proj.weight_scale``): FusedMoE holds its experts in
 # the model's float dtype only, so a quantized one is refused with that reason.
 _EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
-_QUANTIZED_EXPERTS = ("MoE experts stored quantized are not supported (vengine's fused MoE runs its experts in the "
-                      "model's float dtype): {}")
 
 
 def _is_quantized(name: str, tensor) -> bool:
@@ -126,8 +124,6 @@ def _check_dtype(name: str, tensor, param: torch.Tensor) -> None:
     src = _dtype_of(tensor)
     if src == param.dtype or (src in _FLOATS and param.dtype in _FLOATS) or (src in _INTS and param.dtype in _INTS):
         return
-    if _EXPERT_NAME.search(name):
-        raise ValueError(_QUANTIZED_EXPERTS.format(f"{name!r} is {str(src).replace('torch.', '')}"))
     raise ValueError(f"checkpoint tensor {name!r} is {str(src).replace('torch.', '')} but the model's parameter is "
                      f"{str(param.dtype).replace('torch.', '')}: a quantized checkpoint needs a quantization_config in "
                      f"config.json that vengine supports, with this tensor's layer in its scope")
@@ -152,7 +148,9 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
     strict = bool(getattr(model, "refuse_unknown_weights", False))
     loaded: dict[str, set] = {}
     unused_quantized: list[str] = []
-    float_only: list[str] = []  # quantized tensors of layers kept in float (routers, gates)
+    # quantized tensors of layers that run in float only: MoE experts, routers and gates
+    experts: list[str] = []
+    float_only: list[str] = []
     modules = dict(model.named_modules())
     for name, tensor in weights:
         if tie_word_embeddings and name.startswith("lm_head."):
@@ -171,9 +169,13 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
                     target = ".".join(parts[:i] + [fused] + parts[i + 1:])
                     break
         param = params.get(target)
-        if isinstance(modules.get(target.rpartition(".")[0]), ReplicatedLinear) and _is_quantized(name, tensor):
-            float_only.append(name)
-            continue
+        if _is_quantized(name, tensor):
+            if _EXPERT_NAME.search(name):
+                experts.append(name)
+                continue
+            if isinstance(modules.get(target.rpartition(".")[0]), ReplicatedLinear):
+                float_only.append(name)
+                continue
         if param is None:
             if _is_kv_cache_scale(name):
                 pass  # load_kv_cache_scales' (fp8 KV cache), ignored otherwise
@@ -197,9 +199,9 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
     if float_only:
         raise ValueError(f"the checkpoint quantizes {', '.join(float_only[:4])}{' ...' if len(float_only) > 4 else ''}"
                          f": MoE routers and gates (ReplicatedLinear) run in the model's float dtype only")
-    experts = [n for n in unused_quantized if _EXPERT_NAME.search(n)]
     if experts:
-        raise ValueError(_QUANTIZED_EXPERTS.format(", ".join(experts[:4]) + (" ..." if len(experts) > 4 else "")))
+        raise ValueError("MoE experts stored quantized are not supported (vengine's fused MoE runs its experts in "
+                         f"the model's float dtype): {', '.join(experts[:4])}{' ...' if len(experts) > 4 else ''}")
     if unused_quantized:
         shown = ", ".join(unused_quantized[:8]) + (f" and {len(unused_quantized) - 8} more" if len(unused_quantized) > 8
                                                    else "")

@@ -67,13 +67,10 @@ class Scheme:
     actorder: str | None = None
     act: str | None = None  # fp8 activations: token | group | tensor | None
 
-    def matches(self, name: str) -> bool:
-        # Every layer a model quantizes is a Linear: "Linear" matches them all.
-        return any(_is_class_target(t) or match_name(name, t) for t in self.targets)
-
 
 def _is_class_target(target: str) -> bool:
-    """A module-class target (every layer quantized here is a ``Linear``)."""
+    """A module-class target: every layer a model quantizes is a ``Linear``, so "Linear"
+    matches them all."""
     return target == "Linear" or target.endswith(".Linear")
 
 
