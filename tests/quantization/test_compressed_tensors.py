@@ -177,3 +177,21 @@ def test_fused_parts_in_groups_of_the_same_scheme_load_as_one():
     names = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
     method = cfg.get_quant_method(None, "model.layers.0.self_attn.qkv_proj", names)
     assert method.scheme.kind == "int" and method.scheme.group_size == 16
+
+
+def test_naive_quantized_fp8_checkpoint_matches_transformers(llama_dir, prompts, tmp_path):
+    """The FP8_DYNAMIC tensors under compressed-tensors' naive-quantized format name (its
+    float-quantized compressor is an alias): transformers decompresses them with the naive
+    compressor, the engine loads them as float-quantized; the same tokens."""
+    import json
+
+    d = compressed_tensors_checkpoint(llama_dir, tmp_path / "ct", "FP8_DYNAMIC")
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    qc["format"] = "naive-quantized"
+    for g in qc["config_groups"].values():
+        g["format"] = "naive-quantized"
+    (d / "config.json").write_text(json.dumps(cfg))
+    ref = hf_greedy(d, prompts, MAX_TOKENS)
+    assert _engine_greedy(d, prompts) == ref
+    assert ref != hf_greedy(llama_dir, prompts, MAX_TOKENS)  # FP8 changed the model
