@@ -29,6 +29,11 @@ copies), GPU busy against the step's wall time, kernels per step (benchmarks/dec
 ``--trace-dir`` keeps the chrome trace. Run alone it writes ``moe_profile_<shape>.json``
 (about 45 s on the H200, most of it the engine's start-up).
 
+``--quantization fp8``: the engine and profile sections on the same shape quantized at load
+(attention projections and experts FP8 per output row, run weight-only by the fused MoE;
+routers, norms and the LM head bf16), the floor counting those bytes (one per weight, plus
+the float32 row scales); the result is ``moe_fp8_<shape>.json``.
+
 ``--sweep``: instead, search the fused kernel's tile configs per M for the shape (``--sweep-n``
 intermediate sizes: 768 at TP=1, 384 at TP=2) within ``--sweep-budget-s`` seconds and
 write ``pyengine/layers/fused_moe/configs/E=128,N=<n>,device_name=<GPU>.json`` (or into
@@ -128,14 +133,20 @@ def expert_bytes(cfg, itemsize: int) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
 
 
-def step_bytes(cfg, itemsize: int, batch: int = 1, context: int = 0) -> dict:
+def step_bytes(cfg, itemsize: int, batch: int = 1, context: int = 0, weight_itemsize: int | None = None) -> dict:
     """Bytes one decode step of ``batch`` tokens reads at batch 1 (every token's experts
-    distinct at batch 1: top_k per layer), with ``context`` cached tokens per request."""
+    distinct at batch 1: top_k per layer), with ``context`` cached tokens per request.
+    ``weight_itemsize``: bytes per value of the quantized weights (attention projections and
+    experts; 1 for FP8, whose float32 per-row scales are counted too), default ``itemsize``;
+    norms, routers, the LM head, embeddings and the KV cache stay at ``itemsize``."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    attn = (h * (q + 2 * kv) + q * h + 2 * d + 2 * h) * itemsize  # qkv, o_proj, q/k norm, the 2 layer norms
+    wsize = itemsize if weight_itemsize is None else weight_itemsize
+    scale_rows = 0 if weight_itemsize is None else 4  # float32 per output row
+    attn = (h * (q + 2 * kv) + q * h) * wsize + (q + 2 * kv + h) * scale_rows + (2 * d + 2 * h) * itemsize
     router = cfg.num_experts * h * itemsize
-    experts = min(cfg.num_experts, cfg.num_experts_per_tok * batch) * expert_bytes(cfg, itemsize)
+    one_expert = expert_bytes(cfg, wsize) + (2 * cfg.moe_intermediate_size + h) * scale_rows
+    experts = min(cfg.num_experts, cfg.num_experts_per_tok * batch) * one_expert
     layers = cfg.num_hidden_layers
     lm_head = cfg.vocab_size * h * itemsize
     embed = batch * h * itemsize + h * itemsize  # rows looked up, final norm
@@ -719,9 +730,15 @@ def _engine_kwargs(args, device: str, dtype_name: str) -> dict:
     kw = dict(load_format="dummy", dtype=dtype_name, device=device, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
               tensor_parallel_size=args.tensor_parallel_size)
+    if args.quantization:
+        kw["quantization"] = args.quantization
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kw
+
+
+def _weight_itemsize(args) -> int | None:
+    return 1 if args.quantization == "fp8" else None
 
 
 def bench_engine(args, model_dir: Path, device: str, dtype_name: str, save: Callable[[dict], None]) -> dict:
@@ -757,7 +774,7 @@ def bench_engine(args, model_dir: Path, device: str, dtype_name: str, save: Call
             tpots += _metrics_tpot(outs, n_out)
         itemsize = torch.empty((), dtype=cfg.dtype).element_size()
         mean_ctx = n_in + n_out / 2
-        floor = step_bytes(hf, itemsize, batch=1, context=int(mean_ctx))
+        floor = step_bytes(hf, itemsize, batch=1, context=int(mean_ctx), weight_itemsize=_weight_itemsize(args))
         tpot = statistics.median(tpots) if tpots else float("nan")
         floor_s = floor["total"] / (args.bandwidth_tbs * 1e12)
         res["batch1"] = {"input_len": n_in, "output_len": n_out, "tpot_ms": 1e3 * tpot,
@@ -773,6 +790,8 @@ def bench_engine(args, model_dir: Path, device: str, dtype_name: str, save: Call
         res["serving_workload"] = _throughput(llm, sp, [args.serve_output_len] * len(sp), args.temperature, device)
         print(f"serving workload: {res['serving_workload']['output_tok_s']:.0f} output tok/s", flush=True)
         save(res)
+        if not args.nano_requests:  # --nano-requests 0: skipped
+            return res
         # nano-vllm's workload (benchmarks/throughput.py)
         lo, hi = args.nano_min_len, args.nano_max_len
         prompts = random_prompts(args.nano_requests, lo, hi, vocab, seed=0, max_id=10000)
@@ -810,7 +829,7 @@ def bench_profile(args, model_dir: Path, device: str, dtype_name: str) -> dict:
                              trace_dir=args.trace_dir, seed=2000)
         itemsize = torch.empty((), dtype=cfg.dtype).element_size()
         floor = step_bytes(cfg.hf_config, itemsize, batch=1, context=args.tpot_input_len + args.profile_warmup_steps
-                           + args.profile_timed_steps + args.profile_steps // 2)
+                           + args.profile_timed_steps + args.profile_steps // 2, weight_itemsize=_weight_itemsize(args))
         res.update(startup_s=startup, engine_args=kw, attention_backend=cfg.attention_backend,
                    bytes_per_step=floor, bandwidth_tbs=args.bandwidth_tbs,
                    floor_us=floor["total"] / (args.bandwidth_tbs * 1e6))
@@ -860,6 +879,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="engine and profile sections: quantize at load (attention and experts FP8 per output row; "
+                        "the result file gets a _fp8 suffix)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--tpot-input-len", type=int, default=128)
     p.add_argument("--tpot-output-len", type=int, default=256)
@@ -867,7 +889,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-requests", type=int, default=512)
     p.add_argument("--serve-input-len", type=int, default=128)
     p.add_argument("--serve-output-len", type=int, default=256)
-    p.add_argument("--nano-requests", type=int, default=256)
+    p.add_argument("--nano-requests", type=int, default=256, help="0: skip nano-vllm's workload")
     p.add_argument("--nano-min-len", type=int, default=100)
     p.add_argument("--nano-max-len", type=int, default=1024)
     add_profile_args(p)
@@ -914,6 +936,8 @@ def main(argv: list[str] | None = None) -> dict:
                "shape": args.shape, "dtype": dtype_name, "results": {}}
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     stem = "moe_sweep" if args.sweep else "moe_profile" if sections == ["profile"] else "moe"
+    if args.quantization:
+        stem += f"_{args.quantization}"
     out = out_dir / f"{stem}_{args.shape}.json"
     t_start = time.perf_counter()
 

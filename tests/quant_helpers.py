@@ -9,9 +9,10 @@
   activation scheme (``FP8``) is calibrated on given token ids (input min/max per layer).
   llm-compressor itself pins transformers <= 5.17, below this project's, so the tests do not
   install it.
-* ``gptq_checkpoint`` / ``awq_checkpoint`` / ``fp8_block_checkpoint``: the GPTQ (v1 ``gptq``
-  and ``gptq_v2``), AutoAWQ GEMM and HF-native FP8 (``weight_block_size``) formats written
-  from round-to-nearest quantization, together with the plain float model holding exactly
+* ``gptq_checkpoint`` / ``awq_checkpoint`` / ``fp8_block_checkpoint`` / ``fp8_moe_checkpoint``:
+  the GPTQ (v1 ``gptq`` and ``gptq_v2``), AutoAWQ GEMM, HF-native FP8 (``weight_block_size``)
+  formats and FP8 MoE experts (compressed-tensors or HF ``fp8``) written from round-to-nearest
+  quantization, together with the plain float model holding exactly
   the dequantized weights (the oracle).
 """
 from __future__ import annotations
@@ -301,6 +302,75 @@ def fp8_block_checkpoint(src_dir, out_dir, plain_dir, block: Sequence[int] = (32
         state[name + "_scale_inv"] = scale
         plain[name] = q.float() * s
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+    return _save(state, src, Path(out_dir), qc), _save(plain, src, Path(plain_dir), None)
+
+
+EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # Qwen-MoE's and Mixtral's
+
+
+def _fp8_scales(w: torch.Tensor, form: str, block: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(checkpoint scale, scale broadcast to w's shape) of a [rows, cols] weight quantized
+    per tensor ([1]), per channel ([rows, 1]) or per block ([ceil(rows/bn), ceil(cols/bk)])."""
+    from pyengine.layers.quantization.utils import FP8_MAX
+
+    n, k = w.shape
+    if form == "tensor":
+        scale = (w.abs().amax() / FP8_MAX).reshape(1)
+        return scale, scale.expand(n, k)
+    if form == "channel":
+        scale = w.abs().amax(1, keepdim=True) / FP8_MAX
+        return scale, scale.expand(n, k)
+    bn, bk = block
+    scale = torch.zeros(-(-n // bn), -(-k // bk))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            scale[i, j] = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].abs().amax() / FP8_MAX
+    return scale, scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def fp8_moe_checkpoint(src_dir, out_dir, plain_dir, fmt: str = "compressed-tensors", form: str = "channel",
+                       block: Sequence[int] | None = None, act: str | None = None,
+                       experts_only: bool = False) -> tuple[Path, Path]:
+    """An FP8 checkpoint of the MoE model in ``src_dir`` — every expert's projections (and,
+    unless ``experts_only``, attention and shared experts) F8_E4M3 with float32 scales
+    (``form`` "tensor", "channel" or "block" of ``block`` [rows, cols]) — and the plain model
+    holding exactly the dequantized weights (the oracle: transformers cannot load per-expert
+    FP8 tensors into its stacked experts). ``fmt``: "compressed-tensors" (``weight_scale``;
+    ``act`` "token" declares FP8_DYNAMIC activations, None weight-only; the routers ignored,
+    as llm-compressor's MoE recipes write them) or "fp8" (HF-native: ``weight_scale_inv``
+    blocks, or a per-tensor ``weight_scale``; dynamic activations)."""
+    from pyengine.layers.quantization.utils import FP8_DTYPE, FP8_MAX
+
+    src = Path(src_dir)
+    state = _load_state(src)
+    plain = dict(state)
+    for name in [k for k in state if k.endswith(".weight") and k.split(".")[-2] in LINEARS + EXPERT_LINEARS]:
+        if experts_only and ".experts." not in name:
+            continue
+        w = state[name].float()
+        scale, s = _fp8_scales(w, form, block)
+        q = (w / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        state[name] = q
+        state[name + ("_scale_inv" if fmt == "fp8" and form == "block" else "_scale")] = scale
+        plain[name] = q.float() * s
+    if fmt == "fp8":
+        qc: dict = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
+        if form == "block":
+            qc["weight_block_size"] = list(block)
+        if experts_only:
+            qc["modules_to_not_convert"] = ["self_attn", "shared_expert."]
+    else:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                   "strategy": form, "block_structure": list(block) if form == "block" else None}
+        acts = None
+        if act == "token":
+            acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+        ignore = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$"]
+        if experts_only:
+            ignore += ["re:.*self_attn.*", "re:.*shared_expert\\..*"]
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ignore,
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                            "output_activations": None, "format": "float-quantized"}}}
     return _save(state, src, Path(out_dir), qc), _save(plain, src, Path(plain_dir), None)
 
 

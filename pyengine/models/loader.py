@@ -31,7 +31,7 @@ from torch import nn
 
 from pyengine.layers.fused_moe.layer import FusedMoE
 from pyengine.layers.linear import LinearBase, ReplicatedLinear, default_weight_loader, full_weight
-from pyengine.layers.quantization import checkpoint_quantization_config, get_quantization_config
+from pyengine.layers.quantization import get_quantization_config
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.registry import get_model_cls
 
@@ -98,7 +98,8 @@ _QUANT_TENSOR_NAMES = ("weight_scale", "weight_scale_inv", "weight_zero_point", 
 
 
 # One MoE expert's tensor (``...experts.17.gate_proj.weight_scale``): FusedMoE holds its experts in
-# the model's float dtype only, so a quantized one is refused with that reason.
+# the model's float dtype or, with an FP8 method, in FP8; a quantized tensor with nowhere to go
+# (GPTQ / AWQ / INT experts, or FP8 ones the config leaves float) is refused with that reason.
 _EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
 
 
@@ -170,7 +171,9 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
                     break
         param = params.get(target)
         if _is_quantized(name, tensor):
-            if _EXPERT_NAME.search(name):
+            # an expert's quantized tensor needs a quantized form of the experts (FP8) to load into
+            if _EXPERT_NAME.search(name) and (param is None or (param.dtype in _FLOATS
+                                                                and _dtype_of(tensor) not in _FLOATS)):
                 experts.append(name)
                 continue
             if isinstance(modules.get(target.rpartition(".")[0]), ReplicatedLinear):
@@ -200,8 +203,9 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
         raise ValueError(f"the checkpoint quantizes {', '.join(float_only[:4])}{' ...' if len(float_only) > 4 else ''}"
                          f": MoE routers and gates (ReplicatedLinear) run in the model's float dtype only")
     if experts:
-        raise ValueError("MoE experts stored quantized are not supported (vengine's fused MoE runs its experts in "
-                         f"the model's float dtype): {', '.join(experts[:4])}{' ...' if len(experts) > 4 else ''}")
+        raise ValueError("MoE experts stored quantized are not supported in this form (vengine's fused MoE runs "
+                         "its experts in the model's float dtype, or in FP8: compressed-tensors float-quantized, HF "
+                         f"fp8): {', '.join(experts[:4])}{' ...' if len(experts) > 4 else ''}")
     if unused_quantized:
         shown = ", ".join(unused_quantized[:8]) + (f" and {len(unused_quantized) - 8} more" if len(unused_quantized) > 8
                                                    else "")
@@ -263,13 +267,6 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
     with _default_dtype(config.dtype), torch.device(config.device):
         model = model_cls(hf_config, attn_backend, tp_group=tp_group, **kwargs)
         if quant_config is not None:
-            online = checkpoint_quantization_config(hf_config) is None
-            if online and any(isinstance(m, FusedMoE) for m in model.modules()):
-                # vLLM's on-the-fly fp8 quantizes the experts too; FusedMoE has no quantized kernels, and
-                # quantizing only the attention layers would not be what was asked
-                raise ValueError(f"quantization={config.quantization!r} at load is not supported for "
-                                 f"{model_cls.__name__}: its MoE experts cannot be quantized by vengine. Serve it "
-                                 f"unquantized, or a checkpoint quantized outside its experts.")
             quantize_linear_layers(model, quant_config)
     for m in model.modules():  # positions up to max_model_len (see EngineConfig.max_model_len)
         if isinstance(m, RotaryEmbedding):
@@ -281,7 +278,7 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
         else:
             load_weights(model, iterate_weights(config.model), tie_word_embeddings=tie)
         for prefix, m in model.named_modules():
-            if isinstance(m, LinearBase) and m.quant_method is not None:
+            if isinstance(m, (LinearBase, FusedMoE)) and m.quant_method is not None:
                 try:
                     m.quant_method.process_weights_after_loading(m)
                 except ValueError as e:
@@ -329,7 +326,9 @@ def load_kv_cache_scales(model: nn.Module, weights) -> int:
 
 def quantize_linear_layers(model: nn.Module, quant_config) -> None:
     """Give every linear layer of ``model`` its method from ``quant_config`` (layers the
-    config leaves out stay unquantized). ``ReplicatedLinear`` layers (MoE routers, Qwen2-MoE's
+    config leaves out stay unquantized), and every MoE layer's experts theirs
+    (``get_moe_method``, asked with the checkpoint names of the experts' projections,
+    ``model.expert_checkpoint_names``). ``ReplicatedLinear`` layers (MoE routers, Qwen2-MoE's
     shared-expert gate) always stay in the model's dtype, as quantized checkpoints keep them
     (llm-compressor's recipes ignore ``mlp.gate``): a checkpoint that does quantize one is
     refused by ``load_weights`` (its quantization tensors fill no parameter). Raises
@@ -339,6 +338,14 @@ def quantize_linear_layers(model: nn.Module, quant_config) -> None:
     for ckpt_name, (fused, _) in getattr(model, "packed_modules_mapping", {}).items():
         fused_parts.setdefault(fused, []).append(ckpt_name)
     for prefix, module in list(model.named_modules()):
+        if isinstance(module, FusedMoE):
+            method = quant_config.get_moe_method(module, prefix, model.expert_checkpoint_names(prefix, module))
+            if method is not None:
+                try:
+                    module.set_quant_method(method)
+                except ValueError as e:
+                    raise ValueError(f"cannot quantize the experts {prefix!r}: {e}") from None
+            continue
         if not isinstance(module, LinearBase) or isinstance(module, ReplicatedLinear):
             continue
         head, _, leaf = prefix.rpartition(".")
@@ -355,7 +362,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights on the model's device (vLLM's load_format="dummy"), for benchmarks
     of a model shape without a checkpoint: uniform in [-0.02, 0.02], norm weights 1."""
     gen = None
-    quantized = {id(p) for m in model.modules() if isinstance(m, LinearBase) and m.quant_method is not None
+    quantized = {id(p) for m in model.modules() if isinstance(m, (LinearBase, FusedMoE)) and m.quant_method is not None
                  for n, p in m.named_parameters(recurse=False) if n != "bias"}
     for name, p in model.named_parameters():
         if gen is None:
@@ -367,5 +374,5 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         else:
             p.data.uniform_(-0.02, 0.02, generator=gen)
     for m in model.modules():  # quantized layers: random values of a valid quantized weight
-        if isinstance(m, LinearBase) and m.quant_method is not None and gen is not None:
+        if isinstance(m, (LinearBase, FusedMoE)) and m.quant_method is not None and gen is not None:
             m.quant_method.dummy_weights(m, gen)

@@ -94,6 +94,15 @@ class MoECausalLMMixin:
         if moe is not None:
             moe.warm_up(max_num_tokens)
 
+    def expert_checkpoint_names(self, prefix: str, moe: FusedMoE) -> list[str]:
+        """The checkpoint module names of every expert projection the ``FusedMoE`` at module
+        path ``prefix`` stacks (``model.layers.0.block_sparse_moe.experts.3.w1`` ...): what a
+        quantization config's targets and ignore lists name."""
+        ck = prefix
+        for old, new in self.checkpoint_renames:
+            ck = ck.replace(new, old)
+        return [f"{ck}.{e}.{proj}" for e in range(moe.global_num_experts) for proj in self.expert_proj_names]
+
     def map_checkpoint_name(self, name: str):
         """``(parameter, shard)`` for an expert's tensor or a renamed one (taken whole);
         None: the loader's default mapping (packed q/k/v, gate/up)."""

@@ -89,3 +89,20 @@ def test_moe_profile_cpu_smoke(tmp_path):
     _check_profile(prof, 6)
     assert prof["engine_args"]["max_num_seqs"] == 8 and prof["floor_us"] > 0
     assert list((tmp_path / "trace").glob("*.trace.json.gz"))
+
+
+@pytest.mark.timeout(600)
+def test_moe_benchmark_fp8_engine_cpu_smoke(tmp_path):
+    """``--quantization fp8``: its own result file, the engine quantized at load, the floor
+    counting a byte a quantized weight (below the bf16 floor of the same shape)."""
+    _require_triton()
+    _run("--sections", "engine", "--quantization", "fp8", tmp_path=tmp_path)
+    payload = json.loads((tmp_path / "moe_fp8_tiny.json").read_text())
+    eng = payload["results"]["engine"]
+    assert "error" not in eng, eng
+    assert eng["engine_args"]["quantization"] == "fp8" and eng["batch1"]["tpot_ms"] > 0
+    from benchmarks.moe import moe_config, step_bytes
+
+    cfg = moe_config("tiny")
+    ctx = eng["batch1"]["input_len"] + eng["batch1"]["output_len"] // 2
+    assert eng["batch1"]["bytes_per_step"]["experts"] < step_bytes(cfg, 4, 1, ctx)["experts"] / 3

@@ -131,3 +131,29 @@ def test_fp8_kv_cache_kernels_match_transformers(kind, llama_dir, tokenizer, tmp
     got = [o.outputs[0].token_ids for o in outs]
     ref = hf_greedy_fp8_kv(d, prompts, 6, scales)  # stops at EOS: compare up to there
     assert [g[: len(r)] for g, r in zip(got, ref)] == ref
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("fmt,form,block", [("compressed-tensors", "channel", None), ("fp8", "block", (16, 32))])
+def test_fp8_moe_kernels_match_transformers(kind, fmt, form, block, tokenizer_dir, tokenizer, tmp_path):
+    """FP8 experts in the fused-MoE kernels (dequantized in the kernel, weight-only; the GEMV
+    path at batch 1, the grouped GEMM for the chunked prefills) and FP8 weight-only attention
+    (compressed-tensors; HF fp8's attention would quantize its activations per group on the
+    kernel path, so that checkpoint quantizes the experts only): float32 computes what the
+    dequantized weights compute, so transformers' greedy tokens."""
+    from tests.helpers import build_tiny_model
+    from tests.quant_helpers import fp8_moe_checkpoint
+
+    device = _dev(kind)
+    src = build_tiny_model(tmp_path / "src", "qwen3_moe", tokenizer_dir, seed=12)
+    q, plain = fp8_moe_checkpoint(src, tmp_path / "q", tmp_path / "plain", fmt=fmt, form=form, block=block,
+                                  experts_only=fmt == "fp8")
+    prompts = prompt_token_ids(tokenizer, 3, 4, 20, seed=14)
+    llm = LLM(str(q), device=device, dtype="float32", attention_backend="triton", max_num_batched_tokens=24)
+    from pyengine.layers.fused_moe.layer import FusedMoE
+    experts = [m for m in llm.llm_engine.engine_core.model_runner.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.w13_weight.dtype == torch.float8_e4m3fn for m in experts)  # the kernels' FP8 form
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = hf_greedy(plain, prompts, 6, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    assert llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids == ref[0]

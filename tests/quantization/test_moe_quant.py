@@ -1,9 +1,11 @@
 """Quantized checkpoints of MoE models (``pyengine/models/loader.py``): attention (and
 Qwen2-MoE's shared expert) quantized with the routers and experts in float runs token-exact
-against transformers on the dequantized weights; experts stored quantized, or quantized at
-load, are refused naming why (a helper's probe found every such load crashing with an
-AttributeError on the router). Also the loader's other quantization checks a probe found
-missing: a tied model's quantized ``lm_head`` and an MoE checkpoint's KV cache scales."""
+against transformers on the dequantized weights; FP8 experts (compressed-tensors and HF
+``fp8``, per tensor / channel / block, and ``quantization="fp8"`` at load) load into the
+fused MoE (``Fp8MoEMethod``) and run token-exact against transformers on the dequantized
+weights, under tensor parallelism too; experts stored in another quantized form (GPTQ, INT)
+are refused naming why. Also the loader's other quantization checks a probe found missing:
+a tied model's quantized ``lm_head`` and an MoE checkpoint's KV cache scales."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +15,7 @@ import torch
 
 from pyengine import LLM
 from tests.helpers import build_tiny_model, engine_greedy, hf_greedy, prompt_token_ids
-from tests.quant_helpers import add_kv_cache_scales, gptq_checkpoint
+from tests.quant_helpers import add_kv_cache_scales, compressed_tensors_checkpoint, fp8_moe_checkpoint, gptq_checkpoint
 
 MAX_TOKENS = 8
 
@@ -78,12 +80,6 @@ def test_quantized_router_refused(moe_dirs, tmp_path):
         LLM(str(d), device="cpu")
 
 
-def test_online_fp8_of_moe_refused(moe_dirs):
-    with pytest.raises(ValueError, match="quantization='fp8' at load is not supported for Qwen3MoeForCausalLM: its "
-                                         "MoE experts"):
-        LLM(str(moe_dirs["qwen3_moe"]), device="cpu", quantization="fp8")
-
-
 def test_moe_checkpoint_kv_cache_scales_load(moe_dirs, prompts, tokenizer, tmp_path):
     """llm-compressor's kv_cache_scheme scales (``self_attn.k_scale``) on an MoE model: used
     by the FP8 KV cache, ignored by the model dtype's one — not an unknown tensor."""
@@ -109,3 +105,90 @@ def test_tied_quantized_lm_head_refused(tmp_path, tokenizer_dir):
     save_file(sd, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match="lm_head.weight"):
         LLM(str(d), device="cpu")
+
+
+# (family, checkpoint format, scale form, block, activations, experts only)
+FP8_CASES = [
+    ("qwen3_moe", "compressed-tensors", "channel", None, None, False),
+    ("mixtral", "compressed-tensors", "tensor", None, None, False),
+    ("qwen2_moe", "compressed-tensors", "block", (16, 16), None, False),
+    ("qwen3_moe", "compressed-tensors", "channel", None, "token", True),  # FP8_DYNAMIC experts: weight-only
+    ("qwen3_moe", "fp8", "block", (16, 32), None, False),  # Qwen3-30B-A3B-FP8's format
+    ("mixtral", "fp8", "tensor", None, None, True),
+]
+
+
+@pytest.mark.parametrize("family,fmt,form,block,act,experts_only", FP8_CASES)
+def test_fp8_experts_match_transformers_on_dequantized_weights(family, fmt, form, block, act, experts_only,
+                                                               moe_dirs, prompts, tmp_path):
+    q, plain = fp8_moe_checkpoint(moe_dirs[family], tmp_path / "q", tmp_path / "plain", fmt=fmt, form=form,
+                                  block=block, act=act, experts_only=experts_only)
+    ref = hf_greedy(plain, prompts, MAX_TOKENS, ignore_eos=True)
+    assert _greedy(q, prompts) == ref
+    if (family, form) == ("qwen3_moe", "channel") and not experts_only:
+        assert ref != hf_greedy(moe_dirs[family], prompts, MAX_TOKENS, ignore_eos=True)  # FP8 changed it
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fmt,form,block", [("compressed-tensors", "channel", None), ("fp8", "block", (16, 16))])
+def test_fp8_experts_tp2_and_expert_parallel(fmt, form, block, moe_dirs, prompts, tmp_path):
+    """Each rank's gate/up rows and down columns of every expert, with their scales (block
+    scales split by block), or whole experts with expert parallelism."""
+    q, plain = fp8_moe_checkpoint(moe_dirs["qwen3_moe"], tmp_path / "q", tmp_path / "plain", fmt=fmt, form=form,
+                                  block=block)
+    ref = hf_greedy(plain, prompts, MAX_TOKENS, ignore_eos=True)
+    assert _greedy(q, prompts, tensor_parallel_size=2) == ref
+    assert _greedy(q, prompts, tensor_parallel_size=2, enable_expert_parallel=True) == ref
+
+
+def test_online_fp8_quantizes_the_experts(moe_dirs, prompts, tmp_path):
+    """``quantization="fp8"`` at load quantizes the experts per output row as well as the
+    dense layers (vLLM's ``fp8`` method): the same tokens as a checkpoint quantized that way
+    (FP8_DYNAMIC attention, per-channel experts), which other tests check against transformers."""
+    d = moe_dirs["qwen3_moe"]
+    online = _greedy(d, prompts, quantization="fp8")
+    q, _ = fp8_moe_checkpoint(d, tmp_path / "q", tmp_path / "plain", form="channel", act="token")
+    assert online == _greedy(q, prompts)
+    assert online != _greedy(d, prompts)  # FP8's rounding changed it
+
+
+def test_fp8_experts_dummy_weights_run(moe_dirs):
+    for kw in ({"quantization": "fp8"}, {}):
+        llm = LLM(str(moe_dirs["mixtral"]), device="cpu", load_format="dummy", **kw)
+        try:
+            assert len(llm.generate([[1, 2, 3]], None, use_tqdm=False)[0].outputs[0].token_ids) > 0
+        finally:
+            llm.shutdown()
+
+
+def test_int_experts_refused_naming_the_scheme(moe_dirs, tmp_path):
+    d = compressed_tensors_checkpoint(moe_dirs["qwen3_moe"], tmp_path / "q", "W4A16", group_size=16,
+                                      ignore=["lm_head", "re:.*mlp.gate$"])
+    with pytest.raises(ValueError, match=r"INT4 \(group\) MoE experts are not supported"):
+        LLM(str(d), device="cpu")
+
+
+def test_fp8_experts_the_config_leaves_float_refused(moe_dirs, tmp_path):
+    """Experts stored FP8 while the config's ignore list keeps them float: refused, never run
+    as if the FP8 values were the weights."""
+    import json
+    q, _ = fp8_moe_checkpoint(moe_dirs["qwen3_moe"], tmp_path / "q", tmp_path / "plain", form="channel")
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].append("re:.*experts.*")
+    (q / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"MoE experts stored quantized are not supported in this form"):
+        LLM(str(q), device="cpu")
+
+
+def test_fp8_block_that_does_not_divide_the_ranks_rows_refused():
+    from types import SimpleNamespace
+
+    from pyengine.layers.fused_moe.layer import FusedMoE
+    from pyengine.layers.quantization.fp8 import Fp8MoEMethod
+
+    moe = FusedMoE(4, 2, 64, 32, True, tp_group=SimpleNamespace(world_size=2, rank=1))
+    with pytest.raises(ValueError, match=r"block rows 32 do not divide this rank's 16 gate/up rows"):
+        moe.set_quant_method(Fp8MoEMethod("block", (32, 32)))
+    moe.set_quant_method(Fp8MoEMethod("block", (16, 16), scale_name="weight_scale_inv"))
+    assert moe.w13_weight.dtype == torch.float8_e4m3fn
+    assert moe.w13_weight_scale_inv.shape == (4, 2, 4) and moe.w2_weight_scale_inv.shape == (4, 4, 1)

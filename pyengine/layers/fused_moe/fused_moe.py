@@ -32,6 +32,20 @@ Two ways to run passes 1 and 2, picked per number of tokens M by the tile config
 
 The router's softmax + top-k + renormalisation is one kernel too (``topk_softmax``).
 
+FP8 expert weights (weight-only, W8A16): w13 / w2 may be ``torch.float8_e4m3fn`` with
+float32 scales, per output channel (``w13_scale`` [E, 2I], ``w2_scale`` [E, H]) or per
+(bn, bk) block (``block_shape``, DeepSeek / Qwen3-FP8 style: [E, ceil(2I/bn), ceil(H/bk)]
+and [E, ceil(H/bn), ceil(I/bk)], element (r, c) scaled by ``scale[e, r // bn, c // bk]``).
+The activations stay bf16 / fp16 / float32: every kernel dequantizes each weight it loads
+to the activation dtype, ``(w.float() * scale).to(hidden.dtype)``, before its product (the
+GEMV's FMA loop, the grouped GEMM's ``tl.dot`` on the dequantized B tile), as vLLM's
+weight-only FP8 (Marlin) MoE path does where its FP8 MoE kernels don't run. The result is
+therefore ``fused_experts`` on the dequantized weights: bit for bit under the interpreter
+(same sums in the same order), and to the GEMMs' own rounding on the GPU. FP8 halves the
+weight bytes a decode step reads; the per-element dequantization costs a few ALU
+operations a weight (block scales: a gathered scale load a weight on the GEMV path and
+where BLOCK_SIZE_K does not divide bk; one row of scales a K chunk where it does).
+
 Everything stays on the device with shapes fixed by M (no host sync, no data-dependent
 launch size): CUDA-graph safe. Accumulation is float32; float32 inputs use IEEE products
 in ``tl.dot`` (no TF32), so a float32 model stays token-exact.
@@ -327,13 +341,46 @@ def _times_weight(acc, w, ACT: tl.constexpr, CAST_W: tl.constexpr, EMULATE: tl.c
     return y
 
 
+@triton.jit
+def _scaled(w, s_base, rows, cols, mask, row_scale, stride_sn, stride_sk, BLOCK_SCALED: tl.constexpr,
+            BN_S: tl.constexpr, BK_S: tl.constexpr):
+    # An FP8 weight tile w times its float32 scales, in float32 (not rounded): per output row
+    # (row_scale, already broadcast to w's shape by the caller), or per BN_S x BK_S block,
+    # gathered per element from the expert's scales s_base at [rows // BN_S, cols // BK_S]
+    # (rows and cols broadcastable to w's shape; a scalar cols when the tile's columns lie in
+    # one block).
+    if BLOCK_SCALED:
+        s = tl.load(s_base + (rows // BN_S) * stride_sn + (cols // BK_S) * stride_sk, mask=mask, other=0.0)
+    else:
+        s = row_scale
+    return w.to(tl.float32) * s
+
+
+@triton.jit
+def _gemv_weight(w, s_base, rows, cols, mask, row_scale, stride_sn, stride_sk, ACT: tl.constexpr,
+                 EMULATE: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr, BN_S: tl.constexpr,
+                 BK_S: tl.constexpr):
+    # A GEMV weight tile as float32 values of the activation dtype ACT: a float weight as it
+    # is; an FP8 one dequantized, (w * scale) rounded to ACT (``_scaled``).
+    if HAS_SCALE:
+        return _round(_scaled(w, s_base, rows, cols, mask, row_scale, stride_sn, stride_sk, BLOCK_SCALED, BN_S, BK_S),
+                      ACT, EMULATE)
+    else:
+        return w.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["EM", "num_valid"])  # one compiled variant whatever the batch size
 def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_ptr,
                     N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_cm,
+                    s_ptr, stride_se, stride_sn, stride_sk,
                     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, CAST_W: tl.constexpr,
                     IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    BLOCK_SCALED: tl.constexpr, BN_S: tl.constexpr, BK_S: tl.constexpr, S_K_UNIFORM: tl.constexpr):
     # One (M-block of sorted pairs, N-block) tile: C[pairs, n] = A[rows of pairs] @ B[e]^T.
+    # HAS_SCALE: B is FP8 with scales at s_ptr (``_scaled``), each tile dequantized to a's
+    # dtype (float32 values of it under EMULATE) before the dot; S_K_UNIFORM: BLOCK_K divides
+    # BK_S, so a K chunk's block scales are one row of them per N column.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -360,10 +407,30 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_pt
     b_ptrs = b_ptr + e * stride_be + rn[None, :] * stride_bn + rk[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    ACT: tl.constexpr = a_ptr.dtype.element_ty
+    s_base = s_ptr + e * stride_se
+    s_gate = 1.0
+    s_up = 1.0
+    if HAS_SCALE and not BLOCK_SCALED:  # per-channel: the tile's columns' scales, once
+        s_gate = tl.load(s_base + rn * stride_sn, mask=nmask, other=0.0)[None, :]
+        if GATED:
+            s_up = tl.load(s_base + (rn + N) * stride_sn, mask=nmask, other=0.0)[None, :]
     for k0 in range(0, K, BLOCK_K):
         kmask = rk < K - k0
+        bmask = kmask[:, None] & nmask[None, :]
         a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=bmask, other=0.0)
+        if HAS_SCALE:
+            if S_K_UNIFORM:
+                b = _scaled(b, s_base, rn[None, :], k0, nmask[None, :], s_gate, stride_sn, stride_sk, BLOCK_SCALED,
+                            BN_S, BK_S)
+            else:
+                b = _scaled(b, s_base, rn[None, :], (k0 + rk)[:, None], bmask, s_gate, stride_sn, stride_sk,
+                            BLOCK_SCALED, BN_S, BK_S)
+            if EMULATE:
+                b = _round(b, ACT, EMULATE)
+            elif not IEEE:
+                b = b.to(ACT)
         if EMULATE:  # the interpreter's low-precision dot is unreliable: float32 operands
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -372,7 +439,18 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_pt
         else:
             acc += tl.dot(a, b)
         if GATED:  # the up rows of the same columns, N rows further
-            bu = tl.load(b_ptrs + N * stride_bn, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            bu = tl.load(b_ptrs + N * stride_bn, mask=bmask, other=0.0)
+            if HAS_SCALE:
+                if S_K_UNIFORM:
+                    bu = _scaled(bu, s_base, (rn + N)[None, :], k0, nmask[None, :], s_up, stride_sn, stride_sk,
+                                 BLOCK_SCALED, BN_S, BK_S)
+                else:
+                    bu = _scaled(bu, s_base, (rn + N)[None, :], (k0 + rk)[:, None], bmask, s_up, stride_sn,
+                                 stride_sk, BLOCK_SCALED, BN_S, BK_S)
+                if EMULATE:
+                    bu = _round(bu, ACT, EMULATE)
+                elif not IEEE:
+                    bu = bu.to(ACT)
             if EMULATE:
                 bu = bu.to(tl.float32)
             if IEEE or EMULATE:
@@ -391,10 +469,14 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_pt
 
 @triton.jit(do_not_specialize=["P"])
 def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, stride_am, stride_be, stride_bn,
-                 stride_cm, K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                 stride_cm, s_ptr, stride_se, stride_sn, stride_sk, K: tl.constexpr, A_ROW_DIV: tl.constexpr,
+                 GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                  CAST_W: tl.constexpr, HAS_EMAP: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                 BN_S: tl.constexpr, BK_S: tl.constexpr, PDL: tl.constexpr):
     # One (pair, N-block): c[p, n] = a[row of p] . B[e][n, :], e the pair's expert.
+    # HAS_SCALE: B is FP8, each weight dequantized to a's dtype (``_gemv_weight``) before
+    # its product.
     # SPLIT_K > 1: program (p, j, s) takes the s-th of SPLIT_K runs of whole BLOCK_K chunks
     # (KS columns) and writes its float32 sums (gate, then up when GATED) to part_ptr
     # [SPLIT_K, P, (2 if GATED else 1) * N]; ``_gemv_split_finish_kernel`` does the rest.
@@ -428,15 +510,25 @@ def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, 
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    ACT: tl.constexpr = a_ptr.dtype.element_ty
+    s_base = s_ptr + e * stride_se
+    s_gate = 1.0
+    s_up = 1.0
+    if HAS_SCALE and not BLOCK_SCALED:  # per-channel: the rows' scales, once
+        s_gate = tl.load(s_base + rn * stride_sn, mask=nmask, other=0.0)[:, None]
+        if GATED:
+            s_up = tl.load(s_base + (rn + N) * stride_sn, mask=nmask, other=0.0)[:, None]
     for k0 in tl.static_range(0, KS, BLOCK_K):  # unrolled: every chunk's loads issued early
         kmask = k_lo + k0 + rk < K
+        wmask = nmask[:, None] & kmask[None, :]
         x = tl.load(a_row + k_lo + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-        wg = tl.load(b_rows + k_lo + k0 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += wg.to(tl.float32) * x[None, :]
+        wg = tl.load(b_rows + k_lo + k0 + rk[None, :], mask=wmask, other=0.0)
+        acc += _gemv_weight(wg, s_base, rn[:, None], (k_lo + k0 + rk)[None, :], wmask, s_gate, stride_sn, stride_sk,
+                            ACT, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S) * x[None, :]
         if GATED:
-            wu = tl.load(b_rows + N * stride_bn + k_lo + k0 + rk[None, :], mask=nmask[:, None] & kmask[None, :],
-                         other=0.0)
-            acc_up += wu.to(tl.float32) * x[None, :]
+            wu = tl.load(b_rows + N * stride_bn + k_lo + k0 + rk[None, :], mask=wmask, other=0.0)
+            acc_up += _gemv_weight(wu, s_base, (rn + N)[:, None], (k_lo + k0 + rk)[None, :], wmask, s_up, stride_sn,
+                                   stride_sk, ACT, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S) * x[None, :]
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
         if GATED:
@@ -488,13 +580,15 @@ def _gemv_split_finish_kernel(part_ptr, a_ptr, c_ptr, w_ptr, N, P, stride_cm, RO
 
 @triton.jit
 def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, stride_be, stride_bn,
-                          stride_cm, K: tl.constexpr, TOP_K: tl.constexpr, HAS_EMAP: tl.constexpr,
-                          CAST_W: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                          stride_cm, s_ptr, stride_se, stride_sn, stride_sk, K: tl.constexpr, TOP_K: tl.constexpr,
+                          HAS_EMAP: tl.constexpr, CAST_W: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                          BN_S: tl.constexpr, BK_S: tl.constexpr, PDL: tl.constexpr):
     # One (token, N-block): c[t, n] = sum over the token's slots, in slot order, of the pair's
     # down projection (rounded to the activation dtype) times its routing weight
     # (``_times_weight``), accumulated in float32 and rounded once: transformers' per-pair
-    # products and sum, without the [T*k, H] buffer.
+    # products and sum, without the [T*k, H] buffer. HAS_SCALE: FP8 weights as
+    # ``_gemv_kernel``'s, each slot's expert's scales loaded for its slot.
     t = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if PDL:  # (pyengine/ops/pdl.py) even the weights read depend on the routing
@@ -512,12 +606,18 @@ def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stri
         rows_here = nmask & ((e + tl.zeros([BLOCK_N], dtype=tl.int64)) >= 0)
         e = tl.maximum(e, 0)
         b_rows = b_ptr + e * stride_be + rn[:, None] * stride_bn
+        s_base = s_ptr + e * stride_se
+        s_row = 1.0
+        if HAS_SCALE and not BLOCK_SCALED:
+            s_row = tl.load(s_base + rn * stride_sn, mask=rows_here, other=0.0)[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             kmask = k0 + rk < K
+            wmask = rows_here[:, None] & kmask[None, :]
             x = tl.load(a_ptr + p * stride_am + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-            wv = tl.load(b_rows + k0 + rk[None, :], mask=rows_here[:, None] & kmask[None, :], other=0.0)
-            acc += wv.to(tl.float32) * x[None, :]
+            wv = tl.load(b_rows + k0 + rk[None, :], mask=wmask, other=0.0)
+            acc += _gemv_weight(wv, s_base, rn[:, None], (k0 + rk)[None, :], wmask, s_row, stride_sn, stride_sk,
+                                a_ptr.dtype.element_ty, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S) * x[None, :]
         total += _times_weight(tl.sum(acc, axis=1), tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
     tl.store(c_ptr + t * stride_cm + rn, _round(total, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty),
              mask=nmask)
@@ -598,7 +698,20 @@ def gemv_split_k(cfg: dict, k: int, block_k: int) -> int:
     return split
 
 
-def _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, split, block_k):
+def _scale_args(b: torch.Tensor, scale: torch.Tensor | None, block_shape: tuple[int, int] | None) -> dict:
+    """A kernel's weight-scale arguments: none (``HAS_SCALE`` off, b as a pointer that is
+    never read) for float weights; FP8 weights' scales, per output row ([E, rows]) or per
+    block ([E, row blocks, column blocks] with ``block_shape``), with their strides."""
+    if scale is None:
+        return dict(s_ptr=b, stride_se=0, stride_sn=0, stride_sk=0, HAS_SCALE=False, BLOCK_SCALED=False, BN_S=1, BK_S=1)
+    blocked = block_shape is not None
+    return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1),
+                stride_sk=scale.stride(2) if blocked else 0, HAS_SCALE=True, BLOCK_SCALED=blocked,
+                BN_S=int(block_shape[0]) if blocked else 1, BK_S=int(block_shape[1]) if blocked else 1)
+
+
+def _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, split, block_k, scale=None,
+                   block_shape=None):
     """The split-K partial pass of the GEMV path: float32 [split, pairs, (2 if gated else 1)
     * n_out] sums (every element written: no zeroing)."""
     k = a.shape[1]
@@ -610,6 +723,7 @@ def _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, spl
                        K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=False, CAST_W=False,
                        HAS_EMAP=expert_map is not None, EMULATE=_INTERPRET,
                        BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, SPLIT_K=split,
+                       **_scale_args(b, scale, block_shape),
                        num_warps=int(cfg.get("num_warps", 4)), **pdl.launch_kwargs(a, "moe_gemv"))
     return part
 
@@ -625,19 +739,23 @@ def _gemv_finish(part, a, c, topk_weights, rows, gated, mul_weight, cast_weights
         **pdl.launch_kwargs(a, "moe_finish"))
 
 
-def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg, cast_weights=True):
+def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg, cast_weights=True,
+              scale=None, block_shape=None):
     """One pass on the GEMV path: ``c[p] = f(a[p // a_row_div] . b[expert of p]^T)`` for
     every pair p; ``gated``: b holds gate then up rows and f is SiLU-and-mul;
     ``mul_weight``: times the pair's routing weight (rounded to a's dtype first with
     ``cast_weights``). ``cfg``: that pass's tile; its ``SPLIT_K`` > 1 (``gemv_split_k``)
     splits K over that many programs a (pair, N-block), whose float32 sums a finish pass
-    adds in split order before the SiLU / weight / rounding (deterministic)."""
+    adds in split order before the SiLU / weight / rounding (deterministic). ``scale``: b's
+    float32 scales when b is FP8 (checked by ``fused_experts``): [E, rows], or blocks
+    [E, ceil(rows / bn), ceil(K / bk)] with ``block_shape`` (bn, bk)."""
     n_out = c.shape[1]
     k = a.shape[1]
     block_k = _gemv_block_k(cfg, k)
     split = gemv_split_k(cfg, k, block_k)
     if split > 1:
-        part = _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, split, block_k)
+        part = _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, split, block_k, scale,
+                              block_shape)
         _gemv_finish(part, a, c, topk_weights, 1, gated, mul_weight, cast_weights)
         return
     pairs = topk_ids.numel()
@@ -647,42 +765,66 @@ def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_
                        K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights),
                        HAS_EMAP=expert_map is not None, EMULATE=_INTERPRET,
                        BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, SPLIT_K=1,
+                       **_scale_args(b, scale, block_shape),
                        num_warps=int(cfg.get("num_warps", 4)), **pdl.launch_kwargs(a, "moe_gemv"))
 
 
-def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg, cast_weights=True):
+def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg, cast_weights=True, scale=None,
+                       block_shape=None):
     """The small-batch down pass with the k-sum fused: ``c[t] = sum_slot w * (a[t*k+slot]
-    . b[expert]^T)``; c: [T, N]. ``cfg``: the w2 pass's tile; ``cast_weights`` as
-    ``gemv_pass``. ``SPLIT_K`` > 1: one program per (pair, N-block, split) writes float32
-    sums and the finish pass adds a token's splits and slots in order (as ``gemv_pass``)."""
+    . b[expert]^T)``; c: [T, N]. ``cfg``: the w2 pass's tile; ``cast_weights``, ``scale``
+    and ``block_shape`` as ``gemv_pass``. ``SPLIT_K`` > 1: one program per (pair, N-block,
+    split) writes float32 sums and the finish pass adds a token's splits and slots in order
+    (as ``gemv_pass``)."""
     n_out = c.shape[1]
     k = a.shape[1]
     block_k = _gemv_block_k(cfg, k)
     split = gemv_split_k(cfg, k, block_k)
     if split > 1:
-        part = _gemv_partials(a, b, topk_ids, expert_map, False, 1, cfg, n_out, split, block_k)
+        part = _gemv_partials(a, b, topk_ids, expert_map, False, 1, cfg, n_out, split, block_k, scale, block_shape)
         _gemv_finish(part, a, c, topk_weights, topk_ids.shape[1], False, True, cast_weights)
         return
     grid = (c.shape[0], triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
     _gemv_down_sum_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids,
                                 n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0), K=k,
                                 TOP_K=topk_ids.shape[1], HAS_EMAP=expert_map is not None, CAST_W=bool(cast_weights),
-                                EMULATE=_INTERPRET,
+                                EMULATE=_INTERPRET, **_scale_args(b, scale, block_shape),
                                 BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)),
                                 **pdl.launch_kwargs(a, "moe_down_sum"))
 
 
-def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, cfg, num_valid, cast_weights=True):
+def grouped_tile_bytes(bm: int, bn: int, bk: int, gated: bool, act_bytes: int, w_bytes: int, scaled: bool,
+                       block_k_uniform: bool = True) -> tuple[int, int]:
+    """``(per_stage, fixed)`` shared-memory bytes of ``_grouped_kernel``'s tiles (see
+    ``pyengine.ops.smem``): per stage the A tile, the (gate and up) weight tiles and, for FP8
+    weights, their float32 block scales (a row a tile when BLOCK_K divides the scale block's
+    columns, ``block_k_uniform``, else one a weight); fixed: FP8 weight tiles dequantized to
+    the activation dtype for ``tl.dot``."""
+    tiles = 2 if gated else 1
+    per_stage = bm * bk * act_bytes + tiles * bk * bn * w_bytes
+    if not scaled:
+        return per_stage, 0
+    per_stage += tiles * 4 * (bn if block_k_uniform else bk * bn)
+    return per_stage, tiles * bk * bn * act_bytes
+
+
+def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, cfg, num_valid, cast_weights=True,
+                 scale=None, block_shape=None):
     """One pass on the grouped-GEMM path over ``aligned`` (``moe_align_block_size``'s
-    output for ``cfg["BLOCK_SIZE_M"]``); otherwise as ``gemv_pass``."""
+    output for ``cfg["BLOCK_SIZE_M"]``); otherwise as ``gemv_pass``. Raises ValueError for a
+    tile that does not fit the device's shared memory (``grouped_tile_bytes``)."""
     sorted_ids, expert_ids, npost = aligned
     n_out = c.shape[1]
     bm, bn, bk = int(cfg["BLOCK_SIZE_M"]), int(cfg["BLOCK_SIZE_N"]), int(cfg["BLOCK_SIZE_K"])
     em = sorted_ids.numel()
+    # a K chunk's block scales are one row when the chunk lies in one scale block (chunks start
+    # at multiples of bk)
+    uniform = block_shape is None or int(block_shape[1]) % bk == 0
     # the stages this tile can have in the device's shared memory (a tile of the table was
     # measured on its GPU; this guards the defaults and other GPUs)
-    per_stage = bm * bk * a.element_size() + (2 if gated else 1) * bk * bn * b.element_size()
-    stages = smem.fit_stages(per_stage, 0, int(cfg.get("num_stages", 3)), smem.max_shared_mem(a.device))
+    per_stage, fixed = grouped_tile_bytes(bm, bn, bk, gated, a.element_size(), b.element_size(), scale is not None,
+                                          uniform)
+    stages = smem.fit_stages(per_stage, fixed, int(cfg.get("num_stages", 3)), smem.max_shared_mem(a.device))
     if stages == 0:
         raise ValueError(f"fused-MoE tile {bm}x{bn}x{bk} does not fit the device's shared memory")
     grid = (triton.cdiv(em, bm) * triton.cdiv(n_out, bn),)
@@ -691,26 +833,99 @@ def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, c
                           A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights),
                           IEEE=a.dtype == torch.float32, EMULATE=_INTERPRET,
                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=int(cfg.get("GROUP_SIZE_M", 1)),
+                          **_scale_args(b, scale, block_shape), S_K_UNIFORM=uniform,
                           num_warps=int(cfg.get("num_warps", 4)), num_stages=stages)
+
+
+_FP8 = torch.float8_e4m3fn
+_FP8_ACTS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_block_shape(block_shape) -> tuple[int, int]:
+    try:
+        bn, bk = block_shape
+        ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (bn, bk))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"block_shape must be two positive integers (rows, columns) a scale block, got "
+                         f"{block_shape!r}")
+    return int(bn), int(bk)
+
+
+def _check_scale(name: str, w: torch.Tensor, scale: torch.Tensor | None,
+                 block_shape: tuple[int, int] | None) -> torch.Tensor | None:
+    """``name``'s scale as the kernels take it (None for a float weight), or ValueError."""
+    if w.dtype != _FP8:
+        if w.dtype.is_floating_point and w.element_size() == 1:
+            raise ValueError(f"{name} is {w.dtype}: FP8 expert weights must be torch.float8_e4m3fn")
+        if scale is not None:
+            raise ValueError(f"{name}_scale given for {name} of dtype {w.dtype}: scales go with "
+                             f"torch.float8_e4m3fn weights only")
+        return None
+    if scale is None:
+        raise ValueError(f"{name} is torch.float8_e4m3fn: {name}_scale (float32) is required")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name}_scale must be float32, got {scale.dtype}")
+    if scale.device != w.device:
+        raise ValueError(f"{name}_scale is on {scale.device}, {name} on {w.device}")
+    e, rows, cols = w.shape
+    given = list(scale.shape)
+    if block_shape is None:
+        if scale.dim() == 3 and scale.shape[2] == 1:  # vLLM's per-channel layout [E, rows, 1]
+            scale = scale[:, :, 0]
+        want: tuple[int, ...] = (e, rows)
+        what = "per output channel"
+    else:
+        want = (e, triton.cdiv(rows, block_shape[0]), triton.cdiv(cols, block_shape[1]))
+        what = f"per {block_shape[0]}x{block_shape[1]} block"
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{name}_scale ({what}) must have shape {list(want)} for {name} of shape {list(w.shape)}, "
+                         f"got {given}")
+    return scale
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
                   config: dict | None = None, tile_configs: dict[int, dict] | None = None,
-                  cast_weights: bool = True) -> torch.Tensor:
+                  cast_weights: bool = True, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None,
+                  block_shape: tuple[int, int] | None = None) -> torch.Tensor:
     """hidden: [T, H]; w13: [E_local, 2 * I, H] (gate rows then up rows); w2: [E_local, H, I];
     topk_weights: float32 [T, k]; topk_ids: int32 [T, k] (global ids); expert_map: int32
-    [E_global] or None (see ``moe_align_block_size``). Weights and hidden share a dtype
-    and have unit stride along their last dim. ``config``: the tile config to use
+    [E_global] or None (see ``moe_align_block_size``). Float weights share hidden's dtype;
+    weights and hidden have unit stride along their last dim. ``config``: the tile config to use
     (default: ``pick_config(tile_configs, T, ...)``). ``cast_weights``: the routing weights
     are rounded to hidden's dtype before they scale the experts' outputs (Qwen-MoE), else
     the product is float32 (Mixtral); see ``moe_torch``. Returns [T, H] in hidden's dtype:
     ``moe_torch.fused_experts_torch``'s operations and roundings (exactly its value in
-    float32 up to summation order, and in bf16 up to the GEMMs' own rounding)."""
+    float32 up to summation order, and in bf16 up to the GEMMs' own rounding).
+
+    FP8 weights (weight-only): w13 and/or w2 torch.float8_e4m3fn, hidden bf16, fp16 or
+    float32, with float32 scales: ``block_shape`` None: per output channel, w13_scale
+    [E_local, 2 * I] (gate rows then up rows; [E_local, 2 * I, 1] is taken too), w2_scale
+    [E_local, H]; ``block_shape`` (bn, bk): per block, w13_scale [E_local, ceil(2I / bn),
+    ceil(H / bk)], w2_scale [E_local, ceil(H / bn), ceil(I / bk)], element (r, c) of expert e
+    scaled by scale[e, r // bn, c // bk]. Each weight is dequantized in the kernel to
+    ``(w.float() * scale).to(hidden.dtype)`` before its product, so the result is this
+    function's on the dequantized weights (bit for bit under the interpreter). Raises
+    ValueError for a scale given for a float weight, missing for an FP8 one, not float32,
+    on another device or of the wrong shape; for a block_shape that is not two positive
+    integers or given without an FP8 weight; for another 1-byte float weight dtype, or FP8
+    weights with a hidden dtype other than bf16 / fp16 / float32."""
     t, h = hidden.shape
     e_local, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
+    if block_shape is not None:
+        block_shape = _check_block_shape(block_shape)
+    w13_scale = _check_scale("w13", w13, w13_scale, block_shape)
+    w2_scale = _check_scale("w2", w2, w2_scale, block_shape)
+    if w13_scale is None and w2_scale is None:
+        if block_shape is not None:
+            raise ValueError("block_shape given without FP8 (torch.float8_e4m3fn) weights")
+    elif hidden.dtype not in _FP8_ACTS:
+        raise ValueError(f"FP8 expert weights take bf16, fp16 or float32 activations, got hidden of {hidden.dtype}")
     if t == 0:
         return torch.zeros_like(hidden)
     hidden = hidden.contiguous()
@@ -726,18 +941,23 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         # both passes' SPLIT_K checked before anything runs
         gemv_split_k(c13, h, _gemv_block_k(c13, h))
         gemv_split_k(c2, inter, _gemv_block_k(c2, inter))
-        gemv_pass(hidden, w13, mid, topk_weights, topk_ids, expert_map, True, False, top_k, c13)
+        gemv_pass(hidden, w13, mid, topk_weights, topk_ids, expert_map, True, False, top_k, c13,
+                  scale=w13_scale, block_shape=block_shape)
         if c2.get("FUSE_SUM", True):  # default: no [T*k, H] buffer and no separate sum
             out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
-            gemv_down_sum_pass(mid, w2, out, topk_weights, topk_ids, expert_map, c2, cast_weights)
+            gemv_down_sum_pass(mid, w2, out, topk_weights, topk_ids, expert_map, c2, cast_weights,
+                               scale=w2_scale, block_shape=block_shape)
             return out
         out = torch.empty((pairs, h), dtype=pair_dtype, device=hidden.device)
-        gemv_pass(mid, w2, out, topk_weights, topk_ids, expert_map, False, True, 1, c2, cast_weights)
+        gemv_pass(mid, w2, out, topk_weights, topk_ids, expert_map, False, True, 1, c2, cast_weights,
+                  scale=w2_scale, block_shape=block_shape)
     else:
         out = torch.empty((pairs, h), dtype=pair_dtype, device=hidden.device)
         if int(c13["BLOCK_SIZE_M"]) != int(c2["BLOCK_SIZE_M"]):
             raise ValueError("the two passes of a grouped-GEMM tile config must share BLOCK_SIZE_M")
         aligned = moe_align_block_size(topk_ids, int(c13["BLOCK_SIZE_M"]), e_local, expert_map)
-        grouped_pass(hidden, w13, mid, topk_weights, aligned, True, False, top_k, c13, pairs)
-        grouped_pass(mid, w2, out, topk_weights, aligned, False, True, 1, c2, pairs, cast_weights)
+        grouped_pass(hidden, w13, mid, topk_weights, aligned, True, False, top_k, c13, pairs,
+                     scale=w13_scale, block_shape=block_shape)
+        grouped_pass(mid, w2, out, topk_weights, aligned, False, True, 1, c2, pairs, cast_weights,
+                     scale=w2_scale, block_shape=block_shape)
     return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)

@@ -34,19 +34,23 @@ from pyengine import ops as _ops
 from pyengine.layers.activation import SILU_NAMES
 from pyengine.layers.fused_moe.moe_torch import fused_experts_torch
 from pyengine.layers.fused_moe.router import fused_topk
-from pyengine.layers.linear import _check_shape, divide, narrow_weight
+from pyengine.layers.linear import _check_shape, divide, full_weight, narrow_weight, weight_shape
 
 SHARD_KINDS = ("w1", "w2", "w3")  # gate, down, up (vLLM's / Mixtral's names)
 _NOT_LOADED = object()
 
-# One expert's projection in a checkpoint: "<prefix>.experts.<e>.<proj>.weight".
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
+# One expert's projection in a checkpoint: "<prefix>.experts.<e>.<proj>.<tensor>", the tensor
+# its weight or, quantized (FP8), the weight's scales.
+EXPERT_TENSORS = ("weight", "weight_scale", "weight_scale_inv")
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\."
+                            r"(?P<tensor>weight|weight_scale|weight_scale_inv)$")
 
 
 def expert_checkpoint_target(name: str, proj_names: dict[str, str]) -> tuple[str, tuple[str, int]] | None:
     """``(parameter name, (kind, expert id))`` for a checkpoint tensor of one expert, e.g.
     ``model.layers.3.mlp.experts.17.gate_proj.weight`` ->
-    ``("model.layers.3.mlp.experts.w13_weight", ("w1", 17))``; None for any other name.
+    ``("model.layers.3.mlp.experts.w13_weight", ("w1", 17))`` (``...down_proj.weight_scale``
+    -> ``...experts.w2_weight_scale``; see ``EXPERT_TENSORS``); None for any other name.
     ``proj_names``: checkpoint projection name -> kind (Qwen: ``gate_proj``/``up_proj``/
     ``down_proj``; Mixtral: ``w1``/``w3``/``w2``). A projection name not in it is None too
     (the caller decides whether an unknown tensor is an error)."""
@@ -54,7 +58,7 @@ def expert_checkpoint_target(name: str, proj_names: dict[str, str]) -> tuple[str
     if m is None or m["proj"] not in proj_names:
         return None
     kind = proj_names[m["proj"]]
-    param = "w2_weight" if kind == "w2" else "w13_weight"
+    param = ("w2_" if kind == "w2" else "w13_") + m["tensor"]
     return f"{m['prefix']}.{param}", (kind, int(m["expert"]))
 
 
@@ -107,15 +111,64 @@ class FusedMoE(nn.Module):
             self.intermediate_start = tp_rank * self.intermediate_size_per_partition
             self.expert_map = None
         self.intermediate_size = intermediate_size
-        e, ip = self.local_num_experts, self.intermediate_size_per_partition
-        local = range(self.expert_start, self.expert_start + e)
-        self.w13_weight = nn.Parameter(torch.empty(e, 2 * ip, hidden_size), requires_grad=False)
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w13_weight.shard_ids = tuple((k, g) for g in local for k in ("w1", "w3"))
-        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, ip), requires_grad=False)
-        self.w2_weight.weight_loader = self.weight_loader
-        self.w2_weight.shard_ids = tuple(("w2", g) for g in local)
+        self.params_dtype = torch.get_default_dtype()  # the activations' (weights may be quantized)
+        self.quant_method = None  # a quantization FusedMoEMethodBase, set by set_quant_method
+        self.fp8_block: tuple[int, int] | None = None  # FP8 block scales' (bn, bk) once loaded
+        self.replace_expert_weights(self.params_dtype)
         self._tile_configs = _NOT_LOADED  # fused_moe's table for this shape and GPU, read on first use
+
+    def _shard_ids(self, which: str) -> tuple:
+        local = range(self.expert_start, self.expert_start + self.local_num_experts)
+        if which == "w2":
+            return tuple(("w2", g) for g in local)
+        return tuple((k, g) for g in local for k in ("w1", "w3"))
+
+    def _register(self, name: str, t: torch.Tensor, which: str, **attrs) -> nn.Parameter:
+        p = nn.Parameter(t, requires_grad=False)
+        p.weight_loader = self.weight_loader
+        p.shard_ids = self._shard_ids(which)
+        for k, v in attrs.items():
+            setattr(p, k, v)
+        if hasattr(self, name):
+            delattr(self, name)
+        self.register_parameter(name, p)
+        return p
+
+    def replace_expert_weights(self, dtype: torch.dtype) -> None:
+        """(Re)create the empty stacked weights in ``dtype`` (a quantization method's
+        ``create_weights``: FP8)."""
+        e, ip, h = self.local_num_experts, self.intermediate_size_per_partition, self.hidden_size
+        self._register("w13_weight", torch.empty(e, 2 * ip, h, dtype=dtype), "w13")
+        self._register("w2_weight", torch.empty(e, h, ip, dtype=dtype), "w2")
+
+    def add_expert_scale(self, name: str, shape: tuple[int, ...], form: str,
+                         block: tuple[int, int] | None = None) -> None:
+        """Register an empty float32 scale parameter ``name`` (``w13_...`` / ``w2_...``) that
+        every expert's checkpoint scale loads into: ``form`` "tensor" (one value a
+        projection, spread over its rows), "channel" (one a row) or "block" (``block`` tiles)."""
+        self._register(name, torch.empty(shape, dtype=torch.float32), "w2" if name.startswith("w2_") else "w13",
+                       moe_scale=form, moe_block=block)
+
+    def set_expert_weights(self, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                           w2_scale: torch.Tensor | None, block: tuple[int, int] | None) -> None:
+        """The experts' final form (a quantization method's ``process_weights_after_loading``):
+        float weights, or FP8 weights with float32 scales ``w13_weight_scale`` /
+        ``w2_weight_scale`` (per row, or ``block`` tiles); every other parameter dropped."""
+        for name, _ in list(self.named_parameters(recurse=False)):
+            delattr(self, name)
+        self.register_parameter("w13_weight", nn.Parameter(w13.contiguous(), requires_grad=False))
+        self.register_parameter("w2_weight", nn.Parameter(w2.contiguous(), requires_grad=False))
+        if w13_scale is not None:
+            self.register_parameter("w13_weight_scale", nn.Parameter(w13_scale.contiguous(), requires_grad=False))
+            self.register_parameter("w2_weight_scale", nn.Parameter(w2_scale.contiguous(), requires_grad=False))
+        self.fp8_block = block if w13_scale is not None else None
+
+    def set_quant_method(self, method) -> None:
+        """Quantized experts: ``method`` (a ``FusedMoEMethodBase``) replaces the float weights
+        by its checkpoint tensors now and gives them their final form after loading. Raises
+        ValueError for a shape it cannot split."""
+        method.create_weights(self)
+        self.quant_method = method
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
         """Copy one expert's checkpoint tensor (torch tensor or safetensors slice; only this
@@ -132,6 +185,10 @@ class FusedMoE(nn.Module):
         if not 0 <= local < self.local_num_experts:
             return  # another rank's expert
         ip, i0 = self.intermediate_size_per_partition, self.intermediate_start
+        form = getattr(param, "moe_scale", None)
+        if form is not None:
+            self._load_scale(param, loaded, kind, expert, local, form)
+            return
         if kind == "w2":
             _check_shape(loaded, (self.hidden_size, self.intermediate_size), f" for expert {expert} {kind}")
             param.data[local].copy_(narrow_weight(loaded, 1, i0, ip))
@@ -139,6 +196,43 @@ class FusedMoE(nn.Module):
             _check_shape(loaded, (self.intermediate_size, self.hidden_size), f" for expert {expert} {kind}")
             rows = 0 if kind == "w1" else ip
             param.data[local, rows:rows + ip].copy_(narrow_weight(loaded, 0, i0, ip))
+
+    def _load_scale(self, param: torch.Tensor, loaded, kind: str, expert: int, local: int, form: str) -> None:
+        # One expert projection's FP8 scale into its rows (w1 / w3: this rank's gate / up rows
+        # of w13; w2: all of down's rows, this rank's columns for blocks).
+        ip, i0, h, inter = self.intermediate_size_per_partition, self.intermediate_start, self.hidden_size, \
+            self.intermediate_size
+        what = f" for expert {expert} {kind} weight scale"
+        rows = 0 if kind == "w1" else ip
+        dst = param.data[local]
+        if form == "tensor":
+            t = full_weight(loaded)
+            if t.numel() != 1:
+                raise ValueError(f"expected one per-tensor value{what}, got shape {tuple(t.shape)}")
+            (dst if kind == "w2" else dst[rows:rows + ip]).fill_(float(t.reshape(())))
+        elif form == "channel":
+            n = h if kind == "w2" else inter
+            if weight_shape(loaded) not in ((n, 1), (n,)):
+                raise ValueError(f"shape mismatch{what}: expected ({n}, 1) per-channel scales in the checkpoint, "
+                                 f"got {weight_shape(loaded)}")
+            if kind == "w2":
+                dst.copy_(full_weight(loaded).reshape(-1))
+            else:
+                dst[rows:rows + ip].copy_(narrow_weight(loaded, 0, i0, ip).reshape(-1))
+        else:
+            bn, bk = param.moe_block
+            if kind == "w2":
+                _check_shape(loaded, (-(-h // bn), -(-inter // bk)), what)
+                dst.copy_(narrow_weight(loaded, 1, i0 // bk, dst.shape[1]))
+            else:
+                _check_shape(loaded, (-(-inter // bn), -(-h // bk)), what)
+                dst[rows // bn:(rows + ip) // bn].copy_(narrow_weight(loaded, 0, i0 // bn, ip // bn))
+
+    def _scales(self) -> dict:
+        if self.w13_weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return {"w13_scale": self.w13_weight_scale, "w2_scale": self.w2_weight_scale,
+                    "block_shape": self.fp8_block}
+        return {}
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if _ops.use_triton(hidden):
@@ -150,7 +244,7 @@ class FusedMoE(nn.Module):
                                       if hidden.is_cuda else None)
             return fused_moe.fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                            expert_map=self.expert_map, tile_configs=self._tile_configs,
-                                           cast_weights=self.cast_routing_weights)
+                                           cast_weights=self.cast_routing_weights, **self._scales())
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
         return fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                    expert_map=self.expert_map, cast_weights=self.cast_routing_weights)
@@ -164,7 +258,7 @@ class FusedMoE(nn.Module):
             return 0
         from pyengine.layers.fused_moe import fused_moe
 
-        x = torch.zeros(1, self.hidden_size, dtype=self.w13_weight.dtype, device=self.w13_weight.device)
+        x = torch.zeros(1, self.hidden_size, dtype=self.params_dtype, device=self.w13_weight.device)
         self.forward(x, torch.zeros(1, self.global_num_experts, device=x.device))  # loads the table
         sizes = {1 << i for i in range(max(1, max_num_tokens).bit_length())} | set(self._tile_configs or ())
         seen, runs = set(), 1
@@ -182,4 +276,6 @@ class FusedMoE(nn.Module):
         return (f"experts={self.global_num_experts} (local {self.local_num_experts} from {self.expert_start}), "
                 f"top_k={self.top_k}, hidden={self.hidden_size}, intermediate={self.intermediate_size} "
                 f"(local {self.intermediate_size_per_partition}), renormalize={self.renormalize}, ep={self.use_ep}, "
-                f"cast_routing_weights={self.cast_routing_weights}")
+                f"cast_routing_weights={self.cast_routing_weights}, "
+                f"weights={str(self.w13_weight.dtype).replace('torch.', '')}"
+                f"{f' blocks {list(self.fp8_block)}' if self.fp8_block else ''}")

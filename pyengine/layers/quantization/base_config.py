@@ -12,7 +12,10 @@ layer that stays unquantized (an ``ignore`` entry). The method owns the layer's 
    one dense weight in the compute dtype; on CUDA: the kernels' layout);
 3. ``apply(layer, x [T, K], bias) -> [T, N]``.
 
-The linear layers never know which method they run.
+The linear layers never know which method they run. An MoE layer's experts
+(``pyengine.layers.fused_moe.FusedMoE``) get a ``FusedMoEMethodBase`` instead
+(``QuantizationConfig.get_moe_method``): it owns their stacked weights the same way, and
+the fused-MoE kernels run whatever form it leaves.
 """
 from __future__ import annotations
 
@@ -78,6 +81,29 @@ class LinearMethodBase(ABC):
             p.data.uniform_(-0.02, 0.02, generator=gen)
 
 
+class FusedMoEMethodBase(ABC):
+    """The weights of one MoE layer's stacked experts in a quantized form (the role of
+    vllm/model_executor/layers/fused_moe/layer.py's ``FusedMoEMethodBase``). ``layer`` is a
+    ``FusedMoE``: ``local_num_experts``, ``intermediate_size_per_partition``,
+    ``hidden_size``, ``params_dtype`` and its ``weight_loader``."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module) -> None:
+        """Replace ``layer``'s float ``w13_weight`` / ``w2_weight`` by the checkpoint's
+        quantized tensors (and their scales). Raises ValueError for a shape the format cannot
+        split over the ranks."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded tensors into what ``FusedMoE.forward`` runs (called once)."""
+        return None
+
+    def dummy_weights(self, layer: nn.Module, gen: torch.Generator) -> None:
+        """Random values of a valid quantized weight (``load_format="dummy"``). Default:
+        every float parameter uniform in [-0.02, 0.02]."""
+        for p in layer.parameters(recurse=False):
+            p.data.uniform_(-0.02, 0.02, generator=gen)
+
+
 class QuantizationConfig(ABC):
     """A quantization method's settings, parsed from ``quantization_config``."""
 
@@ -99,6 +125,15 @@ class QuantizationConfig(ABC):
         ``checkpoint_names`` are the checkpoint modules fused into it (q/k/v_proj of a
         qkv_proj). None: the layer is not quantized. Raises ValueError when the fused parts
         disagree (some quantized, some not)."""
+
+    def get_moe_method(self, layer: nn.Module, prefix: str,
+                       checkpoint_names: list[str]) -> FusedMoEMethodBase | None:
+        """The method for the experts of the MoE layer at ``prefix``; ``checkpoint_names``:
+        the checkpoint module names of every expert projection it stacks
+        (``...experts.<e>.gate_proj`` ...). None (the default): the experts stay in the
+        model's float dtype, and the loader refuses a checkpoint that stores them quantized.
+        Raises ValueError for experts quantized in a way the fused MoE cannot run."""
+        return None
 
     def kv_cache_scales(self) -> bool:
         """Whether the checkpoint holds per-layer ``k_scale`` / ``v_scale`` tensors (an FP8

@@ -17,6 +17,9 @@ Supported schemes:
   ``weight_scale`` [N, groups], ``weight_zero_point`` (asymmetric: int32 packed along N),
   ``weight_shape``, ``weight_g_idx`` (group actorder).
 
+MoE experts (``get_moe_method``): FP8 schemes only, run weight-only by the fused MoE
+(``fp8.Fp8MoEMethod``); INT experts and static activation scales are refused.
+
 Anything else (INT8 activations, NVFP4/MXFP formats, sparsity, transforms, output
 activations) is refused with a ValueError naming it. On CPU the W8A8 activation
 quantization is reproduced as compressed-tensors runs it, so outputs are token-exact
@@ -196,6 +199,28 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ValueError(f"the parts fused at {prefix!r} ({', '.join(names)}) have different quantization schemes")
         scheme = found.pop()
         return CompressedTensorsW8A8Fp8(scheme) if scheme.kind == "fp8" else CompressedTensorsWNA16(scheme)
+
+    def get_moe_method(self, layer: nn.Module, prefix: str, checkpoint_names: list[str]):
+        """FP8 experts (any weight strategy; dynamic or no activation quantization: they run
+        weight-only, see ``Fp8MoEMethod``) or None when every expert projection is ignored.
+        Raises ValueError for INT experts, static activation scales, or experts quantized
+        unalike."""
+        from pyengine.layers.quantization.fp8 import Fp8MoEMethod
+
+        if is_layer_skipped(prefix, checkpoint_names, lambda n: self._scheme_for(n) is None):
+            return None
+        found = {dataclasses.replace(sc, targets=()) for n in checkpoint_names for sc in [self._scheme_for(n)]}
+        if len(found) != 1:
+            raise ValueError(f"the experts of {prefix!r} are quantized with different schemes; a fused MoE layer "
+                             f"takes one")
+        scheme = found.pop()
+        if scheme.kind != "fp8":
+            raise ValueError(f"INT{scheme.bits} ({scheme.strategy}) MoE experts are not supported: vengine's fused "
+                             f"MoE runs FP8 (float-quantized) experts or float ones")
+        if scheme.act == "tensor":
+            raise ValueError("FP8 MoE experts with static per-tensor input_scale are not supported: the experts "
+                             "run weight-only and the scales would go unused")
+        return Fp8MoEMethod(scheme.strategy, scheme.block)
 
 
 class CompressedTensorsW8A8Fp8(LinearMethodBase):
