@@ -131,12 +131,16 @@ def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int) -> 
     tiles never exceed the next power of two of their dims (tiny test shapes)."""
     if m <= 4:
         # GEMV tiles: at most ~64 float32 accumulators a thread (gate/up keeps two), K in
-        # few unrolled chunks (down's K, the intermediate size, can be 14336: Mixtral).
+        # few unrolled chunks (down's K, the intermediate size, can be 14336: Mixtral). Up to
+        # 2048 wide, the H200 sweep's picks at Qwen3-30B-A3B's shape (E=128, N=768): small
+        # programs, many of them — the down pass's one program per (token, N-block) otherwise
+        # leaves the GPU a program an SM (16-row tiles: 128 programs, 4x that pass's bandwidth
+        # floor on an H100, 2026-12-07).
         return {"small_batch": True,
                 "w13": {"BLOCK_SIZE_N": 8 if k <= 4096 else 4, "BLOCK_SIZE_K": 512 if k <= 4096 else 1024,
-                        "num_warps": 4},
-                "w2": {"BLOCK_SIZE_N": 16 if n <= 2048 else 4, "BLOCK_SIZE_K": 256 if n <= 2048 else 1024,
-                       "num_warps": 4}}
+                        "num_warps": 2 if k <= 2048 else 4},
+                "w2": {"BLOCK_SIZE_N": 2 if n <= 2048 else 4, "BLOCK_SIZE_K": 1024,
+                       "num_warps": 2 if n <= 2048 else 4}}
     pairs_per_expert = m * top_k / max(1, num_experts)
     # (BLOCK_SIZE_M, gate/up BLOCK_SIZE_N, down BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, warps, stages)
     if pairs_per_expert <= 2:  # about one M-block per chosen expert
