@@ -43,7 +43,7 @@ step() {  # step SECONDS NAME CMD...
 # FP8 MoE experts (issues 25, 26): their kernels and models on the GPU (dequantized-weight references, float32
 # token-exact), then the Qwen3-30B-A3B shape's engine in bf16 and quantized at load (batch-1 TPOT against the
 # floor of the bytes a step reads, the serving workload), each in a process of its own, the card's bandwidth for the floor
-step 300 gpu_fp8moe python3 -m pytest -q -m gpu tests/layers/fused_moe tests/models/test_moe.py tests/quantization/test_kernel_path.py tests/quantization/test_moe_quant.py -k "moe or fp8" -p no:cacheprovider --tb=short --durations=8 -o faulthandler_timeout=200
+step 420 gpu_fp8moe python3 -m pytest -q -m gpu tests/layers/fused_moe tests/models/test_moe.py tests/quantization/test_kernel_path.py tests/quantization/test_moe_quant.py -k "moe or fp8" -p no:cacheprovider --tb=short --durations=8 -o faulthandler_timeout=200
 step 480 moe_fp8_bench bash -c 'BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8 || echo 3.35); for q in none fp8; do python3 benchmarks/moe.py --sections engine --nano-requests 0 --bandwidth-tbs $BW $([ $q = fp8 ] && echo --quantization fp8) --out-dir "$0" || exit 1; done' "$OUT"
 # kernels first (fast, and a failure there explains any end-to-end failure), then token-exactness
 # every GPU test in one process (the 2-GPU ones skip on one GPU); about 400 s

@@ -192,3 +192,29 @@ def test_fp8_block_that_does_not_divide_the_ranks_rows_refused():
     moe.set_quant_method(Fp8MoEMethod("block", (16, 16), scale_name="weight_scale_inv"))
     assert moe.w13_weight.dtype == torch.float8_e4m3fn
     assert moe.w13_weight_scale_inv.shape == (4, 2, 4) and moe.w2_weight_scale_inv.shape == (4, 4, 1)
+
+
+def test_fp8_experts_with_static_input_scales_refused():
+    """The experts run weight-only: a static activation scale would go unused, so a config
+    that prescribes one for them is refused (HF fp8 and compressed-tensors alike)."""
+    from pyengine.layers.quantization.compressed_tensors import CompressedTensorsConfig
+    from pyengine.layers.quantization.fp8 import Fp8Config
+
+    names = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+    prefix = "model.layers.0.mlp.experts"
+    static = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "static"})
+    with pytest.raises(ValueError, match="static activation scales"):
+        static.get_moe_method(None, prefix, names)
+    assert Fp8Config.from_config({"quant_method": "fp8", "modules_to_not_convert": ["experts"]}).get_moe_method(
+        None, prefix, names) is None
+    w = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+    a = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+    ct = CompressedTensorsConfig.from_config({"quant_method": "compressed-tensors", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": w, "input_activations": a, "format": "float-quantized"}}})
+    with pytest.raises(ValueError, match="static per-tensor input_scale"):
+        ct.get_moe_method(None, prefix, names)
+    partly = CompressedTensorsConfig.from_config({"quant_method": "compressed-tensors", "ignore": [names[0]],
+                                                  "config_groups": {"g": {"targets": ["Linear"], "weights": w,
+                                                                          "format": "float-quantized"}}})
+    with pytest.raises(ValueError, match="quantizes only some of the parts"):
+        partly.get_moe_method(None, prefix, names)
