@@ -121,6 +121,23 @@ def _config_for(family: str, vocab_size: int, bos: int, eos: int, pad: int, **ov
     return cls(**kw)
 
 
+def triton_device(kind: str) -> str:
+    """The device a Triton kernel test of ``kind`` ("cpu" | "cuda") runs on, or a skip: the CPU
+    only under TRITON_INTERPRET=1 (triton's interpreter), CUDA only with a GPU and without it."""
+    import os
+
+    import pytest
+
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if kind == "cpu":
+        if not interpret:
+            pytest.skip("set TRITON_INTERPRET=1 to run triton on CPU")
+        return "cpu"
+    if not torch.cuda.is_available() or interpret:
+        pytest.skip("needs CUDA")
+    return "cuda"
+
+
 def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
                      max_shard_size: str | None = None, logit_scale: float = 4.0,
                      **config_overrides) -> Path:

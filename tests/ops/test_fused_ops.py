@@ -24,19 +24,13 @@ from pyengine.ops import (
     fused,  # noqa: E402
     native,  # noqa: E402
 )
+from tests.helpers import triton_device  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _dev(kind):
-    if kind == "cpu":
-        if not INTERPRET:
-            pytest.skip("set TRITON_INTERPRET=1 to run triton on CPU")
-        return "cpu"
-    if not HAS_CUDA or INTERPRET:
-        pytest.skip("needs CUDA")
-    return "cuda"
+_dev = triton_device
 
 
 def _tol(dtype):

@@ -23,19 +23,13 @@ import triton  # noqa: E402
 
 from pyengine.layers.quantization.utils import dequantize_fp8, fp8_quantize, pack_int32  # noqa: E402
 from pyengine.ops import quant  # noqa: E402
+from tests.helpers import triton_device  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _dev(kind):
-    if kind == "cpu":
-        if not INTERPRET:
-            pytest.skip("set TRITON_INTERPRET=1 to run triton on CPU")
-        return "cpu"
-    if not torch.cuda.is_available() or INTERPRET:
-        pytest.skip("needs CUDA")
-    return "cuda"
+_dev = triton_device
 
 
 # Hopper's FP8 tensor-core MMA adds its exact e4m3 products with a narrower accumulator than

@@ -24,18 +24,12 @@ import triton  # noqa: E402,F401
 from pyengine.layers.fused_moe import fused_moe  # noqa: E402
 from pyengine.layers.fused_moe.moe_torch import fused_experts_torch  # noqa: E402
 from pyengine.layers.fused_moe.router import fused_topk  # noqa: E402
+from tests.helpers import triton_device  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _dev(kind):
-    if kind == "cpu":
-        if not INTERPRET:
-            pytest.skip("set TRITON_INTERPRET=1 to run triton on CPU")
-        return "cpu"
-    if not torch.cuda.is_available() or INTERPRET:
-        pytest.skip("needs CUDA")
-    return "cuda"
+_dev = triton_device
 
 
 def _problem(t, e, h, inter, k, dtype, dev, seed=0):
