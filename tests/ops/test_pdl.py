@@ -164,11 +164,22 @@ def _decode_split():
                               NUM_SPLITS=4, UPCAST=False)
 
 
-def _moe_gemv():
+def _moe_gemv(fp8: bool = False):
     from pyengine.layers.fused_moe import fused_moe
-    return fused_moe._gemv_kernel, dict(w_ptr="*fp32", ids_ptr="*i32", emap_ptr="*i32", part_ptr="*fp32"), dict(
+    types = dict(w_ptr="*fp32", ids_ptr="*i32", emap_ptr="*i32", part_ptr="*fp32")
+    if fp8:  # FP8 expert weights with per-channel scales
+        types.update(b_ptr="*fp8e4nv", s_ptr="*fp32")
+    return fused_moe._gemv_kernel, types, dict(
         K=2048, A_ROW_DIV=1, GATED=True, MUL_WEIGHT=False, CAST_W=False, HAS_EMAP=False, EMULATE=False, BLOCK_N=16,
-        BLOCK_K=512, SPLIT_K=1)
+        BLOCK_K=512, SPLIT_K=1, HAS_SCALE=fp8, BLOCK_SCALED=False, BN_S=1, BK_S=1)
+
+
+def _moe_down_sum_fp8_blocks():
+    from pyengine.layers.fused_moe import fused_moe
+    return fused_moe._gemv_down_sum_kernel, dict(
+        w_ptr="*fp32", ids_ptr="*i32", emap_ptr="*i32", b_ptr="*fp8e4nv", s_ptr="*fp32"), dict(
+        K=768, TOP_K=8, HAS_EMAP=False, CAST_W=True, EMULATE=False, BLOCK_N=2, BLOCK_K=1024, HAS_SCALE=True,
+        BLOCK_SCALED=True, BN_S=128, BK_S=128)
 
 
 # (kernel, whether it prefetches its weights before the wait)
@@ -179,7 +190,8 @@ KERNELS = {"gemv": (_gemv, True), "fp8_gemv": (_fp8_tc, True), "fp8_gemv_stream"
            "silu_and_mul": (_silu, False),
            "decode_reduce": (_decode_reduce, False), "topk_softmax": (_topk, False),
            "rope_and_cache": (_rope_cache, False), "decode_split": (_decode_split, False),
-           "fused_moe_gemv": (_moe_gemv, False)}
+           "fused_moe_gemv": (_moe_gemv, False), "fused_moe_gemv_fp8": (lambda: _moe_gemv(True), False),
+           "fused_moe_down_sum_fp8_blocks": (_moe_down_sum_fp8_blocks, False)}
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
