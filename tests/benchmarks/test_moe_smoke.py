@@ -54,11 +54,15 @@ def test_moe_sweep_cpu_smoke_writes_a_loadable_table(tmp_path):
     from pyengine.layers.fused_moe import fused_moe
 
     table = fused_moe.load_tile_configs(8, 32, "cpu-interpreter", tmp_path / "configs")
-    assert set(table) == {1, 40} and table[1]["small_batch"] and "BLOCK_SIZE_M" in table[40]
+    # each M's fastest path under the interpreter on a loaded machine is timing, not code: any
+    # entry is a whole config of one of the two paths
+    assert set(table) == {1, 40}
+    assert all(cfg.get("small_batch") or "BLOCK_SIZE_M" in cfg for cfg in table.values()), table
     assert not list(fused_moe.CONFIG_DIR.glob("*cpu-interpreter*"))  # the smoke run never writes the repository's
     sweep = json.loads((tmp_path / "moe_sweep_tiny.json").read_text())["results"]["sweep"]
     assert sweep["32"]["written"].endswith("E=8,N=32,device_name=cpu-interpreter.json")
     # the GEMV path's split-K tiles are among the candidates, timed (they ran) for both passes
+    assert {e.get("path") for e in sweep["32"]["log"]} >= {"gemv", "grouped"}  # both paths were candidates
     split = [e for e in sweep["32"]["log"] if e.get("path") == "gemv" and e.get("config", {}).get("SPLIT_K", 1) > 1]
     assert {e["pass"] for e in split} == {"w13", "w2"} and all(e["us"] < float("inf") for e in split)
 
