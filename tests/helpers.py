@@ -138,6 +138,16 @@ def triton_device(kind: str) -> str:
     return "cuda"
 
 
+def rank_expert_map(rank: int, num_experts: int, ranks: int, device) -> torch.Tensor:
+    """Expert parallelism's global -> local map (int32 [num_experts], -1 for another rank's
+    expert) of ``rank`` holding a contiguous 1/``ranks`` of the experts, as ``FusedMoE``
+    builds it."""
+    per = num_experts // ranks
+    emap = torch.full((num_experts,), -1, dtype=torch.int32)
+    emap[per * rank:per * (rank + 1)] = torch.arange(per, dtype=torch.int32)
+    return emap.to(device)
+
+
 def build_tiny_model(out_dir, family: str, tokenizer_dir, seed: int = 0,
                      max_shard_size: str | None = None, logit_scale: float = 4.0,
                      **config_overrides) -> Path:

@@ -24,7 +24,7 @@ import triton  # noqa: E402,F401
 from pyengine.layers.fused_moe import fused_moe  # noqa: E402
 from pyengine.layers.fused_moe.moe_torch import fused_experts_torch  # noqa: E402
 from pyengine.layers.fused_moe.router import fused_topk  # noqa: E402
-from tests.helpers import triton_device  # noqa: E402
+from tests.helpers import rank_expert_map, triton_device  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -87,9 +87,7 @@ def test_expert_map_leaves_other_ranks_experts_out(kind, cfg):
     whole = fused_experts_torch(x, w13, w2, w, ids)
     parts = []
     for r in range(2):
-        emap = torch.full((8,), -1, dtype=torch.int32)
-        emap[4 * r:4 * r + 4] = torch.arange(4, dtype=torch.int32)
-        emap = emap.to(dev)
+        emap = rank_expert_map(r, 8, 2, dev)
         local = slice(4 * r, 4 * r + 4)
         got = fused_moe.fused_experts(x, w13[local].contiguous(), w2[local].contiguous(), w, ids, expert_map=emap,
                                       config=cfg)

@@ -27,7 +27,7 @@ import triton  # noqa: E402,F401
 from pyengine.layers.fused_moe import fused_moe  # noqa: E402
 from pyengine.layers.fused_moe.moe_torch import fused_experts_torch  # noqa: E402
 from pyengine.layers.fused_moe.router import fused_topk  # noqa: E402
-from tests.helpers import triton_device  # noqa: E402
+from tests.helpers import rank_expert_map, triton_device  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FP8 = torch.float8_e4m3fn
@@ -169,9 +169,7 @@ def test_fp8_expert_map(kind, block, cfg):
     d13, d2 = dequantize(q13, s13, block, torch.float32), dequantize(q2, s2, block, torch.float32)
     parts = []
     for r in range(2):
-        emap = torch.full((8,), -1, dtype=torch.int32)
-        emap[4 * r:4 * r + 4] = torch.arange(4, dtype=torch.int32)
-        emap = emap.to(dev)
+        emap = rank_expert_map(r, 8, 2, dev)
         local = slice(4 * r, 4 * r + 4)
         got = fused_moe.fused_experts(x, q13[local].contiguous(), q2[local].contiguous(), w, ids, expert_map=emap,
                                       config=cfg, w13_scale=s13[local].contiguous(),
