@@ -624,6 +624,29 @@ def live_children(pid: int, recursive: bool = False) -> set[int]:
     return out
 
 
+def _rank_main(target, rank: int, init_method: str, *rest) -> None:
+    """One rank of ``run_two_ranks``: run ``target``, flush the report queue, then leave
+    without interpreter teardown, as the engine's workers do (worker.py): torch's gloo
+    threads destroyed at static-destruction time abort the process now and then
+    ("terminate called without an active exception") after the test's work is done."""
+    import os
+    import sys
+    import traceback
+
+    q = rest[-1]
+    code = 0
+    try:
+        target(rank, init_method, *rest)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    q.close()
+    q.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_two_ranks(target, *args, timeout: float = 240.0) -> dict:
     """Run ``target(rank, init_method, *args, queue)`` in two spawned processes (a
     torch.distributed pair on ``tcp://127.0.0.1``); each puts ``(rank, report)`` on the
@@ -635,7 +658,7 @@ def run_two_ranks(target, *args, timeout: float = 240.0) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init = get_distributed_init_method("127.0.0.1", get_open_port())
-    procs = [ctx.Process(target=target, args=(r, init, *args, q)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(target, r, init, *args, q)) for r in range(2)]
     for p in procs:
         p.start()
     reports = dict(q.get(timeout=timeout) for _ in procs)

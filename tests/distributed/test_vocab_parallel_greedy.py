@@ -33,8 +33,7 @@ def _rank(rank: int, init_method: str, q) -> None:
         head.weight.weight_loader(head.weight, w)
         gathered = tp.all_gather(torch.tensor([rank, 10 + rank]))
         q.put((rank, {"greedy": head.greedy(x).tolist(), "gathered": gathered.tolist()}))
-        # neither rank tears gloo down while the other still uses it (a fresh-clone run's rank
-        # died at exit with "terminate called without an active exception")
+        # neither rank tears gloo down while the other still uses it
         torch.distributed.barrier()
     finally:
         tp.destroy()
