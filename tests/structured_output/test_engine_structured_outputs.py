@@ -167,8 +167,14 @@ def test_preemption_keeps_grammar_state(qwen2_dir, llms, mode):
     llm = LLM(str(qwen2_dir), device="cpu", async_scheduling=mode, num_gpu_blocks_override=8, max_model_len=128,
               max_num_batched_tokens=64)
     try:
+        # every grammar compiled first (the compiler caches them): all 8 requests then compete for
+        # the 8 blocks at once, instead of entering one by one as their grammars compile (a
+        # loaded CI machine ran them so and never preempted)
+        warm = [_greedy(_so(json=s, disable_any_whitespace=True), max_tokens=1) for s in schemas]
+        llm.generate(_prompts(8), warm, use_tqdm=False)
+        before = llm.llm_engine.get_stats().num_preemptions
         outs = llm.generate(_prompts(8), params, use_tqdm=False)
-        assert llm.llm_engine.get_stats().num_preemptions > 0
+        assert llm.llm_engine.get_stats().num_preemptions > before
         assert [o.outputs[0].token_ids for o in outs] == ref
         _assert_no_leak(llm)
     finally:
