@@ -32,7 +32,11 @@ copies), GPU busy against the step's wall time, kernels per step (benchmarks/dec
 ``--quantization fp8``: the engine and profile sections on the same shape quantized at load
 (attention projections and experts FP8 per output row, run weight-only by the fused MoE;
 routers, norms and the LM head bf16), the floor counting those bytes (one per weight, plus
-the float32 row scales); the result is ``moe_fp8_<shape>.json``.
+the float32 row scales); the result is ``moe_fp8_<shape>.json``. ``--quantization gptq``:
+the shape as a GPTQ W4A16 checkpoint (4 bits, group 128, symmetric: Qwen3-30B-A3B-GPTQ-Int4's
+settings) with random valid weights (``load_format="dummy"``); the floor counts half a byte
+a weight plus the group scales (float32 for the experts, bf16 for attention); result
+``moe_gptq_<shape>.json``.
 
 ``--sweep``: instead, search the fused kernel's tile configs per M for the shape (``--sweep-n``
 intermediate sizes: 768 at TP=1, 384 at TP=2) within ``--sweep-budget-s`` seconds and
@@ -109,21 +113,33 @@ def moe_config(shape: str, bos: int = 0, eos: int = 1, pad: int = 2, vocab_size:
     return cfg
 
 
-def make_moe_model_dir(shape: str, out_dir) -> Path:
-    """config.json of the shape and a tokenizer filled to its vocabulary (no weights)."""
+def gptq_config(shape: str) -> dict:
+    """``--quantization gptq``'s quantization_config: Qwen3-30B-A3B-GPTQ-Int4's settings (groups
+    of 16 for the tiny shape, whose widths 128 does not divide)."""
+    return {"quant_method": "gptq", "bits": 4, "group_size": 16 if shape == "tiny" else 128, "desc_act": False,
+            "sym": True, "checkpoint_format": "gptq"}
+
+
+def make_moe_model_dir(shape: str, out_dir, quantization_config: dict | None = None) -> Path:
+    """config.json of the shape (with ``quantization_config`` when given) and a tokenizer
+    filled to its vocabulary (no weights)."""
     from transformers import AutoTokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     marker = out / ".vengine_shape"
-    if marker.is_file() and marker.read_text() == f"{shape} moe" and (out / "config.json").is_file():
+    tag = f"{shape} moe {json.dumps(quantization_config, sort_keys=True) if quantization_config else ''}".strip()
+    if marker.is_file() and marker.read_text() == tag and (out / "config.json").is_file():
         return out
     vocab = moe_config(shape).vocab_size
     build_tokenizer(out, fill_to=vocab if vocab > 512 else None)
     tok = AutoTokenizer.from_pretrained(str(out))
     bos, eos, pad = tok.convert_tokens_to_ids([BOS, EOS, PAD])
-    moe_config(shape, bos, eos, pad, vocab_size=max(vocab, len(tok))).save_pretrained(str(out))
-    marker.write_text(f"{shape} moe")
+    cfg = moe_config(shape, bos, eos, pad, vocab_size=max(vocab, len(tok)))
+    if quantization_config:
+        cfg.quantization_config = dict(quantization_config)
+    cfg.save_pretrained(str(out))
+    marker.write_text(tag)
     return out
 
 
@@ -133,19 +149,29 @@ def expert_bytes(cfg, itemsize: int) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
 
 
-def step_bytes(cfg, itemsize: int, batch: int = 1, context: int = 0, weight_itemsize: int | None = None) -> dict:
+def step_bytes(cfg, itemsize: int, batch: int = 1, context: int = 0, weight_itemsize: float | None = None,
+               group_size: int | None = None) -> dict:
     """Bytes one decode step of ``batch`` tokens reads at batch 1 (every token's experts
     distinct at batch 1: top_k per layer), with ``context`` cached tokens per request.
     ``weight_itemsize``: bytes per value of the quantized weights (attention projections and
-    experts; 1 for FP8, whose float32 per-row scales are counted too), default ``itemsize``;
-    norms, routers, the LM head, embeddings and the KV cache stay at ``itemsize``."""
+    experts; 1 for FP8, whose float32 per-row scales are counted too; 0.5 for INT4 with
+    ``group_size``: a scale per group of inputs, float32 for the experts and ``itemsize`` for
+    attention, as the engine keeps them), default ``itemsize``; norms, routers, the LM head,
+    embeddings and the KV cache stay at ``itemsize``."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     wsize = itemsize if weight_itemsize is None else weight_itemsize
-    scale_rows = 0 if weight_itemsize is None else 4  # float32 per output row
-    attn = (h * (q + 2 * kv) + q * h) * wsize + (q + 2 * kv + h) * scale_rows + (2 * d + 2 * h) * itemsize
+    inter = cfg.moe_intermediate_size
+    if weight_itemsize is None:
+        attn_scales = expert_scales = 0.0
+    elif group_size:  # one scale per group of inputs of every output row
+        attn_scales = (h * (q + 2 * kv) + q * h) / group_size * itemsize
+        expert_scales = 3 * h * inter / group_size * 4
+    else:  # float32 per output row
+        attn_scales, expert_scales = (q + 2 * kv + h) * 4, (2 * inter + h) * 4
+    attn = (h * (q + 2 * kv) + q * h) * wsize + attn_scales + (2 * d + 2 * h) * itemsize
     router = cfg.num_experts * h * itemsize
-    one_expert = expert_bytes(cfg, wsize) + (2 * cfg.moe_intermediate_size + h) * scale_rows
+    one_expert = expert_bytes(cfg, wsize) + expert_scales
     experts = min(cfg.num_experts, cfg.num_experts_per_tok * batch) * one_expert
     layers = cfg.num_hidden_layers
     lm_head = cfg.vocab_size * h * itemsize
@@ -730,15 +756,21 @@ def _engine_kwargs(args, device: str, dtype_name: str) -> dict:
     kw = dict(load_format="dummy", dtype=dtype_name, device=device, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
               tensor_parallel_size=args.tensor_parallel_size)
-    if args.quantization:
+    if args.quantization == "fp8":  # at load; gptq is the model directory's own quantization_config
         kw["quantization"] = args.quantization
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kw
 
 
-def _weight_itemsize(args) -> int | None:
-    return 1 if args.quantization == "fp8" else None
+def _floor_kwargs(args) -> dict:
+    """``step_bytes``' quantized-weight arguments for ``--quantization``."""
+    if args.quantization == "fp8":
+        return {"weight_itemsize": 1}
+    if args.quantization == "gptq":
+        qc = gptq_config(args.shape)
+        return {"weight_itemsize": qc["bits"] / 8, "group_size": qc["group_size"]}
+    return {}
 
 
 def bench_engine(args, model_dir: Path, device: str, dtype_name: str, save: Callable[[dict], None]) -> dict:
@@ -774,7 +806,7 @@ def bench_engine(args, model_dir: Path, device: str, dtype_name: str, save: Call
             tpots += _metrics_tpot(outs, n_out)
         itemsize = torch.empty((), dtype=cfg.dtype).element_size()
         mean_ctx = n_in + n_out / 2
-        floor = step_bytes(hf, itemsize, batch=1, context=int(mean_ctx), weight_itemsize=_weight_itemsize(args))
+        floor = step_bytes(hf, itemsize, batch=1, context=int(mean_ctx), **_floor_kwargs(args))
         tpot = statistics.median(tpots) if tpots else float("nan")
         floor_s = floor["total"] / (args.bandwidth_tbs * 1e12)
         res["batch1"] = {"input_len": n_in, "output_len": n_out, "tpot_ms": 1e3 * tpot,
@@ -829,7 +861,7 @@ def bench_profile(args, model_dir: Path, device: str, dtype_name: str) -> dict:
                              trace_dir=args.trace_dir, seed=2000)
         itemsize = torch.empty((), dtype=cfg.dtype).element_size()
         floor = step_bytes(cfg.hf_config, itemsize, batch=1, context=args.tpot_input_len + args.profile_warmup_steps
-                           + args.profile_timed_steps + args.profile_steps // 2, weight_itemsize=_weight_itemsize(args))
+                           + args.profile_timed_steps + args.profile_steps // 2, **_floor_kwargs(args))
         res.update(startup_s=startup, engine_args=kw, attention_backend=cfg.attention_backend,
                    bytes_per_step=floor, bandwidth_tbs=args.bandwidth_tbs,
                    floor_us=floor["total"] / (args.bandwidth_tbs * 1e6))
@@ -879,9 +911,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--quantization", choices=("fp8",), default=None,
-                   help="engine and profile sections: quantize at load (attention and experts FP8 per output row; "
-                        "the result file gets a _fp8 suffix)")
+    p.add_argument("--quantization", choices=("fp8", "gptq"), default=None,
+                   help="engine and profile sections: fp8 quantizes at load (attention and experts FP8 per output "
+                        "row); gptq makes the model a GPTQ W4A16 checkpoint (group 128) of random valid weights; "
+                        "the result file gets the name as a suffix")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--tpot-input-len", type=int, default=128)
     p.add_argument("--tpot-output-len", type=int, default=256)
@@ -961,9 +994,10 @@ def main(argv: list[str] | None = None) -> dict:
             elif name == "loading":
                 value = bench_loading(args, device, dtype)
             else:
+                gptq = args.quantization == "gptq"
                 model_dir = Path(args.model_dir) if args.model_dir else \
-                    Path(tempfile.gettempdir()) / "vengine_bench_models" / f"moe-{args.shape}"
-                make_moe_model_dir(args.shape, model_dir)
+                    Path(tempfile.gettempdir()) / "vengine_bench_models" / f"moe-{args.shape}{'-gptq' if gptq else ''}"
+                make_moe_model_dir(args.shape, model_dir, gptq_config(args.shape) if gptq else None)
                 if name == "profile":
                     value = bench_profile(args, model_dir, device, dtype_name)
                 else:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # Qwen-MoE's and Mixtral's
 
 
 def _copy_side_files(src: Path, out: Path) -> None:
@@ -113,6 +114,43 @@ def compressed_tensors_checkpoint(src_dir, out_dir, scheme: str, group_size: int
     return out
 
 
+def compressed_tensors_moe_checkpoint(src_dir, out_dir, plain_dir, scheme: str = "W4A16",
+                                      group_size: int | None = 16) -> tuple[Path, Path]:
+    """A compressed-tensors ``pack-quantized`` checkpoint of the MoE model in ``src_dir`` with
+    every expert's projections quantized too, and the plain model of the decompressed
+    weights. transformers' MoE classes stack their experts in one module (not ``Linear``s),
+    so ``compressed_tensors_checkpoint`` quantizes attention and shared experts only; each
+    expert's weight is then quantized, packed and unpacked by compressed-tensors'
+    ``PackedQuantizationCompressor`` itself (min/max qparams, as llm-compressor's default
+    observer), which is what llm-compressor writes for an MoE model's experts. The routers
+    are ignored, as llm-compressor's MoE recipes leave them."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationStrategy, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    ignore = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$"]
+    out = compressed_tensors_checkpoint(src_dir, out_dir, scheme, group_size=group_size, ignore=ignore,
+                                        plain_dir=plain_dir)
+    qscheme = preset_name_to_scheme(scheme, ["Linear"])
+    if group_size is not None and qscheme.weights.strategy == QuantizationStrategy.GROUP:
+        qscheme.weights.group_size = group_size
+    a = qscheme.weights
+    state, plain = _load_state(out), _load_state(Path(plain_dir))
+    for name in [k for k in state if ".experts." in k and k.endswith(".weight")]:
+        w = state.pop(name).float()
+        v = w.unflatten(-1, (-1, a.group_size)) if a.strategy == QuantizationStrategy.GROUP else w.unsqueeze(-1)
+        scale, zp = calculate_qparams(v.amin(-1), v.amax(-1), a)
+        module = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
+        packed = PackedQuantizationCompressor.compress(module, qscheme)
+        base = name[: -len(".weight")]
+        state.update({f"{base}.{k}": t for k, t in packed.items() if t is not None})
+        plain[name] = PackedQuantizationCompressor.decompress(packed, qscheme)["weight"].float()
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in plain.items()}, str(Path(plain_dir) / "model.safetensors"))
+    return out, Path(plain_dir)
+
+
 def _calibrate(model, calibration, calculate_qparams) -> None:
     """Static input scales (and k/v scales) from the min/max over the calibration prompts, as
     llm-compressor's static min-max observer."""
@@ -187,7 +225,10 @@ def _dequant(q, scales, zeros, g_idx) -> torch.Tensor:
 
 
 def _linear_weights(state: dict) -> list[str]:
-    return [k for k in state if k.endswith(".weight") and k.split(".")[-2] in LINEARS]
+    """The linear layers' weights: attention, MLPs and (Mixtral's ``w1``/``w2``/``w3`` too)
+    MoE experts' projections."""
+    return [k for k in state if k.endswith(".weight") and (k.split(".")[-2] in LINEARS or
+                                                           (".experts." in k and k.split(".")[-2] in EXPERT_LINEARS))]
 
 
 def _save(state: dict, src: Path, out: Path, quantization_config: dict | None) -> Path:
@@ -303,9 +344,6 @@ def fp8_block_checkpoint(src_dir, out_dir, plain_dir, block: Sequence[int] = (32
         plain[name] = q.float() * s
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
     return _save(state, src, Path(out_dir), qc), _save(plain, src, Path(plain_dir), None)
-
-
-EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # Qwen-MoE's and Mixtral's
 
 
 def _fp8_scales(w: torch.Tensor, form: str, block: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:

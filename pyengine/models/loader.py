@@ -98,9 +98,11 @@ _QUANT_TENSOR_NAMES = ("weight_scale", "weight_scale_inv", "weight_zero_point", 
 
 
 # One MoE expert's tensor (``...experts.17.gate_proj.weight_scale``): FusedMoE holds its experts in
-# the model's float dtype or, with an FP8 method, in FP8; a quantized tensor with nowhere to go
-# (GPTQ / AWQ / INT experts, or FP8 ones the config leaves float) is refused with that reason.
+# the model's float dtype or in the form its quantization method gives them (FP8, packed INT);
+# a quantized tensor with nowhere to go (experts the config leaves float) is refused with that reason.
 _EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
+# A parameter path under one expert of a FusedMoE (an expert projection's, ``moe_wna16``).
+_EXPERT_OF = re.compile(r"^(?P<moe>.*\.experts)\.(?P<id>\d+)\.")
 
 
 def _is_quantized(name: str, tensor) -> bool:
@@ -163,13 +165,25 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
             target, shard = mapped
         else:
             target, shard = name, None
-            parts = name.split(".")
+            # (a parameter of that very name is not a fused one: an MoE expert's projection, moe_wna16)
+            parts = name.split(".") if name not in params else []
             for i, p in enumerate(parts):
                 if p in packed:
                     fused, shard = packed[p]
                     target = ".".join(parts[:i] + [fused] + parts[i + 1:])
                     break
         param = params.get(target)
+        if param is None:  # an MoE layer's tensor it has no parameter for?
+            expert = _EXPERT_OF.match(target)
+            moe_name = expert["moe"] if expert else target.rpartition(".")[0]
+            moe = modules.get(moe_name)
+            if isinstance(moe, FusedMoE):
+                if expert and not moe.holds_expert(int(expert["id"])):
+                    continue  # another rank's expert (expert parallelism)
+                if moe.quant_method is not None and not _is_quantized(name, tensor):
+                    raise ValueError(f"checkpoint tensor {name!r} is a float expert weight, but the "
+                                     f"quantization_config quantizes the experts of {moe_name!r}: the checkpoint and "
+                                     f"its config disagree")
         if _is_quantized(name, tensor):
             # an expert's quantized tensor needs a quantized form of the experts (FP8) to load into
             if _EXPERT_NAME.search(name) and (param is None or (param.dtype in _FLOATS
@@ -203,9 +217,9 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
         raise ValueError(f"the checkpoint quantizes {', '.join(float_only[:4])}{' ...' if len(float_only) > 4 else ''}"
                          f": MoE routers and gates (ReplicatedLinear) run in the model's float dtype only")
     if experts:
-        raise ValueError("MoE experts stored quantized are not supported in this form (vengine's fused MoE runs "
-                         "its experts in the model's float dtype, or in FP8: compressed-tensors float-quantized, HF "
-                         f"fp8): {', '.join(experts[:4])}{' ...' if len(experts) > 4 else ''}")
+        raise ValueError("MoE experts stored quantized are not supported in this form: the quantization_config "
+                         "leaves these experts unquantized, or describes another form than the tensors have "
+                         f"({', '.join(experts[:4])}{' ...' if len(experts) > 4 else ''})")
     if unused_quantized:
         shown = ", ".join(unused_quantized[:8]) + (f" and {len(unused_quantized) - 8} more" if len(unused_quantized) > 8
                                                    else "")
@@ -277,12 +291,11 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
             init_dummy_weights(model, config.seed)
         else:
             load_weights(model, iterate_weights(config.model), tie_word_embeddings=tie)
-        for prefix, m in model.named_modules():
-            if isinstance(m, (LinearBase, FusedMoE)) and m.quant_method is not None:
-                try:
-                    m.quant_method.process_weights_after_loading(m)
-                except ValueError as e:
-                    raise ValueError(f"cannot load the quantized layer {prefix!r}: {e}") from None
+        for prefix, m in quantized_layers(model):
+            try:
+                m.quant_method.process_weights_after_loading(m)
+            except ValueError as e:
+                raise ValueError(f"cannot load the quantized layer {prefix!r}: {e}") from None
         if getattr(config, "kv_cache_dtype", "auto") == "fp8" and getattr(config, "load_format", "auto") != "dummy":
             found = load_kv_cache_scales(model, iterate_weights(config.model))
             declared = quant_config is not None and quant_config.kv_cache_scales()
@@ -339,6 +352,7 @@ def quantize_linear_layers(model: nn.Module, quant_config) -> None:
         fused_parts.setdefault(fused, []).append(ckpt_name)
     for prefix, module in list(model.named_modules()):
         if isinstance(module, FusedMoE):
+            module.expert_proj_names = dict(model.expert_proj_names)  # the names its experts' tensors have
             method = quant_config.get_moe_method(module, prefix, model.expert_checkpoint_names(prefix, module))
             if method is not None:
                 try:
@@ -358,12 +372,25 @@ def quantize_linear_layers(model: nn.Module, quant_config) -> None:
                 raise ValueError(f"cannot quantize {prefix!r}: {e}") from None
 
 
+def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(prefix, layer)`` of every linear or MoE layer a quantization method owns. The
+    projections an MoE method loads its experts into (``moe_wna16``) are its own business:
+    left out."""
+    out: list[tuple[str, nn.Module]] = []
+    for prefix, m in model.named_modules():
+        if out and isinstance(out[-1][1], FusedMoE) and prefix.startswith(out[-1][0] + "."):
+            continue
+        if isinstance(m, (LinearBase, FusedMoE)) and m.quant_method is not None:
+            out.append((prefix, m))
+    return out
+
+
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights on the model's device (vLLM's load_format="dummy"), for benchmarks
     of a model shape without a checkpoint: uniform in [-0.02, 0.02], norm weights 1."""
     gen = None
-    quantized = {id(p) for m in model.modules() if isinstance(m, (LinearBase, FusedMoE)) and m.quant_method is not None
-                 for n, p in m.named_parameters(recurse=False) if n != "bias"}
+    layers = quantized_layers(model)
+    quantized = {id(p) for _, m in layers for n, p in m.named_parameters() if n != "bias"}
     for name, p in model.named_parameters():
         if gen is None:
             gen = torch.Generator(device=p.device).manual_seed(seed)
@@ -373,6 +400,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             p.data.fill_(1.0)
         else:
             p.data.uniform_(-0.02, 0.02, generator=gen)
-    for m in model.modules():  # quantized layers: random values of a valid quantized weight
-        if isinstance(m, (LinearBase, FusedMoE)) and m.quant_method is not None and gen is not None:
+    for _, m in layers:  # quantized layers: random values of a valid quantized weight
+        if gen is not None:
             m.quant_method.dummy_weights(m, gen)

@@ -69,8 +69,10 @@ class MoECausalLMMixin:
       (attention here is full-context; it equals the window's for sequences up to the
       window, and only those).
     * ``map_checkpoint_name``: per-expert tensors -> ``FusedMoE``'s ``w13_weight`` /
-      ``w2_weight`` with shard ``(kind, expert)``; ``checkpoint_renames`` (pairs of
-      substrings) first, e.g. Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``.
+      ``w2_weight`` with shard ``(kind, expert)`` (or, for experts a quantization method
+      loads into modules of their own, ``FusedMoE.expert_modules``, the same name);
+      ``checkpoint_renames`` (pairs of substrings) first, e.g. Mixtral's
+      ``.block_sparse_moe.`` -> ``.mlp.``.
     * ``refuse_unknown_weights``: a checkpoint tensor that fills no parameter (a router
       bias, a correction bias, a stacked expert tensor ...) is refused at load.
     """
@@ -110,6 +112,7 @@ class MoECausalLMMixin:
         for old, new in self.checkpoint_renames:
             renamed = renamed.replace(old, new)
         target = expert_checkpoint_target(renamed, self.expert_proj_names)
-        if target is not None:
+        # experts loaded into modules of their own (moe_wna16) take their tensors by name
+        if target is not None and not self.get_submodule(target[0].rpartition(".")[0]).expert_modules:
             return target
         return (renamed, None) if renamed != name else None

@@ -110,3 +110,21 @@ def test_moe_benchmark_fp8_engine_cpu_smoke(tmp_path):
     cfg = moe_config("tiny")
     ctx = eng["batch1"]["input_len"] + eng["batch1"]["output_len"] // 2
     assert eng["batch1"]["bytes_per_step"]["experts"] < step_bytes(cfg, 4, 1, ctx)["experts"] / 3
+
+
+@pytest.mark.timeout(600)
+def test_moe_benchmark_gptq_engine_cpu_smoke(tmp_path):
+    """``--quantization gptq``: a GPTQ W4A16 model directory of random valid weights, its own
+    result file, the floor counting half a byte a quantized weight plus its group's scale."""
+    _require_triton()
+    _run("--sections", "engine", "--quantization", "gptq", tmp_path=tmp_path)
+    eng = json.loads((tmp_path / "moe_gptq_tiny.json").read_text())["results"]["engine"]
+    assert "error" not in eng, eng
+    assert "quantization" not in eng["engine_args"] and eng["batch1"]["tpot_ms"] > 0
+    from benchmarks.moe import moe_config, step_bytes
+
+    cfg = moe_config("tiny")
+    ctx = eng["batch1"]["input_len"] + eng["batch1"]["output_len"] // 2
+    fp32 = step_bytes(cfg, 4, 1, ctx)["experts"]
+    # 4 of 32 bits, plus a float32 scale per 16 weights (the tiny shape's groups): 6 of 32
+    assert eng["batch1"]["bytes_per_step"]["experts"] == pytest.approx(fp32 * 6 / 32)

@@ -164,22 +164,26 @@ def _decode_split():
                               NUM_SPLITS=4, UPCAST=False)
 
 
-def _moe_gemv(fp8: bool = False):
+def _moe_gemv(fp8: bool = False, int4: bool = False):
     from pyengine.layers.fused_moe import fused_moe
     types = dict(w_ptr="*fp32", ids_ptr="*i32", emap_ptr="*i32", part_ptr="*fp32")
     if fp8:  # FP8 expert weights with per-channel scales
         types.update(b_ptr="*fp8e4nv", s_ptr="*fp32")
+    if int4:  # packed int4 expert weights, groups of 128 with zero points
+        types.update(b_ptr="*i32", s_ptr="*fp32", z_ptr="*fp32")
     return fused_moe._gemv_kernel, types, dict(
         K=2048, A_ROW_DIV=1, GATED=True, MUL_WEIGHT=False, CAST_W=False, HAS_EMAP=False, EMULATE=False, BLOCK_N=16,
-        BLOCK_K=512, SPLIT_K=1, HAS_SCALE=fp8, BLOCK_SCALED=False, BN_S=1, BK_S=1)
+        BLOCK_K=512, SPLIT_K=1, HAS_SCALE=fp8 or int4, BLOCK_SCALED=int4, BN_S=1, BK_S=128 if int4 else 1,
+        INT_BITS=4 if int4 else 0, HAS_ZP=int4)
 
 
-def _moe_down_sum_fp8_blocks():
+def _moe_down_sum(bits: int = 0):
+    # FP8 weights with 128 x 128 block scales, or (bits) packed symmetric integers in groups of 128
     from pyengine.layers.fused_moe import fused_moe
     return fused_moe._gemv_down_sum_kernel, dict(
-        w_ptr="*fp32", ids_ptr="*i32", emap_ptr="*i32", b_ptr="*fp8e4nv", s_ptr="*fp32"), dict(
+        w_ptr="*fp32", ids_ptr="*i32", emap_ptr="*i32", b_ptr="*i32" if bits else "*fp8e4nv", s_ptr="*fp32"), dict(
         K=768, TOP_K=8, HAS_EMAP=False, CAST_W=True, EMULATE=False, BLOCK_N=2, BLOCK_K=1024, HAS_SCALE=True,
-        BLOCK_SCALED=True, BN_S=128, BK_S=128)
+        BLOCK_SCALED=True, BN_S=1 if bits else 128, BK_S=128, INT_BITS=bits, HAS_ZP=False)
 
 
 # (kernel, whether it prefetches its weights before the wait)
@@ -190,8 +194,10 @@ KERNELS = {"gemv": (_gemv, True), "fp8_gemv": (_fp8_tc, True), "fp8_gemv_stream"
            "silu_and_mul": (_silu, False),
            "decode_reduce": (_decode_reduce, False), "topk_softmax": (_topk, False),
            "rope_and_cache": (_rope_cache, False), "decode_split": (_decode_split, False),
-           "fused_moe_gemv": (_moe_gemv, False), "fused_moe_gemv_fp8": (lambda: _moe_gemv(True), False),
-           "fused_moe_down_sum_fp8_blocks": (_moe_down_sum_fp8_blocks, False)}
+           "fused_moe_gemv": (_moe_gemv, False), "fused_moe_gemv_fp8": (lambda: _moe_gemv(fp8=True), False),
+           "fused_moe_gemv_int4": (lambda: _moe_gemv(int4=True), False),
+           "fused_moe_down_sum_fp8_blocks": (_moe_down_sum, False),
+           "fused_moe_down_sum_int4": (lambda: _moe_down_sum(4), False)}
 
 
 @pytest.mark.parametrize("name", list(KERNELS))

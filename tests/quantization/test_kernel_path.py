@@ -157,3 +157,34 @@ def test_fp8_moe_kernels_match_transformers(kind, fmt, form, block, tokenizer_di
     ref = hf_greedy(plain, prompts, 6, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
     assert llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids == ref[0]
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("fmt,opts", [("gptq", {"bits": 4, "group_size": 16}),
+                                      ("compressed-tensors", {"scheme": "W4A16_ASYM", "group_size": 16}),
+                                      ("gptq", {"bits": 8, "group_size": -1})])
+def test_int_moe_kernels_match_transformers(kind, fmt, opts, tokenizer_dir, tokenizer, tmp_path):
+    """INT4 / INT8 experts in the fused-MoE kernels (int32 words unpacked and dequantized in the
+    kernel with group scales and zero points; the GEMV path at batch 1, the grouped GEMM for
+    the chunked prefills) and the dense INT kernels for attention: float32 computes what the
+    dequantized weights compute, so transformers' greedy tokens."""
+    from pyengine.layers.fused_moe.layer import FusedMoE
+    from tests.helpers import build_tiny_model
+    from tests.quant_helpers import compressed_tensors_moe_checkpoint
+
+    device = _dev(kind)
+    src = build_tiny_model(tmp_path / "src", "qwen3_moe", tokenizer_dir, seed=12)
+    if fmt == "gptq":
+        q, plain = gptq_checkpoint(src, tmp_path / "q", tmp_path / "plain", **opts)
+    else:
+        q, plain = compressed_tensors_moe_checkpoint(src, tmp_path / "q", tmp_path / "plain", **opts)
+    prompts = prompt_token_ids(tokenizer, 3, 4, 20, seed=14)
+    llm = LLM(str(q), device=device, dtype="float32", attention_backend="triton", max_num_batched_tokens=24)
+    experts = [m for m in llm.llm_engine.engine_core.model_runner.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.w13_weight.dtype == torch.int32 and m.weight_bits == opts.get("bits", 4)
+                           for m in experts)  # the kernels' packed form
+    assert all(hasattr(m, "w13_weight_zp") == ("ASYM" in opts.get("scheme", "")) for m in experts)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = hf_greedy(plain, prompts, 6, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    assert llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids == ref[0]

@@ -3,9 +3,11 @@ Qwen2-MoE's shared expert) quantized with the routers and experts in float runs 
 against transformers on the dequantized weights; FP8 experts (compressed-tensors and HF
 ``fp8``, per tensor / channel / block, and ``quantization="fp8"`` at load) load into the
 fused MoE (``Fp8MoEMethod``) and run token-exact against transformers on the dequantized
-weights, under tensor parallelism too; experts stored in another quantized form (GPTQ, INT)
-are refused naming why. Also the loader's other quantization checks a probe found missing:
-a tied model's quantized ``lm_head`` and an MoE checkpoint's KV cache scales."""
+weights, under tensor parallelism too; so do INT4 / INT8 experts (GPTQ, AWQ,
+compressed-tensors pack-quantized: ``MoeWNA16Method``); experts stored quantized where the
+config keeps them float, or float where it quantizes them, are refused naming why. Also
+the loader's other quantization checks a probe found missing: a tied model's quantized
+``lm_head`` and an MoE checkpoint's KV cache scales."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,9 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyengine import LLM
+from pyengine import LLM, SamplingParams
 from tests.helpers import build_tiny_model, engine_greedy, hf_greedy, prompt_token_ids
-from tests.quant_helpers import add_kv_cache_scales, compressed_tensors_checkpoint, fp8_moe_checkpoint, gptq_checkpoint
+from tests.quant_helpers import (
+    add_kv_cache_scales,
+    awq_checkpoint,
+    compressed_tensors_checkpoint,
+    compressed_tensors_moe_checkpoint,
+    fp8_moe_checkpoint,
+    gptq_checkpoint,
+)
 
 MAX_TOKENS = 8
 
@@ -37,13 +46,21 @@ def _greedy(model_dir, prompts, **kw):
 
 def _experts_back_to_float(q: Path, plain: Path) -> None:
     """Replace the GPTQ tensors of every expert in ``q`` by the dequantized float weight
-    (from ``plain``): the checkpoint then quantizes attention (and shared experts) only."""
+    (from ``plain``): the checkpoint then quantizes attention (and shared experts) only, and
+    its config says so (``modules_in_block_to_quantize``)."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
     sd, ref = load_file(str(q / "model.safetensors")), load_file(str(plain / "model.safetensors"))
     sd = {k: v for k, v in sd.items() if ".experts." not in k}
     sd.update({k: v for k, v in ref.items() if ".experts." in k})
     save_file(sd, str(q / "model.safetensors"))
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"]["modules_in_block_to_quantize"] = [
+        [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")],
+        [f"shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")]]
+    (q / "config.json").write_text(json.dumps(cfg))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
@@ -55,8 +72,15 @@ def test_gptq_attention_quantized_matches_transformers(family, moe_dirs, prompts
     assert ref != hf_greedy(moe_dirs[family], prompts, MAX_TOKENS, ignore_eos=True)  # 4 bits changed it
 
 
-def test_quantized_experts_refused(moe_dirs, tmp_path):
+def test_quantized_experts_the_config_leaves_out_refused(moe_dirs, tmp_path):
+    """GPTQ experts while ``modules_in_block_to_quantize`` names attention only: the experts'
+    tensors have nowhere to go (the config keeps them float), refused naming them."""
+    import json
     q, _ = gptq_checkpoint(moe_dirs["qwen3_moe"], tmp_path / "q", tmp_path / "plain", group_size=16)
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"]["modules_in_block_to_quantize"] = [["self_attn.q_proj", "self_attn.k_proj",
+                                                                   "self_attn.v_proj", "self_attn.o_proj"]]
+    (q / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"MoE experts stored quantized are not supported.*experts\.\d+\."):
         LLM(str(q), device="cpu")
 
@@ -161,11 +185,94 @@ def test_fp8_experts_dummy_weights_run(moe_dirs):
             llm.shutdown()
 
 
-def test_int_experts_refused_naming_the_scheme(moe_dirs, tmp_path):
+def test_float_experts_under_an_int_config_refused(moe_dirs, tmp_path):
+    """compressed-tensors' ``Linear`` target covers the experts, but transformers' stacked
+    experts are no ``Linear``s, so compressed-tensors alone leaves them float: the checkpoint
+    and its config disagree, and that is said at load, not run either way."""
     d = compressed_tensors_checkpoint(moe_dirs["qwen3_moe"], tmp_path / "q", "W4A16", group_size=16,
                                       ignore=["lm_head", "re:.*mlp.gate$"])
-    with pytest.raises(ValueError, match=r"INT4 \(group\) MoE experts are not supported"):
+    with pytest.raises(ValueError, match=r"experts\.0\.\w+\.weight' is a float expert weight, but the "
+                                         r"quantization_config quantizes the experts"):
         LLM(str(d), device="cpu")
+
+
+# INT4 / INT8 weight-only experts (moe_wna16): (family, format, writer options)
+INT_CASES = [
+    ("qwen3_moe", "gptq", {"bits": 4, "group_size": 16}),
+    ("mixtral", "gptq", {"bits": 8, "group_size": -1, "checkpoint_format": "gptq_v2"}),  # per channel
+    ("qwen2_moe", "gptq", {"bits": 4, "group_size": 16, "desc_act": True, "sym": False}),  # act order: dequantized
+    ("qwen3_moe", "awq", {"group_size": 16}),
+    ("mixtral", "compressed-tensors", {"scheme": "W4A16", "group_size": 16}),
+    ("qwen2_moe", "compressed-tensors", {"scheme": "W4A16_ASYM", "group_size": 16}),
+    ("qwen3_moe", "compressed-tensors", {"scheme": "W8A16", "group_size": 32}),
+]
+
+
+def int_moe_checkpoint(src: Path, root: Path, fmt: str, opts: dict) -> tuple[Path, Path]:
+    """(quantized checkpoint, plain model of its dequantized weights) of ``fmt`` with every
+    linear layer and expert projection quantized, the routers float."""
+    if fmt == "gptq":
+        return gptq_checkpoint(src, root / "q", root / "plain", **opts)
+    if fmt == "awq":
+        return awq_checkpoint(src, root / "q", root / "plain", **opts)
+    return compressed_tensors_moe_checkpoint(src, root / "q", root / "plain", **opts)
+
+
+@pytest.mark.parametrize("family,fmt,opts", INT_CASES)
+def test_int_experts_match_transformers_on_dequantized_weights(family, fmt, opts, moe_dirs, prompts, tmp_path):
+    q, plain = int_moe_checkpoint(moe_dirs[family], tmp_path, fmt, opts)
+    ref = hf_greedy(plain, prompts, MAX_TOKENS, ignore_eos=True)
+    assert _greedy(q, prompts) == ref
+    if (family, fmt) == ("qwen3_moe", "gptq"):
+        assert ref != hf_greedy(moe_dirs[family], prompts, MAX_TOKENS, ignore_eos=True)  # 4 bits changed it
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fmt,opts", [("gptq", {"bits": 4, "group_size": 16, "desc_act": True}),
+                                      ("compressed-tensors", {"scheme": "W4A16_ASYM", "group_size": 16})])
+def test_int_experts_tp2_and_expert_parallel(fmt, opts, moe_dirs, prompts, tmp_path):
+    """Each rank's gate/up rows and down columns of every expert (packed words, groups, zero
+    points and act-order g_idx split as the dense layers split them), or whole experts."""
+    q, plain = int_moe_checkpoint(moe_dirs["qwen3_moe"], tmp_path, fmt, opts)
+    ref = hf_greedy(plain, prompts, MAX_TOKENS, ignore_eos=True)
+    assert _greedy(q, prompts, tensor_parallel_size=2) == ref
+    assert _greedy(q, prompts, tensor_parallel_size=2, enable_expert_parallel=True) == ref
+
+
+def test_int_experts_with_a_sentencepiece_tokenizer(sp_tokenizer_dir, tmp_path):
+    """The fixture rule's other tokenizer kind: a GPTQ MoE model with a SentencePiece
+    tokenizer, generating text through the tokenizer, against transformers."""
+    from transformers import AutoTokenizer
+
+    d = build_tiny_model(tmp_path / "m", "mixtral", sp_tokenizer_dir, seed=3)
+    q, plain = gptq_checkpoint(d, tmp_path / "q", tmp_path / "plain", group_size=16)
+    tok = AutoTokenizer.from_pretrained(str(q))
+    prompts = [tok("Grüße aus Köln, 東京").input_ids, tok("the quick brown fox").input_ids]
+    ref = hf_greedy(plain, prompts, MAX_TOKENS, ignore_eos=True)
+    llm = LLM(str(q), device="cpu")
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == ref
+    assert [o.outputs[0].text for o in outs] == [tok.decode(r, skip_special_tokens=True) for r in ref]
+
+
+def test_int_experts_dummy_weights_run(moe_dirs, tmp_path):
+    q, _ = gptq_checkpoint(moe_dirs["qwen2_moe"], tmp_path / "q", tmp_path / "plain", group_size=16)
+    llm = LLM(str(q), device="cpu", load_format="dummy")
+    try:
+        assert len(llm.generate([[1, 2, 3]], None, use_tqdm=False)[0].outputs[0].token_ids) > 0
+    finally:
+        llm.shutdown()
+
+
+def test_int_expert_bits_refused():
+    from pyengine.layers.quantization.moe_wna16 import MoeWNA16Method
+
+    with pytest.raises(ValueError, match="3-bit weights are not supported"):
+        MoeWNA16Method(lambda: None, 3, "GPTQ")
 
 
 def test_fp8_experts_the_config_leaves_float_refused(moe_dirs, tmp_path):

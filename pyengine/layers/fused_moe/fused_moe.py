@@ -46,6 +46,22 @@ weight bytes a decode step reads; the per-element dequantization costs a few ALU
 operations a weight (block scales: a gathered scale load a weight on the GEMV path and
 where BLOCK_SIZE_K does not divide bk; one row of scales a K chunk where it does).
 
+Packed integer expert weights (weight-only W4A16 / W8A16, GPTQ / AWQ / compressed-tensors
+style): w13 / w2 int32 words, ``weight_bits`` 4 or 8, packed along K (per = 32 // bits
+unsigned values a word, logical column c in bits [(c % per) * bits, ...) of word c // per:
+``quantization.utils.pack_int32(q, bits, dim=-1)``), with float32 scales per group of gs
+columns (``block_shape`` (1, gs); None: per output channel), [E, rows, K / gs], and float32
+zero points of that shape or none (symmetric: 2**(bits - 1)). As for FP8, every kernel
+dequantizes what it loads, ``((q - zero) * scale)`` in float32 rounded to the activation
+dtype, so the result is again ``fused_experts`` on the dequantized weights (bit for bit
+under the interpreter). A GEMV chunk reads BLOCK_SIZE_K / per words a row and the grouped
+GEMM a [BLOCK_SIZE_K / per, BLOCK_SIZE_N] word tile a K chunk, each word once; the values
+are shifted out along a new axis after the word axis and a row-major reshape lays them out
+as columns (vLLM's ``fused_moe_kernel_gptq_awq`` instead loads, for each value, the byte
+holding it). Scales and zeros are loaded a row a K chunk where BLOCK_SIZE_K divides gs, else
+one a word (one a value where a word's values span groups). INT4 quarters the bf16 weight
+bytes a decode step reads.
+
 Everything stays on the device with shapes fixed by M (no host sync, no data-dependent
 launch size): CUDA-graph safe. Accumulation is float32; float32 inputs use IEEE products
 in ``tl.dot`` (no TF32), so a float32 model stays token-exact.
@@ -373,18 +389,126 @@ def _gemv_weight(w, s_base, rows, cols, mask, row_scale, stride_sn, stride_sk, A
         return w.to(tl.float32)
 
 
+@triton.jit
+def _int_weight(words, k, wc, wmask, rows, rmask, s_base, z_base, stride_sn, stride_sk, BITS: tl.constexpr,
+                GS: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr):
+    # Packed integer weights -> ((q - zero) * scale) in float32 (not rounded), [R, BLOCK_K]
+    # (K_FIRST: [BLOCK_K, R]) of columns [k, k + BLOCK_K), k a multiple of BLOCK_K. words:
+    # int32 [R, BLOCK_K / PER] ([BLOCK_K / PER, R]) at word columns wc (wmask: inside K);
+    # rows [R]: their weight rows (rmask: existing). Value j of a word is bits [j * BITS,
+    # (j + 1) * BITS): unpacked along a new axis after the word axis, so a row-major reshape
+    # puts it at column word * PER + j. Scale and zero of (r, c): [r, c // GS].
+    PER: tl.constexpr = 32 // BITS
+    rj = tl.arange(0, PER)
+    if K_FIRST:  # [words, PER, R]
+        w3 = words[:, None, :]
+        sh = (rj * BITS)[None, :, None]
+        j3 = rj[None, :, None]
+        r3 = rows[None, None, :]
+        rm3 = rmask[None, None, :]
+        wc3 = wc[:, None, None]
+        wm3 = wmask[:, None, None]
+    else:  # [R, words, PER]
+        w3 = words[:, :, None]
+        sh = (rj * BITS)[None, None, :]
+        j3 = rj[None, None, :]
+        r3 = rows[:, None, None]
+        rm3 = rmask[:, None, None]
+        wc3 = wc[None, :, None]
+        wm3 = wmask[None, :, None]
+    q = ((w3 >> sh) & ((1 << BITS) - 1)).to(tl.float32)  # the arithmetic shift's sign bits masked off
+    if GS % BLOCK_K == 0:  # the chunk lies in one group: a scale a row
+        off = r3 * stride_sn + (k // GS) * stride_sk
+        m = rm3
+    elif GS % PER == 0:  # a word's values share a group: a scale a word
+        off = r3 * stride_sn + (wc3 // (GS // PER)) * stride_sk
+        m = rm3 & wm3
+    else:
+        off = r3 * stride_sn + ((wc3 * PER + j3) // GS) * stride_sk
+        m = rm3 & wm3
+    s = tl.load(s_base + off, mask=m, other=0.0)
+    if HAS_ZP:
+        z = tl.load(z_base + off, mask=m, other=0.0)
+        w = (q - z) * s
+    else:
+        w = (q - (1 << (BITS - 1))) * s
+    R: tl.constexpr = rows.shape[0]
+    if K_FIRST:
+        return tl.reshape(w, [BLOCK_K, R])
+    else:
+        return tl.reshape(w, [R, BLOCK_K])
+
+
+@triton.jit
+def _gemv_tile(b_rows, k, rows, rmask, row_scale, s_base, z_base, stride_sn, stride_sk, K: tl.constexpr,
+               ACT: tl.constexpr, EMULATE: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+               BN_S: tl.constexpr, BK_S: tl.constexpr, INT_BITS: tl.constexpr, HAS_ZP: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    # Columns [k, k + BLOCK_K) of the weight rows at b_rows ([R, 1] pointers; rows [R] their
+    # indices, rmask which exist) as float32 values of ACT, [R, BLOCK_K]: ``_gemv_weight``,
+    # or INT_BITS-bit integers read as the chunk's BLOCK_K / PER words a row and dequantized
+    # (``_int_weight``, BK_S its group size) then rounded to ACT.
+    if INT_BITS:
+        PER: tl.constexpr = 32 // INT_BITS
+        wc = k // PER + tl.arange(0, BLOCK_K // PER)
+        wmask = wc < K // PER
+        words = tl.load(b_rows + wc[None, :], mask=rmask[:, None] & wmask[None, :], other=0)
+        return _round(_int_weight(words, k, wc, wmask, rows, rmask, s_base, z_base, stride_sn, stride_sk, INT_BITS,
+                                  BK_S, HAS_ZP, BLOCK_K, False), ACT, EMULATE)
+    else:
+        cols = k + tl.arange(0, BLOCK_K)
+        mask = rmask[:, None] & (cols < K)[None, :]
+        w = tl.load(b_rows + cols[None, :], mask=mask, other=0.0)
+        return _gemv_weight(w, s_base, rows[:, None], cols[None, :], mask, row_scale, stride_sn, stride_sk, ACT,
+                            EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S)
+
+
+@triton.jit
+def _grouped_b(b, k0, rows, nmask, bmask, row_scale, s_base, z_base, stride_sn, stride_sk, K, ACT: tl.constexpr,
+               IEEE: tl.constexpr, EMULATE: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+               BN_S: tl.constexpr, BK_S: tl.constexpr, S_K_UNIFORM: tl.constexpr, INT_BITS: tl.constexpr,
+               HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A grouped-GEMM B tile as loaded (columns [k0, k0 + BLOCK_K) of weight rows ``rows``
+    # [BLOCK_N]; int32 words [BLOCK_K / PER, BLOCK_N] with INT_BITS) as tl.dot's operand:
+    # FP8 or integer weights dequantized and rounded to ACT (float32 values of it under
+    # EMULATE, whose low-precision dot is unreliable; float32 for IEEE).
+    if INT_BITS:
+        PER: tl.constexpr = 32 // INT_BITS
+        wc = k0 // PER + tl.arange(0, BLOCK_K // PER)
+        b = _int_weight(b, k0, wc, wc < K // PER, rows, nmask, s_base, z_base, stride_sn, stride_sk, INT_BITS, BK_S,
+                        HAS_ZP, BLOCK_K, True)
+    elif HAS_SCALE:
+        if S_K_UNIFORM:
+            b = _scaled(b, s_base, rows[None, :], k0, nmask[None, :], row_scale, stride_sn, stride_sk, BLOCK_SCALED,
+                        BN_S, BK_S)
+        else:
+            b = _scaled(b, s_base, rows[None, :], (k0 + tl.arange(0, BLOCK_K))[:, None], bmask, row_scale, stride_sn,
+                        stride_sk, BLOCK_SCALED, BN_S, BK_S)
+    if HAS_SCALE:
+        if EMULATE:
+            b = _round(b, ACT, EMULATE)
+        elif not IEEE:
+            b = b.to(ACT)
+    if EMULATE:
+        b = b.to(tl.float32)
+    return b
+
+
 @triton.jit(do_not_specialize=["EM", "num_valid"])  # one compiled variant whatever the batch size
 def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_ptr,
                     N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_cm,
-                    s_ptr, stride_se, stride_sn, stride_sk,
+                    s_ptr, z_ptr, stride_se, stride_sn, stride_sk,
                     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, CAST_W: tl.constexpr,
                     IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_SCALE: tl.constexpr,
-                    BLOCK_SCALED: tl.constexpr, BN_S: tl.constexpr, BK_S: tl.constexpr, S_K_UNIFORM: tl.constexpr):
+                    BLOCK_SCALED: tl.constexpr, BN_S: tl.constexpr, BK_S: tl.constexpr, S_K_UNIFORM: tl.constexpr,
+                    INT_BITS: tl.constexpr, HAS_ZP: tl.constexpr):
     # One (M-block of sorted pairs, N-block) tile: C[pairs, n] = A[rows of pairs] @ B[e]^T.
     # HAS_SCALE: B is FP8 with scales at s_ptr (``_scaled``), each tile dequantized to a's
     # dtype (float32 values of it under EMULATE) before the dot; S_K_UNIFORM: BLOCK_K divides
-    # BK_S, so a K chunk's block scales are one row of them per N column.
+    # BK_S, so a K chunk's block scales are one row of them per N column. INT_BITS: B is
+    # packed integers (K / PER int32 words a row) with group scales (and zeros at z_ptr,
+    # HAS_ZP), a K chunk's tile read as BLOCK_K / PER words a column (``_grouped_b``).
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -407,12 +531,15 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_pt
         tl.store(c_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=c_ptr.dtype.element_ty), mask=cmask)
         return
     rk = tl.arange(0, BLOCK_K)
+    PER: tl.constexpr = 32 // INT_BITS if INT_BITS else 1  # K values a B element (an int32 word)
+    rkb = tl.arange(0, BLOCK_K // PER)
     a_ptrs = a_ptr + (pairs // A_ROW_DIV)[:, None] * stride_am + rk[None, :]
-    b_ptrs = b_ptr + e * stride_be + rn[None, :] * stride_bn + rk[:, None]
+    b_ptrs = b_ptr + e * stride_be + rn[None, :] * stride_bn + rkb[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     ACT: tl.constexpr = a_ptr.dtype.element_ty
     s_base = s_ptr + e * stride_se
+    z_base = z_ptr + e * stride_se
     s_gate = 1.0
     s_up = 1.0
     if HAS_SCALE and not BLOCK_SCALED:  # per-channel: the tile's columns' scales, once
@@ -421,48 +548,27 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_pt
             s_up = tl.load(s_base + (rn + N) * stride_sn, mask=nmask, other=0.0)[None, :]
     for k0 in range(0, K, BLOCK_K):
         kmask = rk < K - k0
-        bmask = kmask[:, None] & nmask[None, :]
+        bmask = (rkb < (K - k0) // PER)[:, None] & nmask[None, :]  # K % PER == 0: whole words
         a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=bmask, other=0.0)
-        if HAS_SCALE:
-            if S_K_UNIFORM:
-                b = _scaled(b, s_base, rn[None, :], k0, nmask[None, :], s_gate, stride_sn, stride_sk, BLOCK_SCALED,
-                            BN_S, BK_S)
-            else:
-                b = _scaled(b, s_base, rn[None, :], (k0 + rk)[:, None], bmask, s_gate, stride_sn, stride_sk,
-                            BLOCK_SCALED, BN_S, BK_S)
-            if EMULATE:
-                b = _round(b, ACT, EMULATE)
-            elif not IEEE:
-                b = b.to(ACT)
+        b = _grouped_b(tl.load(b_ptrs, mask=bmask, other=0.0), k0, rn, nmask, bmask, s_gate, s_base, z_base,
+                       stride_sn, stride_sk, K, ACT, IEEE, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S, S_K_UNIFORM,
+                       INT_BITS, HAS_ZP, BLOCK_K)
         if EMULATE:  # the interpreter's low-precision dot is unreliable: float32 operands
             a = a.to(tl.float32)
-            b = b.to(tl.float32)
         if IEEE or EMULATE:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
         if GATED:  # the up rows of the same columns, N rows further
-            bu = tl.load(b_ptrs + N * stride_bn, mask=bmask, other=0.0)
-            if HAS_SCALE:
-                if S_K_UNIFORM:
-                    bu = _scaled(bu, s_base, (rn + N)[None, :], k0, nmask[None, :], s_up, stride_sn, stride_sk,
-                                 BLOCK_SCALED, BN_S, BK_S)
-                else:
-                    bu = _scaled(bu, s_base, (rn + N)[None, :], (k0 + rk)[:, None], bmask, s_up, stride_sn,
-                                 stride_sk, BLOCK_SCALED, BN_S, BK_S)
-                if EMULATE:
-                    bu = _round(bu, ACT, EMULATE)
-                elif not IEEE:
-                    bu = bu.to(ACT)
-            if EMULATE:
-                bu = bu.to(tl.float32)
+            bu = _grouped_b(tl.load(b_ptrs + N * stride_bn, mask=bmask, other=0.0), k0, rn + N, nmask, bmask, s_up,
+                            s_base, z_base, stride_sn, stride_sk, K, ACT, IEEE, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S,
+                            BK_S, S_K_UNIFORM, INT_BITS, HAS_ZP, BLOCK_K)
             if IEEE or EMULATE:
                 acc_up += tl.dot(a, bu, input_precision="ieee")
             else:
                 acc_up += tl.dot(a, bu)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K // PER
     if GATED:
         acc = _silu_and_mul(acc, acc_up, c_ptr.dtype.element_ty, EMULATE)
     if MUL_WEIGHT:
@@ -473,14 +579,15 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_pt
 
 @triton.jit(do_not_specialize=["P"])
 def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, stride_am, stride_be, stride_bn,
-                 stride_cm, s_ptr, stride_se, stride_sn, stride_sk, K: tl.constexpr, A_ROW_DIV: tl.constexpr,
+                 stride_cm, s_ptr, z_ptr, stride_se, stride_sn, stride_sk, K: tl.constexpr, A_ROW_DIV: tl.constexpr,
                  GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                  CAST_W: tl.constexpr, HAS_EMAP: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                 BN_S: tl.constexpr, BK_S: tl.constexpr, PDL: tl.constexpr):
+                 BN_S: tl.constexpr, BK_S: tl.constexpr, INT_BITS: tl.constexpr, HAS_ZP: tl.constexpr,
+                 PDL: tl.constexpr):
     # One (pair, N-block): c[p, n] = a[row of p] . B[e][n, :], e the pair's expert.
-    # HAS_SCALE: B is FP8, each weight dequantized to a's dtype (``_gemv_weight``) before
-    # its product.
+    # HAS_SCALE: B is FP8 or (INT_BITS) packed integers, each weight dequantized to a's
+    # dtype (``_gemv_tile``) before its product.
     # SPLIT_K > 1: program (p, j, s) takes the s-th of SPLIT_K runs of whole BLOCK_K chunks
     # (KS columns) and writes its float32 sums (gate, then up when GATED) to part_ptr
     # [SPLIT_K, P, (2 if GATED else 1) * N]; ``_gemv_split_finish_kernel`` does the rest.
@@ -516,6 +623,7 @@ def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, 
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     ACT: tl.constexpr = a_ptr.dtype.element_ty
     s_base = s_ptr + e * stride_se
+    z_base = z_ptr + e * stride_se
     s_gate = 1.0
     s_up = 1.0
     if HAS_SCALE and not BLOCK_SCALED:  # per-channel: the rows' scales, once
@@ -524,15 +632,13 @@ def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, 
             s_up = tl.load(s_base + (rn + N) * stride_sn, mask=nmask, other=0.0)[:, None]
     for k0 in tl.static_range(0, KS, BLOCK_K):  # unrolled: every chunk's loads issued early
         kmask = k_lo + k0 + rk < K
-        wmask = nmask[:, None] & kmask[None, :]
         x = tl.load(a_row + k_lo + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-        wg = tl.load(b_rows + k_lo + k0 + rk[None, :], mask=wmask, other=0.0)
-        acc += _gemv_weight(wg, s_base, rn[:, None], (k_lo + k0 + rk)[None, :], wmask, s_gate, stride_sn, stride_sk,
-                            ACT, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S) * x[None, :]
+        acc += _gemv_tile(b_rows, k_lo + k0, rn, nmask, s_gate, s_base, z_base, stride_sn, stride_sk, K, ACT, EMULATE,
+                          HAS_SCALE, BLOCK_SCALED, BN_S, BK_S, INT_BITS, HAS_ZP, BLOCK_K) * x[None, :]
         if GATED:
-            wu = tl.load(b_rows + N * stride_bn + k_lo + k0 + rk[None, :], mask=wmask, other=0.0)
-            acc_up += _gemv_weight(wu, s_base, (rn + N)[:, None], (k_lo + k0 + rk)[None, :], wmask, s_up, stride_sn,
-                                   stride_sk, ACT, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S) * x[None, :]
+            acc_up += _gemv_tile(b_rows + N * stride_bn, k_lo + k0, rn + N, nmask, s_up, s_base, z_base, stride_sn,
+                                 stride_sk, K, ACT, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S, INT_BITS, HAS_ZP,
+                                 BLOCK_K) * x[None, :]
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
         if GATED:
@@ -584,14 +690,15 @@ def _gemv_split_finish_kernel(part_ptr, a_ptr, c_ptr, w_ptr, N, P, stride_cm, RO
 
 @triton.jit
 def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, stride_be, stride_bn,
-                          stride_cm, s_ptr, stride_se, stride_sn, stride_sk, K: tl.constexpr, TOP_K: tl.constexpr,
-                          HAS_EMAP: tl.constexpr, CAST_W: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                          BN_S: tl.constexpr, BK_S: tl.constexpr, PDL: tl.constexpr):
+                          stride_cm, s_ptr, z_ptr, stride_se, stride_sn, stride_sk, K: tl.constexpr,
+                          TOP_K: tl.constexpr, HAS_EMAP: tl.constexpr, CAST_W: tl.constexpr, EMULATE: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                          BLOCK_SCALED: tl.constexpr, BN_S: tl.constexpr, BK_S: tl.constexpr, INT_BITS: tl.constexpr,
+                          HAS_ZP: tl.constexpr, PDL: tl.constexpr):
     # One (token, N-block): c[t, n] = sum over the token's slots, in slot order, of the pair's
     # down projection (rounded to the activation dtype) times its routing weight
     # (``_times_weight``), accumulated in float32 and rounded once: transformers' per-pair
-    # products and sum, without the [T*k, H] buffer. HAS_SCALE: FP8 weights as
+    # products and sum, without the [T*k, H] buffer. HAS_SCALE: FP8 or integer weights as
     # ``_gemv_kernel``'s, each slot's expert's scales loaded for its slot.
     t = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -617,11 +724,10 @@ def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stri
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             kmask = k0 + rk < K
-            wmask = rows_here[:, None] & kmask[None, :]
             x = tl.load(a_ptr + p * stride_am + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-            wv = tl.load(b_rows + k0 + rk[None, :], mask=wmask, other=0.0)
-            acc += _gemv_weight(wv, s_base, rn[:, None], (k0 + rk)[None, :], wmask, s_row, stride_sn, stride_sk,
-                                a_ptr.dtype.element_ty, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S) * x[None, :]
+            acc += _gemv_tile(b_rows, k0, rn, rows_here, s_row, s_base, z_ptr + e * stride_se, stride_sn, stride_sk, K,
+                              a_ptr.dtype.element_ty, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S, INT_BITS, HAS_ZP,
+                              BLOCK_K) * x[None, :]
         total += _times_weight(tl.sum(acc, axis=1), tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
     tl.store(c_ptr + t * stride_cm + rn, _round(total, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty),
              mask=nmask)
@@ -683,9 +789,15 @@ def _split_k_ok(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 64
 
 
-def _gemv_block_k(cfg: dict, k: int) -> int:
-    # a GEMV pass's chunk: the tile's BLOCK_SIZE_K, at most K's next power of two
-    return min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k))
+def _gemv_block_k(cfg: dict, k: int, bits: int | None = None) -> int:
+    # a GEMV pass's chunk: the tile's BLOCK_SIZE_K, at most K's next power of two, and for
+    # packed integer weights at least a word's values (chunks of whole words)
+    return max(_per_word(bits), min(int(cfg["BLOCK_SIZE_K"]), triton.next_power_of_2(k)))
+
+
+def _per_word(bits: int | None) -> int:
+    # K values an element of b holds: 32 // bits for packed integer weights, else 1
+    return 32 // bits if bits else 1
 
 
 def gemv_split_k(cfg: dict, k: int, block_k: int) -> int:
@@ -702,20 +814,25 @@ def gemv_split_k(cfg: dict, k: int, block_k: int) -> int:
     return split
 
 
-def _scale_args(b: torch.Tensor, scale: torch.Tensor | None, block_shape: tuple[int, int] | None) -> dict:
+def _scale_args(b: torch.Tensor, scale: torch.Tensor | None, block_shape: tuple[int, int] | None,
+                zp: torch.Tensor | None = None, bits: int | None = None) -> dict:
     """A kernel's weight-scale arguments: none (``HAS_SCALE`` off, b as a pointer that is
     never read) for float weights; FP8 weights' scales, per output row ([E, rows]) or per
-    block ([E, row blocks, column blocks] with ``block_shape``), with their strides."""
+    block ([E, row blocks, column blocks] with ``block_shape``), with their strides; packed
+    ``bits``-bit integer weights' group scales [E, rows, K / gs] (``block_shape`` (1, gs))
+    and zero points ``zp`` of the same layout (None: symmetric), ``INT_BITS`` on."""
     if scale is None:
-        return dict(s_ptr=b, stride_se=0, stride_sn=0, stride_sk=0, HAS_SCALE=False, BLOCK_SCALED=False, BN_S=1, BK_S=1)
+        return dict(s_ptr=b, z_ptr=b, stride_se=0, stride_sn=0, stride_sk=0, HAS_SCALE=False, BLOCK_SCALED=False,
+                    BN_S=1, BK_S=1, INT_BITS=0, HAS_ZP=False)
     blocked = block_shape is not None
-    return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1),
-                stride_sk=scale.stride(2) if blocked else 0, HAS_SCALE=True, BLOCK_SCALED=blocked,
-                BN_S=int(block_shape[0]) if blocked else 1, BK_S=int(block_shape[1]) if blocked else 1)
+    bn, bk = block_shape if block_shape is not None else (1, 1)
+    return dict(s_ptr=scale, z_ptr=zp if zp is not None else scale, stride_se=scale.stride(0),
+                stride_sn=scale.stride(1), stride_sk=scale.stride(2) if blocked else 0, HAS_SCALE=True,
+                BLOCK_SCALED=blocked, BN_S=int(bn), BK_S=int(bk), INT_BITS=int(bits or 0), HAS_ZP=zp is not None)
 
 
 def _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, split, block_k, scale=None,
-                   block_shape=None):
+                   block_shape=None, zp=None, bits=None):
     """The split-K partial pass of the GEMV path: float32 [split, pairs, (2 if gated else 1)
     * n_out] sums (every element written: no zeroing)."""
     k = a.shape[1]
@@ -727,7 +844,7 @@ def _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, spl
                        K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=False, CAST_W=False,
                        HAS_EMAP=expert_map is not None, EMULATE=_INTERPRET,
                        BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, SPLIT_K=split,
-                       **_scale_args(b, scale, block_shape),
+                       **_scale_args(b, scale, block_shape, zp, bits),
                        num_warps=int(cfg.get("num_warps", 4)), **pdl.launch_kwargs(a, "moe_gemv"))
     return part
 
@@ -744,7 +861,7 @@ def _gemv_finish(part, a, c, topk_weights, rows, gated, mul_weight, cast_weights
 
 
 def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_row_div, cfg, cast_weights=True,
-              scale=None, block_shape=None):
+              scale=None, block_shape=None, zp=None, bits=None):
     """One pass on the GEMV path: ``c[p] = f(a[p // a_row_div] . b[expert of p]^T)`` for
     every pair p; ``gated``: b holds gate then up rows and f is SiLU-and-mul;
     ``mul_weight``: times the pair's routing weight (rounded to a's dtype first with
@@ -752,14 +869,16 @@ def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_
     splits K over that many programs a (pair, N-block), whose float32 sums a finish pass
     adds in split order before the SiLU / weight / rounding (deterministic). ``scale``: b's
     float32 scales when b is FP8 (checked by ``fused_experts``): [E, rows], or blocks
-    [E, ceil(rows / bn), ceil(K / bk)] with ``block_shape`` (bn, bk)."""
+    [E, ceil(rows / bn), ceil(K / bk)] with ``block_shape`` (bn, bk); ``bits``: b is int32
+    words of that many bits a value, ``scale`` [E, rows, K / gs] with ``block_shape`` (1, gs)
+    and ``zp`` (float32, the scale's shape and strides) or None."""
     n_out = c.shape[1]
     k = a.shape[1]
-    block_k = _gemv_block_k(cfg, k)
+    block_k = _gemv_block_k(cfg, k, bits)
     split = gemv_split_k(cfg, k, block_k)
     if split > 1:
         part = _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, split, block_k, scale,
-                              block_shape)
+                              block_shape, zp, bits)
         _gemv_finish(part, a, c, topk_weights, 1, gated, mul_weight, cast_weights)
         return
     pairs = topk_ids.numel()
@@ -769,51 +888,58 @@ def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_
                        K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights),
                        HAS_EMAP=expert_map is not None, EMULATE=_INTERPRET,
                        BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, SPLIT_K=1,
-                       **_scale_args(b, scale, block_shape),
+                       **_scale_args(b, scale, block_shape, zp, bits),
                        num_warps=int(cfg.get("num_warps", 4)), **pdl.launch_kwargs(a, "moe_gemv"))
 
 
 def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg, cast_weights=True, scale=None,
-                       block_shape=None):
+                       block_shape=None, zp=None, bits=None):
     """The small-batch down pass with the k-sum fused: ``c[t] = sum_slot w * (a[t*k+slot]
-    . b[expert]^T)``; c: [T, N]. ``cfg``: the w2 pass's tile; ``cast_weights``, ``scale``
-    and ``block_shape`` as ``gemv_pass``. ``SPLIT_K`` > 1: one program per (pair, N-block,
-    split) writes float32 sums and the finish pass adds a token's splits and slots in order
-    (as ``gemv_pass``)."""
+    . b[expert]^T)``; c: [T, N]. ``cfg``: the w2 pass's tile; ``cast_weights``, ``scale``,
+    ``block_shape``, ``zp`` and ``bits`` as ``gemv_pass``. ``SPLIT_K`` > 1: one program per
+    (pair, N-block, split) writes float32 sums and the finish pass adds a token's splits and
+    slots in order (as ``gemv_pass``)."""
     n_out = c.shape[1]
     k = a.shape[1]
-    block_k = _gemv_block_k(cfg, k)
+    block_k = _gemv_block_k(cfg, k, bits)
     split = gemv_split_k(cfg, k, block_k)
     if split > 1:
-        part = _gemv_partials(a, b, topk_ids, expert_map, False, 1, cfg, n_out, split, block_k, scale, block_shape)
+        part = _gemv_partials(a, b, topk_ids, expert_map, False, 1, cfg, n_out, split, block_k, scale, block_shape,
+                              zp, bits)
         _gemv_finish(part, a, c, topk_weights, topk_ids.shape[1], False, True, cast_weights)
         return
     grid = (c.shape[0], triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
     _gemv_down_sum_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids,
                                 n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0), K=k,
                                 TOP_K=topk_ids.shape[1], HAS_EMAP=expert_map is not None, CAST_W=bool(cast_weights),
-                                EMULATE=_INTERPRET, **_scale_args(b, scale, block_shape),
+                                EMULATE=_INTERPRET, **_scale_args(b, scale, block_shape, zp, bits),
                                 BLOCK_N=int(cfg["BLOCK_SIZE_N"]), BLOCK_K=block_k, num_warps=int(cfg.get("num_warps", 4)),
                                 **pdl.launch_kwargs(a, "moe_down_sum"))
 
 
 def grouped_tile_bytes(bm: int, bn: int, bk: int, gated: bool, act_bytes: int, w_bytes: int, scaled: bool,
-                       block_k_uniform: bool = True) -> tuple[int, int]:
+                       block_k_uniform: bool = True, int_bits: int = 0, zero_points: bool = False,
+                       group_size: int = 0) -> tuple[int, int]:
     """``(per_stage, fixed)`` shared-memory bytes of ``_grouped_kernel``'s tiles (see
     ``pyengine.ops.smem``): per stage the A tile, the (gate and up) weight tiles and, for FP8
     weights, their float32 block scales (a row a tile when BLOCK_K divides the scale block's
     columns, ``block_k_uniform``, else one a weight); fixed: FP8 weight tiles dequantized to
-    the activation dtype for ``tl.dot``."""
+    the activation dtype for ``tl.dot``. ``int_bits``: packed integer weights (``w_bytes``
+    the int32 word's 4), ``int_bits`` / 8 bytes a weight, their group scales (and
+    ``zero_points``) a row a tile when BLOCK_K divides ``group_size``, else one a word (one
+    a weight where a word's values span groups); dequantized tiles as FP8's."""
     tiles = 2 if gated else 1
-    per_stage = bm * bk * act_bytes + tiles * bk * bn * w_bytes
+    per = _per_word(int_bits)
+    per_stage = bm * bk * act_bytes + tiles * bk * bn * w_bytes // per
     if not scaled:
         return per_stage, 0
-    per_stage += tiles * 4 * (bn if block_k_uniform else bk * bn)
+    s_rows = 1 if block_k_uniform else (bk // per if int_bits and group_size % per == 0 else bk)
+    per_stage += tiles * 4 * s_rows * bn * (2 if zero_points else 1)
     return per_stage, tiles * bk * bn * act_bytes
 
 
 def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, cfg, num_valid, cast_weights=True,
-                 scale=None, block_shape=None):
+                 scale=None, block_shape=None, zp=None, bits=None):
     """One pass on the grouped-GEMM path over ``aligned`` (``moe_align_block_size``'s
     output for ``cfg["BLOCK_SIZE_M"]``); otherwise as ``gemv_pass``. Raises ValueError for a
     tile that does not fit the device's shared memory (``grouped_tile_bytes``)."""
@@ -827,7 +953,8 @@ def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, c
     # the stages this tile can have in the device's shared memory (a tile of the table was
     # measured on its GPU; this guards the defaults and other GPUs)
     per_stage, fixed = grouped_tile_bytes(bm, bn, bk, gated, a.element_size(), b.element_size(), scale is not None,
-                                          uniform)
+                                          uniform, int(bits or 0), zp is not None,
+                                          int(block_shape[1]) if block_shape is not None else 0)
     stages = smem.fit_stages(per_stage, fixed, int(cfg.get("num_stages", 3)), smem.max_shared_mem(a.device))
     if stages == 0:
         raise ValueError(f"fused-MoE tile {bm}x{bn}x{bk} does not fit the device's shared memory")
@@ -837,7 +964,7 @@ def grouped_pass(a, b, c, topk_weights, aligned, gated, mul_weight, a_row_div, c
                           A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights),
                           IEEE=a.dtype == torch.float32, EMULATE=_INTERPRET,
                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=int(cfg.get("GROUP_SIZE_M", 1)),
-                          **_scale_args(b, scale, block_shape), S_K_UNIFORM=uniform,
+                          **_scale_args(b, scale, block_shape, zp, bits), S_K_UNIFORM=uniform,
                           num_warps=int(cfg.get("num_warps", 4)), num_stages=stages)
 
 
@@ -865,7 +992,7 @@ def _check_scale(name: str, w: torch.Tensor, scale: torch.Tensor | None,
             raise ValueError(f"{name} is {w.dtype}: FP8 expert weights must be torch.float8_e4m3fn")
         if scale is not None:
             raise ValueError(f"{name}_scale given for {name} of dtype {w.dtype}: scales go with "
-                             f"torch.float8_e4m3fn weights only")
+                             f"torch.float8_e4m3fn weights only (or int32 ones with weight_bits)")
         return None
     if scale is None:
         raise ValueError(f"{name} is torch.float8_e4m3fn: {name}_scale (float32) is required")
@@ -889,12 +1016,74 @@ def _check_scale(name: str, w: torch.Tensor, scale: torch.Tensor | None,
     return scale
 
 
+def _check_group_tensor(name: str, v: torch.Tensor, w_name: str, w: torch.Tensor, want: tuple[int, int, int],
+                        what: str) -> torch.Tensor:
+    # a float32 scale / zero-point tensor of integer weights, contiguous (scales and zero
+    # points then share strides), [E, rows] taken for per-channel [E, rows, 1]
+    if v.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32, got {v.dtype}")
+    if v.device != w.device:
+        raise ValueError(f"{name} is on {v.device}, {w_name} on {w.device}")
+    given = list(v.shape)
+    if v.dim() == 2 and want[2] == 1:
+        v = v[:, :, None]
+    if tuple(v.shape) != want:
+        raise ValueError(f"{name} ({what}) must have shape {list(want)} for {w_name} of shape {list(w.shape)}, "
+                         f"got {given}")
+    return v.contiguous()
+
+
+def _check_int(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: tuple, zps: tuple,
+               block_shape: tuple[int, int] | None, bits) -> tuple[dict, dict]:
+    """The packed integer weights' quantization arguments of the w13 and w2 passes
+    (``gemv_pass``'s scale, zp, block_shape (1, gs), bits), or ValueError."""
+    if w13.dtype != torch.int32 and w2.dtype != torch.int32:
+        raise ValueError(f"weight_bits given for w13 of {w13.dtype} and w2 of {w2.dtype}: it goes with int32 "
+                         f"(packed integer) expert weights only")
+    if w13.dtype != w2.dtype:
+        raise ValueError(f"w13 is {w13.dtype}, w2 {w2.dtype}: packed integer (int32) expert weights are both "
+                         f"w13 and w2 or neither")
+    if isinstance(bits, bool) or bits not in (4, 8):
+        raise ValueError(f"int32 expert weights take weight_bits 4 or 8 (values packed a word), got {bits!r}")
+    if hidden.dtype not in _FP8_ACTS:
+        raise ValueError(f"integer expert weights take bf16, fp16 or float32 activations, got hidden of {hidden.dtype}")
+    per = 32 // bits
+    h = hidden.shape[1]
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    if two_i % 2 or h % per or inter % per or tuple(w13.shape) != (e, two_i, h // per) or \
+            tuple(w2.shape) != (e, h, inter // per):
+        raise ValueError(f"{bits}-bit expert weights are packed {per} a word along K: w13 [E, 2 * I, H / {per}] and "
+                         f"w2 [E, H, I / {per}] with H {h} (hidden's) a multiple of {per} and 2 * I = w13's rows "
+                         f"{two_i}, I a multiple of {per}; got w13 {list(w13.shape)}, w2 {list(w2.shape)}")
+    if block_shape is not None and block_shape[0] != 1:
+        raise ValueError(f"block_shape of integer weights is (1, group_size), got {block_shape}")
+    if block_shape is not None and (h % block_shape[1] or inter % block_shape[1]):
+        raise ValueError(f"group size {block_shape[1]} (block_shape) must divide both the hidden size {h} (w13's K) "
+                         f"and the intermediate size {inter} (w2's K)")
+    out = []
+    for name, w, k, scale, zp in (("w13", w13, h, scales[0], zps[0]), ("w2", w2, inter, scales[1], zps[1])):
+        if w.device != hidden.device:
+            raise ValueError(f"{name} is on {w.device}, hidden on {hidden.device}")
+        gs = k if block_shape is None else block_shape[1]
+        want = (e, w.shape[1], k // gs)
+        what = "per output channel" if block_shape is None else f"per group of {gs}"
+        if scale is None:
+            raise ValueError(f"{name} is int32 ({bits}-bit): {name}_scale (float32) is required")
+        scale = _check_group_tensor(f"{name}_scale", scale, name, w, want, what)
+        if zp is not None:
+            zp = _check_group_tensor(f"{name}_zp", zp, name, w, want, what)
+        out.append(dict(scale=scale, zp=zp, block_shape=(1, gs), bits=bits))
+    return out[0], out[1]
+
+
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
                   config: dict | None = None, tile_configs: dict[int, dict] | None = None,
                   cast_weights: bool = True, w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None,
-                  block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+                  block_shape: tuple[int, int] | None = None, w13_zp: torch.Tensor | None = None,
+                  w2_zp: torch.Tensor | None = None, weight_bits: int | None = None) -> torch.Tensor:
     """hidden: [T, H]; w13: [E_local, 2 * I, H] (gate rows then up rows); w2: [E_local, H, I];
     topk_weights: float32 [T, k]; topk_ids: int32 [T, k] (global ids); expert_map: int32
     [E_global] or None (see ``moe_align_block_size``). Float weights share hidden's dtype;
@@ -916,20 +1105,49 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     ValueError for a scale given for a float weight, missing for an FP8 one, not float32,
     on another device or of the wrong shape; for a block_shape that is not two positive
     integers or given without an FP8 weight; for another 1-byte float weight dtype, or FP8
-    weights with a hidden dtype other than bf16 / fp16 / float32."""
+    weights with a hidden dtype other than bf16 / fp16 / float32.
+
+    Packed integer weights (weight-only W4A16 / W8A16): w13 and w2 both int32, w13
+    [E_local, 2 * I, H * bits / 32], w2 [E_local, H, I * bits / 32], ``weight_bits`` (bits) 4
+    or 8: logical column c of a row is the unsigned value in bits [(c % per) * bits,
+    (c % per + 1) * bits) of word c // per, per = 32 // bits
+    (``quantization.utils.pack_int32(q, bits, dim=-1)``). Scales float32 per group of
+    ``block_shape`` (1, gs) columns (gs dividing H and I), w13_scale [E_local, 2 * I, H / gs],
+    w2_scale [E_local, H, I / gs]; ``block_shape`` None: per output channel ([E_local, rows,
+    1], or [E_local, rows]). ``w13_zp`` / ``w2_zp``: float32 zero points (quantized units) of
+    the scales' shapes, or None: symmetric, 2**(bits - 1). Each weight is dequantized in the
+    kernel to ``((q.float() - zero) * scale).to(hidden.dtype)`` (float32 arithmetic), so the
+    result is this function's on the dequantized weights, as for FP8. Raises ValueError for
+    int32 weights without weight_bits 4 / 8, weight_bits or a zero point without them, one
+    int32 weight with the other not, other integer weight dtypes, packed shapes that do not
+    match hidden and w13's rows, weights on another device than hidden, a block_shape not
+    (1, gs) or a gs not dividing H and I, a missing scale, and scales / zero points not
+    float32, on another device or of the wrong shape; hidden bf16 / fp16 / float32."""
     t, h = hidden.shape
     e_local, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     if block_shape is not None:
         block_shape = _check_block_shape(block_shape)
-    w13_scale = _check_scale("w13", w13, w13_scale, block_shape)
-    w2_scale = _check_scale("w2", w2, w2_scale, block_shape)
-    if w13_scale is None and w2_scale is None:
-        if block_shape is not None:
-            raise ValueError("block_shape given without FP8 (torch.float8_e4m3fn) weights")
-    elif hidden.dtype not in _FP8_ACTS:
-        raise ValueError(f"FP8 expert weights take bf16, fp16 or float32 activations, got hidden of {hidden.dtype}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not w.dtype.is_floating_point and w.dtype != torch.int32:
+            raise ValueError(f"{name} is {w.dtype}: integer expert weights must be int32 words (weight_bits 4 or 8)")
+    if torch.int32 in (w13.dtype, w2.dtype) or weight_bits is not None:
+        q13, q2 = _check_int(hidden, w13, w2, (w13_scale, w2_scale), (w13_zp, w2_zp), block_shape, weight_bits)
+    else:
+        for name, w, zp in (("w13", w13, w13_zp), ("w2", w2, w2_zp)):
+            if zp is not None:
+                raise ValueError(f"{name}_zp given for {name} of dtype {w.dtype}: zero points go with int32 "
+                                 f"(weight_bits) weights only")
+        w13_scale = _check_scale("w13", w13, w13_scale, block_shape)
+        w2_scale = _check_scale("w2", w2, w2_scale, block_shape)
+        if w13_scale is None and w2_scale is None:
+            if block_shape is not None:
+                raise ValueError("block_shape given without FP8 (torch.float8_e4m3fn) or int32 weights")
+        elif hidden.dtype not in _FP8_ACTS:
+            raise ValueError(f"FP8 expert weights take bf16, fp16 or float32 activations, got hidden of {hidden.dtype}")
+        q13 = dict(scale=w13_scale, block_shape=block_shape)
+        q2 = dict(scale=w2_scale, block_shape=block_shape)
     if t == 0:
         return torch.zeros_like(hidden)
     hidden = hidden.contiguous()
@@ -943,25 +1161,24 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     c13, c2 = pass_config(cfg, "w13"), pass_config(cfg, "w2")
     if cfg.get("small_batch"):
         # both passes' SPLIT_K checked before anything runs
-        gemv_split_k(c13, h, _gemv_block_k(c13, h))
-        gemv_split_k(c2, inter, _gemv_block_k(c2, inter))
-        gemv_pass(hidden, w13, mid, topk_weights, topk_ids, expert_map, True, False, top_k, c13,
-                  scale=w13_scale, block_shape=block_shape)
+        gemv_split_k(c13, h, _gemv_block_k(c13, h, q13.get("bits")))
+        gemv_split_k(c2, inter, _gemv_block_k(c2, inter, q2.get("bits")))
+        gemv_pass(hidden, w13, mid, topk_weights, topk_ids, expert_map, True, False, top_k, c13, **q13)
         if c2.get("FUSE_SUM", True):  # default: no [T*k, H] buffer and no separate sum
             out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
-            gemv_down_sum_pass(mid, w2, out, topk_weights, topk_ids, expert_map, c2, cast_weights,
-                               scale=w2_scale, block_shape=block_shape)
+            gemv_down_sum_pass(mid, w2, out, topk_weights, topk_ids, expert_map, c2, cast_weights, **q2)
             return out
         out = torch.empty((pairs, h), dtype=pair_dtype, device=hidden.device)
-        gemv_pass(mid, w2, out, topk_weights, topk_ids, expert_map, False, True, 1, c2, cast_weights,
-                  scale=w2_scale, block_shape=block_shape)
+        gemv_pass(mid, w2, out, topk_weights, topk_ids, expert_map, False, True, 1, c2, cast_weights, **q2)
     else:
         out = torch.empty((pairs, h), dtype=pair_dtype, device=hidden.device)
         if int(c13["BLOCK_SIZE_M"]) != int(c2["BLOCK_SIZE_M"]):
             raise ValueError("the two passes of a grouped-GEMM tile config must share BLOCK_SIZE_M")
+        for c, q in ((c13, q13), (c2, q2)):
+            if int(c["BLOCK_SIZE_K"]) % _per_word(q.get("bits")):
+                raise ValueError(f"fused-MoE tile: BLOCK_SIZE_K {c['BLOCK_SIZE_K']} is not whole int32 words of "
+                                 f"{q['bits']}-bit weights")
         aligned = moe_align_block_size(topk_ids, int(c13["BLOCK_SIZE_M"]), e_local, expert_map)
-        grouped_pass(hidden, w13, mid, topk_weights, aligned, True, False, top_k, c13, pairs,
-                     scale=w13_scale, block_shape=block_shape)
-        grouped_pass(mid, w2, out, topk_weights, aligned, False, True, 1, c2, pairs, cast_weights,
-                     scale=w2_scale, block_shape=block_shape)
+        grouped_pass(hidden, w13, mid, topk_weights, aligned, True, False, top_k, c13, pairs, **q13)
+        grouped_pass(mid, w2, out, topk_weights, aligned, False, True, 1, c2, pairs, cast_weights, **q2)
     return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)

@@ -86,6 +86,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, {num_experts}] (the number of experts).")
         tp_size = tp_group.world_size if tp_group is not None else 1
         tp_rank = tp_group.rank if tp_group is not None else 0
+        # Kept out of the module tree (as LinearBase's): quantized experts' projections split by it.
+        self.__dict__["tp_group"] = tp_group
         self.global_num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
@@ -113,12 +115,16 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.params_dtype = torch.get_default_dtype()  # the activations' (weights may be quantized)
         self.quant_method = None  # a quantization FusedMoEMethodBase, set by set_quant_method
-        self.fp8_block: tuple[int, int] | None = None  # FP8 block scales' (bn, bk) once loaded
+        self.scale_block: tuple[int, int] | None = None  # scale blocks (bn, bk) once loaded (FP8 blocks; (1, group) for int)
+        self.weight_bits: int | None = None  # packed-integer experts' bits once loaded (moe_wna16)
+        self.expert_modules = False  # the experts' tensors load into child modules (drop_expert_weights)
+        # checkpoint projection name -> kind (the model's ``expert_proj_names``; set by the loader)
+        self.expert_proj_names: dict[str, str] = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
         self.replace_expert_weights(self.params_dtype)
         self._tile_configs = _NOT_LOADED  # fused_moe's table for this shape and GPU, read on first use
 
     def _shard_ids(self, which: str) -> tuple:
-        local = range(self.expert_start, self.expert_start + self.local_num_experts)
+        local = self.local_expert_ids()
         if which == "w2":
             return tuple(("w2", g) for g in local)
         return tuple((k, g) for g in local for k in ("w1", "w3"))
@@ -133,6 +139,22 @@ class FusedMoE(nn.Module):
             delattr(self, name)
         self.register_parameter(name, p)
         return p
+
+    def local_expert_ids(self) -> range:
+        """The global ids of the experts this rank holds."""
+        return range(self.expert_start, self.expert_start + self.local_num_experts)
+
+    def holds_expert(self, expert: int) -> bool:
+        return self.expert_start <= expert < self.expert_start + self.local_num_experts
+
+    def drop_expert_weights(self) -> None:
+        """Remove the stacked float weights: a quantization method (``moe_wna16``) loads the
+        experts' tensors into modules of its own, children ``<expert id>.<projection>``
+        (``expert_modules`` then True until ``set_expert_weights``)."""
+        for name in ("w13_weight", "w2_weight"):
+            if hasattr(self, name):
+                delattr(self, name)
+        self.expert_modules = True
 
     def replace_expert_weights(self, dtype: torch.dtype) -> None:
         """(Re)create the empty stacked weights in ``dtype`` (a quantization method's
@@ -150,18 +172,27 @@ class FusedMoE(nn.Module):
                        moe_scale=form, moe_block=block)
 
     def set_expert_weights(self, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
-                           w2_scale: torch.Tensor | None, block: tuple[int, int] | None) -> None:
+                           w2_scale: torch.Tensor | None, block: tuple[int, int] | None,
+                           w13_zp: torch.Tensor | None = None, w2_zp: torch.Tensor | None = None,
+                           weight_bits: int | None = None) -> None:
         """The experts' final form (a quantization method's ``process_weights_after_loading``):
-        float weights, or FP8 weights with float32 scales ``w13_weight_scale`` /
-        ``w2_weight_scale`` (per row, or ``block`` tiles); every other parameter dropped."""
+        float weights; FP8 weights with float32 scales ``w13_weight_scale`` /
+        ``w2_weight_scale`` (per row, or ``block`` tiles); or packed-integer weights
+        (``weight_bits``) with group scales (``block`` (1, group size)) and zero points
+        ``w13_weight_zp`` / ``w2_weight_zp`` (None: symmetric); see ``fused_moe.fused_experts``.
+        Every other parameter and child module dropped."""
         for name, _ in list(self.named_parameters(recurse=False)):
             delattr(self, name)
-        self.register_parameter("w13_weight", nn.Parameter(w13.contiguous(), requires_grad=False))
-        self.register_parameter("w2_weight", nn.Parameter(w2.contiguous(), requires_grad=False))
-        if w13_scale is not None:
-            self.register_parameter("w13_weight_scale", nn.Parameter(w13_scale.contiguous(), requires_grad=False))
-            self.register_parameter("w2_weight_scale", nn.Parameter(w2_scale.contiguous(), requires_grad=False))
-        self.fp8_block = block if w13_scale is not None else None
+        for name, _ in list(self.named_children()):
+            delattr(self, name)
+        tensors = {"w13_weight": w13, "w2_weight": w2, "w13_weight_scale": w13_scale, "w2_weight_scale": w2_scale,
+                   "w13_weight_zp": w13_zp, "w2_weight_zp": w2_zp}
+        for name, t in tensors.items():
+            if t is not None:
+                self.register_parameter(name, nn.Parameter(t.contiguous(), requires_grad=False))
+        self.scale_block = block if w13_scale is not None else None
+        self.weight_bits = weight_bits
+        self.expert_modules = False
 
     def set_quant_method(self, method) -> None:
         """Quantized experts: ``method`` (a ``FusedMoEMethodBase``) replaces the float weights
@@ -230,8 +261,11 @@ class FusedMoE(nn.Module):
 
     def _scales(self) -> dict:
         if self.w13_weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return {"w13_scale": self.w13_weight_scale, "w2_scale": self.w2_weight_scale,
-                    "block_shape": self.fp8_block}
+            out = {"w13_scale": self.w13_weight_scale, "w2_scale": self.w2_weight_scale, "block_shape": self.scale_block}
+            if self.weight_bits is not None:
+                out.update(w13_zp=getattr(self, "w13_weight_zp", None), w2_zp=getattr(self, "w2_weight_zp", None),
+                           weight_bits=self.weight_bits)
+            return out
         return {}
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -277,5 +311,5 @@ class FusedMoE(nn.Module):
                 f"top_k={self.top_k}, hidden={self.hidden_size}, intermediate={self.intermediate_size} "
                 f"(local {self.intermediate_size_per_partition}), renormalize={self.renormalize}, ep={self.use_ep}, "
                 f"cast_routing_weights={self.cast_routing_weights}, "
-                f"weights={str(self.w13_weight.dtype).replace('torch.', '')}"
-                f"{f' blocks {list(self.fp8_block)}' if self.fp8_block else ''}")
+                f"weights={f'int{self.weight_bits}' if self.weight_bits else str(self.w13_weight.dtype).replace('torch.', '')}"
+                f"{f' blocks {list(self.scale_block)}' if self.scale_block else ''}")

@@ -5,7 +5,8 @@
 linear layer: ``qweight`` int32 [K, N/8] and ``qzeros`` int32 [K/group, N/8], both packed
 along N in AWQ's order (value j of a word is column ``AWQ_ORDER[j]`` of its run of 8), and
 ``scales`` [K/group, N] (fp16). Dequantized: ``w[k, n] = (q - zero) * scale`` of row k's
-group. Other versions (gemv, marlin, exllama) and zero_point false are refused.
+group. Other versions (gemv, marlin, exllama) and zero_point false are refused. MoE
+experts: per expert in the same tensors (``moe_wna16.MoeWNA16Method``).
 """
 from __future__ import annotations
 
@@ -44,6 +45,14 @@ class AWQConfig(QuantizationConfig):
         if is_layer_skipped(prefix, checkpoint_names, lambda n: any(key in n for key in self.not_converted)):
             return None
         return AWQLinearMethod(self.group_size)
+
+    def get_moe_method(self, layer, prefix: str, checkpoint_names: list[str]):
+        """The experts' AWQ tensors, per expert as the linear layers' (``MoeWNA16Method``)."""
+        from pyengine.layers.quantization.moe_wna16 import MoeWNA16Method
+
+        if is_layer_skipped(prefix, checkpoint_names, lambda n: any(key in n for key in self.not_converted)):
+            return None
+        return MoeWNA16Method(lambda: AWQLinearMethod(self.group_size), 4, "AWQ")
 
 
 class AWQLinearMethod(LinearMethodBase):

@@ -17,8 +17,9 @@ Supported schemes:
   ``weight_scale`` [N, groups], ``weight_zero_point`` (asymmetric: int32 packed along N),
   ``weight_shape``, ``weight_g_idx`` (group actorder).
 
-MoE experts (``get_moe_method``): FP8 schemes only, run weight-only by the fused MoE
-(``fp8.Fp8MoEMethod``); INT experts and static activation scales are refused.
+MoE experts (``get_moe_method``): FP8 schemes run weight-only by the fused MoE
+(``fp8.Fp8MoEMethod``; static activation scales refused), INT4/INT8 ones per expert in the
+dense layers' tensors (``moe_wna16.MoeWNA16Method``).
 
 Anything else (INT8 activations, NVFP4/MXFP formats, sparsity, transforms, output
 activations) is refused with a ValueError naming it. On CPU the W8A8 activation
@@ -202,10 +203,11 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def get_moe_method(self, layer: nn.Module, prefix: str, checkpoint_names: list[str]):
         """FP8 experts (any weight strategy; dynamic or no activation quantization: they run
-        weight-only, see ``Fp8MoEMethod``) or None when every expert projection is ignored.
-        Raises ValueError for INT experts, static activation scales, or experts quantized
-        unalike."""
+        weight-only, see ``Fp8MoEMethod``), INT4/INT8 ``pack-quantized`` ones
+        (``MoeWNA16Method``), or None when every expert projection is ignored. Raises
+        ValueError for static activation scales or experts quantized unalike."""
         from pyengine.layers.quantization.fp8 import Fp8MoEMethod
+        from pyengine.layers.quantization.moe_wna16 import MoeWNA16Method
 
         if is_layer_skipped(prefix, checkpoint_names, lambda n: self._scheme_for(n) is None):
             return None
@@ -215,8 +217,8 @@ class CompressedTensorsConfig(QuantizationConfig):
                              f"takes one")
         scheme = found.pop()
         if scheme.kind != "fp8":
-            raise ValueError(f"INT{scheme.bits} ({scheme.strategy}) MoE experts are not supported: vengine's fused "
-                             f"MoE runs FP8 (float-quantized) experts or float ones")
+            return MoeWNA16Method(lambda: CompressedTensorsWNA16(scheme), scheme.bits, "compressed-tensors",
+                                  act_order=scheme.actorder in ("group", "dynamic"))
         if scheme.act == "tensor":
             raise ValueError("FP8 MoE experts with static per-tensor input_scale are not supported: the experts "
                              "run weight-only and the scales would go unused")

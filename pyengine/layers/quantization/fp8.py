@@ -160,7 +160,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
     After loading, with the kernels (CUDA): ``w13_weight`` float8_e4m3fn [E, 2I, H] and
     ``w13_weight_scale`` float32 [E, 2I] (tensor and channel scales, per row) or
     [E, 2I/bn, ceil(H/bk)] (blocks); ``w2_weight`` [E, H, I] and ``w2_weight_scale`` [E, H]
-    or [E, ceil(H/bn), ceil(I/bk)]; ``layer.fp8_block`` the block or None. The fused-MoE
+    or [E, ceil(H/bn), ceil(I/bk)]; ``layer.scale_block`` the block or None. The fused-MoE
     kernels dequantize each weight into the activation dtype before its product
     (weight-only: the experts' activations are not quantized, as vLLM's weight-only FP8 MoE
     path; a checkpoint's dynamic activation scheme prescribes no tensors). Elsewhere (CPU)

@@ -8,6 +8,7 @@ them; ``gptq_v2``: as they are). Tensors per linear layer: ``qweight`` int32 [K*
 [groups, N*bits/32] packed along N, ``scales`` [groups, N] (fp16), ``g_idx`` int32 [K].
 Dequantized: ``w[k, n] = (q[k, n] - zero[g, n]) * scale[g, n]`` with ``g = g_idx[k]``.
 A quantized ``lm_head``, per-module ``dynamic`` overrides and other bit widths are refused.
+MoE experts: per expert in the same tensors (``moe_wna16.MoeWNA16Method``).
 """
 from __future__ import annotations
 
@@ -47,11 +48,23 @@ class GPTQConfig(QuantizationConfig):
         return cls(bits, gs, bool(config.get("desc_act", False)), bool(config.get("sym", True)), fmt == "gptq",
                    modules)
 
+    def _skipped(self, prefix: str, checkpoint_names: list[str]) -> bool:
+        return self.modules is not None and is_layer_skipped(
+            prefix, checkpoint_names, lambda n: not any(n.endswith("." + m) or n == m for m in self.modules))
+
     def get_quant_method(self, layer, prefix: str, checkpoint_names: list[str]):
-        if self.modules is not None and is_layer_skipped(
-                prefix, checkpoint_names, lambda n: not any(n.endswith("." + m) or n == m for m in self.modules)):
+        if self._skipped(prefix, checkpoint_names):
             return None
         return GPTQLinearMethod(self.bits, self.group_size, self.desc_act, self.v1_zeros, self.sym)
+
+    def get_moe_method(self, layer, prefix: str, checkpoint_names: list[str]):
+        """The experts' GPTQ tensors, per expert as the linear layers' (``MoeWNA16Method``)."""
+        from pyengine.layers.quantization.moe_wna16 import MoeWNA16Method
+
+        if self._skipped(prefix, checkpoint_names):
+            return None
+        return MoeWNA16Method(lambda: GPTQLinearMethod(self.bits, self.group_size, self.desc_act, self.v1_zeros,
+                                                       self.sym), self.bits, "GPTQ", act_order=self.desc_act)
 
 
 class GPTQLinearMethod(LinearMethodBase):

@@ -193,18 +193,39 @@ def dequantize_int(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
     return ((q.float() - z) * s).t().contiguous()
 
 
+class IntParts:
+    """An MoE expert projection's unpacked values, kept for its ``FusedMoE`` to stack
+    (``moe_wna16``): q uint8 [K, N] unsigned values, scales / zeros float32 [G, N] (zeros in
+    quantized units), g_idx int64 [K] (each input row's group), ``group_size``, ``bits``."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor, bits: int,
+                 group_size: int):
+        self.q, self.scales, self.zeros, self.g_idx = q, scales, zeros, g_idx
+        self.bits, self.group_size = bits, group_size
+
+    def trivial_groups(self) -> bool:
+        """Whether input row k is in group k // group_size (no activation order)."""
+        k = self.g_idx.shape[0]
+        return torch.equal(self.g_idx, torch.arange(k, device=self.g_idx.device) // self.group_size)
+
+
 def finalize_int(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                  group_size: int, dtype: torch.dtype, g_idx: torch.Tensor | None = None) -> None:
     """Give ``layer`` its packed-integer form (see the module docstring). q: int [K, N]
     unsigned values (< 2**bits); scales, zeros: [G, N] (zeros in quantized units); g_idx
     [K]: each input row's group (None: row // group_size). ``group_size`` = K: one group
     (per output channel). With act-order g_idx the kernels read the rows sorted by group and
-    the input is permuted to match (``layer.perm``)."""
+    the input is permuted to match (``layer.perm``). A layer with ``keep_int_parts`` set (an
+    MoE expert's projection) keeps the values as ``layer.int_parts`` (``IntParts``) instead."""
     k = q.shape[0]
     trivial = torch.arange(k, device=q.device) // group_size
     if g_idx is None:
         g_idx = trivial
     g_idx = g_idx.to(torch.int64)
+    if getattr(layer, "keep_int_parts", False):
+        replace_parameters(layer)
+        layer.int_parts = IntParts(q.to(torch.uint8), scales.float(), zeros.float(), g_idx, bits, group_size)
+        return
     perm = None
     if not torch.equal(g_idx, trivial):
         perm = torch.argsort(g_idx, stable=True)
