@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: gpu_fp8moe moe_fp8_bench gpu_seeded fp8kv_throughput gpu_int4 gpu_half2 gpu_int_stream int4_sweep tpot_after tpot_pdl_ex int4_forms fp8_sweep half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: gpu_intmoe moe_int_bench gpu_fp8moe moe_fp8_bench gpu_seeded fp8kv_throughput gpu_int4 gpu_half2 gpu_int_stream int4_sweep tpot_after tpot_pdl_ex int4_forms fp8_sweep half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -40,6 +40,11 @@ step() {  # step SECONDS NAME CMD...
   if [[ $rc != 0 ]]; then mv "$OUT/.$name.log" "$OUT/$name.log"; else rm -f "$OUT/.$name.log"; fi
 }
 { nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"; } >> "$LOG" 2>&1
+# INT4 / INT8 MoE experts (issue 26 on MoE; 2026-12-07, third session, never yet on a GPU): their kernels against the
+# dequantized weights, the models token-exact in float32, then the Qwen3-30B-A3B shape as a GPTQ W4A16 checkpoint
+# (random valid weights) next to bf16 in one call, the card's bandwidth for the floor
+step 420 gpu_intmoe python3 -m pytest -q -m gpu tests/layers/fused_moe/test_fused_moe_int.py tests/quantization/test_kernel_path.py tests/ops/test_pdl.py -k "int or moe" -p no:cacheprovider --tb=short --durations=8 -o faulthandler_timeout=200
+step 480 moe_int_bench bash -c 'BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8 || echo 3.35); for q in none gptq; do python3 benchmarks/moe.py --sections engine --nano-requests 0 --bandwidth-tbs $BW $([ $q = gptq ] && echo --quantization gptq) --out-dir "$0" || exit 1; done' "$OUT"
 # FP8 MoE experts (issues 25, 26): their kernels and models on the GPU (dequantized-weight references, float32
 # token-exact), then the Qwen3-30B-A3B shape's engine in bf16 and quantized at load (batch-1 TPOT against the
 # floor of the bytes a step reads, the serving workload), each in a process of its own, the card's bandwidth for the floor
