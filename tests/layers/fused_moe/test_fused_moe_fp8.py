@@ -1,5 +1,5 @@
 """FP8 (e4m3) expert weights in the Triton fused MoE (weight-only, W8A16): per-channel and
-block scales on every kernel path (GEMV with the k-sum fused and not, split-K, grouped GEMM),
+block scales on every kernel path (tiles.GEMV with the k-sum fused and not, split-K, grouped GEMM),
 expert parallelism, the argument checks, and on the GPU the Qwen3-30B-A3B shape and CUDA
 graphs.
 
@@ -28,6 +28,7 @@ from pyengine.layers.fused_moe import fused_moe  # noqa: E402
 from pyengine.layers.fused_moe.moe_torch import fused_experts_torch  # noqa: E402
 from pyengine.layers.fused_moe.router import fused_topk  # noqa: E402
 from tests.helpers import rank_expert_map, triton_device  # noqa: E402
+from tests.layers.fused_moe import tiles  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FP8 = torch.float8_e4m3fn
@@ -90,15 +91,6 @@ def _fp8_problem(t, e, h, inter, k, dtype, dev, block, seed=0):
     return x.to(dtype), q13, s13, q2, s2, w, ids
 
 
-GROUPED = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4,
-           "num_stages": 2}
-# K tails (hidden 48, intermediate 24 against BLOCK_SIZE_K 32) and N tails (24 against 32)
-GROUPED_TAILS = {**GROUPED, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1}
-GEMV = {"small_batch": True, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps": 4}
-GEMV_UNFUSED = {**GEMV, "w2": {"FUSE_SUM": False}}
-# split-K: gate/up's K 48 in three 16-column chunks over 2 programs, down's K 24 over 2 (a tail)
-GEMV_SPLIT_K = {"small_batch": True, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "num_warps": 4, "SPLIT_K": 2}
-GEMV_SPLIT_K_UNFUSED = {**GEMV_SPLIT_K, "w2": {"FUSE_SUM": False}}
 
 # per channel; 16 x 16 blocks (BLOCK_SIZE_K 16 inside one block's columns, 32 across two;
 # the gate/up boundary at row I = 24 inside a block; w2's 24 columns: a partial block);
@@ -109,9 +101,7 @@ SCHEMES = [None, (16, 16), (32, 8)]
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("block", SCHEMES, ids=["channel", "block16x16", "block32x8"])
-@pytest.mark.parametrize("cfg,t", [(GEMV, 1), (GEMV_UNFUSED, 3), (GEMV_SPLIT_K, 2), (GEMV_SPLIT_K_UNFUSED, 2),
-                                   (GROUPED, 7), (GROUPED_TAILS, 5)],
-                         ids=["gemv", "gemv-unfused", "split-k", "split-k-unfused", "grouped", "grouped-tails"])
+@pytest.mark.parametrize("cfg,t", tiles.CONFIGS, ids=tiles.CONFIG_IDS)
 def test_fp8_is_the_dequantized_weights_run(kind, dtype, block, cfg, t):
     """FP8 weights with their scales == the same call on the dequantized weights (bit for bit
     under the interpreter: the same values summed in the same order), and close to the torch
@@ -141,7 +131,7 @@ def test_fp8_variants(kind, case):
     block = (16, 16) if case == "default-config" else None
     x, q13, s13, q2, s2, w, ids = _fp8_problem(t, 8, 48, 24, 2, dtype, dev, block, seed=2)
     d13, d2 = dequantize(q13, s13, block, dtype), dequantize(q2, s2, block, dtype)
-    cfg = None if case == "default-config" else GEMV_UNFUSED
+    cfg = None if case == "default-config" else tiles.GEMV_UNFUSED
     kw = dict(config=cfg, cast_weights=case != "mixtral-weights")
     if case == "w13-only":
         got = fused_moe.fused_experts(x, q13, d2, w, ids, w13_scale=s13, **kw)
@@ -158,7 +148,7 @@ def test_fp8_variants(kind, case):
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("block", [None, (16, 8)], ids=["channel", "block16x8"])
-@pytest.mark.parametrize("cfg", [GROUPED, GEMV, GEMV_UNFUSED, {**GEMV, "BLOCK_SIZE_K": 8, "SPLIT_K": 2}],
+@pytest.mark.parametrize("cfg", [tiles.GROUPED, tiles.GEMV, tiles.GEMV_UNFUSED, {**tiles.GEMV, "BLOCK_SIZE_K": 8, "SPLIT_K": 2}],
                          ids=["grouped", "gemv", "gemv-unfused", "split-k"])
 def test_fp8_expert_map(kind, block, cfg):
     """Rank r of 2 under expert parallelism holds experts 4r..4r+3 and their FP8 weights and
@@ -225,7 +215,7 @@ def test_fp8_refusals(args, word):
         kw = args(d)
         x = kw.pop("x", d["x"])
         with pytest.raises(ValueError, match=word):
-            fused_moe.fused_experts(x[:t], kw.pop("w13"), kw.pop("w2"), d["w"][:t], d["ids"][:t], config=GEMV, **kw)
+            fused_moe.fused_experts(x[:t], kw.pop("w13"), kw.pop("w2"), d["w"][:t], d["ids"][:t], config=tiles.GEMV, **kw)
 
 
 def test_grouped_tile_bytes():
@@ -264,7 +254,7 @@ def test_gpu_fp8_qwen3_30b_a3b_shape(block, t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block128"])
-@pytest.mark.parametrize("cfg", [GEMV, GROUPED, None, {**GEMV, "SPLIT_K": 2}],
+@pytest.mark.parametrize("cfg", [tiles.GEMV, tiles.GROUPED, None, {**tiles.GEMV, "SPLIT_K": 2}],
                          ids=["gemv", "grouped", "default", "split-k"])
 def test_gpu_fp8_cuda_graph_replay(block, cfg):
     """Captured once, replayed with new routing and activations: no host sync on the FP8

@@ -1,5 +1,5 @@
 """Packed integer (INT4 / INT8, weight-only W4A16 / W8A16) expert weights in the Triton fused
-MoE: group and per-channel scales, symmetric and with zero points, on every kernel path (GEMV
+MoE: group and per-channel scales, symmetric and with zero points, on every kernel path (tiles.GEMV
 with the k-sum fused and not, split-K, grouped GEMM), expert parallelism, the argument checks,
 and on the GPU the Qwen3-30B-A3B shape and CUDA graphs.
 
@@ -28,6 +28,7 @@ from pyengine.layers.fused_moe.moe_torch import fused_experts_torch  # noqa: E40
 from pyengine.layers.fused_moe.router import fused_topk  # noqa: E402
 from pyengine.layers.quantization.utils import pack_int32, unpack_int32  # noqa: E402
 from tests.helpers import rank_expert_map, triton_device  # noqa: E402
+from tests.layers.fused_moe import tiles  # noqa: E402
 
 _dev = triton_device
 
@@ -95,18 +96,6 @@ class Problem:
         return fused_moe.fused_experts(self.x, self.d13, self.d2, self.w, self.ids, **kw)
 
 
-GROUPED = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4,
-           "num_stages": 2}
-# K tails (hidden 48, intermediate 24 against BLOCK_SIZE_K 32) and N tails (24 against 32)
-GROUPED_TAILS = {**GROUPED, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1}
-GEMV = {"small_batch": True, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "num_warps": 4}
-GEMV_UNFUSED = {**GEMV, "w2": {"FUSE_SUM": False}}
-# split-K: gate/up's K 48 in three 16-column chunks over 2 programs, down's K 24 over 2 (a tail)
-GEMV_SPLIT_K = {"small_batch": True, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "num_warps": 4, "SPLIT_K": 2}
-GEMV_SPLIT_K_UNFUSED = {**GEMV_SPLIT_K, "w2": {"FUSE_SUM": False}}
-CONFIGS = [(GEMV, 1), (GEMV_UNFUSED, 3), (GEMV_SPLIT_K, 2), (GEMV_SPLIT_K_UNFUSED, 2), (GROUPED, 7),
-           (GROUPED_TAILS, 5)]
-CONFIG_IDS = ["gemv", "gemv-unfused", "split-k", "split-k-unfused", "grouped", "grouped-tails"]
 
 # (bits, zero points, group size (None: per channel), hidden, intermediate). The kernels take
 # a K chunk's scales as one row where BLOCK_SIZE_K divides the group (per channel at K 48
@@ -122,7 +111,7 @@ QUANT_IDS = [f"int{b}-{'asym' if z else 'sym'}-{'channel' if g is None else f'g{
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
-@pytest.mark.parametrize("cfg,t", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("cfg,t", tiles.CONFIGS, ids=tiles.CONFIG_IDS)
 def test_int_is_the_dequantized_weights_run(kind, dtype, quant, cfg, t):
     """Packed integer weights with their scales (and zero points) == the same call on the
     dequantized weights (bit for bit under the interpreter: the same values summed in the same
@@ -144,14 +133,14 @@ def test_int_is_the_dequantized_weights_run(kind, dtype, quant, cfg, t):
                                   "default-config"])
 def test_int_variants(kind, case):
     """fp16 activations; float32 routing products (``cast_weights=False``); per-channel scales
-    and zero points as [E, N]; scales of other strides than their zero points; a GEMV
+    and zero points as [E, N]; scales of other strides than their zero points; a tiles.GEMV
     BLOCK_SIZE_K under a word's values (chunks widened to a word); the default tile config at
     40 tokens (grouped GEMM)."""
     dtype = torch.float16 if case == "fp16" else torch.bfloat16
     t = 40 if case == "default-config" else 3
     gs = None if case == "channel-scale-e-n" else 8
     p = Problem(t, 8, 48, 24, 2, dtype, _dev(kind), 4, gs, True, seed=2)
-    cfg = {"default-config": None, "small-block-k": {**GEMV, "BLOCK_SIZE_K": 4}}.get(case, GEMV_UNFUSED)
+    cfg = {"default-config": None, "small-block-k": {**tiles.GEMV, "BLOCK_SIZE_K": 4}}.get(case, tiles.GEMV_UNFUSED)
     kw = dict(config=cfg, cast_weights=case != "mixtral-weights")
     if case == "channel-scale-e-n":
         kw.update(w13_scale=p.s13[..., 0], w2_scale=p.s2[..., 0], w13_zp=p.z13[..., 0], w2_zp=p.z2[..., 0])
@@ -167,7 +156,7 @@ def test_int_variants(kind, case):
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("quant", [(4, True, 8), (8, False, None)], ids=["int4-asym-g8", "int8-sym-channel"])
-@pytest.mark.parametrize("cfg", [GROUPED, GEMV, GEMV_UNFUSED, {**GEMV, "BLOCK_SIZE_K": 8, "SPLIT_K": 2}],
+@pytest.mark.parametrize("cfg", [tiles.GROUPED, tiles.GEMV, tiles.GEMV_UNFUSED, {**tiles.GEMV, "BLOCK_SIZE_K": 8, "SPLIT_K": 2}],
                          ids=["grouped", "gemv", "gemv-unfused", "split-k"])
 def test_int_expert_map(kind, quant, cfg):
     """Rank r of 2 under expert parallelism holds experts 4r..4r+3 and their words, scales and
@@ -240,9 +229,9 @@ def test_int_refusals(args, word):
         kw = {**p.kw, "w13": p.q13, "w2": p.q2, **args(d)}
         x = kw.pop("x", p.x)
         with pytest.raises(ValueError, match=word):
-            fused_moe.fused_experts(x[:t], kw.pop("w13"), kw.pop("w2"), p.w[:t], p.ids[:t], config=GEMV, **kw)
+            fused_moe.fused_experts(x[:t], kw.pop("w13"), kw.pop("w2"), p.w[:t], p.ids[:t], config=tiles.GEMV, **kw)
     with pytest.raises(ValueError, match="BLOCK_SIZE_K 4 is not whole int32 words of 4-bit weights"):
-        p.run(config={**GROUPED, "w2": {"BLOCK_SIZE_K": 4}})
+        p.run(config={**tiles.GROUPED, "w2": {"BLOCK_SIZE_K": 4}})
 
 
 def test_grouped_tile_bytes_int():
@@ -285,7 +274,7 @@ def test_gpu_int_qwen3_30b_a3b_shape(quant, t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", GPU_QUANTS, ids=GPU_QUANT_IDS)
-@pytest.mark.parametrize("cfg", [GEMV, GROUPED, None, {**GEMV, "SPLIT_K": 2}],
+@pytest.mark.parametrize("cfg", [tiles.GEMV, tiles.GROUPED, None, {**tiles.GEMV, "SPLIT_K": 2}],
                          ids=["gemv", "grouped", "default", "split-k"])
 def test_gpu_int_cuda_graph_replay(quant, cfg):
     """Captured once, replayed with new routing and activations: no host sync on the integer
