@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import queue
+import signal
 import threading
 
 from pyengine import envs
@@ -194,11 +195,16 @@ def run_engine_core(config: EngineConfig, conns, log_level: int = logging.WARNIN
     ``_FrontEndLinks``). The busy loop runs here, on the main thread. The first output is
     ``EngineCoreReady``, or an ``EngineDeadMessage`` with ``during_startup`` if EngineCore
     could not be built. End of input from every front end (they exited or were killed)
-    shuts the process down. Exit status 0 after a requested shutdown, 1 after a failure."""
+    shuts the process down. Exit status 0 after a requested shutdown, 1 after a failure.
+    SIGINT is ignored: the front end shuts this process down."""
     from pyengine.messages import EngineCoreReady
     from pyengine.utils import freeze_gc_heap
 
     conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
+    # Ctrl-C reaches the whole process group: the front end leads that shutdown (its streams
+    # cut with an error event, then EngineCoreShutdown), and end of its input stops this
+    # process if it cannot; dying here first only printed a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
     # One engine in this process, ever: torch's symmetric memory, whose rendezvous hangs for
     # a second tensor-parallel engine in one process, is safe here, so tensor parallelism

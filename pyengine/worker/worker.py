@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -94,6 +95,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
     parent as ``("error", ErrorInfo)`` on ``conn``, then exits
     non-zero; exits when the parent dies; exits 0 after rank 0's stop."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0's process leads the shutdown (core_proc)
     threading.Thread(target=_exit_when_parent_dies, args=(conn,), name="parent-watch", daemon=True).start()
     worker = Worker(config, rank, world_size, init_method)
     try:

@@ -69,6 +69,23 @@ def test_stats_and_utility_calls_are_messages(llama_dir, prompts):
         engine.shutdown()
 
 
+def test_ctrl_c_leaves_the_shutdown_to_the_front_end(llama_dir, prompts):
+    """Ctrl-C signals the whole process group: the engine process ignores SIGINT (no
+    KeyboardInterrupt traceback of a "dying" loop) and keeps serving until its front end
+    shuts it down."""
+    engine = mp_engine(llama_dir)
+    pid = engine.engine_core.pid
+    try:
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert not gone(pid) and not engine.errored
+        out = drain(engine.add_request("after", prompts[0], SamplingParams(max_tokens=4)))
+        assert len(out[-1].outputs[0].token_ids) == 4
+    finally:
+        engine.shutdown()
+    assert gone(pid)
+
+
 @pytest.mark.timeout(60)
 def test_engine_process_killed_ends_every_request_within_2s(llama_dir, prompts):
     engine = mp_engine(llama_dir, max_num_seqs=2)
