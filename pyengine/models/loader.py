@@ -178,10 +178,13 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
             moe_name = expert["moe"] if expert else target.rpartition(".")[0]
             moe = modules.get(moe_name)
             if isinstance(moe, FusedMoE):
+                if expert and int(expert["id"]) >= moe.global_num_experts:
+                    raise ValueError(f"checkpoint tensor {name!r}: expert id {expert['id']} out of range: the model "
+                                     f"has {moe.global_num_experts} experts")
                 if expert and not moe.holds_expert(int(expert["id"])):
                     continue  # another rank's expert (expert parallelism)
                 if moe.quant_method is not None and not _is_quantized(name, tensor):
-                    raise ValueError(f"checkpoint tensor {name!r} is a float expert weight, but the "
+                    raise ValueError(f"checkpoint tensor {name!r} is an unquantized expert tensor, but the "
                                      f"quantization_config quantizes the experts of {moe_name!r}: the checkpoint and "
                                      f"its config disagree")
         if _is_quantized(name, tensor):

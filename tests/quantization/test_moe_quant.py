@@ -191,7 +191,7 @@ def test_float_experts_under_an_int_config_refused(moe_dirs, tmp_path):
     and its config disagree, and that is said at load, not run either way."""
     d = compressed_tensors_checkpoint(moe_dirs["qwen3_moe"], tmp_path / "q", "W4A16", group_size=16,
                                       ignore=["lm_head", "re:.*mlp.gate$"])
-    with pytest.raises(ValueError, match=r"experts\.0\.\w+\.weight' is a float expert weight, but the "
+    with pytest.raises(ValueError, match=r"experts\.0\.\w+\.weight' is an unquantized expert tensor, but the "
                                          r"quantization_config quantizes the experts"):
         LLM(str(d), device="cpu")
 
@@ -266,6 +266,49 @@ def test_int_experts_dummy_weights_run(moe_dirs, tmp_path):
         assert len(llm.generate([[1, 2, 3]], None, use_tqdm=False)[0].outputs[0].token_ids) > 0
     finally:
         llm.shutdown()
+
+
+def test_int_expert_id_past_the_models_experts_refused(moe_dirs, tmp_path):
+    """A whole extra expert (id 8 of 8) is an unknown tensor, not another rank's expert."""
+    from safetensors.torch import load_file, save_file
+
+    q, _ = gptq_checkpoint(moe_dirs["qwen3_moe"], tmp_path / "q", tmp_path / "plain", group_size=16)
+    sd = load_file(str(q / "model.safetensors"))
+    src = "model.layers.0.mlp.experts.0."
+    sd.update({"model.layers.0.mlp.experts.8." + k[len(src):]: v.clone() for k, v in sd.items() if k.startswith(src)})
+    save_file(sd, str(q / "model.safetensors"))
+    for kw in ({}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}):
+        with pytest.raises(ValueError, match=r"experts\.8\..*expert id 8 out of range: the model has 8 experts"):
+            LLM(str(q), device="cpu", **kw)
+
+
+@pytest.mark.timeout(300)
+def test_gptq_dummy_weights_under_tensor_parallelism(moe_dirs, tmp_path):
+    """Dummy GPTQ weights are a valid checkpoint on every rank: a row-parallel layer's g_idx
+    holds its rows' global groups (benchmarks/moe.py --quantization gptq -tp 2)."""
+    q, _ = gptq_checkpoint(moe_dirs["qwen3_moe"], tmp_path / "q", tmp_path / "plain", group_size=16)
+    llm = LLM(str(q), device="cpu", load_format="dummy", tensor_parallel_size=2)
+    try:
+        assert len(llm.generate([[1, 2, 3]], None, use_tqdm=False)[0].outputs[0].token_ids) > 0
+    finally:
+        llm.shutdown()
+
+
+def test_compressed_tensors_g_idx_past_its_groups_refused():
+    from pyengine.layers.linear import RowParallelLinear
+    from pyengine.layers.quantization.compressed_tensors import CompressedTensorsWNA16, Scheme
+    from pyengine.layers.quantization.utils import pack_int32
+
+    lin = RowParallelLinear(32, 16)
+    lin.set_quant_method(CompressedTensorsWNA16(Scheme(("Linear",), "int", 4, "group", group_size=16,
+                                                       actorder="group")))
+    lin.weight_packed.data.copy_(pack_int32(torch.randint(0, 16, (16, 32)), 4, 1))
+    lin.weight_scale.data.fill_(0.01)
+    g_idx = torch.arange(32) // 16
+    g_idx[5] = 2
+    lin.weight_g_idx.data.copy_(g_idx)
+    with pytest.raises(ValueError, match="g_idx holds group 2 .*outside the 2 groups of its scales"):
+        lin.quant_method.process_weights_after_loading(lin)
 
 
 def test_int_expert_bits_refused():

@@ -40,6 +40,7 @@ from pyengine.layers.quantization.utils import (
     FP8_DTYPE,
     apply_fp8,
     apply_int,
+    check_g_idx,
     finalize_fp8,
     finalize_int,
     fused_input_scale,
@@ -323,6 +324,8 @@ class CompressedTensorsWNA16(LinearMethodBase):
         else:
             zeros = unpack_int32(layer.weight_zero_point.data, s.bits, 0).t().to(scales.dtype)
         g_idx = layer.weight_g_idx.data if hasattr(layer, "weight_g_idx") else None
+        if g_idx is not None:
+            check_g_idx(g_idx, scales.shape[0])
         finalize_int(layer, q, scales, zeros, s.bits, self.group_size, self.dtype, g_idx)
 
     def apply(self, layer, x, bias=None):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from pyengine.layers.quantization.base_config import LinearMethodBase, QuantizationConfig, is_layer_skipped, new_param
-from pyengine.layers.quantization.utils import apply_int, finalize_int, pack_int32, unpack_int32
+from pyengine.layers.quantization.utils import apply_int, check_g_idx, finalize_int, pack_int32, unpack_int32
 
 
 class GPTQConfig(QuantizationConfig):
@@ -103,9 +103,7 @@ class GPTQLinearMethod(LinearMethodBase):
         g_idx = layer.g_idx.data.to(torch.int64)
         groups, k = layer.scales.shape[0], g_idx.shape[0]
         if self.desc_act:
-            if k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
-                raise ValueError(f"g_idx holds group {int(g_idx.max())} (or {int(g_idx.min())}), outside the "
-                                 f"{groups} groups of its scales")
+            check_g_idx(g_idx, groups)
         else:
             # desc_act false: the rows' groups are k // group_size (this rank's rows: offset); a
             # checkpoint whose g_idx says otherwise would dequantize differently from its writer
@@ -131,4 +129,7 @@ class GPTQLinearMethod(LinearMethodBase):
             layer.qzeros.data.random_(generator=gen)
         layer.scales.data.fill_(0.02 / (1 << (self.bits - 1)))
         k = layer.g_idx.shape[0]
-        layer.g_idx.data.copy_(torch.arange(k) // self.local_group_size)
+        # the rows' groups as a checkpoint holds them: global ones (this rank's rows start at
+        # tp_rank * k under a row-parallel split), which is what loading checks
+        offset = layer.tp_rank * k if layer.input_size != k else 0
+        layer.g_idx.data.copy_((torch.arange(k) + offset) // self.local_group_size)

@@ -185,6 +185,14 @@ class IntLinear:
         self.bits, self.group_size, self.dense = bits, group_size, dense
 
 
+def check_g_idx(g_idx: torch.Tensor, groups: int) -> None:
+    """Raises ValueError when an activation-order ``g_idx`` (each input row's group) names a
+    group outside the ``groups`` its scales hold."""
+    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        raise ValueError(f"g_idx holds group {int(g_idx.max())} (or {int(g_idx.min())}), outside the {groups} groups "
+                         f"of its scales")
+
+
 def dequantize_int(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
     """q [K, N] unsigned values, scales/zeros [G, N], g_idx [K] (each row's group) ->
     float32 [N, K] = ``((q - zero) * scale)^T``."""
