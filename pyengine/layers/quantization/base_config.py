@@ -148,7 +148,9 @@ def is_layer_skipped(prefix: str, checkpoint_names: list[str], ignored) -> bool:
     names = checkpoint_names or [prefix]
     skipped = [bool(ignored(n)) for n in names]
     if any(skipped) and not all(skipped):
+        quantized = [n for n, s in zip(names, skipped) if not s]  # an MoE layer's can be hundreds: a few shown
+        shown = ", ".join(quantized[:4]) + (f" and {len(quantized) - 4} more" if len(quantized) > 4 else "")
         raise ValueError(f"the checkpoint quantizes only some of the parts fused at {prefix!r} "
-                         f"({', '.join(n for n, s in zip(names, skipped) if not s)} but not the others); "
+                         f"({shown} but not the others); "
                          f"a fused layer must be quantized all alike")
     return all(skipped)

@@ -290,7 +290,8 @@ class CompressedTensorsWNA16(LinearMethodBase):
         gs = s.group_size or input_size
         self.group_size = gs if s.group_size else k
         if k % per or (s.group_size and k % gs):
-            raise ValueError(f"input size {k} is not a multiple of the group size {gs} and of {per} packed values")
+            raise ValueError(f"input size {k} is not a multiple of " + (f"{per} packed values" if k % per else
+                                                                           f"the group size {gs}"))
         row_parallel = input_size != input_size_per_partition
         layer.register_parameter("weight_packed", new_param(n, k // per, dtype=torch.int32, output_dim=0, input_dim=1,
                                                             row_factors={1: per}))
