@@ -100,8 +100,8 @@ _QUANT_TENSOR_NAMES = ("weight_scale", "weight_scale_inv", "weight_zero_point", 
 # One MoE expert's tensor (``...experts.17.gate_proj.weight_scale``): FusedMoE holds its experts in
 # the model's float dtype or in the form its quantization method gives them (FP8, packed INT);
 # a quantized tensor with nowhere to go (experts the config leaves float) is refused with that reason.
-_EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
-# A parameter path under one expert of a FusedMoE (an expert projection's, ``moe_wna16``).
+# The same pattern names the FusedMoE and the expert of a parameter path under one expert (an
+# expert projection's, ``moe_wna16``).
 _EXPERT_OF = re.compile(r"^(?P<moe>.*\.experts)\.(?P<id>\d+)\.")
 
 
@@ -189,7 +189,7 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
                                      f"its config disagree")
         if _is_quantized(name, tensor):
             # an expert's quantized tensor needs a quantized form of the experts (FP8) to load into
-            if _EXPERT_NAME.search(name) and (param is None or (param.dtype in _FLOATS
+            if _EXPERT_OF.match(name) and (param is None or (param.dtype in _FLOATS
                                                                 and _dtype_of(tensor) not in _FLOATS)):
                 experts.append(name)
                 continue

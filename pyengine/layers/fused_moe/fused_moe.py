@@ -996,10 +996,7 @@ def _check_scale(name: str, w: torch.Tensor, scale: torch.Tensor | None,
         return None
     if scale is None:
         raise ValueError(f"{name} is torch.float8_e4m3fn: {name}_scale (float32) is required")
-    if scale.dtype != torch.float32:
-        raise ValueError(f"{name}_scale must be float32, got {scale.dtype}")
-    if scale.device != w.device:
-        raise ValueError(f"{name}_scale is on {scale.device}, {name} on {w.device}")
+    _check_float32_beside(f"{name}_scale", scale, name, w)
     e, rows, cols = w.shape
     given = list(scale.shape)
     if block_shape is None:
@@ -1016,14 +1013,19 @@ def _check_scale(name: str, w: torch.Tensor, scale: torch.Tensor | None,
     return scale
 
 
-def _check_group_tensor(name: str, v: torch.Tensor, w_name: str, w: torch.Tensor, want: tuple[int, int, int],
-                        what: str) -> torch.Tensor:
-    # a float32 scale / zero-point tensor of integer weights, contiguous (scales and zero
-    # points then share strides), [E, rows] taken for per-channel [E, rows, 1]
+def _check_float32_beside(name: str, v: torch.Tensor, w_name: str, w: torch.Tensor) -> None:
+    # a weight's scale / zero-point tensor: float32, on the weight's device
     if v.dtype != torch.float32:
         raise ValueError(f"{name} must be float32, got {v.dtype}")
     if v.device != w.device:
         raise ValueError(f"{name} is on {v.device}, {w_name} on {w.device}")
+
+
+def _check_group_tensor(name: str, v: torch.Tensor, w_name: str, w: torch.Tensor, want: tuple[int, int, int],
+                        what: str) -> torch.Tensor:
+    # a float32 scale / zero-point tensor of integer weights, contiguous (scales and zero
+    # points then share strides), [E, rows] taken for per-channel [E, rows, 1]
+    _check_float32_beside(name, v, w_name, w)
     given = list(v.shape)
     if v.dim() == 2 and want[2] == 1:
         v = v[:, :, None]
