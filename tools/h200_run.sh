@@ -43,7 +43,7 @@ step() {  # step SECONDS NAME CMD...
 # INT4 / INT8 MoE experts (issue 26 on MoE; 2026-12-07, third session, never yet on a GPU): their kernels against the
 # dequantized weights, the models token-exact in float32, then the Qwen3-30B-A3B shape as a GPTQ W4A16 checkpoint
 # (random valid weights) next to bf16 in one call, the card's bandwidth for the floor
-step 420 gpu_intmoe python3 -m pytest -q -m gpu tests/layers/fused_moe/test_fused_moe_int.py tests/quantization/test_kernel_path.py tests/ops/test_pdl.py -k "int or moe" -p no:cacheprovider --tb=short --durations=8 -o faulthandler_timeout=200
+step 420 gpu_intmoe python3 -m pytest -q -m gpu tests/layers/fused_moe/test_fused_moe_int.py tests/quantization/test_kernel_path.py tests/ops/test_pdl.py tests/models/test_loader.py -k "int or moe or test_loader" -p no:cacheprovider --tb=short --durations=8 -o faulthandler_timeout=200
 step 480 moe_int_bench bash -c 'BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8 || echo 3.35); for q in none gptq; do python3 benchmarks/moe.py --sections engine --nano-requests 0 --bandwidth-tbs $BW $([ $q = gptq ] && echo --quantization gptq) --out-dir "$0" || exit 1; done' "$OUT"
 # FP8 MoE experts (issues 25, 26): their kernels and models on the GPU (dequantized-weight references, float32
 # token-exact), then the Qwen3-30B-A3B shape's engine in bf16 and quantized at load (batch-1 TPOT against the

@@ -59,16 +59,23 @@ class RotaryEmbedding(nn.Module):
                  dtype: torch.dtype | None = None):
         super().__init__()
         self.head_dim = head_dim
-        self._inv_freq = compute_inv_freq(head_dim, rope_params, max_position_embeddings)
-        # device None: the current default device (the loader builds models under one)
-        self.register_buffer("cos_sin_cache", self._cache(max_position_embeddings, None,
+        with torch.device("cpu"):  # kept on the host: a model built on the meta device recomputes its cache
+            self._inv_freq = compute_inv_freq(head_dim, rope_params, max_position_embeddings)
+        # the current default device (the loader builds models under one)
+        self.register_buffer("cos_sin_cache", self._cache(max_position_embeddings, torch.get_default_device(),
                                                           dtype or torch.get_default_dtype()),
                              persistent=False)
 
     def _cache(self, num_positions: int, device, dtype) -> torch.Tensor:
-        inv_freq = self._inv_freq if device is None else self._inv_freq.to(device)
-        freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32, device=device), inv_freq)
+        freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32, device=device),
+                            self._inv_freq.to(device))
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+    def init_buffers(self, device) -> None:
+        """Compute ``cos_sin_cache`` (same length and dtype) on ``device``: the loader's step
+        after building the model on the meta device (``loader.materialize``)."""
+        cache = self.cos_sin_cache
+        self.cos_sin_cache = self._cache(cache.shape[0], device, cache.dtype)
 
     def extend_to(self, num_positions: int) -> None:
         """Grow the cache to cover positions ``< num_positions`` (the engine's

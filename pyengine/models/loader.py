@@ -281,10 +281,13 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
             raise ValueError(f"enable_expert_parallel: {model_cls.__name__} has no experts to shard.")
         kwargs["enable_expert_parallel"] = True
     quant_config = get_quantization_config(hf_config, getattr(config, "quantization", None))
-    with _default_dtype(config.dtype), torch.device(config.device):
+    # Built on the meta device, then allocated once in its final (quantized) form: the peak
+    # memory of a quantized model's load is its quantized size, never its float size.
+    with _default_dtype(config.dtype), torch.device("meta"):
         model = model_cls(hf_config, attn_backend, tp_group=tp_group, **kwargs)
         if quant_config is not None:
             quantize_linear_layers(model, quant_config)
+    materialize(model, config.device)
     for m in model.modules():  # positions up to max_model_len (see EngineConfig.max_model_len)
         if isinstance(m, RotaryEmbedding):
             m.extend_to(config.max_model_len)
@@ -306,6 +309,43 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
                 logger.warning("the checkpoint's quantization_config declares a kv_cache_scheme but holds no "
                                "k_scale / v_scale tensors: the FP8 KV cache runs with scale 1.0")
     return model.eval()
+
+
+def materialize(model: nn.Module, device) -> None:
+    """Allocate on ``device``, uninitialized, every parameter of ``model`` that is on the
+    meta device (its attributes — ``weight_loader``, ``output_dim``, ... — kept, which
+    ``nn.Module.to_empty`` drops; a parameter shared by two modules stays shared), and have
+    each module holding buffers compute them there (``init_buffers(device)``: rotary caches,
+    expert maps). vLLM's layers create a quantized layer's parameters in their final form
+    at construction (``create_weights`` in vllm/model_executor/layers/linear.py); here the
+    quantization methods replace a built model's float ones, so the model is built on the
+    meta device and allocated after that.
+
+    Raises RuntimeError naming a meta tensor no rule covers (a buffer of a module without
+    ``init_buffers``, or a tensor attribute): it would have no value."""
+    done: dict[int, nn.Parameter] = {}
+    for prefix, module in model.named_modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not p.is_meta:
+                continue
+            new = done.get(id(p))
+            if new is None:
+                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                done[id(p)] = new
+            setattr(module, name, new)
+        if any(b.is_meta for _, b in module.named_buffers(recurse=False)):
+            init = getattr(module, "init_buffers", None)
+            if init is None:
+                raise RuntimeError(f"{prefix or type(module).__name__}: a buffer built on the meta device and no "
+                                   f"init_buffers(device) to compute it")
+            init(device)
+        for name, v in vars(module).items():
+            if isinstance(v, torch.Tensor) and v.is_meta:
+                raise RuntimeError(f"{prefix}.{name}: a tensor built on the meta device that nothing computes")
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_meta:
+                raise RuntimeError(f"{prefix}.{name}: init_buffers left it on the meta device")
 
 
 # Checkpoint names of a layer's FP8 KV cache scales, under its attention module (vLLM's set):

@@ -102,10 +102,7 @@ class FusedMoE(nn.Module):
             self.expert_start = tp_rank * self.local_num_experts
             self.intermediate_size_per_partition = intermediate_size
             self.intermediate_start = 0
-            emap = torch.full((num_experts,), -1, dtype=torch.int32)
-            emap[self.expert_start:self.expert_start + self.local_num_experts] = torch.arange(
-                self.local_num_experts, dtype=torch.int32)
-            self.register_buffer("expert_map", emap, persistent=False)
+            self.register_buffer("expert_map", self._expert_map(torch.get_default_device()), persistent=False)
         else:
             self.local_num_experts = num_experts
             self.expert_start = 0
@@ -146,6 +143,20 @@ class FusedMoE(nn.Module):
 
     def holds_expert(self, expert: int) -> bool:
         return self.expert_start <= expert < self.expert_start + self.local_num_experts
+
+    def _expert_map(self, device) -> torch.Tensor:
+        """int32 [E_global]: a global expert id's index among this rank's experts, -1 for
+        other ranks' (expert parallelism)."""
+        emap = torch.full((self.global_num_experts,), -1, dtype=torch.int32, device=device)
+        emap[self.expert_start:self.expert_start + self.local_num_experts] = torch.arange(
+            self.local_num_experts, dtype=torch.int32, device=device)
+        return emap
+
+    def init_buffers(self, device) -> None:
+        """Compute ``expert_map`` on ``device`` (``loader.materialize``, after a build on the
+        meta device)."""
+        if self.expert_map is not None:
+            self.expert_map = self._expert_map(device)
 
     def drop_expert_weights(self) -> None:
         """Remove the stacked float weights: a quantization method (``moe_wna16``) loads the

@@ -1,0 +1,97 @@
+"""pyengine/models/loader.py: a model is built on the meta device and allocated once in its
+final form (``materialize``), so a quantized checkpoint's load never holds the float model."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from pyengine.layers.fused_moe.layer import FusedMoE
+from pyengine.layers.rotary import RotaryEmbedding
+from pyengine.models.loader import materialize
+
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def test_materialize_keeps_parameter_attributes_and_sharing():
+    """``nn.Module.to_empty`` would drop the loaders' attributes and untie a shared weight."""
+    with torch.device("meta"):
+        model = nn.ModuleDict({"a": nn.Linear(4, 6, bias=False), "b": nn.Linear(4, 6, bias=False)})
+    model["b"].weight = model["a"].weight  # tied, as a tied LM head
+    model["a"].weight.output_dim = 0
+    materialize(model, "cpu")
+    w = model["a"].weight
+    assert w.device.type == "cpu" and w.shape == (6, 4) and isinstance(w, nn.Parameter)
+    assert w.output_dim == 0
+    assert model["b"].weight is w
+
+
+def test_materialize_computes_the_buffers():
+    """Rotary caches and expert maps built on the meta device hold what a build on the
+    device computes."""
+    group = SimpleNamespace(world_size=2, rank=1)  # expert parallelism: this rank holds experts 4..7
+    built = {}
+    for where in ("meta", "cpu"):
+        with torch.device(where):
+            built[where] = (RotaryEmbedding(16, 64, ROPE, dtype=torch.float32),
+                            FusedMoE(8, 2, 32, 16, True, tp_group=group, enable_expert_parallel=True))
+    for m in built["meta"]:
+        materialize(m, "cpu")
+    rope, moe = built["meta"]
+    assert torch.equal(rope.cos_sin_cache, built["cpu"][0].cos_sin_cache)
+    assert moe.expert_map.tolist() == [-1] * 4 + [0, 1, 2, 3] == built["cpu"][1].expert_map.tolist()
+
+
+class _Buffered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.arange(4))
+
+
+class _Attribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.arange(4)
+
+
+@pytest.mark.parametrize("cls,what", [(_Buffered, "no init_buffers"), (_Attribute, "nothing computes")])
+def test_materialize_refuses_a_meta_tensor_it_cannot_compute(cls, what):
+    with torch.device("meta"):
+        m = cls()
+    with pytest.raises(RuntimeError, match=what):
+        materialize(m, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_quantized_load_peak_memory_below_the_float_model(family, tokenizer_dir, tmp_path):
+    """A GPTQ 4-bit checkpoint's load on the GPU peaks below half the float32 model (it was
+    the whole float model and more, built first then replaced by the quantized layers)."""
+    from pyengine.attention.backend import get_backend_cls
+    from pyengine.config import EngineArgs
+    from pyengine.models.loader import load_model
+    from pyengine.models.registry import model_dims
+    from tests.helpers import build_tiny_model
+    from tests.quant_helpers import gptq_checkpoint
+
+    wide = dict(hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+    if family == "qwen3_moe":
+        wide.update(moe_intermediate_size=256, num_experts=16)
+    src = build_tiny_model(tmp_path / "src", family, tokenizer_dir, seed=5, **wide)
+    q, plain = gptq_checkpoint(src, tmp_path / "q", tmp_path / "plain", bits=4, group_size=32)
+    cfg = EngineArgs(model=str(q), device="cuda", dtype="float32", max_model_len=256).create_engine_config()
+    dims = model_dims(cfg.hf_config)
+    backend = get_backend_cls("torch")(dims.num_heads, dims.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5, 16,
+                                       cfg.dtype, cfg.device)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = load_model(cfg, backend)
+    peak = torch.cuda.max_memory_allocated() - base
+    float_bytes = sum(p.numel() * 4 for p in load_model(EngineArgs(
+        model=str(plain), device="cpu", dtype="float32", max_model_len=256).create_engine_config(),
+        backend).parameters())
+    assert any(p.dtype == torch.int32 for p in model.parameters())  # the kernels' packed form kept
+    assert peak < 0.5 * float_bytes, (peak, float_bytes)
