@@ -132,9 +132,86 @@ def _check_dtype(name: str, tensor, param: torch.Tensor) -> None:
                      f"config.json that vengine supports, with this tensor's layer in its scope")
 
 
-def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -> None:
+SKIP = object()  # LayerwiseFinish.param: a tensor this rank does not load
+
+
+class LayerwiseFinish:
+    """The quantized layers of a model that ``materialize`` left on the meta device: each is
+    allocated when the checkpoint's first tensor for it arrives and finished (its method's
+    ``process_weights_after_loading``) as soon as every one of its parameters is loaded, so
+    a load holds one layer at a time in its checkpoint form (an on-the-fly FP8 layer's float
+    weight) besides the finished ones. ``finished``: the prefixes of the finished layers."""
+
+    def __init__(self, model: nn.Module, device):
+        self.device = device
+        self._layer_of: dict[str, tuple[str, nn.Module]] = {}
+        self._left: dict[str, int] = {}
+        self._complete: set[str] = set()
+        self._names: dict[str, list[str]] = {}
+        self.finished: set[str] = set()
+        for prefix, m in quantized_layers(model):
+            names = [f"{prefix}.{n}" for n, _ in m.named_parameters()]
+            self._names[prefix] = names
+            self._left[prefix] = len(names)
+            for n in names:
+                self._layer_of[n] = (prefix, m)
+
+    def param(self, name: str, params: dict, shard=None):
+        """``params[name]``, its whole layer allocated first if it is still on the meta
+        device (``params`` updated); ``SKIP`` for another rank's expert (``shard`` its
+        ``(kind, expert id)``) of a finished MoE layer. Raises ValueError for any other
+        tensor of a finished layer (a checkpoint that holds a tensor twice)."""
+        entry = self._layer_of.get(name)
+        if entry is not None and entry[0] in self.finished:
+            m = entry[1]
+            if isinstance(m, FusedMoE) and isinstance(shard, tuple) and not m.holds_expert(shard[1]):
+                return SKIP
+            raise ValueError(f"the layer {entry[0]!r} is already complete: the checkpoint holds {name!r} twice")
+        p = params.get(name)
+        if p is not None and p.is_meta and entry is not None:
+            prefix, m = entry
+            materialize(m, self.device)
+            params.update((f"{prefix}.{n}", q) for n, q in m.named_parameters())
+            p = params[name]
+        return p
+
+    def loaded(self, name: str, got: set, params: dict) -> None:
+        """Note that ``params[name]`` now holds the shards ``got``; finish its layer when that
+        was the layer's last missing part (its parameters leave ``params``, so the checkpoint
+        form is freed). Raises ValueError when the method cannot process the layer."""
+        entry = self._layer_of.get(name)
+        if entry is None or name in self._complete or not _complete(params[name], got):
+            return
+        prefix, m = entry
+        self._complete.add(name)
+        self._left[prefix] -= 1
+        if self._left[prefix]:
+            return
+        _process(prefix, m)
+        self.finished.add(prefix)
+        for n in self._names[prefix]:
+            params.pop(n, None)
+
+
+def _complete(param: torch.Tensor, got: set) -> bool:
+    """Whether the shards ``got`` fill ``param`` (a whole tensor, or each of its ``shard_ids``)."""
+    ids = getattr(param, "shard_ids", None)
+    return None in got or bool(ids) and all(s in got for s in ids)
+
+
+def _process(prefix: str, layer: nn.Module) -> None:
+    try:
+        layer.quant_method.process_weights_after_loading(layer)
+    except ValueError as e:
+        raise ValueError(f"cannot load the quantized layer {prefix!r}: {e}") from None
+
+
+def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False,
+                 finish: LayerwiseFinish | None = None) -> None:
     """Copy checkpoint ``weights`` (iterable of (name, tensor or safetensors slice)) into
-    ``model``; each parameter's ``weight_loader`` takes its tensor-parallel part.
+    ``model``; each parameter's ``weight_loader`` takes its tensor-parallel part. With
+    ``finish``, quantized layers left on the meta device are allocated and processed layer
+    by layer (see ``LayerwiseFinish``).
 
     A model may map names itself: ``model.map_checkpoint_name(name)`` returning
     ``(parameter name, shard id)`` (e.g. one MoE expert's tensor into the stacked experts'
@@ -160,6 +237,14 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
             if _is_quantized(name, tensor):  # a quantized head would run as the float embedding
                 unused_quantized.append(name)
             continue  # lm_head shares the embedding parameter
+        expert = _EXPERT_OF.match(name)
+        moe = modules.get(expert["moe"]) if expert else None
+        if isinstance(moe, FusedMoE):
+            if int(expert["id"]) >= moe.global_num_experts:
+                raise ValueError(f"checkpoint tensor {name!r}: expert id {expert['id']} out of range: the model "
+                                 f"has {moe.global_num_experts} experts")
+            if not moe.holds_expert(int(expert["id"])):
+                continue  # another rank's expert (expert parallelism)
         mapped = remap(name) if remap is not None else None
         if mapped is not None:
             target, shard = mapped
@@ -172,21 +257,17 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
                     fused, shard = packed[p]
                     target = ".".join(parts[:i] + [fused] + parts[i + 1:])
                     break
-        param = params.get(target)
+        param = finish.param(target, params, shard) if finish is not None else params.get(target)
+        if param is SKIP:
+            continue
         if param is None:  # an MoE layer's tensor it has no parameter for?
             expert = _EXPERT_OF.match(target)
             moe_name = expert["moe"] if expert else target.rpartition(".")[0]
             moe = modules.get(moe_name)
-            if isinstance(moe, FusedMoE):
-                if expert and int(expert["id"]) >= moe.global_num_experts:
-                    raise ValueError(f"checkpoint tensor {name!r}: expert id {expert['id']} out of range: the model "
-                                     f"has {moe.global_num_experts} experts")
-                if expert and not moe.holds_expert(int(expert["id"])):
-                    continue  # another rank's expert (expert parallelism)
-                if moe.quant_method is not None and not _is_quantized(name, tensor):
-                    raise ValueError(f"checkpoint tensor {name!r} is an unquantized expert tensor, but the "
-                                     f"quantization_config quantizes the experts of {moe_name!r}: the checkpoint and "
-                                     f"its config disagree")
+            if isinstance(moe, FusedMoE) and moe.quant_method is not None and not _is_quantized(name, tensor):
+                raise ValueError(f"checkpoint tensor {name!r} is an unquantized expert tensor, but the "
+                                 f"quantization_config quantizes the experts of {moe_name!r}: the checkpoint and "
+                                 f"its config disagree")
         if _is_quantized(name, tensor):
             # an expert's quantized tensor needs a quantized form of the experts (FP8) to load into
             if _EXPERT_OF.match(name) and (param is None or (param.dtype in _FLOATS
@@ -216,6 +297,8 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False) -
         except ValueError as e:
             raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
         loaded.setdefault(target, set()).add(shard)
+        if finish is not None:
+            finish.loaded(target, loaded[target], params)
     if float_only:
         raise ValueError(f"the checkpoint quantizes {', '.join(float_only[:4])}{' ...' if len(float_only) > 4 else ''}"
                          f": MoE routers and gates (ReplicatedLinear) run in the model's float dtype only")
@@ -287,21 +370,21 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
         model = model_cls(hf_config, attn_backend, tp_group=tp_group, **kwargs)
         if quant_config is not None:
             quantize_linear_layers(model, quant_config)
-    materialize(model, config.device)
+    dummy = getattr(config, "load_format", "auto") == "dummy"
+    finish = None if dummy else LayerwiseFinish(model, config.device)
+    materialize(model, config.device, skip=[] if dummy else [m for _, m in quantized_layers(model)])
     for m in model.modules():  # positions up to max_model_len (see EngineConfig.max_model_len)
         if isinstance(m, RotaryEmbedding):
             m.extend_to(config.max_model_len)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     with torch.no_grad():
-        if getattr(config, "load_format", "auto") == "dummy":
+        if dummy:
             init_dummy_weights(model, config.seed)
         else:
-            load_weights(model, iterate_weights(config.model), tie_word_embeddings=tie)
+            load_weights(model, iterate_weights(config.model), tie_word_embeddings=tie, finish=finish)
         for prefix, m in quantized_layers(model):
-            try:
-                m.quant_method.process_weights_after_loading(m)
-            except ValueError as e:
-                raise ValueError(f"cannot load the quantized layer {prefix!r}: {e}") from None
+            if finish is None or prefix not in finish.finished:
+                _process(prefix, m)
         if getattr(config, "kv_cache_dtype", "auto") == "fp8" and getattr(config, "load_format", "auto") != "dummy":
             found = load_kv_cache_scales(model, iterate_weights(config.model))
             declared = quant_config is not None and quant_config.kv_cache_scales()
@@ -311,7 +394,7 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
     return model.eval()
 
 
-def materialize(model: nn.Module, device) -> None:
+def materialize(model: nn.Module, device, skip=()) -> None:
     """Allocate on ``device``, uninitialized, every parameter of ``model`` that is on the
     meta device (its attributes — ``weight_loader``, ``output_dim``, ... — kept, which
     ``nn.Module.to_empty`` drops; a parameter shared by two modules stays shared), and have
@@ -321,10 +404,16 @@ def materialize(model: nn.Module, device) -> None:
     quantization methods replace a built model's float ones, so the model is built on the
     meta device and allocated after that.
 
+    ``skip``: modules left on the meta device with everything under them (the quantized
+    layers ``LayerwiseFinish`` allocates one at a time).
+
     Raises RuntimeError naming a meta tensor no rule covers (a buffer of a module without
     ``init_buffers``, or a tensor attribute): it would have no value."""
     done: dict[int, nn.Parameter] = {}
+    skipped = {id(m) for s in skip for m in s.modules()}
     for prefix, module in model.named_modules():
+        if id(module) in skipped:
+            continue
         for name, p in list(module.named_parameters(recurse=False)):
             if not p.is_meta:
                 continue

@@ -66,9 +66,12 @@ def test_materialize_refuses_a_meta_tensor_it_cannot_compute(cls, what):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_quantized_load_peak_memory_below_the_float_model(family, tokenizer_dir, tmp_path):
-    """A GPTQ 4-bit checkpoint's load on the GPU peaks below half the float32 model (it was
-    the whole float model and more, built first then replaced by the quantized layers)."""
+@pytest.mark.parametrize("quant", ["gptq", "fp8"])
+def test_quantized_load_peak_memory_below_the_float_model(family, quant, tokenizer_dir, tmp_path):
+    """Loading a GPTQ 4-bit checkpoint, or a float32 one quantized to FP8 at load, peaks
+    on the GPU below half the float32 model (it was the whole float model and more: built
+    first, then replaced by the quantized layers; on-the-fly FP8 held every float weight
+    until the last was loaded)."""
     from pyengine.attention.backend import get_backend_cls
     from pyengine.config import EngineArgs
     from pyengine.models.loader import load_model
@@ -76,12 +79,17 @@ def test_quantized_load_peak_memory_below_the_float_model(family, tokenizer_dir,
     from tests.helpers import build_tiny_model
     from tests.quant_helpers import gptq_checkpoint
 
-    wide = dict(hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+    wide = dict(hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                num_hidden_layers=6)
     if family == "qwen3_moe":
         wide.update(moe_intermediate_size=256, num_experts=16)
     src = build_tiny_model(tmp_path / "src", family, tokenizer_dir, seed=5, **wide)
-    q, plain = gptq_checkpoint(src, tmp_path / "q", tmp_path / "plain", bits=4, group_size=32)
-    cfg = EngineArgs(model=str(q), device="cuda", dtype="float32", max_model_len=256).create_engine_config()
+    if quant == "gptq":
+        model_dir, kw = gptq_checkpoint(src, tmp_path / "q", tmp_path / "plain", bits=4, group_size=32)[0], {}
+    else:
+        model_dir, kw = src, {"quantization": "fp8"}
+    cfg = EngineArgs(model=str(model_dir), device="cuda", dtype="float32", max_model_len=256,
+                     **kw).create_engine_config()
     dims = model_dims(cfg.hf_config)
     backend = get_backend_cls("torch")(dims.num_heads, dims.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5, 16,
                                        cfg.dtype, cfg.device)
@@ -91,7 +99,8 @@ def test_quantized_load_peak_memory_below_the_float_model(family, tokenizer_dir,
     model = load_model(cfg, backend)
     peak = torch.cuda.max_memory_allocated() - base
     float_bytes = sum(p.numel() * 4 for p in load_model(EngineArgs(
-        model=str(plain), device="cpu", dtype="float32", max_model_len=256).create_engine_config(),
+        model=str(src), device="cpu", dtype="float32", max_model_len=256).create_engine_config(),
         backend).parameters())
-    assert any(p.dtype == torch.int32 for p in model.parameters())  # the kernels' packed form kept
+    kept = torch.int32 if quant == "gptq" else torch.float8_e4m3fn  # the kernels' form, not dequantized
+    assert any(p.dtype == kept for p in model.parameters())
     assert peak < 0.5 * float_bytes, (peak, float_bytes)
