@@ -104,3 +104,71 @@ def test_quantized_load_peak_memory_below_the_float_model(family, quant, tokeniz
     kept = torch.int32 if quant == "gptq" else torch.float8_e4m3fn  # the kernels' form, not dequantized
     assert any(p.dtype == kept for p in model.parameters())
     assert peak < 0.5 * float_bytes, (peak, float_bytes)
+
+
+def _load(model_dir, **kw):
+    from pyengine.attention.backend import get_backend_cls
+    from pyengine.config import EngineArgs
+    from pyengine.models.loader import load_model
+    from pyengine.models.registry import model_dims
+
+    cfg = EngineArgs(model=str(model_dir), device="cpu", dtype="float32", max_model_len=64, **kw).create_engine_config()
+    dims = model_dims(cfg.hf_config)
+    backend = get_backend_cls("torch")(dims.num_heads, dims.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5, 16,
+                                       cfg.dtype, cfg.device)
+    return load_model(cfg, backend)
+
+
+def test_quantized_layers_finish_as_the_checkpoint_fills_them(llama_dir, tmp_path, monkeypatch):
+    """Each on-the-fly FP8 layer is quantized as soon as its tensors are in, before the next
+    layer's arrive (the outputs of such loads are held to transformers by the quantization
+    tests)."""
+    from pyengine.layers.quantization.fp8 import Fp8LinearMethod
+    from pyengine.models import loader
+
+    events: list[tuple[str, str]] = []
+    real_param = loader.LayerwiseFinish.param
+    real_process = Fp8LinearMethod.process_weights_after_loading
+
+    def param(self, name, params, shard=None):
+        events.append(("load", name.rsplit(".", 1)[0]))
+        return real_param(self, name, params, shard)
+
+    def process(self, layer):
+        events.append(("finish", layer.prefix_for_test))
+        return real_process(self, layer)
+
+    monkeypatch.setattr(loader.LayerwiseFinish, "param", param)
+    monkeypatch.setattr(Fp8LinearMethod, "process_weights_after_loading", process)
+    monkeypatch.setattr(loader, "quantize_linear_layers", _tagging(loader.quantize_linear_layers))
+    _load(llama_dir, quantization="fp8")
+    finished = [p for kind, p in events if kind == "finish"]
+    assert len(finished) == len(set(finished)) > 4  # every linear layer once
+    for prefix in finished[:-1]:  # no layer's tensor after its finish: each finished at its last tensor
+        at = events.index(("finish", prefix))
+        assert ("load", prefix) not in events[at + 1:]
+        assert any(kind == "load" for kind, _ in events[at + 1:])  # ...and before the end of the load
+
+
+def _tagging(quantize):
+    def wrapped(model, quant_config):
+        quantize(model, quant_config)
+        for prefix, m in model.named_modules():
+            m.prefix_for_test = prefix
+    return wrapped
+
+
+def test_a_quantized_tensor_given_twice_refused(llama_dir, tmp_path):
+    """A layer already processed cannot take its tensor again: refused, naming it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tests.quant_helpers import gptq_checkpoint
+
+    q, _ = gptq_checkpoint(llama_dir, tmp_path / "q", tmp_path / "plain", bits=4, group_size=16)
+    name = "model.layers.0.self_attn.o_proj.qweight"
+    (f,) = sorted(q.glob("*.safetensors"))
+    with safe_open(str(f), framework="pt") as fh:
+        save_file({name: fh.get_tensor(name)}, str(q / "zz-duplicate.safetensors"))
+    with pytest.raises(ValueError, match="o_proj.*twice"):
+        _load(q)
