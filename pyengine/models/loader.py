@@ -364,8 +364,9 @@ def load_model(config, attn_backend, tp_group=None) -> nn.Module:
             raise ValueError(f"enable_expert_parallel: {model_cls.__name__} has no experts to shard.")
         kwargs["enable_expert_parallel"] = True
     quant_config = get_quantization_config(hf_config, getattr(config, "quantization", None))
-    # Built on the meta device, then allocated once in its final (quantized) form: the peak
-    # memory of a quantized model's load is its quantized size, never its float size.
+    # Built on the meta device, then allocated: the float layers now, the quantized ones one at
+    # a time as the checkpoint fills them (LayerwiseFinish), so a quantized model's load never
+    # holds its float size.
     with _default_dtype(config.dtype), torch.device("meta"):
         model = model_cls(hf_config, attn_backend, tp_group=tp_group, **kwargs)
         if quant_config is not None:
