@@ -33,12 +33,14 @@ serve: $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 # Every run lists its skipped tests with their reasons: pytest.ini's addopts has -rs.
 # The second run takes the GPU compute path (triton attention + fused triton ops) through
-# triton's CPU interpreter, so kernel/runner integration is checked without a GPU.
+# triton's CPU interpreter, so kernel/runner integration is checked without a GPU. The third
+# spreads its tests, not its files, over the workers: one file (test_kernel_path.py) holds
+# most of its minutes.
 test: setup
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider \
 		tests/ops tests/attention tests/layers/fused_moe
-	TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider \
+	TRITON_INTERPRET=1 VENGINE_TRITON_OPS_ON_CPU=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist load -p no:cacheprovider \
 		tests/test_llm_triton_interpret.py tests/models/test_moe_triton_interpret.py tests/quantization/test_kernel_path.py \
 		tests/spec_decode/test_draft_chain.py::test_chain_on_the_triton_kernels
 
