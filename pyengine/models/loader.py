@@ -132,9 +132,6 @@ def _check_dtype(name: str, tensor, param: torch.Tensor) -> None:
                      f"config.json that vengine supports, with this tensor's layer in its scope")
 
 
-SKIP = object()  # LayerwiseFinish.param: a tensor this rank does not load
-
-
 class LayerwiseFinish:
     """The quantized layers of a model that ``materialize`` left on the meta device: each is
     allocated when the checkpoint's first tensor for it arrives and finished (its method's
@@ -156,16 +153,12 @@ class LayerwiseFinish:
             for n in names:
                 self._layer_of[n] = (prefix, m)
 
-    def param(self, name: str, params: dict, shard=None):
+    def param(self, name: str, params: dict):
         """``params[name]``, its whole layer allocated first if it is still on the meta
-        device (``params`` updated); ``SKIP`` for another rank's expert (``shard`` its
-        ``(kind, expert id)``) of a finished MoE layer. Raises ValueError for any other
-        tensor of a finished layer (a checkpoint that holds a tensor twice)."""
+        device (``params`` updated). Raises ValueError for a tensor of a finished layer (a
+        checkpoint that holds a tensor twice)."""
         entry = self._layer_of.get(name)
         if entry is not None and entry[0] in self.finished:
-            m = entry[1]
-            if isinstance(m, FusedMoE) and isinstance(shard, tuple) and not m.holds_expert(shard[1]):
-                return SKIP
             raise ValueError(f"the layer {entry[0]!r} is already complete: the checkpoint holds {name!r} twice")
         p = params.get(name)
         if p is not None and p.is_meta and entry is not None:
@@ -237,14 +230,6 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False,
             if _is_quantized(name, tensor):  # a quantized head would run as the float embedding
                 unused_quantized.append(name)
             continue  # lm_head shares the embedding parameter
-        expert = _EXPERT_OF.match(name)
-        moe = modules.get(expert["moe"]) if expert else None
-        if isinstance(moe, FusedMoE):
-            if int(expert["id"]) >= moe.global_num_experts:
-                raise ValueError(f"checkpoint tensor {name!r}: expert id {expert['id']} out of range: the model "
-                                 f"has {moe.global_num_experts} experts")
-            if not moe.holds_expert(int(expert["id"])):
-                continue  # another rank's expert (expert parallelism)
         mapped = remap(name) if remap is not None else None
         if mapped is not None:
             target, shard = mapped
@@ -257,17 +242,25 @@ def load_weights(model: nn.Module, weights, tie_word_embeddings: bool = False,
                     fused, shard = packed[p]
                     target = ".".join(parts[:i] + [fused] + parts[i + 1:])
                     break
-        param = finish.param(target, params, shard) if finish is not None else params.get(target)
-        if param is SKIP:
-            continue
-        if param is None:  # an MoE layer's tensor it has no parameter for?
-            expert = _EXPERT_OF.match(target)
-            moe_name = expert["moe"] if expert else target.rpartition(".")[0]
-            moe = modules.get(moe_name)
-            if isinstance(moe, FusedMoE) and moe.quant_method is not None and not _is_quantized(name, tensor):
-                raise ValueError(f"checkpoint tensor {name!r} is an unquantized expert tensor, but the "
-                                 f"quantization_config quantizes the experts of {moe_name!r}: the checkpoint and "
-                                 f"its config disagree")
+        # One expert's tensor, its id in the (renamed) path (experts in modules of their own,
+        # moe_wna16) or in the shard id (the stacked experts): another rank's is skipped.
+        expert = _EXPERT_OF.match(target)
+        moe_name = expert["moe"] if expert else target.rpartition(".")[0]
+        moe = modules.get(moe_name)
+        eid = int(expert["id"]) if expert else shard[1] if isinstance(shard, tuple) else None
+        if isinstance(moe, FusedMoE) and eid is not None:
+            if eid >= moe.global_num_experts:
+                raise ValueError(f"checkpoint tensor {name!r}: expert id {eid} out of range: the model "
+                                 f"has {moe.global_num_experts} experts")
+            if not moe.holds_expert(eid):
+                continue  # another rank's expert (expert parallelism)
+        param = finish.param(target, params) if finish is not None else params.get(target)
+        # an MoE layer's tensor it has no parameter for?
+        if param is None and isinstance(moe, FusedMoE) and moe.quant_method is not None \
+                and not _is_quantized(name, tensor):
+            raise ValueError(f"checkpoint tensor {name!r} is an unquantized expert tensor, but the "
+                             f"quantization_config quantizes the experts of {moe_name!r}: "
+                             f"the checkpoint and its config disagree")
         if _is_quantized(name, tensor):
             # an expert's quantized tensor needs a quantized form of the experts (FP8) to load into
             if _EXPERT_OF.match(name) and (param is None or (param.dtype in _FLOATS

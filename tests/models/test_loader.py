@@ -132,9 +132,9 @@ def test_quantized_layers_finish_as_the_checkpoint_fills_them(llama_dir, tmp_pat
     real_param = loader.LayerwiseFinish.param
     real_process = Fp8LinearMethod.process_weights_after_loading
 
-    def param(self, name, params, shard=None):
+    def param(self, name, params):
         events.append(("load", name.rsplit(".", 1)[0]))
-        return real_param(self, name, params, shard)
+        return real_param(self, name, params)
 
     def process(self, layer):
         events.append(("finish", layer.prefix_for_test))

@@ -228,12 +228,15 @@ def test_int_experts_match_transformers_on_dequantized_weights(family, fmt, opts
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("fmt,opts", [("gptq", {"bits": 4, "group_size": 16, "desc_act": True}),
-                                      ("compressed-tensors", {"scheme": "W4A16_ASYM", "group_size": 16})])
-def test_int_experts_tp2_and_expert_parallel(fmt, opts, moe_dirs, prompts, tmp_path):
+@pytest.mark.parametrize("family,fmt,opts", [
+    ("qwen3_moe", "gptq", {"bits": 4, "group_size": 16, "desc_act": True}),
+    # Mixtral's experts sit under a name the loader renames (block_sparse_moe -> mlp): another
+    # rank's expert must be recognised by its renamed path
+    ("mixtral", "compressed-tensors", {"scheme": "W4A16_ASYM", "group_size": 16})])
+def test_int_experts_tp2_and_expert_parallel(family, fmt, opts, moe_dirs, prompts, tmp_path):
     """Each rank's gate/up rows and down columns of every expert (packed words, groups, zero
     points and act-order g_idx split as the dense layers split them), or whole experts."""
-    q, plain = int_moe_checkpoint(moe_dirs["qwen3_moe"], tmp_path, fmt, opts)
+    q, plain = int_moe_checkpoint(moe_dirs[family], tmp_path, fmt, opts)
     ref = hf_greedy(plain, prompts, MAX_TOKENS, ignore_eos=True)
     assert _greedy(q, prompts, tensor_parallel_size=2) == ref
     assert _greedy(q, prompts, tensor_parallel_size=2, enable_expert_parallel=True) == ref
