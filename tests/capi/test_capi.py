@@ -81,25 +81,41 @@ def reference(llama_dir):
         llm.shutdown()
 
 
-def _run(binary, lib, case, model, *args, mode="local", env=None, timeout=180):
+def _start(binary, lib, case, model, *args, mode="local", env=None, core="process"):
+    """The C host ``binary`` running ``case``, started. ``core``: "process" (the default a
+    C host gets, the engine core in a process of its own) or "thread" (the core on a thread
+    of the host's interpreter, VENGINE_ENABLE_MULTIPROCESSING=0): the cases whose subject
+    lies above the engine core (argument rules, chat, sampling fields, the delivery pool)
+    take the thread, which saves the ~5 s of an engine-core process's start per run;
+    both cores serve the same text (test_in_process_and_engine_process_cores_give_the_same_text)."""
     e = dict(os.environ)
     e.pop("VENGINE_PYTHONPATH", None)
+    if core == "thread":
+        e["VENGINE_ENABLE_MULTIPROCESSING"] = "0"
     if env:
         e.update(env)
-    t0 = time.monotonic()
     # own process group, so a hung forked child is killed with its parent
     p = subprocess.Popen([str(binary), str(lib), mode, case, str(model), *map(str, args)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
                          start_new_session=True)
+    p.t0 = time.monotonic()
+    return p
+
+
+def _finish(p, case, timeout=180):
     try:
-        out, err = p.communicate(timeout=timeout)
+        out, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - p.t0)))
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
         pytest.fail(f"{case} timed out after {timeout}s\n{out}\n{err[-3000:]}")
     proc = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-    proc.elapsed = time.monotonic() - t0
+    proc.elapsed = time.monotonic() - p.t0
     return proc
+
+
+def _run(binary, lib, case, model, *args, mode="local", env=None, timeout=180, core="process"):
+    return _finish(_start(binary, lib, case, model, *args, mode=mode, env=env, core=core), case, timeout)
 
 
 def _check(proc):
@@ -189,7 +205,7 @@ def test_quantization_and_kv_cache_dtype_fields(capi_test_bin, capi_lib, llama_d
     from pyengine import LLM, SamplingParams
 
     out = _check(_run(capi_test_bin, capi_lib, "basic", llama_dir, MAX_TOKENS, PROMPTS[0],
-                      env={"CAPI_TEST_QUANTIZATION": "fp8", "CAPI_TEST_KV_CACHE_DTYPE": "fp8"}))
+                      env={"CAPI_TEST_QUANTIZATION": "fp8", "CAPI_TEST_KV_CACHE_DTYPE": "fp8"}, core="thread"))
     text = _unescape(next(line for line in out.splitlines() if line.startswith("TEXT "))[5:])
     llm = LLM(str(llama_dir), device="cpu", quantization="fp8", kv_cache_dtype="fp8")
     want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -197,7 +213,7 @@ def test_quantization_and_kv_cache_dtype_fields(capi_test_bin, capi_lib, llama_d
     assert text == want.replace("\0", "\ufffd")
     llm.shutdown()
     bad = _run(capi_test_bin, capi_lib, "basic", llama_dir, MAX_TOKENS, PROMPTS[0],
-               env={"CAPI_TEST_QUANTIZATION": "awq"})
+               env={"CAPI_TEST_QUANTIZATION": "awq"}, core="thread")
     assert "FAIL engine_load status=1" in bad.stdout and "'awq'" in bad.stdout, bad.stdout
 
 
@@ -208,7 +224,7 @@ def test_eight_threads_submit_concurrently_minimal_path(capi_test_bin, capi_lib,
 
 
 def test_callbacks_cancel_wait_free_and_slow(capi_test_bin, capi_lib, llama_dir):
-    out = _check(_run(capi_test_bin, capi_lib, "callbacks", llama_dir, PROMPTS[0]))
+    out = _check(_run(capi_test_bin, capi_lib, "callbacks", llama_dir, PROMPTS[0], core="thread"))
     # the other request finished while the slow callback was still blocked
     assert float(re.search(r"FAST_FINAL_MINUS_SLOW_RETURN (\S+)", out).group(1)) < 0
 
@@ -235,7 +251,7 @@ def test_blocked_delivery_threads_do_not_stall_other_requests(capi_test_bin, cap
     # one delivery thread to start with; three callbacks block it (and the threads the
     # monitor adds) until the host lets go: four other requests still complete meanwhile
     out = _check(_run(capi_test_bin, capi_lib, "slow_pool", llama_dir, PROMPTS[0],
-                      env={"VENGINE_DELIVERY_THREADS": "1"}))
+                      env={"VENGINE_DELIVERY_THREADS": "1"}, core="thread"))
     assert "FAST 4/4 SLOW_STILL_BLOCKED 3" in out
 
 
@@ -247,7 +263,7 @@ def test_freed_engine_handle_returns_runtime_error(capi_test_bin, capi_lib, llam
 
 
 def test_bad_arguments_return_status_and_message(capi_test_bin, capi_lib, llama_dir):
-    out = _check(_run(capi_test_bin, capi_lib, "bad_args", llama_dir))
+    out = _check(_run(capi_test_bin, capi_lib, "bad_args", llama_dir, core="thread"))
     errs = [line for line in out.splitlines() if line.startswith("ERR ")]
     assert len(errs) >= 36
     assert all(" :: " in e and e.split(" :: ", 1)[1].strip() for e in errs)
@@ -275,7 +291,7 @@ def test_chat_matches_python_api_with_template(capi_test_bin, capi_lib, llama_di
     req = json.dumps({"model": "ignored", "messages": [{"role": "user", "content": "Write a haiku about tests."}],
                       "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                       "stream_options": {"include_usage": True}})
-    out = _check(_run(capi_test_bin, capi_lib, "chat", llama_dir, req))
+    out = _check(_run(capi_test_bin, capi_lib, "chat", llama_dir, req, core="thread"))
     resp = json.loads(_unescape(next(x for x in out.splitlines() if x.startswith("CHAT "))[5:]))
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
     ChatCompletion.model_validate(resp)  # the protocol layer's objects, as HTTP's
@@ -287,7 +303,7 @@ def test_chat_matches_python_api_with_template(capi_test_bin, capi_lib, llama_di
     assert resp["usage"] == {"prompt_tokens": reference["chat"][1], "completion_tokens": MAX_TOKENS,
                              "total_tokens": reference["chat"][1] + MAX_TOKENS}
 
-    out = _check(_run(capi_test_bin, capi_lib, "chat_chunks", llama_dir, req))
+    out = _check(_run(capi_test_bin, capi_lib, "chat_chunks", llama_dir, req, core="thread"))
     chunks = [json.loads(_unescape(x[6:])) for x in out.splitlines() if x.startswith("CHUNK ")]
     assert out.count("CHUNK_FINAL") == 1
     for c in chunks:
@@ -307,15 +323,15 @@ def test_chat_carries_the_reasoning_fields(capi_test_bin, capi_lib, reasoning_di
     think tokens is refused at load."""
     req = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0})
     env = {"CAPI_TEST_REASONING_PARSER": "qwen3"}
-    out = _check(_run(capi_test_bin, capi_lib, "chat", reasoning_dir, req, env=env))
+    out = _check(_run(capi_test_bin, capi_lib, "chat", reasoning_dir, req, env=env, core="thread"))
     msg = json.loads(_unescape(next(x for x in out.splitlines() if x.startswith("CHAT "))[5:]))["choices"][0]["message"]
     assert (msg["reasoning_content"], msg["reasoning"], msg["content"]) == ("Hmm", "Hmm", "\n\nOK")
-    out = _check(_run(capi_test_bin, capi_lib, "chat_chunks", reasoning_dir, req, env=env))
+    out = _check(_run(capi_test_bin, capi_lib, "chat_chunks", reasoning_dir, req, env=env, core="thread"))
     deltas = [c["choices"][0]["delta"] for c in (json.loads(_unescape(x[6:])) for x in out.splitlines()
                                                  if x.startswith("CHUNK ")) if c["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Hmm"
     assert "".join(d.get("content", "") for d in deltas) == "\n\nOK"
-    proc = _run(capi_test_bin, capi_lib, "chat", llama_dir, req, env=env)
+    proc = _run(capi_test_bin, capi_lib, "chat", llama_dir, req, env=env, core="thread")
     assert proc.returncode != 0 and "<think>" in proc.stdout + proc.stderr
 
 
@@ -326,10 +342,10 @@ def test_chat_thinking_token_budget(capi_test_bin, capi_lib, thinking_loop_dir):
     req = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0,
                       "thinking_token_budget": 3})
     out = _check(_run(capi_test_bin, capi_lib, "chat", thinking_loop_dir, req,
-                      env={"CAPI_TEST_REASONING_PARSER": "qwen3"}))
+                      env={"CAPI_TEST_REASONING_PARSER": "qwen3"}, core="thread"))
     msg = json.loads(_unescape(next(x for x in out.splitlines() if x.startswith("CHAT "))[5:]))["choices"][0]["message"]
     assert (msg["reasoning_content"], msg["content"]) == ("HmmHmmHmm", "\n\nOK")
-    proc = _run(capi_test_bin, capi_lib, "chat", thinking_loop_dir, req)
+    proc = _run(capi_test_bin, capi_lib, "chat", thinking_loop_dir, req, core="thread")
     assert proc.returncode != 0 and "thinking_token_budget needs a reasoning parser" in proc.stdout
 
 
@@ -338,7 +354,7 @@ def test_engine_defaults_come_from_the_generation_config(capi_test_bin, capi_lib
     from pyengine import LLM, SamplingParams
 
     chat = json.dumps({"messages": [{"role": "user", "content": "Write a haiku about tests."}]})
-    out = _check(_run(capi_test_bin, capi_lib, "engine_defaults", llama_greedy_dir, PROMPTS[0], chat))
+    out = _check(_run(capi_test_bin, capi_lib, "engine_defaults", llama_greedy_dir, PROMPTS[0], chat, core="thread"))
     assert "DEFAULTS temperature=0 top_p=1 top_k=7 min_p=0 repetition_penalty=1 max_tokens=3" in out
     text = _unescape(re.search(r"^TEXT (.*)$", out, re.M).group(1))
     llm = LLM(str(llama_greedy_dir), device="cpu")
@@ -353,8 +369,10 @@ def test_engine_defaults_come_from_the_generation_config(capi_test_bin, capi_lib
 
 def test_exit_with_requests_in_flight(capi_test_bin, capi_lib, llama_dir):
     reps = int(os.environ.get("VENGINE_CAPI_EXIT_REPS", "5"))
-    for i in range(reps):
-        proc = _run(capi_test_bin, capi_lib, "exit_inflight", llama_dir, PROMPTS[0], timeout=120)
+    # the hosts at once: each exits with its own requests in flight, whatever the others do
+    started = [_start(capi_test_bin, capi_lib, "exit_inflight", llama_dir, PROMPTS[0]) for _ in range(reps)]
+    for i, p in enumerate(started):
+        proc = _finish(p, "exit_inflight", timeout=240)
         assert proc.returncode == 0 and "EXITING" in proc.stdout, \
             f"rep {i}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
         assert "Fatal Python error" not in proc.stderr and "Segmentation" not in proc.stderr
@@ -399,7 +417,7 @@ def test_broken_python_environment_fails_load(capi_test_bin, capi_lib, llama_dir
 
 
 def test_model_without_tokenizer_fails_load(capi_test_bin, capi_lib, no_tokenizer_dir):
-    out = _check(_run(capi_test_bin, capi_lib, "load_fails", no_tokenizer_dir, timeout=120))
+    out = _check(_run(capi_test_bin, capi_lib, "load_fails", no_tokenizer_dir, timeout=120, core="thread"))
     assert "LOAD 2" in out and "cannot encode text" in out  # VLLM_ERR_MODEL_LOAD
 
 
@@ -468,7 +486,7 @@ def test_structured_output_fields(capi_test_bin, capi_lib, llama_dir):
 
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
                                               "c": {"enum": ["x", "y"]}}, "required": ["n", "c"]}
-    out = _check(_run(capi_test_bin, capi_lib, "structured", llama_dir, json.dumps(schema), r"[a-z]{2}-[0-9]{2}"))
+    out = _check(_run(capi_test_bin, capi_lib, "structured", llama_dir, json.dumps(schema), r"[a-z]{2}-[0-9]{2}", core="thread"))
     line = {m.group(1): _unescape(m.group(2)) for m in re.finditer(r"^([A-Z_]+) (.*)$", out, re.M)}
     assert line["CHOICE"] in ("yes", "no", 'a "quoted" answer') and line["CHOICE_FINISH"] == "stop"
     assert line["CHOICE_STREAM"] == line["CHOICE"]
@@ -496,7 +514,7 @@ def test_chat_response_format(capi_test_bin, capi_lib, llama_dir):
     req = json.dumps({"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 100,
                       "temperature": 0, "response_format": {"type": "json_schema",
                                                             "json_schema": {"name": "r", "schema": schema}}})
-    out = _check(_run(capi_test_bin, capi_lib, "chat", llama_dir, req))
+    out = _check(_run(capi_test_bin, capi_lib, "chat", llama_dir, req, core="thread"))
     resp = json.loads(_unescape(next(x for x in out.splitlines() if x.startswith("CHAT "))[5:]))
     assert resp["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(resp["choices"][0]["message"]["content"]), schema)
@@ -515,7 +533,7 @@ def test_bad_words_and_allowed_token_ids(capi_test_bin, capi_lib, llama_dir, tok
 
     processor = Processor(EngineArgs(model=str(llama_dir), device="cpu").create_engine_config(), tokenizer)
     prompts = ";".join(",".join(map(str, tokenizer.encode(p))) for p in PROMPTS)
-    out = _check(_run(capi_test_bin, capi_lib, "bad_words", llama_dir, prompts, "5,9", "zzzzqq"))
+    out = _check(_run(capi_test_bin, capi_lib, "bad_words", llama_dir, prompts, "5,9", "zzzzqq", core="thread"))
     err = {m.group(1): _unescape(m.group(2)) for m in re.finditer(r"^(ERR_[A-Z]+) (.*)$", out, re.M)}
     assert "vllm_sampling_params.bad_words is NULL but n_bad_words = 1" in err["ERR_NULL"]
     assert "bad_words must not contain empty or whitespace-only words" in err["ERR_BLANK"]
@@ -526,7 +544,7 @@ def test_bad_words_and_allowed_token_ids(capi_test_bin, capi_lib, llama_dir, tok
     base = lines(out, "BASE")
     outputs = [base[i] for i in range(len(PROMPTS))]
     n, word, seqs = find_bad_word(tokenizer, processor, outputs, 1)
-    out = _check(_run(capi_test_bin, capi_lib, "bad_words", llama_dir, prompts, "5", word))
+    out = _check(_run(capi_test_bin, capi_lib, "bad_words", llama_dir, prompts, "5", word, core="thread"))
     got = lines(out, "BANNED")[n]
     i = banned_at(outputs[n], seqs)
     assert got[:i] == outputs[n][:i] and got[i] != outputs[n][i] and banned_at(got, seqs) is None, (word, seqs, got)
