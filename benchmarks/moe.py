@@ -591,6 +591,148 @@ def run_sweep(args, cfg, device: str, dtype) -> dict:
     return out
 
 
+# ---- section: int_tiles ----------------------------------------------------------------------
+
+def _int_expert_sets(cfg, n_sets: int, n_inter: int, device: str, group: int):
+    """``n_sets`` layers' int4 experts as the GPTQ checkpoint's load leaves them (random words,
+    symmetric, float32 group scales): (w13 int32 [E, 2I, H/8], w2 int32 [E, H, I/8], w13
+    scales [E, 2I, H/group], w2 scales [E, H, I/group])."""
+    import torch
+
+    e, h = cfg.num_experts, cfg.hidden_size
+    g = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for _ in range(n_sets):
+        words = [torch.randint(-2 ** 31, 2 ** 31 - 1, (e, r, k // 8), device=device, dtype=torch.int32, generator=g)
+                 for r, k in ((2 * n_inter, h), (h, n_inter))]
+        scales = [torch.rand(e, r, k // group, device=device, generator=g) * 0.01 + 1e-3
+                  for r, k in ((2 * n_inter, h), (h, n_inter))]
+        out.append((words[0], words[1], scales[0], scales[1]))
+    return out
+
+
+def _int_tile_candidates(which: str) -> list[dict]:
+    """One GEMV-path pass's int4 tiles, nearest the bf16 defaults first (a budget cut short
+    has them): N tile x K tile x warps x SPLIT_K, the down pass with the k-sum fused."""
+    from pyengine.layers.fused_moe import fused_moe
+
+    base = fused_moe.pass_config(fused_moe.get_default_config(1, 128, 768, 2048, 8), which)
+    grid = [{"BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "num_warps": nw, **({"SPLIT_K": sk} if sk > 1 else {})}
+            for bn in (4, 8, 16, 2) for bk in (512, 1024, 256, 2048) for nw in (2, 4, 8, 1) for sk in (1, 2)]
+    grid.sort(key=lambda c: sum(c.get(key) != base.get(key) for key in ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps"))
+              + (c.get("SPLIT_K", 1) > 1))
+    out = [{key: v for key, v in base.items() if key != "small_batch"}] + grid
+    seen, kept = set(), []
+    for c in out:
+        if which == "w2":
+            c = {**c, "FUSE_SUM": True}
+        key = tuple(sorted(c.items()))
+        if key not in seen:
+            seen.add(key)
+            kept.append(c)
+    return kept
+
+
+def bench_int_tiles(args, cfg, device: str, dtype) -> dict:
+    """The GEMV path's tiles for int4 experts (``--quantization gptq``'s form: group 128,
+    symmetric, float32 scales) at batch 1, whose default is the tile swept for bf16: each
+    pass's candidates (``_int_tile_candidates``) timed alone within ``--sweep-budget-s``, the
+    best pair and the default timed whole (``fused_experts``, CUDA-graph replays over
+    ``--kernel-layers`` layers), each against the int4 bytes' floor at ``--bandwidth-tbs``; the
+    bf16 experts' default whole beside them. With a faster pair, the M=1 entry of the
+    ``dtype=int4_w4a16`` table (the layer's entries over the unkeyed table's) is written to
+    ``--config-dir`` (default the repository's)."""
+    import torch
+
+    why = _triton_ok(device)
+    if why:
+        return {"skipped": why}
+    from pyengine.layers.fused_moe import fused_moe
+
+    h, inter, k, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_experts
+    group = gptq_config(args.shape)["group_size"]
+    sets = _int_expert_sets(cfg, args.kernel_layers, inter, device, group)
+    m = 1
+    x = torch.randn(m, h, device=device, dtype=dtype)
+    w, ids = _routing(cfg, m, device, seed=m)
+    mid = torch.empty(m * k, inter, device=device, dtype=dtype)
+    out = torch.empty(m, h, device=device, dtype=dtype)
+    q = dict(block_shape=(1, group), bits=4)
+    log: list[dict] = []
+    n_layers = len(sets)
+
+    def timed(fn):
+        try:
+            return graph_us(fn, device, iters=args.iters, repeats=args.repeats) / n_layers
+        except Exception as exc:  # a tile this GPU cannot run
+            log.append({"error": f"{type(exc).__name__}: {exc}"[:300]})
+            return float("inf")
+
+    def run_pass(which, c):
+        for w13, w2, s13, s2 in sets:
+            if which == "w13":
+                fused_moe.gemv_pass(x, w13, mid, w, ids, None, True, False, k, c, scale=s13, **q)
+            else:
+                fused_moe.gemv_down_sum_pass(mid, w2, out, w, ids, None, c, scale=s2, **q)
+
+    # bytes a layer's pass reads at batch 1: the chosen experts' words and scales
+    pass_bytes = {"w13": k * 2 * inter * (h // 2 + h // group * 4), "w2": k * h * (inter // 2 + inter // group * 4)}
+    floor_us = {p: b / (args.bandwidth_tbs * 1e12) * 1e6 for p, b in pass_bytes.items()}
+    start = time.perf_counter()
+    best = {}
+    for i, which in enumerate(PASSES_INT):  # half the budget each
+        deadline = start + args.sweep_budget_s * (i + 1) / len(PASSES_INT)
+        scores = []
+        for c in _int_tile_candidates(which):
+            if time.perf_counter() > deadline and scores:
+                break
+            t = timed(lambda c=c, which=which: run_pass(which, c))  # a SPLIT_K without work: inf, logged
+            scores.append((t, c))
+            log.append({"pass": which, "config": c, "us": t, "of_floor": t / floor_us[which]})
+        best[which] = min(scores, key=lambda sc: sc[0])
+        print(f"int4 {which}: best {best[which][0]:.2f} us ({best[which][0] / floor_us[which]:.2f}x its floor "
+              f"{floor_us[which]:.2f} us) of {len(scores)} tiles: {json.dumps(best[which][1])}", flush=True)
+    default = fused_moe.get_default_config(m, e, inter, h, k)
+    tuned = {"small_batch": True, "w13": best["w13"][1], "w2": best["w2"][1]}
+
+    def whole(entry, int_weights=True):
+        if int_weights:
+            return timed(lambda: [fused_moe.fused_experts(x, w13, w2, w, ids, config=entry, w13_scale=s13, w2_scale=s2,
+                                                          **{"block_shape": (1, group), "weight_bits": 4})
+                                  for w13, w2, s13, s2 in sets])
+        return timed(lambda: [fused_moe.fused_experts(x, a, b, w, ids, config=entry) for a, b in bf16])
+
+    res = {"m": m, "group_size": group, "layers_cycled": n_layers, "floor_us": floor_us,
+           "best_pass_us": {p: v[0] for p, v in best.items()}, "tuned": tuned, "default": default,
+           "whole_us": {"int4_default": whole(default), "int4_tuned": whole(tuned)}}
+    del sets
+    free_cuda()
+    bf16 = _expert_sets(cfg, args.kernel_layers, inter, device, dtype)
+    res["whole_us"]["bf16_default"] = whole(default, int_weights=False)
+    del bf16
+    free_cuda()
+    floor = sum(floor_us.values())
+    res["whole_over_int4_floor"] = {name: t / floor for name, t in res["whole_us"].items() if name.startswith("int4")}
+    res["tuned_over_default"] = res["whole_us"]["int4_tuned"] / res["whole_us"]["int4_default"]
+    res["log"] = log
+    print(f"int4 experts at M=1: default {res['whole_us']['int4_default']:.2f} us, tuned "
+          f"{res['whole_us']['int4_tuned']:.2f} us ({res['tuned_over_default']:.3f}x), bf16 default "
+          f"{res['whole_us']['bf16_default']:.2f} us; int4 floor {floor:.2f} us", flush=True)
+    if res["tuned_over_default"] < 0.97 and device == "cuda":
+        config_dir = Path(args.config_dir) if args.config_dir else fused_moe.CONFIG_DIR
+        key = fused_moe.weight_dtype_key(4)
+        current = fused_moe.load_tile_configs(e, inter, None, config_dir, dtype=key) or {}
+        path = config_dir / fused_moe.get_config_file_name(e, inter, None, key)
+        merged = {**current, m: tuned}
+        path.write_text(json.dumps({str(mm): c for mm, c in sorted(merged.items())}, indent=2) + "\n")
+        res["written"] = str(path)
+        print(f"tile configs written to {path}", flush=True)
+    return res
+
+
+PASSES_INT = ("w13", "w2")
+
+
 # ---- section: loading ------------------------------------------------------------------------
 
 def _rss_anon_kb() -> int | None:
@@ -968,7 +1110,8 @@ def main(argv: list[str] | None = None) -> dict:
     payload = {"benchmark": "moe", "command": cmd, "hardware": hardware_info(device), "args": vars(args),
                "shape": args.shape, "dtype": dtype_name, "results": {}}
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    stem = "moe_sweep" if args.sweep else "moe_profile" if sections == ["profile"] else "moe"
+    stem = "moe_sweep" if args.sweep else "moe_profile" if sections == ["profile"] else \
+        "moe_int_tiles" if sections == ["int_tiles"] else "moe"
     if args.quantization:
         stem += f"_{args.quantization}"
     out = out_dir / f"{stem}_{args.shape}.json"
@@ -983,7 +1126,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sweep:
         save("sweep", run_sweep(args, cfg, device, dtype))
         return payload
-    bad = [s for s in sections if s not in ("kernels", "loading", "engine", "profile")]
+    bad = [s for s in sections if s not in ("kernels", "loading", "engine", "profile", "int_tiles")]
     if bad:
         sys.exit(f"error: unknown sections {bad}")
     for name in sections:
@@ -991,6 +1134,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             if name == "kernels":
                 value = bench_kernels(args, cfg, device, dtype)
+            elif name == "int_tiles":
+                value = bench_int_tiles(args, cfg, device, dtype)
             elif name == "loading":
                 value = bench_loading(args, device, dtype)
             else:

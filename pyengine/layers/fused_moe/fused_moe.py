@@ -102,19 +102,28 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # ---- tile configs ----------------------------------------------------------------------
 
-def get_config_file_name(num_experts: int, n: int, device_name: str | None = None) -> str:
-    """``E=<num_experts>,N=<n>,device_name=<name>.json`` (spaces in the name as ``_``);
-    ``device_name`` defaults to the current CUDA device's."""
+def get_config_file_name(num_experts: int, n: int, device_name: str | None = None, dtype: str | None = None) -> str:
+    """``E=<num_experts>,N=<n>,device_name=<name>.json`` (spaces in the name as ``_``), with
+    ``,dtype=<dtype>`` before ``.json`` for a table of quantized experts (vLLM's names:
+    ``int4_w4a16``, ``int8_w8a16``; ``weight_dtype_key``); ``device_name`` defaults to the
+    current CUDA device's (vllm/model_executor/layers/fused_moe/fused_moe.py's names)."""
     if device_name is None:
         device_name = torch.cuda.get_device_name()
-    return f"E={num_experts},N={n},device_name={device_name.replace(' ', '_')}.json"
+    suffix = f",dtype={dtype}" if dtype else ""
+    return f"E={num_experts},N={n},device_name={device_name.replace(' ', '_')}{suffix}.json"
+
+
+def weight_dtype_key(weight_bits: int | None) -> str | None:
+    """The tile-table key of packed integer experts of ``weight_bits`` bits (W4A16 / W8A16),
+    None for float and FP8 experts (their table is the unkeyed one)."""
+    return {4: "int4_w4a16", 8: "int8_w8a16"}.get(weight_bits or 0)
 
 
 def load_tile_configs(num_experts: int, n: int, device_name: str | None = None,
-                      config_dir: Path = CONFIG_DIR) -> dict[int, dict] | None:
-    """The tile-config table of this shape and device (M -> config), or None without a
-    file. Raises ValueError for a file that is not such a table."""
-    path = Path(config_dir) / get_config_file_name(num_experts, n, device_name)
+                      config_dir: Path = CONFIG_DIR, dtype: str | None = None) -> dict[int, dict] | None:
+    """The tile-config table of this shape, device and weight ``dtype`` key (M -> config),
+    or None without a file. Raises ValueError for a file that is not such a table."""
+    path = Path(config_dir) / get_config_file_name(num_experts, n, device_name, dtype)
     if not path.is_file():
         return None
     try:

@@ -284,15 +284,22 @@ class FusedMoE(nn.Module):
             from pyengine.layers.fused_moe import fused_moe  # imports triton
             topk_weights, topk_ids = fused_moe.topk_softmax(router_logits, self.top_k, self.renormalize)
             if self._tile_configs is _NOT_LOADED:
-                self._tile_configs = (fused_moe.load_tile_configs(self.local_num_experts,
-                                                                  self.intermediate_size_per_partition)
-                                      if hidden.is_cuda else None)
+                self._tile_configs = self._load_tile_configs(fused_moe) if hidden.is_cuda else None
             return fused_moe.fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                            expert_map=self.expert_map, tile_configs=self._tile_configs,
                                            cast_weights=self.cast_routing_weights, **self._scales())
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
         return fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                    expert_map=self.expert_map, cast_weights=self.cast_routing_weights)
+
+    def _load_tile_configs(self, fused_moe) -> dict[int, dict] | None:
+        # packed integer experts: their own table's entries (swept on their weights) over the
+        # unkeyed table's, which serves the Ms it does not hold
+        shape = (self.local_num_experts, self.intermediate_size_per_partition)
+        table = fused_moe.load_tile_configs(*shape)
+        key = fused_moe.weight_dtype_key(self.weight_bits)
+        own = fused_moe.load_tile_configs(*shape, dtype=key) if key else None
+        return {**(table or {}), **own} if own else table
 
     @torch.inference_mode()
     def warm_up(self, max_num_tokens: int) -> int:

@@ -284,6 +284,33 @@ def test_tile_config_table(tmp_path):
     assert fused_moe.pass_config(GEMV_SPLIT, "w2") == {"small_batch": True, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16}
 
 
+def test_int_experts_tile_table_overrides_the_unkeyed_one(tmp_path):
+    """Packed integer experts' own table (vLLM's ``,dtype=int4_w4a16`` file name) holds the
+    tiles swept on their weights; the layer takes its entries over the unkeyed table's, which
+    still serves the Ms it lacks; float experts never read it."""
+    from types import SimpleNamespace
+
+    from pyengine.layers.fused_moe.layer import FusedMoE
+
+    key = fused_moe.weight_dtype_key(4)
+    assert (key, fused_moe.weight_dtype_key(8), fused_moe.weight_dtype_key(None)) == ("int4_w4a16", "int8_w8a16", None)
+    name = fused_moe.get_config_file_name(128, 768, "NVIDIA H100", key)
+    assert name == "E=128,N=768,device_name=NVIDIA_H100,dtype=int4_w4a16.json"
+    (tmp_path / fused_moe.get_config_file_name(128, 768, "NVIDIA H100")).write_text(
+        json.dumps({"1": GEMV, "64": GROUPED}))
+    (tmp_path / name).write_text(json.dumps({"1": GEMV_SPLIT}))
+    assert fused_moe.load_tile_configs(128, 768, "NVIDIA H100", tmp_path, dtype=key) == {1: GEMV_SPLIT}
+    assert fused_moe.load_tile_configs(128, 768, "NVIDIA H100", tmp_path, dtype="int8_w8a16") is None
+    fm = SimpleNamespace(weight_dtype_key=fused_moe.weight_dtype_key,
+                         load_tile_configs=lambda e, n, dtype=None: fused_moe.load_tile_configs(
+                             e, n, "NVIDIA H100", tmp_path, dtype=dtype))
+    layer = SimpleNamespace(local_num_experts=128, intermediate_size_per_partition=768, weight_bits=4)
+    assert FusedMoE._load_tile_configs(layer, fm) == {1: GEMV_SPLIT, 64: GROUPED}
+    for bits in (None, 8):  # float / FP8 experts, and int8 ones without a table of their own
+        layer.weight_bits = bits
+        assert FusedMoE._load_tile_configs(layer, fm) == {1: GEMV, 64: GROUPED}
+
+
 H200_SMEM = 232448  # bytes a block may use (227 KiB)
 
 
