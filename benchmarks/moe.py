@@ -560,6 +560,12 @@ def sweep_shape(args, cfg, n_inter: int, device: str, dtype, deadline: float,
     return table, log
 
 
+def _write_tile_table(path: Path, table: dict[int, dict]) -> None:
+    """A tile-config table (M -> config) as ``load_tile_configs`` reads it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({str(m): c for m, c in sorted(table.items())}, indent=2) + "\n")
+
+
 def run_sweep(args, cfg, device: str, dtype) -> dict:
     """The sweep of each ``--sweep-n`` size; its table is merged into that shape's file (the
     Ms it did not time keep their entries) and written."""
@@ -583,8 +589,7 @@ def run_sweep(args, cfg, device: str, dtype) -> dict:
         if table:
             merged = {**current, **table}
             path = config_dir / fused_moe.get_config_file_name(cfg.num_experts, n_inter, device_name)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({str(m): c for m, c in sorted(merged.items())}, indent=2) + "\n")
+            _write_tile_table(path, merged)
             entry["written"] = str(path)
             print(f"tile configs written to {path} (M {', '.join(str(m) for m in sorted(merged))})")
         out[str(n_inter)] = entry
@@ -611,12 +616,13 @@ def _int_expert_sets(cfg, n_sets: int, n_inter: int, device: str, group: int):
     return out
 
 
-def _int_tile_candidates(which: str) -> list[dict]:
-    """One GEMV-path pass's int4 tiles, nearest the bf16 defaults first (a budget cut short
-    has them): N tile x K tile x warps x SPLIT_K, the down pass with the k-sum fused."""
+def _int_tile_candidates(default: dict, which: str) -> list[dict]:
+    """One GEMV-path pass's int4 tiles, nearest the bf16 ``default`` (the shape's M=1 config)
+    first (a budget cut short has them): N tile x K tile x warps x SPLIT_K, the down pass with
+    the k-sum fused."""
     from pyengine.layers.fused_moe import fused_moe
 
-    base = fused_moe.pass_config(fused_moe.get_default_config(1, 128, 768, 2048, 8), which)
+    base = fused_moe.pass_config(default, which)
     grid = [{"BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "num_warps": nw, **({"SPLIT_K": sk} if sk > 1 else {})}
             for bn in (4, 8, 16, 2) for bk in (512, 1024, 256, 2048) for nw in (2, 4, 8, 1) for sk in (1, 2)]
     grid.sort(key=lambda c: sum(c.get(key) != base.get(key) for key in ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps"))
@@ -678,12 +684,13 @@ def bench_int_tiles(args, cfg, device: str, dtype) -> dict:
     # bytes a layer's pass reads at batch 1: the chosen experts' words and scales
     pass_bytes = {"w13": k * 2 * inter * (h // 2 + h // group * 4), "w2": k * h * (inter // 2 + inter // group * 4)}
     floor_us = {p: b / (args.bandwidth_tbs * 1e12) * 1e6 for p, b in pass_bytes.items()}
+    default = fused_moe.get_default_config(m, e, inter, h, k)
     start = time.perf_counter()
     best = {}
-    for i, which in enumerate(PASSES_INT):  # half the budget each
-        deadline = start + args.sweep_budget_s * (i + 1) / len(PASSES_INT)
+    for i, which in enumerate(PASSES):  # half the budget each
+        deadline = start + args.sweep_budget_s * (i + 1) / len(PASSES)
         scores = []
-        for c in _int_tile_candidates(which):
+        for c in _int_tile_candidates(default, which):
             if time.perf_counter() > deadline and scores:
                 break
             t = timed(lambda c=c, which=which: run_pass(which, c))  # a SPLIT_K without work: inf, logged
@@ -692,13 +699,12 @@ def bench_int_tiles(args, cfg, device: str, dtype) -> dict:
         best[which] = min(scores, key=lambda sc: sc[0])
         print(f"int4 {which}: best {best[which][0]:.2f} us ({best[which][0] / floor_us[which]:.2f}x its floor "
               f"{floor_us[which]:.2f} us) of {len(scores)} tiles: {json.dumps(best[which][1])}", flush=True)
-    default = fused_moe.get_default_config(m, e, inter, h, k)
     tuned = {"small_batch": True, "w13": best["w13"][1], "w2": best["w2"][1]}
 
     def whole(entry, int_weights=True):
         if int_weights:
             return timed(lambda: [fused_moe.fused_experts(x, w13, w2, w, ids, config=entry, w13_scale=s13, w2_scale=s2,
-                                                          **{"block_shape": (1, group), "weight_bits": 4})
+                                                          block_shape=(1, group), weight_bits=4)
                                   for w13, w2, s13, s2 in sets])
         return timed(lambda: [fused_moe.fused_experts(x, a, b, w, ids, config=entry) for a, b in bf16])
 
@@ -723,14 +729,10 @@ def bench_int_tiles(args, cfg, device: str, dtype) -> dict:
         key = fused_moe.weight_dtype_key(4)
         current = fused_moe.load_tile_configs(e, inter, None, config_dir, dtype=key) or {}
         path = config_dir / fused_moe.get_config_file_name(e, inter, None, key)
-        merged = {**current, m: tuned}
-        path.write_text(json.dumps({str(mm): c for mm, c in sorted(merged.items())}, indent=2) + "\n")
+        _write_tile_table(path, {**current, m: tuned})
         res["written"] = str(path)
         print(f"tile configs written to {path}", flush=True)
     return res
-
-
-PASSES_INT = ("w13", "w2")
 
 
 # ---- section: loading ------------------------------------------------------------------------
