@@ -961,6 +961,8 @@ def bench_engine(args, model_dir: Path, device: str, dtype_name: str, save: Call
         print(f"batch-1 TPOT {1e3 * tpot:.3f} ms, floor {1e3 * floor_s:.3f} ms "
               f"({tpot / floor_s:.2f}x)", flush=True)
         save(res)
+        if not args.serve_requests:  # --serve-requests 0: the batch-1 TPOT alone
+            return res
         # the serving workload: N x 128-in / 256-out
         sp = random_prompts(args.serve_requests, args.serve_input_len, args.serve_input_len, vocab, seed=3000)
         res["serving_workload"] = _throughput(llm, sp, [args.serve_output_len] * len(sp), args.temperature, device)
@@ -1063,7 +1065,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-input-len", type=int, default=128)
     p.add_argument("--tpot-output-len", type=int, default=256)
     p.add_argument("--tpot-iters", type=int, default=3)
-    p.add_argument("--serve-requests", type=int, default=512)
+    p.add_argument("--serve-requests", type=int, default=512, help="0: skip the serving workload (batch-1 TPOT only)")
     p.add_argument("--serve-input-len", type=int, default=128)
     p.add_argument("--serve-output-len", type=int, default=256)
     p.add_argument("--nano-requests", type=int, default=256, help="0: skip nano-vllm's workload")

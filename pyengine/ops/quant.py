@@ -720,7 +720,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 # ---- packed integer (W4A16 / W8A16) --------------------------------------------------------
 @triton.jit
-def _int_gemv_words(rows, kc, rw, mask_n, KW: tl.constexpr, EVEN: tl.constexpr):
+def int_gemv_words(rows, kc, rw, mask_n, KW: tl.constexpr, EVEN: tl.constexpr):
     """The [BLOCK_N, BKW] packed words of the chunk at word ``kc`` (masked past KW unless EVEN)."""
     w_idx = kc + rw
     if EVEN:
@@ -838,7 +838,7 @@ def _int_gemv_scale(acc, t, xsum, kc, s_ptr, z_ptr, rn, mask_n, rc, stride_sg, s
 
 
 @triton.jit
-def _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC,
+def int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC,
                     KW: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
                     C: tl.constexpr, CW: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr, ZP: tl.constexpr):
     """acc [BLOCK_N, C] += one chunk's products: words [BLOCK_N, BKW] (from word ``kc``)
@@ -909,29 +909,29 @@ def _int_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, N, stride
     if PDL:  # (pyengine/ops/pdl.py) the first chunk's words are read during the previous kernel
         tl.extra.cuda.gdc_launch_dependents()
     if PREFETCH and KSW > BKW:
-        words = _int_gemv_words(rows, k_lo, rw, mask_n, KW, EVEN)
+        words = int_gemv_words(rows, k_lo, rw, mask_n, KW, EVEN)
         if PDL:
             tl.extra.cuda.gdc_wait()
         for kc in range(k_lo, k_lo + KSW - BKW, BKW):  # every chunk but the last, the next one loaded first
-            nxt = _int_gemv_words(rows, kc + BKW, rw, mask_n, KW, EVEN)
-            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW,
+            nxt = int_gemv_words(rows, kc + BKW, rw, mask_n, KW, EVEN)
+            acc = int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW,
                                   GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
             words = nxt
-        acc = _int_gemv_chunk(acc, words, k_lo + KSW - BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn,
+        acc = int_gemv_chunk(acc, words, k_lo + KSW - BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn,
                               MAGIC, KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
     elif PDL:  # the first chunk before the wait, the rest as below
-        words = _int_gemv_words(rows, k_lo, rw, mask_n, KW, EVEN)
+        words = int_gemv_words(rows, k_lo, rw, mask_n, KW, EVEN)
         tl.extra.cuda.gdc_wait()
-        acc = _int_gemv_chunk(acc, words, k_lo, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW, GROUP,
+        acc = int_gemv_chunk(acc, words, k_lo, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW, GROUP,
                               G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
         for kc in range(k_lo + BKW, k_hi, BKW):
-            words = _int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
-            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW,
+            words = int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
+            acc = int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW,
                                   GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
     else:
         for kc in range(k_lo, k_hi, BKW):  # a runtime loop: unrolled, the loads of every chunk would be hoisted and spill
-            words = _int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
-            acc = _int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW,
+            words = int_gemv_words(rows, kc, rw, mask_n, KW, EVEN)
+            acc = int_gemv_chunk(acc, words, kc, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC, KW,
                                   GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
@@ -958,7 +958,7 @@ def _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, 
         acc = _int_gemv_scale(acc, t, xsum, 0, s_ptr, z_ptr, rn, mask_n, rc, stride_sg, stride_sn, GROUP, G, PER, CW,
                               ZP)
     else:
-        acc = _int_gemv_chunk(acc, words, (i % NCH) * BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC,
+        acc = int_gemv_chunk(acc, words, (i % NCH) * BKW, x_ptr, s_ptr, z_ptr, rn, mask_n, rc, rcw, stride_sg, stride_sn, MAGIC,
                               KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, HALF2, ZP)
     if i % NCH == NCH - 1:  # the block's last chunk: its rows are done
         y = tl.sum(acc, axis=1)
@@ -1004,7 +1004,7 @@ def _int_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, stride
         tl.extra.cuda.gdc_launch_dependents()
     if STAGES == 1:
         rn = pid * BLOCK_N + ar  # the first chunk's words are read during the previous kernel
-        words = _int_gemv_words(qw_ptr + rn[:, None].to(tl.int64) * KW, 0, rw, rn < N, KW, EVEN)
+        words = int_gemv_words(qw_ptr + rn[:, None].to(tl.int64) * KW, 0, rw, rn < N, KW, EVEN)
     else:  # unused (the pipeline loads its own)
         words = tl.zeros([BLOCK_N, BKW], dtype=tl.int32)
     if PDL:  # the pipeline's first loads follow the activations' (below), so they wait
@@ -1023,7 +1023,7 @@ def _int_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, stride
             j = i + 1
             nrn = (pid + (j // NCH) * grid) * BLOCK_N + ar
             lim = tl.where(j < total, N, 0)  # past this program's last chunk: nothing loaded
-            nxt = _int_gemv_words(qw_ptr + nrn[:, None].to(tl.int64) * KW, (j % NCH) * BKW, rw, nrn < lim, KW, EVEN)
+            nxt = int_gemv_words(qw_ptr + nrn[:, None].to(tl.int64) * KW, (j % NCH) * BKW, rw, nrn < lim, KW, EVEN)
             acc = _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N, stride_sg,
                                         stride_sn, MAGIC, p0, p1, p2, p3, up, xsum, KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, BKW,
                                         NCH, HAS_BIAS, HALF2, HOIST, ZP)
@@ -1031,7 +1031,7 @@ def _int_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, stride
     else:
         for i in tl.range(0, total, num_stages=STAGES):
             rn = (pid + (i // NCH) * grid) * BLOCK_N + ar
-            words = _int_gemv_words(qw_ptr + rn[:, None].to(tl.int64) * KW, (i % NCH) * BKW, rw, rn < N, KW, EVEN)
+            words = int_gemv_words(qw_ptr + rn[:, None].to(tl.int64) * KW, (i % NCH) * BKW, rw, rn < N, KW, EVEN)
             acc = _int_gemv_stream_step(acc, words, i, pid, grid, x_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ar, rc, rcw, N, stride_sg,
                                         stride_sn, MAGIC, p0, p1, p2, p3, up, xsum, KW, GROUP, G, BITS, PER, C, CW, BLOCK_N, BKW,
                                         NCH, HAS_BIAS, HALF2, HOIST, ZP)
@@ -1042,7 +1042,7 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-_MAGIC = 0x4B000000  # the bits of float32 2**23: OR-ed below a value of < 23 bits, it is 2**23 + value
+MAGIC_2_23 = 0x4B000000  # the bits of float32 2**23: OR-ed below a value of < 23 bits, it is 2**23 + value
 
 
 def _zeros_arg(scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
@@ -1134,14 +1134,14 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         grid = min(blocks, persistent * (_num_sms(x.device.index or 0) if x.is_cuda else 1))
         _int_gemv_stream_kernel[(grid,)](
             x, qweight, scales, _zeros_arg(scales, zeros), bias if bias is not None else scales, y, n,
-            scales.stride(0), scales.stride(1), _MAGIC, K=k, GROUP=group_size, BITS=bits, BLOCK_N=block_n, CW=cw,
+            scales.stride(0), scales.stride(1), MAGIC_2_23, K=k, GROUP=group_size, BITS=bits, BLOCK_N=block_n, CW=cw,
             NUM_WARPS=num_warps, HAS_BIAS=bias is not None, HALF2=half2, STAGES=stages, ZP=_const_zero(zeros, bits),
             num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv_stream"))
         return y
     part = _split_partials(split_k, n, x.device) if split_k > 1 else y
     _int_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, qweight, scales, _zeros_arg(scales, zeros), bias if bias is not None else scales, y, part, n,
-        scales.stride(0), scales.stride(1), _MAGIC, K=k, GROUP=group_size, BITS=bits, BLOCK_N=block_n, CW=cw,
+        scales.stride(0), scales.stride(1), MAGIC_2_23, K=k, GROUP=group_size, BITS=bits, BLOCK_N=block_n, CW=cw,
         NUM_WARPS=num_warps, HAS_BIAS=bias is not None, SPLIT_K=split_k, PREFETCH=bool(prefetch), HALF2=half2,
         ZP=_const_zero(zeros, bits), num_warps=num_warps, **pdl.launch_kwargs(x, "int_gemv"))
     if split_k > 1:

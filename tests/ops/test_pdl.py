@@ -186,6 +186,18 @@ def _moe_down_sum(bits: int = 0):
         BLOCK_SCALED=True, BN_S=1 if bits else 128, BK_S=128, INT_BITS=bits, HAS_ZP=False)
 
 
+def _moe_int_gemv(down_sum: bool = False):
+    # the word kernels of packed int4 experts (groups of 128, symmetric): gate/up, or down with the k-sum
+    from pyengine.layers.fused_moe import fused_moe
+    types = dict(w_ptr="*fp32", ids_ptr="*i32", emap_ptr="*i32", part_ptr="*fp32", b_ptr="*i32", s_ptr="*fp32",
+                 z_ptr="*fp32")
+    common = dict(HAS_EMAP=False, CAST_W=True, EMULATE=False, CW=4, GS=128, BITS=4, ZP=8.0)
+    if down_sum:
+        return fused_moe._int_gemv_down_sum_kernel, types, dict(K=768, TOP_K=8, BLOCK_N=2, C=32, **common)
+    return fused_moe._int_gemv_kernel, types, dict(K=2048, A_ROW_DIV=8, GATED=True, MUL_WEIGHT=False, BLOCK_N=8,
+                                                   C=16, SPLIT_K=1, **common)
+
+
 # (kernel, whether it prefetches its weights before the wait)
 KERNELS = {"gemv": (_gemv, True), "fp8_gemv": (_fp8_tc, True), "fp8_gemv_stream": (_fp8_stream, False),
            "int4_gemv": (_int4, True), "int4_gemv_half2": (_int4_half2, True), "int4_gemv_stream": (_int4_stream, True),
@@ -197,7 +209,9 @@ KERNELS = {"gemv": (_gemv, True), "fp8_gemv": (_fp8_tc, True), "fp8_gemv_stream"
            "fused_moe_gemv": (_moe_gemv, False), "fused_moe_gemv_fp8": (lambda: _moe_gemv(fp8=True), False),
            "fused_moe_gemv_int4": (lambda: _moe_gemv(int4=True), False),
            "fused_moe_down_sum_fp8_blocks": (_moe_down_sum, False),
-           "fused_moe_down_sum_int4": (lambda: _moe_down_sum(4), False)}
+           "fused_moe_down_sum_int4": (lambda: _moe_down_sum(4), False),
+           "fused_moe_int_gemv": (_moe_int_gemv, False),
+           "fused_moe_int_down_sum": (lambda: _moe_int_gemv(down_sum=True), False)}
 
 
 @pytest.mark.parametrize("name", list(KERNELS))

@@ -60,7 +60,17 @@ are shifted out along a new axis after the word axis and a row-major reshape lay
 as columns (vLLM's ``fused_moe_kernel_gptq_awq`` instead loads, for each value, the byte
 holding it). Scales and zeros are loaded a row a K chunk where BLOCK_SIZE_K divides gs, else
 one a word (one a value where a word's values span groups). INT4 quarters the bf16 weight
-bytes a decode step reads.
+bytes a decode step reads. Except on the GEMV path where a group is whole words (gs a
+multiple of 32 / bits: every real checkpoint): there ``_int_gemv_kernel`` and
+``_int_gemv_down_sum_kernel`` run the dense int GEMV's chunks (pyengine/ops/quant.py): each
+thread's 1-4 consecutive words lie in one group, a value becomes a float by one AND-OR with
+the bits of 2**23 and one subtraction (no conversion instruction), and the group's scale
+multiplies ``sum(q * x) - zero * sum(x)`` once. The weights are then not rounded to the
+activation dtype one by one: the result is ``fused_experts`` on the dequantized weights to
+float32 rounding (and to the bf16 weights' own rounding), not bit for bit. The general
+kernels unpacked a tile into a [rows, BLOCK_SIZE_K] float32 block a chunk, all chunks
+unrolled: at the Qwen3-30B-A3B shape the gate/up pass's build for sm_90 used 255 registers
+and spilled 1 KB a thread, with an integer-to-float conversion a value.
 
 Everything stays on the device with shapes fixed by M (no host sync, no data-dependent
 launch size): CUDA-graph safe. Accumulation is float32; float32 inputs use IEEE products
@@ -92,6 +102,7 @@ import triton
 import triton.language as tl
 
 from pyengine.ops import pdl, smem
+from pyengine.ops.quant import MAGIC_2_23, int_gemv_chunk, int_gemv_words
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 PASSES = ("w13", "w2")
@@ -161,11 +172,18 @@ def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int) -> 
         # programs, many of them — the down pass's one program per (token, N-block) otherwise
         # leaves the GPU a program an SM (16-row tiles: 128 programs, 4x that pass's bandwidth
         # floor on an H100, 2026-12-07).
-        return {"small_batch": True,
-                "w13": {"BLOCK_SIZE_N": 8 if k <= 4096 else 4, "BLOCK_SIZE_K": 512 if k <= 4096 else 1024,
-                        "num_warps": 2 if k <= 2048 else 4},
-                "w2": {"BLOCK_SIZE_N": 2 if n <= 2048 else 4, "BLOCK_SIZE_K": 1024,
-                       "num_warps": 2 if n <= 2048 else 4}}
+        cfg = {"small_batch": True,
+               "w13": {"BLOCK_SIZE_N": 8 if k <= 4096 else 4, "BLOCK_SIZE_K": 512 if k <= 4096 else 1024,
+                       "num_warps": 2 if k <= 2048 else 4},
+               "w2": {"BLOCK_SIZE_N": 2 if n <= 2048 else 4, "BLOCK_SIZE_K": 1024,
+                      "num_warps": 2 if n <= 2048 else 4}}
+        if _INTERPRET:
+            # under triton's interpreter a program costs Python time per operation whatever
+            # its tile: up to 64 rows a program (a tiny model's down pass in 1 program, not
+            # 32), the same sums in the same order (a row's sum does not depend on the tile's rows)
+            cfg["w13"]["BLOCK_SIZE_N"] = min(64, triton.next_power_of_2(n))
+            cfg["w2"]["BLOCK_SIZE_N"] = min(64, triton.next_power_of_2(k))
+        return cfg
     pairs_per_expert = m * top_k / max(1, num_experts)
     # (BLOCK_SIZE_M, gate/up BLOCK_SIZE_N, down BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, warps, stages)
     if pairs_per_expert <= 2:  # about one M-block per chosen expert
@@ -661,6 +679,120 @@ def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, 
             tl.store(part_ptrs + N, tl.sum(acc_up, axis=1), mask=nmask)
 
 
+@triton.jit
+def _int_rows_dot(b_rows, x_row, s_base, z_base, rn, nmask, k_lo, k_hi, stride_sn, stride_sk, MAGIC,
+                  KW: tl.constexpr, GS: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr,
+                  CW: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ZP: tl.constexpr,
+                  GATED: tl.constexpr, N_UP, UP_OFF):
+    # float32 [BLOCK_N] sums over the words [k_lo, k_hi) of the packed rows at b_rows ([BLOCK_N, 1]
+    # pointers; rows rn): the dense int GEMV's chunks (pyengine/ops/quant.py, ``int_gemv_chunk``:
+    # each thread's CW words in one group, sum(q * x) - zero * sum(x) times the group's scale,
+    # no conversion instruction a value). GATED: also the up rows, N_UP rows further on (UP_OFF
+    # elements: N_UP * the row stride), loaded in the same loop; the second result is 0 otherwise.
+    PER: tl.constexpr = 32 // BITS
+    BKW: tl.constexpr = C * CW
+    rw = tl.arange(0, BKW)
+    rc = tl.arange(0, C)
+    rcw = rc[:, None] * CW + tl.arange(0, CW)[None, :]
+    acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, C], dtype=tl.float32)
+    for kc in range(k_lo, k_hi, BKW):  # a runtime loop: unrolled, every chunk's words would be live at once
+        words = int_gemv_words(b_rows, kc, rw, nmask, KW, EVEN)
+        if GATED:
+            words_up = int_gemv_words(b_rows + UP_OFF, kc, rw, nmask, KW, EVEN)
+        acc = int_gemv_chunk(acc, words, kc, x_row, s_base, z_base, rn, nmask, rc, rcw, stride_sk, stride_sn, MAGIC,
+                             KW, GS, G, BITS, PER, C, CW, BLOCK_N, False, ZP)
+        if GATED:
+            acc_up = int_gemv_chunk(acc_up, words_up, kc, x_row, s_base, z_base, rn + N_UP, nmask, rc, rcw,
+                                    stride_sk, stride_sn, MAGIC, KW, GS, G, BITS, PER, C, CW, BLOCK_N, False, ZP)
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _int_gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, stride_am, stride_be, stride_bn,
+                     stride_cm, s_ptr, z_ptr, stride_se, stride_sn, stride_sk, MAGIC, K: tl.constexpr,
+                     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, CAST_W: tl.constexpr,
+                     HAS_EMAP: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr,
+                     CW: tl.constexpr, SPLIT_K: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr,
+                     ZP: tl.constexpr, PDL: tl.constexpr):
+    # ``_gemv_kernel`` for packed integer weights whose groups are whole words: one (pair,
+    # N-block[, split]) program, chunks of C * CW words a row (``_int_rows_dot``), the same
+    # epilogue (SiLU-and-mul, the routing weight, the rounding) or the same float32 partials.
+    PER: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = K // PER
+    BKW: tl.constexpr = C * CW
+    KSW: tl.constexpr = ((KW + BKW - 1) // BKW + SPLIT_K - 1) // SPLIT_K * BKW  # words a split
+    EVEN: tl.constexpr = KSW * SPLIT_K == KW
+    p = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:  # (pyengine/ops/pdl.py) even the weights read depend on the routing
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    nmask = rn < N
+    W: tl.constexpr = 2 if GATED else 1
+    k_lo = tl.program_id(2) * KSW if SPLIT_K > 1 else 0
+    part_ptrs = part_ptr + (tl.program_id(2) * P + p) * (W * N) + rn
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if HAS_EMAP:
+        e = tl.load(emap_ptr + e).to(tl.int64)
+    c_ptrs = c_ptr + p * stride_cm + rn
+    if e < 0:  # another rank's expert
+        if SPLIT_K == 1:
+            tl.store(c_ptrs, tl.zeros([BLOCK_N], dtype=c_ptr.dtype.element_ty), mask=nmask)
+        else:
+            tl.store(part_ptrs, tl.zeros([BLOCK_N], dtype=tl.float32), mask=nmask)
+            if GATED:
+                tl.store(part_ptrs + N, tl.zeros([BLOCK_N], dtype=tl.float32), mask=nmask)
+        return
+    y, up = _int_rows_dot(b_ptr + e * stride_be + rn[:, None] * stride_bn, a_ptr + (p // A_ROW_DIV) * stride_am,
+                          s_ptr + e * stride_se, z_ptr + e * stride_se, rn, nmask, k_lo, k_lo + KSW, stride_sn,
+                          stride_sk, MAGIC, KW, GS, K // GS, BITS, C, CW, BLOCK_N, EVEN, ZP, GATED, N, N * stride_bn)
+    if SPLIT_K == 1:
+        if GATED:
+            y = _silu_and_mul(y, up, c_ptr.dtype.element_ty, EMULATE)
+        if MUL_WEIGHT:
+            y = _times_weight(y, tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
+        tl.store(c_ptrs, _round(y, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty), mask=nmask)
+    else:
+        tl.store(part_ptrs, y, mask=nmask)
+        if GATED:
+            tl.store(part_ptrs + N, up, mask=nmask)
+
+
+@triton.jit
+def _int_gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stride_am, stride_be, stride_bn,
+                              stride_cm, s_ptr, z_ptr, stride_se, stride_sn, stride_sk, MAGIC, K: tl.constexpr,
+                              TOP_K: tl.constexpr, HAS_EMAP: tl.constexpr, CAST_W: tl.constexpr,
+                              EMULATE: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, CW: tl.constexpr,
+                              GS: tl.constexpr, BITS: tl.constexpr, ZP: tl.constexpr, PDL: tl.constexpr):
+    # ``_gemv_down_sum_kernel`` for packed integer weights whose groups are whole words: each
+    # slot's row sums by ``_int_rows_dot``, rounded and weighted as there, summed in slot order.
+    PER: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = K // PER
+    EVEN: tl.constexpr = KW % (C * CW) == 0
+    t = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:  # (pyengine/ops/pdl.py) even the weights read depend on the routing
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    nmask = rn < N
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        p = t * TOP_K + s
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        if HAS_EMAP:
+            e = tl.load(emap_ptr + e).to(tl.int64)
+        # another rank's expert adds nothing: its rows are masked off
+        rows_here = nmask & ((e + tl.zeros([BLOCK_N], dtype=tl.int64)) >= 0)
+        e = tl.maximum(e, 0)
+        y, _ = _int_rows_dot(b_ptr + e * stride_be + rn[:, None] * stride_bn, a_ptr + p * stride_am,
+                             s_ptr + e * stride_se, z_ptr + e * stride_se, rn, rows_here, 0, KW, stride_sn, stride_sk,
+                             MAGIC, KW, GS, K // GS, BITS, C, CW, BLOCK_N, EVEN, ZP, False, 0, 0)
+        total += _times_weight(y, tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
+    tl.store(c_ptr + t * stride_cm + rn, _round(total, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty),
+             mask=nmask)
+
+
 @triton.jit(do_not_specialize=["P"])
 def _gemv_split_finish_kernel(part_ptr, a_ptr, c_ptr, w_ptr, N, P, stride_cm, ROWS: tl.constexpr,
                               SPLIT_K: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
@@ -840,6 +972,27 @@ def _scale_args(b: torch.Tensor, scale: torch.Tensor | None, block_shape: tuple[
                 BLOCK_SCALED=blocked, BN_S=int(bn), BK_S=int(bk), INT_BITS=int(bits or 0), HAS_ZP=zp is not None)
 
 
+def int_word_tile(k: int, block_k: int, bits: int | None, block_shape, scale, zp) -> dict | None:
+    """The word-chunk arguments of the integer GEMV kernels (``_int_gemv_kernel``,
+    ``_int_gemv_down_sum_kernel``) for a pass of K ``k`` in chunks of ``block_k`` values:
+    C threads along K with CW consecutive words each (4, 2 or 1: a 16-, 8- or 4-byte load;
+    a thread's words in one group), or None where those kernels do not apply (float / FP8
+    weights, a group that is not whole words): the general kernels then dequantize value by
+    value. The zero points share the scales' strides (``_check_group_tensor``)."""
+    if not bits or block_shape is None:
+        return None
+    per = 32 // bits
+    gs = int(block_shape[1])
+    kw = k // per
+    words = max(1, block_k // per)
+    if gs % per:
+        return None
+    cw = next(c for c in (4, 2, 1) if c <= words and gs % (c * per) == 0 and kw % c == 0)
+    return dict(s_ptr=scale, z_ptr=zp if zp is not None else scale, stride_se=scale.stride(0),
+                stride_sn=scale.stride(1), stride_sk=scale.stride(2), MAGIC=MAGIC_2_23, C=words // cw, CW=cw,
+                GS=gs, BITS=int(bits), ZP=0.0 if zp is not None else float(1 << (bits - 1)))
+
+
 def _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, split, block_k, scale=None,
                    block_shape=None, zp=None, bits=None):
     """The split-K partial pass of the GEMV path: float32 [split, pairs, (2 if gated else 1)
@@ -848,6 +1001,14 @@ def _gemv_partials(a, b, topk_ids, expert_map, gated, a_row_div, cfg, n_out, spl
     pairs = topk_ids.numel()
     part = torch.empty((split, pairs, (2 if gated else 1) * n_out), dtype=torch.float32, device=a.device)
     grid = (pairs, triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])), split)
+    it = int_word_tile(k, block_k, bits, block_shape, scale, zp)
+    if it is not None:
+        _int_gemv_kernel[grid](a, b, part, part, topk_ids, expert_map if expert_map is not None else topk_ids, part,
+                               n_out, pairs, a.stride(0), b.stride(0), b.stride(1), 0, K=k, A_ROW_DIV=a_row_div,
+                               GATED=gated, MUL_WEIGHT=False, CAST_W=False, HAS_EMAP=expert_map is not None,
+                               EMULATE=_INTERPRET, BLOCK_N=int(cfg["BLOCK_SIZE_N"]), SPLIT_K=split, **it,
+                               num_warps=int(cfg.get("num_warps", 4)), **pdl.launch_kwargs(a, "moe_gemv"))
+        return part
     _gemv_kernel[grid](a, b, part, part, topk_ids, expert_map if expert_map is not None else topk_ids, part,
                        n_out, pairs, a.stride(0), b.stride(0), b.stride(1), 0,
                        K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=False, CAST_W=False,
@@ -892,6 +1053,15 @@ def gemv_pass(a, b, c, topk_weights, topk_ids, expert_map, gated, mul_weight, a_
         return
     pairs = topk_ids.numel()
     grid = (pairs, triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
+    it = int_word_tile(k, block_k, bits, block_shape, scale, zp)
+    if it is not None:
+        _int_gemv_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids, c,
+                               n_out, pairs, a.stride(0), b.stride(0), b.stride(1), c.stride(0), K=k,
+                               A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights),
+                               HAS_EMAP=expert_map is not None, EMULATE=_INTERPRET, BLOCK_N=int(cfg["BLOCK_SIZE_N"]),
+                               SPLIT_K=1, **it, num_warps=int(cfg.get("num_warps", 4)),
+                               **pdl.launch_kwargs(a, "moe_gemv"))
+        return
     _gemv_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids, c,
                        n_out, pairs, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
                        K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, CAST_W=bool(cast_weights),
@@ -918,6 +1088,15 @@ def gemv_down_sum_pass(a, b, c, topk_weights, topk_ids, expert_map, cfg, cast_we
         _gemv_finish(part, a, c, topk_weights, topk_ids.shape[1], False, True, cast_weights)
         return
     grid = (c.shape[0], triton.cdiv(n_out, int(cfg["BLOCK_SIZE_N"])))
+    it = int_word_tile(k, block_k, bits, block_shape, scale, zp)
+    if it is not None:
+        _int_gemv_down_sum_kernel[grid](a, b, c, topk_weights, topk_ids,
+                                        expert_map if expert_map is not None else topk_ids, n_out, a.stride(0),
+                                        b.stride(0), b.stride(1), c.stride(0), K=k, TOP_K=topk_ids.shape[1],
+                                        HAS_EMAP=expert_map is not None, CAST_W=bool(cast_weights),
+                                        EMULATE=_INTERPRET, BLOCK_N=int(cfg["BLOCK_SIZE_N"]), **it,
+                                        num_warps=int(cfg.get("num_warps", 4)), **pdl.launch_kwargs(a, "moe_down_sum"))
+        return
     _gemv_down_sum_kernel[grid](a, b, c, topk_weights, topk_ids, expert_map if expert_map is not None else topk_ids,
                                 n_out, a.stride(0), b.stride(0), b.stride(1), c.stride(0), K=k,
                                 TOP_K=topk_ids.shape[1], HAS_EMAP=expert_map is not None, CAST_W=bool(cast_weights),

@@ -5,7 +5,10 @@ and on the GPU the Qwen3-30B-A3B shape and CUDA graphs.
 
 The contract: int32 words (``pack_int32(q, bits, dim=-1)``) with their scales and zero points
 give ``fused_experts`` on the dequantized weights ``((q.float() - zero) * scale).to(hidden.dtype)``:
-bit for bit under the interpreter, to the GEMMs' rounding on the GPU.
+bit for bit under the interpreter, to the GEMMs' rounding on the GPU — except on the GEMV path
+where a group is whole words (every real checkpoint's case), whose kernels take each group's
+scale out of its sum (``_int_gemv_kernel``): there to float32 rounding, and in bf16 / fp16 to
+the dequantized weights' own rounding (``_tol``).
 
 CPU: ``TRITON_INTERPRET=1 pytest tests/layers/fused_moe`` (tiny shapes);
 GPU: ``pytest -m gpu tests/layers/fused_moe``.
@@ -35,6 +38,20 @@ _dev = triton_device
 
 def _tol(dtype):
     return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+
+
+def _word_kernels(cfg, bits, gs):
+    """Whether ``cfg`` runs the GEMV path's word kernels (``fused_moe.int_word_tile``): a GEMV
+    tile and groups of whole words (per channel: K, a multiple of a word's values here)."""
+    return bool(cfg and cfg.get("small_batch")) and (gs is None or gs % (32 // bits) == 0)
+
+
+def _assert_dequantized_run(got, want, dtype, exact):
+    """got == want bit for bit under the interpreter where ``exact``, else to ``_tol``."""
+    if exact and got.device.type == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, **_tol(dtype))
 
 
 def _expand(v, gs):
@@ -121,10 +138,7 @@ def test_int_is_the_dequantized_weights_run(kind, dtype, quant, cfg, t):
     got = p.run(config=cfg)
     want = p.want(config=cfg)
     assert got.dtype == dtype and got.shape == p.x.shape
-    if p.x.device.type == "cpu":
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, **_tol(dtype))
+    _assert_dequantized_run(got, want, dtype, not _word_kernels(cfg, bits, gs))
     torch.testing.assert_close(got, fused_experts_torch(p.x, p.d13, p.d2, p.w, p.ids), **_tol(dtype))
 
 
@@ -148,10 +162,7 @@ def test_int_variants(kind, case):
         kw.update(w13_scale=p.s13.transpose(1, 2).contiguous().transpose(1, 2))
     got = p.run(**kw)
     want = p.want(config=cfg, cast_weights=kw["cast_weights"])
-    if p.x.device.type == "cpu":
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, **_tol(dtype))
+    _assert_dequantized_run(got, want, dtype, not _word_kernels(cfg, 4, gs))
 
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -174,10 +185,7 @@ def test_int_expert_map(kind, quant, cfg):
                                       expert_map=emap, config=cfg, **kw)
         want = fused_moe.fused_experts(p.x, p.d13[local].contiguous(), p.d2[local].contiguous(), p.w, p.ids,
                                        expert_map=emap, config=cfg)
-        if dev == "cpu":
-            assert torch.equal(got, want)
-        else:
-            torch.testing.assert_close(got, want, **_tol(torch.float32))
+        _assert_dequantized_run(got, want, torch.float32, not _word_kernels(cfg, bits, gs))
         parts.append(got)
     torch.testing.assert_close(parts[0] + parts[1], fused_experts_torch(p.x, p.d13, p.d2, p.w, p.ids),
                                **_tol(torch.float32))
@@ -293,3 +301,16 @@ def test_gpu_int_cuda_graph_replay(quant, cfg):
     g.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, p.want(config=cfg), **_tol(torch.bfloat16))
+
+
+def test_word_tile_where_groups_are_whole_words():
+    """The GEMV path's word kernels take groups of whole words (a thread's 16-byte load in one
+    group where it fits); the rest the general kernels."""
+    s = torch.ones(128, 1536, 16)
+    t = fused_moe.int_word_tile(2048, 512, 4, (1, 128), s, None)  # Qwen3-30B-A3B's GPTQ w13
+    assert (t["C"], t["CW"], t["GS"], t["BITS"], t["ZP"]) == (16, 4, 128, 4, 8.0)
+    assert fused_moe.int_word_tile(2048, 512, 4, (1, 128), s, s.clone())["ZP"] == 0.0  # zero points loaded
+    assert fused_moe.int_word_tile(48, 32, 4, (1, 16), s, None)["CW"] == 2  # a 16-value group: two words a thread
+    assert fused_moe.int_word_tile(48, 16, 8, (1, 48), s, None)["CW"] == 4
+    assert fused_moe.int_word_tile(48, 32, 4, (1, 12), s, None) is None  # a word's values span groups
+    assert fused_moe.int_word_tile(48, 32, None, None, s, None) is None
