@@ -684,7 +684,7 @@ def bench_int_tiles(args, cfg, device: str, dtype) -> dict:
     # bytes a layer's pass reads at batch 1: the chosen experts' words and scales
     pass_bytes = {"w13": k * 2 * inter * (h // 2 + h // group * 4), "w2": k * h * (inter // 2 + inter // group * 4)}
     floor_us = {p: b / (args.bandwidth_tbs * 1e12) * 1e6 for p, b in pass_bytes.items()}
-    default = fused_moe.get_default_config(m, e, inter, h, k)
+    default = fused_moe.get_default_config(m, e, inter, h, k, weight_bits=4)
     start = time.perf_counter()
     best = {}
     for i, which in enumerate(PASSES):  # half the budget each

@@ -156,7 +156,7 @@ def load_tile_configs(num_experts: int, n: int, device_name: str | None = None,
     return table or None
 
 
-def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int) -> dict:
+def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int, weight_bits: int | None = None) -> dict:
     """A tile config without a sweep: the GEMV path up to 4 tokens, else a grouped-GEMM tile
     that grows with the pairs each expert gets (``m * top_k / E``): BLOCK_SIZE_M about that
     many rows (padding past it is wasted MMA work), wide N and K tiles while the pass is
@@ -164,7 +164,23 @@ def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int) -> 
     compute-bound. The gate/up pass computes BLOCK_SIZE_N gate and BLOCK_SIZE_N up columns,
     so its N tile is half the down pass's for the same work and shared memory. ``n``: the
     intermediate size (the down pass's K), ``k``: the hidden size (gate/up's K). N and K
-    tiles never exceed the next power of two of their dims (tiny test shapes)."""
+    tiles never exceed the next power of two of their dims (tiny test shapes).
+    ``weight_bits`` (packed integer experts): the GEMV path's tiles for the word kernels,
+    the picks of ``benchmarks/moe.py --sections int_tiles`` on an H100 at Qwen3-30B-A3B's
+    shape (2026-12-08): gate/up 16 rows a program in chunks of 128 words (32 threads of 4
+    words, 4 warps), down 8 rows in chunks of 64 words over 2 warps, K split in two where it
+    holds two chunks (the experts' whole batch-1 pair 18.0 us against 51.5 us on 32-word
+    chunks; bf16's 46.7)."""
+    if m <= 4 and weight_bits:
+        per = 32 // weight_bits
+        cfg = {"small_batch": True, "w13": {"BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 128 * per, "num_warps": 4},
+               "w2": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 64 * per, "num_warps": 2}}
+        if triton.cdiv(n, _gemv_block_k(cfg["w2"], n, weight_bits)) >= 2:  # two chunks or more
+            cfg["w2"]["SPLIT_K"] = 2
+        if _INTERPRET:  # (below)
+            cfg["w13"]["BLOCK_SIZE_N"] = min(64, triton.next_power_of_2(n))
+            cfg["w2"]["BLOCK_SIZE_N"] = min(64, triton.next_power_of_2(k))
+        return cfg
     if m <= 4:
         # GEMV tiles: at most ~64 float32 accumulators a thread (gate/up keeps two), K in
         # few unrolled chunks (down's K, the intermediate size, can be 14336: Mixtral). Up to
@@ -206,7 +222,8 @@ def _fit_tile(block: int, dim: int) -> int:
     return max(16, min(block, triton.next_power_of_2(max(1, dim))))
 
 
-def pick_config(table: dict[int, dict] | None, m: int, num_experts: int, n: int, k: int, top_k: int) -> dict:
+def pick_config(table: dict[int, dict] | None, m: int, num_experts: int, n: int, k: int, top_k: int,
+                weight_bits: int | None = None) -> dict:
     """The entry of ``table`` for the M nearest ``m`` in ratio (ties: the smaller M) when it
     is within a factor of 2 of ``m``, else ``get_default_config``: an entry measured at one
     M says little about an M far from it (a table holding only M=1's GEMV tile must not
@@ -215,7 +232,7 @@ def pick_config(table: dict[int, dict] | None, m: int, num_experts: int, n: int,
         key = min(table, key=lambda key: (max(key, m) / max(1, min(key, m)), key))
         if max(key, m) <= 2 * max(1, min(key, m)):
             return table[key]
-    return get_default_config(m, num_experts, n, k, top_k)
+    return get_default_config(m, num_experts, n, k, top_k, weight_bits)
 
 
 def pass_config(cfg: dict, which: str) -> dict:
@@ -1343,7 +1360,8 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     hidden = hidden.contiguous()
     topk_ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
-    cfg = config if config is not None else pick_config(tile_configs, t, e_local, inter, h, top_k)
+    cfg = config if config is not None else pick_config(tile_configs, t, e_local, inter, h, top_k,
+                                                        q13.get("bits"))
     pairs = t * top_k
     mid = torch.empty((pairs, inter), dtype=hidden.dtype, device=hidden.device)
     # the per-pair products: in hidden's dtype when the weights are cast, else float32

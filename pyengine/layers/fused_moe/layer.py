@@ -294,12 +294,17 @@ class FusedMoE(nn.Module):
 
     def _load_tile_configs(self, fused_moe) -> dict[int, dict] | None:
         # packed integer experts: their own table's entries (swept on their weights) over the
-        # unkeyed table's, which serves the Ms it does not hold
+        # unkeyed table's grouped-GEMM ones, which serve the Ms it does not hold; never the
+        # unkeyed GEMV-path entries (swept on float weights for the general kernels: the word
+        # kernels' defaults, get_default_config's weight_bits, serve those Ms)
         shape = (self.local_num_experts, self.intermediate_size_per_partition)
         table = fused_moe.load_tile_configs(*shape)
         key = fused_moe.weight_dtype_key(self.weight_bits)
-        own = fused_moe.load_tile_configs(*shape, dtype=key) if key else None
-        return {**(table or {}), **own} if own else table
+        if not key:
+            return table
+        own = fused_moe.load_tile_configs(*shape, dtype=key) or {}
+        merged = {**{m: c for m, c in (table or {}).items() if not c.get("small_batch")}, **own}
+        return merged or None
 
     @torch.inference_mode()
     def warm_up(self, max_num_tokens: int) -> int:
@@ -316,7 +321,8 @@ class FusedMoE(nn.Module):
         seen, runs = set(), 1
         for m in sorted(s for s in sizes if 1 < s <= max_num_tokens):
             cfg = fused_moe.pick_config(self._tile_configs, m, self.local_num_experts,
-                                        self.intermediate_size_per_partition, self.hidden_size, self.top_k)
+                                        self.intermediate_size_per_partition, self.hidden_size, self.top_k,
+                                        self.weight_bits)
             key = repr(sorted(cfg.items()))
             if key not in seen:
                 seen.add(key)

@@ -286,8 +286,9 @@ def test_tile_config_table(tmp_path):
 
 def test_int_experts_tile_table_overrides_the_unkeyed_one(tmp_path):
     """Packed integer experts' own table (vLLM's ``,dtype=int4_w4a16`` file name) holds the
-    tiles swept on their weights; the layer takes its entries over the unkeyed table's, which
-    still serves the Ms it lacks; float experts never read it."""
+    tiles swept on their weights; the layer takes its entries over the unkeyed table's grouped
+    ones, which still serve the Ms it lacks, never the unkeyed GEMV entries (float weights'
+    tiles: the integer defaults serve those Ms); float experts never read it."""
     from types import SimpleNamespace
 
     from pyengine.layers.fused_moe.layer import FusedMoE
@@ -306,9 +307,12 @@ def test_int_experts_tile_table_overrides_the_unkeyed_one(tmp_path):
                              e, n, "NVIDIA H100", tmp_path, dtype=dtype))
     layer = SimpleNamespace(local_num_experts=128, intermediate_size_per_partition=768, weight_bits=4)
     assert FusedMoE._load_tile_configs(layer, fm) == {1: GEMV_SPLIT, 64: GROUPED}
-    for bits in (None, 8):  # float / FP8 experts, and int8 ones without a table of their own
-        layer.weight_bits = bits
-        assert FusedMoE._load_tile_configs(layer, fm) == {1: GEMV, 64: GROUPED}
+    layer.weight_bits = 8  # int8 experts without a table of their own: the grouped entries only
+    assert FusedMoE._load_tile_configs(layer, fm) == {64: GROUPED}
+    int_default = fused_moe.pick_config({64: GROUPED}, 1, 128, 768, 2048, 8, weight_bits=8)
+    assert int_default == fused_moe.get_default_config(1, 128, 768, 2048, 8, weight_bits=8) != GEMV
+    layer.weight_bits = None  # float / FP8 experts: the unkeyed table as it is
+    assert FusedMoE._load_tile_configs(layer, fm) == {1: GEMV, 64: GROUPED}
 
 
 H200_SMEM = 232448  # bytes a block may use (227 KiB)

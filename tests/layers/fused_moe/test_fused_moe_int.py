@@ -314,3 +314,21 @@ def test_word_tile_where_groups_are_whole_words():
     assert fused_moe.int_word_tile(48, 16, 8, (1, 48), s, None)["CW"] == 4
     assert fused_moe.int_word_tile(48, 32, 4, (1, 12), s, None) is None  # a word's values span groups
     assert fused_moe.int_word_tile(48, 32, None, None, s, None) is None
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int_defaults_are_word_tiles(bits):
+    """Without a table of their own, integer experts at batch 1 get the word kernels' tiles at
+    real shapes (Qwen3-30B-A3B, Mixtral): gate/up in chunks of 128 words (32 threads of 4), down
+    in chunks of 64 split in two."""
+    for e, inter, h, k in ((128, 768, 2048, 8), (8, 14336, 4096, 2)):
+        cfg = fused_moe.get_default_config(1, e, inter, h, k, weight_bits=bits)
+        assert cfg["small_batch"] and cfg != fused_moe.get_default_config(1, e, inter, h, k)
+        s = torch.ones(e, 2 * inter, h // 128)
+        for which, kdim in (("w13", h), ("w2", inter)):
+            c = fused_moe.pass_config(cfg, which)
+            t = fused_moe.int_word_tile(kdim, fused_moe._gemv_block_k(c, kdim, bits), bits, (1, 128), s, None)
+            assert t is not None and (t["C"], t["CW"]) == ((32, 4) if which == "w13" else (16, 4)), (which, t)
+        assert fused_moe.pass_config(cfg, "w2")["SPLIT_K"] == 2
+    assert "SPLIT_K" not in fused_moe.get_default_config(1, 8, 24, 48, 2, weight_bits=bits)["w2"]  # one chunk
+    assert not fused_moe.get_default_config(64, 128, 768, 2048, 8, weight_bits=bits).get("small_batch")
