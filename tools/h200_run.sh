@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: int_moe_ab gpu_intmoe_k int_tiles_ab moe_int_profile_nopdl moe_profile_nopdl quant_profile_nopdl gpu_loader moe_int_profile gpu_intmoe moe_int_bench gpu_fp8moe moe_fp8_bench gpu_seeded fp8kv_throughput gpu_int4 gpu_half2 gpu_int_stream int4_sweep tpot_after tpot_pdl_ex int4_forms fp8_sweep half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: moe_bf16_vs_int gpu_intmoe_shape int_moe_ab gpu_intmoe_k int_tiles_ab moe_int_profile_nopdl moe_profile_nopdl quant_profile_nopdl gpu_loader moe_int_profile gpu_intmoe moe_int_bench gpu_fp8moe moe_fp8_bench gpu_seeded fp8kv_throughput gpu_int4 gpu_half2 gpu_int_stream int4_sweep tpot_after tpot_pdl_ex int4_forms fp8_sweep half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -151,6 +151,11 @@ step 580 int_moe_ab bash -c 'BW=$(nvidia-smi --query-gpu=name --format=csv,nohea
   && python3 benchmarks/moe.py $e --out-dir "$0/after"' "$OUT"
 # the INT experts' kernel tests alone on the GPU (the Qwen3-30B-A3B shape, CUDA-graph replay)
 step 100 gpu_intmoe_k python3 -m pytest -q -m gpu tests/layers/fused_moe/test_fused_moe_int.py -p no:cacheprovider --tb=short
+# batch-1 TPOT of the Qwen3-30B-A3B shape, bf16 then GPTQ W4A16, in one call (into $OUT/bf16, $OUT/gptq); then the INT
+# experts' GPU tests at the real shape and under CUDA-graph replay alone
+step 170 moe_bf16_vs_int bash -c 'BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8 || echo 3.35); e="--sections engine --nano-requests 0 --serve-requests 0 --bandwidth-tbs $BW"; \
+  python3 benchmarks/moe.py $e --out-dir "$0/bf16" && python3 benchmarks/moe.py $e --quantization gptq --out-dir "$0/gptq"' "$OUT"
+step 90 gpu_intmoe_shape python3 -m pytest -q -m gpu tests/layers/fused_moe/test_fused_moe_int.py -k "qwen3_30b_a3b_shape or cuda_graph_replay" -p no:cacheprovider --tb=short
 step 560 int_tiles_ab bash -c 'BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8 || echo 3.35); e="--sections engine --nano-requests 0 --quantization gptq --bandwidth-tbs $BW"; python3 benchmarks/moe.py $e --out-dir "$0/before" && python3 benchmarks/moe.py --sections int_tiles --sweep-budget-s 150 --bandwidth-tbs $BW --out-dir "$0" && tar -cf "$0/int_tiles_configs.tar" -C pyengine/layers/fused_moe configs && python3 benchmarks/moe.py $e --out-dir "$0/after"' "$OUT"
 # the GPTQ engine's batch-1 step kernel by kernel without PDL (with PDL a kernel's time includes its wait for the last)
 step 120 moe_int_profile_nopdl bash -c 'VENGINE_PDL=0 python3 benchmarks/moe.py --sections profile --quantization gptq --out-dir "$0/nopdl"' "$OUT"
