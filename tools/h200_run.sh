@@ -153,9 +153,9 @@ step 580 int_moe_ab bash -c 'BW=$(nvidia-smi --query-gpu=name --format=csv,nohea
 step 100 gpu_intmoe_k python3 -m pytest -q -m gpu tests/layers/fused_moe/test_fused_moe_int.py -p no:cacheprovider --tb=short
 # batch-1 TPOT of the Qwen3-30B-A3B shape, bf16 then GPTQ W4A16, in one call (into $OUT/bf16, $OUT/gptq); then the INT
 # experts' GPU tests at the real shape and under CUDA-graph replay alone
+step 90 gpu_intmoe_shape python3 -m pytest -q -m gpu tests/layers/fused_moe/test_fused_moe_int.py -k "qwen3_30b_a3b_shape or cuda_graph_replay" -p no:cacheprovider --tb=short
 step 170 moe_bf16_vs_int bash -c 'BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8 || echo 3.35); e="--sections engine --nano-requests 0 --serve-requests 0 --bandwidth-tbs $BW"; \
   python3 benchmarks/moe.py $e --out-dir "$0/bf16" && python3 benchmarks/moe.py $e --quantization gptq --out-dir "$0/gptq"' "$OUT"
-step 90 gpu_intmoe_shape python3 -m pytest -q -m gpu tests/layers/fused_moe/test_fused_moe_int.py -k "qwen3_30b_a3b_shape or cuda_graph_replay" -p no:cacheprovider --tb=short
 step 560 int_tiles_ab bash -c 'BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8 || echo 3.35); e="--sections engine --nano-requests 0 --quantization gptq --bandwidth-tbs $BW"; python3 benchmarks/moe.py $e --out-dir "$0/before" && python3 benchmarks/moe.py --sections int_tiles --sweep-budget-s 150 --bandwidth-tbs $BW --out-dir "$0" && tar -cf "$0/int_tiles_configs.tar" -C pyengine/layers/fused_moe configs && python3 benchmarks/moe.py $e --out-dir "$0/after"' "$OUT"
 # the GPTQ engine's batch-1 step kernel by kernel without PDL (with PDL a kernel's time includes its wait for the last)
 step 120 moe_int_profile_nopdl bash -c 'VENGINE_PDL=0 python3 benchmarks/moe.py --sections profile --quantization gptq --out-dir "$0/nopdl"' "$OUT"
