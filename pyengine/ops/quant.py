@@ -1066,8 +1066,13 @@ def int_gemv_default(n: int, k: int) -> dict[str, int]:
     """The packed-integer GEMV's launch config without a swept one (gemv_configs): 8 rows a
     program (each activation value serves 8 rows), 4 warps where K fits one chunk of 512
     words (K = 4096 at 4 bits: every load issued at once), else 2 (256-word chunks: 7 even
-    steps of down_proj's 1792 words)."""
-    return {"block_n": 8, "num_warps": 4 if k // 8 <= 512 else 2}
+    steps of down_proj's 1792 words). Below 512 words, the warps whose 128-word share the row
+    still fills (K = 2048: 2, not 4 with half the threads masked off: Qwen3-30B-A3B's qkv_proj,
+    5x its floor on an H100 with 4; 2026-12-08, not yet measured with 2)."""
+    words = k // 8
+    if words <= 512:
+        return {"block_n": 8, "num_warps": max(1, min(4, words // 128))}
+    return {"block_n": 8, "num_warps": 2}
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,

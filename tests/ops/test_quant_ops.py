@@ -536,3 +536,13 @@ def test_split_k_gemvs_capture_in_cuda_graph():
     torch.cuda.synchronize()
     for a, b in zip(calls(), out):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_int_gemv_default_fills_its_threads():
+    """Without a swept config every thread of a chunk (32 a warp, 4 words each) has words of the
+    row: 4 warps at K 4096 (int4: 512 words), 2 at 2048, 1 at 1024 and below; long rows 2."""
+    from pyengine.ops.quant import int_gemv_default
+
+    assert [int_gemv_default(4096, k)["num_warps"] for k in (512, 1024, 2048, 4096, 14336)] == [1, 1, 2, 4, 2]
+    for k in (1024, 2048, 4096):
+        assert 32 * int_gemv_default(4096, k)["num_warps"] * 4 <= k // 8
