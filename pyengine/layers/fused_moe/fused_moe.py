@@ -1324,7 +1324,10 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     1], or [E_local, rows]). ``w13_zp`` / ``w2_zp``: float32 zero points (quantized units) of
     the scales' shapes, or None: symmetric, 2**(bits - 1). Each weight is dequantized in the
     kernel to ``((q.float() - zero) * scale).to(hidden.dtype)`` (float32 arithmetic), so the
-    result is this function's on the dequantized weights, as for FP8. Raises ValueError for
+    result is this function's on the dequantized weights, as for FP8 — bit for bit under the
+    interpreter except on the GEMV path where gs is whole words (``int_word_tile``), whose
+    kernels apply each group's scale to its float32 sum: there equal to float32 rounding, and
+    in bf16 / fp16 to the dequantized weights' own rounding. Raises ValueError for
     int32 weights without weight_bits 4 / 8, weight_bits or a zero point without them, one
     int32 weight with the other not, other integer weight dtypes, packed shapes that do not
     match hidden and w13's rows, weights on another device than hidden, a block_shape not
