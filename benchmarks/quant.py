@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--group-size", type=int, default=128, help="INT4 group size (32 for --shape tiny)")
+    p.add_argument("--layer-shapes", type=_parse_layer_shapes, default=None,
+                   help="the kernels part's layers instead of the shape's: NAME=NxK,... (e.g. Qwen3-30B-A3B's "
+                        "attention: qkv_proj=5120x2048,o_proj=2048x4096)")
     p.add_argument("--gemm-m", type=int, default=2048, help="rows of the prefill GEMMs (kernels part; 0: none)")
     p.add_argument("--attn-cases", default="1x4096,64x2048,256x1024", help="batch x context of the attention part")
     p.add_argument("--sweep", action="store_true",
@@ -323,6 +326,20 @@ def run_profile(args, results: dict, save: Callable[[], None] | None = None) -> 
 
 
 # ---- kernels ------------------------------------------------------------------------------
+def _parse_layer_shapes(text: str) -> dict[str, tuple[int, int]]:
+    """``NAME=NxK,...`` -> {name: (N, K)}; argparse.ArgumentTypeError for anything else."""
+    out = {}
+    for part in (t.strip() for t in str(text).split(",") if t.strip()):
+        name, _, dims = part.partition("=")
+        n, _, k = dims.partition("x")
+        if not name or not n.isdigit() or not k.isdigit() or int(n) < 1 or int(k) < 1:
+            raise argparse.ArgumentTypeError(f"layer shape {part!r}: want NAME=NxK (positive integers)")
+        out[name] = (int(n), int(k))
+    if not out:
+        raise argparse.ArgumentTypeError("--layer-shapes: no NAME=NxK given")
+    return out
+
+
 def _layer_shapes(hf) -> dict[str, tuple[int, int]]:
     """(N, K) of one decoder layer's linear layers (tensor parallel 1)."""
     hd = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -424,7 +441,7 @@ def run_kernels(args, results: dict) -> None:
     rows = []
     gs = args.group_size
     sweep_t0 = None
-    for name, (n, k) in _layer_shapes(hf).items():
+    for name, (n, k) in (args.layer_shapes or _layer_shapes(hf)).items():
         g = torch.Generator(device=dev).manual_seed(n + k)
         w_bytes, fp8_bytes, int_bytes = n * k * 2, n * k, n * k // 2 + 4 * n * k // gs
         ws = [torch.randn(n, k, device=dev, dtype=dtype, generator=g) * 0.02 for _ in range(_copies(dev, w_bytes))]

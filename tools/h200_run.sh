@@ -9,7 +9,7 @@
 #   compressed-tensors loguru with `pip download --no-deps --only-binary=:all: --python-version 3.12`: the image lacks those too):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/h200_run.sh [STEP ...]
-# STEP: moe_bf16_vs_int gpu_intmoe_shape int_moe_ab gpu_intmoe_k int_tiles_ab moe_int_profile_nopdl moe_profile_nopdl quant_profile_nopdl gpu_loader moe_int_profile gpu_intmoe moe_int_bench gpu_fp8moe moe_fp8_bench gpu_seeded fp8kv_throughput gpu_int4 gpu_half2 gpu_int_stream int4_sweep tpot_after tpot_pdl_ex int4_forms fp8_sweep half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
+# STEP: moe_bf16_vs_int int4_sweep_moe_attn gpu_intmoe_shape int_moe_ab gpu_intmoe_k int_tiles_ab moe_int_profile_nopdl moe_profile_nopdl quant_profile_nopdl gpu_loader moe_int_profile gpu_intmoe moe_int_bench gpu_fp8moe moe_fp8_bench gpu_seeded fp8kv_throughput gpu_int4 gpu_half2 gpu_int_stream int4_sweep tpot_after tpot_pdl_ex int4_forms fp8_sweep half2_profile quant_tpot moe_profile quant_profile pdl_quant pdl_moe pdl_variants pdl_bench pdl_throughput gpu_spec spec_diag spec_diag_draft spec_bench spec_host spec_bench_draft spec_bench_draft_deep spec_bench_draft_long gpufix_tests gpufix_quant_kernels moe_quick_sweep gemv_sweep gpufix_moe_kernels gpu_moe moe_sweep moe_bench gpu_quant quant_bench gpu_ops gpu_e2e gpu_mp throughput throughput_async throughput_noasync latency gpu_idle gpu_idle_b256
 #       async_sched attention serve_before serve_mp serve_inproc serve_final_mp serve_final_inproc gpu_quick
 #       serve_final2 structured gpu_structured serve_default perfreg_after perfreg_before perfreg_after_256
 #       house_after house_before house_after2 diag_after diag_before idle_after idle_before capi_after capi_before gpu_all gpu_core gpu_qm gpu_qm2
@@ -198,6 +198,8 @@ step 200 gpu_half2 python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k "h
 step 150 gpu_int_stream python3 -m pytest -q -m gpu tests/ops/test_quant_ops.py -k "persistent or layouts" -p no:cacheprovider --tb=short -o faulthandler_timeout=140
 # the FP8 GEMV configs alone (the persistent ones among them), PDL off as int4_sweep
 step 240 fp8_sweep bash -c "VENGINE_PDL=0 python3 benchmarks/quant.py $OUT/sweep8 --parts kernels --sweep --sweep-kinds fp8 --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
+# the int4 GEMV configs at Qwen3-30B-A3B's attention shapes (PDL off, as int4_sweep), merged into the GPU's table
+step 200 int4_sweep_moe_attn bash -c "VENGINE_PDL=0 python3 benchmarks/quant.py $OUT/sweep_moe_attn --parts kernels --sweep --sweep-kinds int4 --gemm-m 0 --layer-shapes qkv_proj=5120x2048,o_proj=2048x4096 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
 step 240 int4_sweep bash -c "VENGINE_PDL=0 python3 benchmarks/quant.py $OUT/sweep --parts kernels --sweep --sweep-kinds int4 --gemm-m 0 && tar -cf $OUT/gemv_configs.tar -C pyengine/ops configs"
 # the GEMVs on the shipped table without PDL, the int4 one also on its scales' and zeros' other forms
 # (w4a16_gemv_forms: symmetric, no zeros tensor; scales row-major): $OUT/forms

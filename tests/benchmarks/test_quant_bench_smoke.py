@@ -71,3 +71,15 @@ def test_profile_part(tiny_dir, tmp_path):
     assert prof["fp8"]["quantization"] == "fp8" and prof["w4a16"]["quantization"] == "gptq"
     assert set(res["profile_ratios"]) == {"fp8_over_bf16", "w4a16_over_bf16"}
     assert (tmp_path / "quant_profile.json").is_file() and not (tmp_path / "quant.json").exists()
+
+
+def test_layer_shapes_option():
+    """``--layer-shapes``: the kernels part's layers by name and (N, K), refused unless NAME=NxK."""
+    import argparse
+
+    args = quant.build_parser().parse_args(["out", "--layer-shapes", "qkv_proj=5120x2048, o_proj=2048x4096"])
+    assert args.layer_shapes == {"qkv_proj": (5120, 2048), "o_proj": (2048, 4096)}
+    assert quant.build_parser().parse_args(["out"]).layer_shapes is None
+    for bad in ("qkv_proj=5120", "=64x64", "a=0x64", "a=64xb", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            quant._parse_layer_shapes(bad)
