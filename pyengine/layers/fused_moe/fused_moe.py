@@ -621,6 +621,52 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, npost_pt
     tl.store(c_ptrs, _round(acc, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty), mask=cmask)
 
 
+@triton.jit
+def _pair_expert(ids_ptr, emap_ptr, p, HAS_EMAP: tl.constexpr):
+    # pair p's expert on this rank (int64; -1: another rank's, through the expert map)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if HAS_EMAP:
+        e = tl.load(emap_ptr + e).to(tl.int64)
+    return e
+
+
+@triton.jit
+def _pair_zeros(c_ptrs, part_ptrs, N, nmask, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    # another rank's expert: a zero output, or zero sums the finish pass makes the zero output
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, tl.zeros([BLOCK_N], dtype=c_ptrs.dtype.element_ty), mask=nmask)
+    else:
+        tl.store(part_ptrs, tl.zeros([BLOCK_N], dtype=tl.float32), mask=nmask)
+        if GATED:
+            tl.store(part_ptrs + N, tl.zeros([BLOCK_N], dtype=tl.float32), mask=nmask)
+
+
+@triton.jit
+def _pair_out(y, up, c_ptrs, part_ptrs, w_ptr, p, N, nmask, ACT: tl.constexpr, GATED: tl.constexpr,
+              MUL_WEIGHT: tl.constexpr, CAST_W: tl.constexpr, EMULATE: tl.constexpr, SPLIT_K: tl.constexpr):
+    # a GEMV program's float32 row sums y (and up, GATED): one pass, SiLU-and-mul, the routing
+    # weight and the rounding, stored; split-K, the partials stored for the finish pass
+    if SPLIT_K == 1:
+        if GATED:
+            y = _silu_and_mul(y, up, c_ptrs.dtype.element_ty, EMULATE)
+        if MUL_WEIGHT:
+            y = _times_weight(y, tl.load(w_ptr + p), ACT, CAST_W, EMULATE)
+        tl.store(c_ptrs, _round(y, c_ptrs.dtype.element_ty, EMULATE).to(c_ptrs.dtype.element_ty), mask=nmask)
+    else:
+        tl.store(part_ptrs, y, mask=nmask)
+        if GATED:
+            tl.store(part_ptrs + N, up, mask=nmask)
+
+
+@triton.jit
+def _slot_expert(ids_ptr, emap_ptr, p, nmask, HAS_EMAP: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the down pass's slot p: its expert (0 for another rank's) and the rows it adds to, none
+    # for another rank's expert
+    e = _pair_expert(ids_ptr, emap_ptr, p, HAS_EMAP)
+    rows_here = nmask & ((e + tl.zeros([BLOCK_N], dtype=tl.int64)) >= 0)
+    return tl.maximum(e, 0), rows_here
+
+
 @triton.jit(do_not_specialize=["P"])
 def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, stride_am, stride_be, stride_bn,
                  stride_cm, s_ptr, z_ptr, stride_se, stride_sn, stride_sk, K: tl.constexpr, A_ROW_DIV: tl.constexpr,
@@ -648,17 +694,10 @@ def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, 
     else:
         k_lo = tl.program_id(2) * KS
     part_ptrs = part_ptr + (tl.program_id(2) * P + p) * (W * N) + rn
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    if HAS_EMAP:
-        e = tl.load(emap_ptr + e).to(tl.int64)
+    e = _pair_expert(ids_ptr, emap_ptr, p, HAS_EMAP)
     c_ptrs = c_ptr + p * stride_cm + rn
     if e < 0:  # another rank's expert
-        if SPLIT_K == 1:
-            tl.store(c_ptrs, tl.zeros([BLOCK_N], dtype=c_ptr.dtype.element_ty), mask=nmask)
-        else:  # zero sums: the finish pass makes them the zero output
-            tl.store(part_ptrs, tl.zeros([BLOCK_N], dtype=tl.float32), mask=nmask)
-            if GATED:
-                tl.store(part_ptrs + N, tl.zeros([BLOCK_N], dtype=tl.float32), mask=nmask)
+        _pair_zeros(c_ptrs, part_ptrs, N, nmask, GATED, SPLIT_K, BLOCK_N)
         return
     a_row = a_ptr + (p // A_ROW_DIV) * stride_am
     b_rows = b_ptr + e * stride_be + rn[:, None] * stride_bn
@@ -683,17 +722,8 @@ def _gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N, P, 
             acc_up += _gemv_tile(b_rows + N * stride_bn, k_lo + k0, rn + N, nmask, s_up, s_base, z_base, stride_sn,
                                  stride_sk, K, ACT, EMULATE, HAS_SCALE, BLOCK_SCALED, BN_S, BK_S, INT_BITS, HAS_ZP,
                                  BLOCK_K) * x[None, :]
-    y = tl.sum(acc, axis=1)
-    if SPLIT_K == 1:
-        if GATED:
-            y = _silu_and_mul(y, tl.sum(acc_up, axis=1), c_ptr.dtype.element_ty, EMULATE)
-        if MUL_WEIGHT:
-            y = _times_weight(y, tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
-        tl.store(c_ptrs, _round(y, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty), mask=nmask)
-    else:
-        tl.store(part_ptrs, y, mask=nmask)
-        if GATED:
-            tl.store(part_ptrs + N, tl.sum(acc_up, axis=1), mask=nmask)
+    _pair_out(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), c_ptrs, part_ptrs, w_ptr, p, N, nmask, ACT, GATED,
+              MUL_WEIGHT, CAST_W, EMULATE, SPLIT_K)
 
 
 @triton.jit
@@ -749,31 +779,16 @@ def _int_gemv_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, part_ptr, N,
     W: tl.constexpr = 2 if GATED else 1
     k_lo = tl.program_id(2) * KSW if SPLIT_K > 1 else 0
     part_ptrs = part_ptr + (tl.program_id(2) * P + p) * (W * N) + rn
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    if HAS_EMAP:
-        e = tl.load(emap_ptr + e).to(tl.int64)
+    e = _pair_expert(ids_ptr, emap_ptr, p, HAS_EMAP)
     c_ptrs = c_ptr + p * stride_cm + rn
     if e < 0:  # another rank's expert
-        if SPLIT_K == 1:
-            tl.store(c_ptrs, tl.zeros([BLOCK_N], dtype=c_ptr.dtype.element_ty), mask=nmask)
-        else:
-            tl.store(part_ptrs, tl.zeros([BLOCK_N], dtype=tl.float32), mask=nmask)
-            if GATED:
-                tl.store(part_ptrs + N, tl.zeros([BLOCK_N], dtype=tl.float32), mask=nmask)
+        _pair_zeros(c_ptrs, part_ptrs, N, nmask, GATED, SPLIT_K, BLOCK_N)
         return
     y, up = _int_rows_dot(b_ptr + e * stride_be + rn[:, None] * stride_bn, a_ptr + (p // A_ROW_DIV) * stride_am,
                           s_ptr + e * stride_se, z_ptr + e * stride_se, rn, nmask, k_lo, k_lo + KSW, stride_sn,
                           stride_sk, MAGIC, KW, GS, K // GS, BITS, C, CW, BLOCK_N, EVEN, ZP, GATED, N, N * stride_bn)
-    if SPLIT_K == 1:
-        if GATED:
-            y = _silu_and_mul(y, up, c_ptr.dtype.element_ty, EMULATE)
-        if MUL_WEIGHT:
-            y = _times_weight(y, tl.load(w_ptr + p), a_ptr.dtype.element_ty, CAST_W, EMULATE)
-        tl.store(c_ptrs, _round(y, c_ptr.dtype.element_ty, EMULATE).to(c_ptr.dtype.element_ty), mask=nmask)
-    else:
-        tl.store(part_ptrs, y, mask=nmask)
-        if GATED:
-            tl.store(part_ptrs + N, up, mask=nmask)
+    _pair_out(y, up, c_ptrs, part_ptrs, w_ptr, p, N, nmask, a_ptr.dtype.element_ty, GATED, MUL_WEIGHT, CAST_W,
+              EMULATE, SPLIT_K)
 
 
 @triton.jit
@@ -796,12 +811,7 @@ def _int_gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, 
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for s in tl.static_range(TOP_K):
         p = t * TOP_K + s
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        if HAS_EMAP:
-            e = tl.load(emap_ptr + e).to(tl.int64)
-        # another rank's expert adds nothing: its rows are masked off
-        rows_here = nmask & ((e + tl.zeros([BLOCK_N], dtype=tl.int64)) >= 0)
-        e = tl.maximum(e, 0)
+        e, rows_here = _slot_expert(ids_ptr, emap_ptr, p, nmask, HAS_EMAP, BLOCK_N)
         y, _ = _int_rows_dot(b_ptr + e * stride_be + rn[:, None] * stride_bn, a_ptr + p * stride_am,
                              s_ptr + e * stride_se, z_ptr + e * stride_se, rn, rows_here, 0, KW, stride_sn, stride_sk,
                              MAGIC, KW, GS, K // GS, BITS, C, CW, BLOCK_N, EVEN, ZP, False, 0, 0)
@@ -868,12 +878,7 @@ def _gemv_down_sum_kernel(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, emap_ptr, N, stri
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for s in tl.static_range(TOP_K):
         p = t * TOP_K + s
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        if HAS_EMAP:
-            e = tl.load(emap_ptr + e).to(tl.int64)
-        # another rank's expert adds nothing: its rows are masked off
-        rows_here = nmask & ((e + tl.zeros([BLOCK_N], dtype=tl.int64)) >= 0)
-        e = tl.maximum(e, 0)
+        e, rows_here = _slot_expert(ids_ptr, emap_ptr, p, nmask, HAS_EMAP, BLOCK_N)
         b_rows = b_ptr + e * stride_be + rn[:, None] * stride_bn
         s_base = s_ptr + e * stride_se
         s_row = 1.0
