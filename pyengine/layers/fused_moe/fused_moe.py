@@ -177,10 +177,7 @@ def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int, wei
                "w2": {"BLOCK_SIZE_N": 8, "BLOCK_SIZE_K": 64 * per, "num_warps": 2}}
         if triton.cdiv(n, _gemv_block_k(cfg["w2"], n, weight_bits)) >= 2:  # two chunks or more
             cfg["w2"]["SPLIT_K"] = 2
-        if _INTERPRET:  # (below)
-            cfg["w13"]["BLOCK_SIZE_N"] = min(64, triton.next_power_of_2(n))
-            cfg["w2"]["BLOCK_SIZE_N"] = min(64, triton.next_power_of_2(k))
-        return cfg
+        return _interpreter_rows(cfg, n, k)
     if m <= 4:
         # GEMV tiles: at most ~64 float32 accumulators a thread (gate/up keeps two), K in
         # few unrolled chunks (down's K, the intermediate size, can be 14336: Mixtral). Up to
@@ -193,13 +190,7 @@ def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int, wei
                        "num_warps": 2 if k <= 2048 else 4},
                "w2": {"BLOCK_SIZE_N": 2 if n <= 2048 else 4, "BLOCK_SIZE_K": 1024,
                       "num_warps": 2 if n <= 2048 else 4}}
-        if _INTERPRET:
-            # under triton's interpreter a program costs Python time per operation whatever
-            # its tile: up to 64 rows a program (a tiny model's down pass in 1 program, not
-            # 32), the same sums in the same order (a row's sum does not depend on the tile's rows)
-            cfg["w13"]["BLOCK_SIZE_N"] = min(64, triton.next_power_of_2(n))
-            cfg["w2"]["BLOCK_SIZE_N"] = min(64, triton.next_power_of_2(k))
-        return cfg
+        return _interpreter_rows(cfg, n, k)
     pairs_per_expert = m * top_k / max(1, num_experts)
     # (BLOCK_SIZE_M, gate/up BLOCK_SIZE_N, down BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, warps, stages)
     if pairs_per_expert <= 2:  # about one M-block per chosen expert
@@ -215,6 +206,16 @@ def get_default_config(m: int, num_experts: int, n: int, k: int, top_k: int, wei
     return {"BLOCK_SIZE_M": bm, "GROUP_SIZE_M": gm, "num_warps": nw, "num_stages": ns,
             "w13": {"BLOCK_SIZE_N": _fit_tile(bn13, n), "BLOCK_SIZE_K": _fit_tile(bk, k)},
             "w2": {"BLOCK_SIZE_N": _fit_tile(bn2, k), "BLOCK_SIZE_K": _fit_tile(bk, n)}}
+
+
+def _interpreter_rows(cfg: dict, n: int, k: int) -> dict:
+    # under triton's interpreter a program costs Python time per operation whatever its
+    # tile: GEMV tiles of up to 64 rows a program (a tiny model's down pass in 1 program, not
+    # 32), the same sums in the same order (a row's sum does not depend on the tile's rows)
+    if _INTERPRET:
+        cfg["w13"]["BLOCK_SIZE_N"] = min(64, triton.next_power_of_2(n))
+        cfg["w2"]["BLOCK_SIZE_N"] = min(64, triton.next_power_of_2(k))
+    return cfg
 
 
 def _fit_tile(block: int, dim: int) -> int:
